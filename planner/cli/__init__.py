@@ -1,0 +1,71 @@
+"""`piper` command line: parse arguments, call one API function per subcommand, write files.
+
+Each subcommand lives in its own module under planner/cli/ and exposes
+`register(subparsers)`, which adds its parser and sets `func` (args -> exit code).
+User errors (SpecError, a ValueError subclass) become one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from planner.specs import SpecError
+
+# Subcommand modules, in the order `piper --help` lists them. A module that is not
+# present yet is skipped, so the CLI works while the tree grows.
+COMMANDS = (
+    "plan",
+    "estimate",
+    "model_info",
+    "migrate",
+    "trace",
+    "a2a_sim",
+    "run",
+    "profile",
+    "calibrate",
+    "export",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="piper", description="Plan and run Mixture-of-Experts training."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"planner.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"planner.cli.{name}":
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except SpecError as exc:
+        print(f"piper {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"piper {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

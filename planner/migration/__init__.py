@@ -1,0 +1,1 @@
+"""Piper planner: migration."""

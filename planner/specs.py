@@ -1,0 +1,211 @@
+"""Input types crossing every planner boundary: the model, the cluster and the training setup.
+
+These are plain frozen dataclasses. Parsing (HF config.json, cluster YAML) lives in
+`planner.models` and `planner.clusters`; this module holds only the types and their
+invariants, so every other module can depend on it without pulling in I/O.
+
+Shape letters used in names: L = transformer layers, E = routed experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+AttentionKind = Literal["mha", "gqa", "mla"]
+LayerKind = Literal["dense", "moe"]
+Recompute = Literal["none", "selective", "full"]
+Dtype = Literal["bf16", "fp16", "fp8", "fp32"]
+
+GIB = 2**30
+
+
+class SpecError(ValueError):
+    """A user input is invalid. The message names the input, the field and the fix."""
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention block. For MLA the low-rank fields are set and num_kv_heads == num_heads."""
+
+    kind: AttentionKind
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bias: bool = False  # q/k/v (and o when o_bias) projection biases (Qwen2, GPT-OSS)
+    o_bias: bool = False
+    sinks: bool = False  # per-head attention-sink logits (GPT-OSS)
+    sliding_window: int | None = None  # tokens attended, None = full causal
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, OLMoE uses full-width)
+    # MLA (DeepSeek-V2/V3, Kimi-K2); zero when not MLA
+    q_lora_rank: int = 0  # 0 = full-rank q projection
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The routed (and shared) experts of one MoE layer."""
+
+    num_experts: int
+    top_k: int
+    expert_ffn: int  # intermediate width of one routed expert
+    gated: bool = True  # True = SwiGLU-style 3 matrices, False = 2 matrices
+    num_shared_experts: int = 0
+    shared_ffn: int = 0  # intermediate width of ONE shared expert
+    shared_gate: bool = False  # Qwen2-MoE: sigmoid gate (d -> 1) on the shared expert
+    expert_bias: bool = False  # GPT-OSS: biases in expert projections
+    router_bias: bool = False
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One transformer block: attention plus either a dense MLP, an MoE, or both (Arctic)."""
+
+    kind: LayerKind
+    attention: AttentionSpec
+    dense_ffn: int = 0  # width of the dense MLP (dense layers, or Arctic's residual MLP)
+    dense_gated: bool = True
+    moe: MoESpec | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only (MoE) transformer, normalized from whatever config it came from."""
+
+    name: str
+    family: str
+    hidden_size: int
+    vocab_size: int
+    layers: tuple[LayerSpec, ...]
+    tie_word_embeddings: bool = False
+    num_mtp_layers: int = 0  # DeepSeek-V3 multi-token-prediction modules (each one full layer)
+    norm_params_per_layer: int = 0  # filled by the parser: RMSNorm/LayerNorm weights per layer
+    max_position_embeddings: int = 4096
+    published_total_params: float | None = None  # from the preset's metadata, for checks
+    published_active_params: float | None = None
+    source: str = ""  # file or preset it came from
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, layer in enumerate(self.layers) if layer.kind == "moe")
+
+    @property
+    def first_moe(self) -> MoESpec | None:
+        for layer in self.layers:
+            if layer.moe is not None:
+                return layer.moe
+        return None
+
+    @property
+    def num_experts(self) -> int:
+        moe = self.first_moe
+        return moe.num_experts if moe else 0
+
+    @property
+    def top_k(self) -> int:
+        moe = self.first_moe
+        return moe.top_k if moe else 0
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (a GPU, or one GCD of an MI250X)."""
+
+    name: str
+    memory_gib: float  # HBM capacity in GiB (2**30 bytes)
+    peak_tflops: tuple[tuple[str, float], ...]  # (dtype, dense peak TFLOPS), e.g. ("bf16", 191.5)
+    hbm_gbps: float  # HBM bandwidth, GB/s (1e9)
+
+    def peak(self, dtype: str) -> float:
+        for name, tflops in self.peak_tflops:
+            if name == dtype:
+                return tflops
+        raise SpecError(f"device {self.name}: no peak_tflops for dtype '{dtype}'")
+
+
+@dataclass(frozen=True)
+class LevelSpec:
+    """One topology level, innermost first. A domain of this level holds `devices` devices.
+
+    `bw_gbps` is the per-device bandwidth (GB/s, one direction) for traffic that must cross
+    this level's links, i.e. between devices in the same domain of this level but different
+    domains of the level below. `taper` < 1 thins that bandwidth when many devices use it at
+    once (dragonfly global links).
+    """
+
+    name: str
+    devices: int
+    bw_gbps: float
+    latency_us: float
+    taper: float = 1.0
+    kind: str = ""  # free text: "nvlink", "infinity-fabric", "nic", "dragonfly-global", ...
+
+
+@dataclass(frozen=True)
+class EfficiencyTable:
+    """Measured throughput by size: x (ascending) -> y. Interpolated linearly in log(x)."""
+
+    name: str  # e.g. "gemm_bf16" (x = tokens per GEMM, y = TFLOPS) or "a2a_node" (x = bytes, y = GB/s)
+    x: tuple[float, ...]
+    y: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A cluster: device, node shape, NICs and topology levels innermost first."""
+
+    name: str
+    device: DeviceSpec
+    gpus_per_node: int
+    num_nodes: int
+    nics_per_node: int
+    nic_gbps: float  # one NIC, GB/s per direction
+    levels: tuple[LevelSpec, ...]
+    framework_overhead_gib: float = 4.0  # CUDA context, allocator fragmentation, workspaces
+    gemm_efficiency: float = 0.7  # fraction of peak for large GEMMs when no table is measured
+    attention_efficiency: float = 0.5
+    tables: tuple[EfficiencyTable, ...] = ()
+    topology: str = ""  # "dragonfly", "fat-tree", "nvl72", ...
+    source: str = ""
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+    def table(self, name: str) -> EfficiencyTable | None:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        return None
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """How the model is trained: shapes, precision, optimizer accounting, recompute."""
+
+    seq_len: int = 4096
+    global_batch: int = 1024  # sequences per optimizer step
+    dtype: Dtype = "bf16"
+    bytes_per_param: int = 16  # 16 = paper (bf16 w + bf16 g + fp32 master + m + v); 18 = Megatron
+    zero: bool = False  # distributed optimizer: shard fp32 master + moments over data-parallel
+    recompute: Recompute = "none"
+    flash_attention: bool = True
+    routing_skew: float = 1.0  # hottest EP rank's tokens / mean; raises its activation memory
+    schedule: Literal["1f1b", "interleaved"] = "1f1b"
+    extra: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch"):
+            if getattr(self, name) <= 0:
+                raise SpecError(f"training: {name} must be positive, got {getattr(self, name)}")
+        if self.bytes_per_param not in (16, 18):
+            raise SpecError("training: bytes_per_param must be 16 (paper) or 18 (Megatron)")
+        if self.routing_skew < 1.0:
+            raise SpecError("training: routing_skew is max/mean load and must be >= 1.0")
