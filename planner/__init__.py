@@ -1,3 +1,3 @@
-"""Piper planner: specs -> resource model -> integer programs -> plans and reports. Never imports torch."""
+"""Piper planner: specs -> resource model -> integer programs -> plans. Never imports torch."""
 
 __version__ = "0.1.0"

@@ -125,7 +125,7 @@ def head_params(model: ModelSpec) -> int:
 
 
 def mtp_params(model: ModelSpec) -> int:
-    """MTP modules: per module 2 norms + eh_proj (2d x d) + one layer (like the last) + final norm."""
+    """MTP modules: each 2 norms + eh_proj (2d x d) + one layer (like the last) + a final norm."""
     if model.num_mtp_layers == 0:
         return 0
     d = model.hidden_size

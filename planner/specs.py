@@ -152,7 +152,8 @@ class LevelSpec:
 class EfficiencyTable:
     """Measured throughput by size: x (ascending) -> y. Interpolated linearly in log(x)."""
 
-    name: str  # e.g. "gemm_bf16" (x = tokens per GEMM, y = TFLOPS) or "a2a_node" (x = bytes, y = GB/s)
+    # e.g. "gemm_bf16" (x = tokens per GEMM, y = TFLOPS) or "a2a_node" (x = bytes, y = GB/s)
+    name: str
     x: tuple[float, ...]
     y: tuple[float, ...]
 
