@@ -1,0 +1,282 @@
+"""Solver backends for Piper's integer programs: OR-Tools CP-SAT (default) and CBC via PuLP.
+
+Every formulation is written once against `LinearModel`, a small backend-neutral layer
+(bool / integer / continuous variables, linear constraints, a linear objective to minimize,
+solution hints) and solved by `solve(model, options)` on either backend.
+
+Integer data: CP-SAT only accepts integer coefficients, so formulations quantize their float
+data (seconds, bytes, tokens) to integer units with `quantize` before building the model, and
+pass the unit as `LinearModel(objective_unit=...)`. Both backends then solve the *same*
+integer program, so they reach the same optimum; objective and bound are reported back in the
+original units (objective_units * objective_unit + objective_offset).
+
+Determinism: time limit, threads and seed are always explicit. CP-SAT runs with
+num_workers=threads and random_seed=seed; CBC with `threads` and `randomSeed`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from planner.specs import SpecError
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["cpsat", "cbc"]
+Status = Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "NOT_SOLVED"]
+Sense = Literal["<=", ">=", "=="]
+Terms = Iterable[tuple[int, int]]  # (integer coefficient, variable index)
+
+BACKENDS: tuple[str, ...] = ("cpsat", "cbc")
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    """How to solve: backend, wall-clock limit (s), solver threads and random seed."""
+
+    backend: Backend = "cpsat"
+    time_limit_s: float = 10.0
+    threads: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SpecError(f"--solver: unknown backend '{self.backend}'; use cpsat or cbc")
+        if not self.time_limit_s > 0:
+            raise SpecError(f"--time-limit-s must be > 0, got {self.time_limit_s}")
+        if self.threads < 1:
+            raise SpecError(f"--threads must be >= 1, got {self.threads}")
+        if self.seed < 0:
+            raise SpecError(f"--seed must be >= 0, got {self.seed}")
+
+
+@dataclass(frozen=True)
+class SolveReport:
+    """Outcome of one solve. objective/bound in the formulation's original units.
+
+    gap = (objective - bound) / max(|objective|, tiny); 0 when proven optimal; inf when
+    there is no solution. `message` explains NOT_SOLVED / INFEASIBLE in one line.
+    """
+
+    backend: str
+    status: Status
+    objective: float
+    bound: float
+    gap: float
+    wall_s: float
+    message: str = ""
+
+    @property
+    def has_solution(self) -> bool:
+        return self.status in ("OPTIMAL", "FEASIBLE")
+
+
+def quantize(value: float, unit: float, mode: Literal["round", "ceil", "floor"] = "round") -> int:
+    """`value` in integer multiples of `unit` (ceil for demands, floor for capacities)."""
+    x = value / unit
+    if mode == "ceil":
+        return math.ceil(x - 1e-9)
+    if mode == "floor":
+        return math.floor(x + 1e-9)
+    return round(x)
+
+
+def unit_for(max_value: float, resolution: int = 1_000_000) -> float:
+    """A quantum such that `max_value` is about `resolution` units (1.0 when max_value <= 0)."""
+    return max_value / resolution if max_value > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class _Var:
+    name: str
+    lb: int
+    ub: int
+    kind: Literal["bool", "int", "num"]
+
+
+class LinearModel:
+    """Backend-neutral integer linear model. Variables are ints (indices); terms (coef, var)."""
+
+    def __init__(self, name: str, objective_unit: float = 1.0, objective_offset: float = 0.0):
+        self.name = name
+        self.objective_unit = objective_unit
+        self.objective_offset = objective_offset
+        self.vars: list[_Var] = []
+        self.constraints: list[tuple[tuple[tuple[int, int], ...], Sense, int, str]] = []
+        self.objective: tuple[tuple[int, int], ...] = ()
+        self.hints: dict[int, int] = {}
+
+    def bool_var(self, name: str) -> int:
+        return self._add_var(name, 0, 1, "bool")
+
+    def int_var(self, lb: int, ub: int, name: str) -> int:
+        return self._add_var(name, lb, ub, "int")
+
+    def num_var(self, lb: int, ub: int, name: str) -> int:
+        """Continuous on CBC; integer on CP-SAT. Use only where an integer optimum exists
+        anyway (e.g. a bound on a max of integer expressions)."""
+        return self._add_var(name, lb, ub, "num")
+
+    def _add_var(self, name: str, lb: int, ub: int, kind: Literal["bool", "int", "num"]) -> int:
+        self.vars.append(_Var(name, int(lb), int(ub), kind))
+        return len(self.vars) - 1
+
+    def add(self, terms: Terms, sense: Sense, rhs: int, name: str = "") -> None:
+        """Add sum(coef * var) <sense> rhs with integer coefficients."""
+        t = tuple((int(c), v) for c, v in terms if c != 0)
+        self.constraints.append((t, sense, int(rhs), name))
+
+    def minimize(self, terms: Terms) -> None:
+        self.objective = tuple((int(c), v) for c, v in terms if c != 0)
+
+    def hint(self, var: int, value: int) -> None:
+        self.hints[var] = int(value)
+
+    def evaluate(self, values: Sequence[int]) -> int:
+        """Objective (integer units) of a full assignment."""
+        return sum(c * values[v] for c, v in self.objective)
+
+    def to_original(self, units: float) -> float:
+        return units * self.objective_unit + self.objective_offset
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A solve report plus the variable values (empty when there is no solution)."""
+
+    report: SolveReport
+    values: tuple[int, ...] = ()
+
+    def value(self, var: int) -> int:
+        return self.values[var]
+
+
+def solve(model: LinearModel, options: SolverOptions) -> Solution:
+    """Solve `model` (minimize) on the chosen backend within options.time_limit_s."""
+    start = time.perf_counter()
+    if options.backend == "cpsat":
+        status, obj, bound, values = _solve_cpsat(model, options)
+    else:
+        status, obj, bound, values = _solve_cbc(model, options)
+    wall_s = time.perf_counter() - start
+    if status in ("OPTIMAL", "FEASIBLE"):
+        objective = model.to_original(obj)
+        bound_orig = model.to_original(min(bound, obj))
+        gap = 0.0 if status == "OPTIMAL" else _gap(objective, bound_orig)
+        if status == "FEASIBLE" and gap <= 1e-12:
+            status = "OPTIMAL"
+        if status == "OPTIMAL":
+            bound_orig = objective
+        report = SolveReport(options.backend, status, objective, bound_orig, gap, wall_s)
+        return Solution(report, tuple(values))
+    message = (
+        f"{model.name}: proven infeasible"
+        if status == "INFEASIBLE"
+        else f"{model.name}: no solution within {options.time_limit_s:g} s; raise --time-limit-s"
+    )
+    nan = float("nan")
+    return Solution(SolveReport(options.backend, status, nan, nan, math.inf, wall_s, message))
+
+
+def _gap(objective: float, bound: float) -> float:
+    return max(0.0, objective - bound) / max(abs(objective), 1e-12)
+
+
+def _solve_cpsat(model: LinearModel, options: SolverOptions):
+    from ortools.sat.python import cp_model
+
+    cp = cp_model.CpModel()
+    xs = [cp.NewIntVar(v.lb, v.ub, v.name) for v in model.vars]
+    for terms, sense, rhs, _name in model.constraints:
+        expr = sum(c * xs[v] for c, v in terms) if terms else 0
+        if sense == "<=":
+            cp.Add(expr <= rhs)
+        elif sense == ">=":
+            cp.Add(expr >= rhs)
+        else:
+            cp.Add(expr == rhs)
+    cp.Minimize(sum(c * xs[v] for c, v in model.objective) if model.objective else 0)
+    for v, val in sorted(model.hints.items()):
+        cp.AddHint(xs[v], val)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = options.time_limit_s
+    solver.parameters.num_workers = options.threads
+    solver.parameters.random_seed = options.seed
+    code = solver.Solve(cp)
+    if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        status = "OPTIMAL" if code == cp_model.OPTIMAL else "FEASIBLE"
+        values = [solver.Value(x) for x in xs]
+        obj = model.evaluate(values)
+        return status, obj, solver.BestObjectiveBound(), values
+    if code == cp_model.INFEASIBLE:
+        return "INFEASIBLE", 0, 0, []
+    return "NOT_SOLVED", 0, 0, []
+
+
+_CBC_BOUND = re.compile(r"best possible\s+(-?[0-9.eE+]+)")
+_CBC_BOUND2 = re.compile(r"Cbc0010I.*best possible\s+(-?[0-9.eE+]+)")
+
+
+def _solve_cbc(model: LinearModel, options: SolverOptions):
+    import pulp
+
+    prob = pulp.LpProblem(_safe(model.name), pulp.LpMinimize)
+    cat = {"bool": pulp.LpBinary, "int": pulp.LpInteger, "num": pulp.LpContinuous}
+    xs = [
+        pulp.LpVariable(f"v{i}_{_safe(v.name)}", v.lb, v.ub, cat[v.kind])
+        for i, v in enumerate(model.vars)
+    ]
+    prob += pulp.lpSum(c * xs[v] for c, v in model.objective)
+    for k, (terms, sense, rhs, _name) in enumerate(model.constraints):
+        expr = pulp.lpSum(c * xs[v] for c, v in terms)
+        con = expr <= rhs if sense == "<=" else expr >= rhs if sense == ">=" else expr == rhs
+        prob += con, f"c{k}"
+    for v, val in model.hints.items():
+        xs[v].setInitialValue(val)
+    with tempfile.TemporaryDirectory(prefix="piper_cbc_") as tmp:
+        log_path = str(Path(tmp) / "cbc.log")
+        cmd = pulp.PULP_CBC_CMD(
+            msg=False,
+            timeLimit=options.time_limit_s,
+            threads=options.threads,
+            warmStart=bool(model.hints),
+            options=[f"randomSeed {options.seed + 1}", f"randomCbcSeed {options.seed + 1}"],
+            logPath=log_path,
+            keepFiles=False,
+        )
+        prob.solve(cmd)
+        text = Path(log_path).read_text() if Path(log_path).exists() else ""
+    sol_status = prob.sol_status
+    if sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        values = [_round_value(x.varValue) for x in xs]
+        obj = model.evaluate(values)
+        if sol_status == pulp.LpSolutionOptimal:
+            return "OPTIMAL", obj, obj, values
+        return "FEASIBLE", obj, _cbc_bound(text, obj), values
+    if prob.status == pulp.LpStatusInfeasible or sol_status == pulp.LpSolutionInfeasible:
+        return "INFEASIBLE", 0, 0, []
+    return "NOT_SOLVED", 0, 0, []
+
+
+def _round_value(x: float | None) -> int:
+    return 0 if x is None else round(x)
+
+
+def _cbc_bound(log_text: str, objective: int) -> float:
+    """Best bound CBC printed before stopping (its log is the only place PuLP exposes it)."""
+    matches = _CBC_BOUND.findall(log_text)
+    if not matches:
+        return -math.inf
+    return min(float(matches[-1]), float(objective))
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)[:60]
