@@ -21,6 +21,7 @@ import math
 import re
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +232,7 @@ def _solve_cbc(model: LinearModel, options: SolverOptions):
     prob = pulp.LpProblem(_safe(model.name), pulp.LpMinimize)
     cat = {"bool": pulp.LpBinary, "int": pulp.LpInteger, "num": pulp.LpContinuous}
     xs = [
-        pulp.LpVariable(f"v{i}_{_safe(v.name)}", v.lb, v.ub, cat[v.kind])
+        prob.add_variable(f"v{i}_{_safe(v.name)}", v.lb, v.ub, cat[v.kind])
         for i, v in enumerate(model.vars)
     ]
     prob += pulp.lpSum(c * xs[v] for c, v in model.objective)
@@ -243,15 +244,17 @@ def _solve_cbc(model: LinearModel, options: SolverOptions):
         xs[v].setInitialValue(val)
     with tempfile.TemporaryDirectory(prefix="piper_cbc_") as tmp:
         log_path = str(Path(tmp) / "cbc.log")
-        cmd = pulp.PULP_CBC_CMD(
-            msg=False,
-            timeLimit=options.time_limit_s,
-            threads=options.threads,
-            warmStart=bool(model.hints),
-            options=[f"randomSeed {options.seed + 1}", f"randomCbcSeed {options.seed + 1}"],
-            logPath=log_path,
-            keepFiles=False,
-        )
+        with warnings.catch_warnings():  # PuLP 3.x flags PULP_CBC_CMD for its 4.0 rename
+            warnings.simplefilter("ignore", DeprecationWarning)
+            cmd = pulp.PULP_CBC_CMD(
+                msg=False,
+                timeLimit=options.time_limit_s,
+                threads=options.threads,
+                warmStart=bool(model.hints),
+                options=[f"randomSeed {options.seed + 1}", f"randomCbcSeed {options.seed + 1}"],
+                logPath=log_path,
+                keepFiles=False,
+            )
         prob.solve(cmd)
         text = Path(log_path).read_text() if Path(log_path).exists() else ""
     sol_status = prob.sol_status

@@ -59,13 +59,26 @@ def solve_stages(inputs: StageCostInputs, options: SolverOptions) -> StageSoluti
     model, decode = _build_model(data, dp.split)
     sol = solve(model, options)
     if not sol.report.has_solution:
-        return _infeasible(inputs, data, options, sol.report.message, sol.report)
+        # Only a time limit gets here (the DP found a feasible split): keep it, with its gap.
+        result = _solution(inputs, data, dp.split, sol.report)
+        bound = min(_trivial_bound_s(data), result.bottleneck_s)
+        gap = max(0.0, result.bottleneck_s - bound) / result.bottleneck_s
+        report = replace(
+            sol.report, status="FEASIBLE", objective=result.bottleneck_s, bound=bound, gap=gap
+        )
+        return replace(result, report=report)
     split = decode(sol.values)
     if dp.exact and data.bottleneck(dp.split) <= data.bottleneck(split):
         split = dp.split  # equal optimum: the DP's canonical tie-break makes it unique
     log.debug("stage IP %s: %s", options.backend, sol.report)
     result = _solution(inputs, data, split, sol.report)
     return replace(result, report=_report_in_seconds(sol.report, result.bottleneck_s))
+
+
+def _trivial_bound_s(data: StageData) -> float:
+    """A valid lower bound on the bottleneck: total time without recompute over pp stages."""
+    total_q = sum(data.time_q) + data.first_q[0] + data.last_q[0]
+    return total_q / data.pp * data.time_unit_s
 
 
 def _report_in_seconds(report: SolveReport, bottleneck_s: float) -> SolveReport:
