@@ -1,0 +1,1 @@
+"""Piper runtime: executes a plan.json on torch.distributed (NCCL on GPUs, gloo on CPUs)."""

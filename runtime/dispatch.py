@@ -1,0 +1,308 @@
+"""Token dispatch for expert parallelism: the TokenDispatcher protocol and the flat reference.
+
+An MoE layer on one rank of an expert-parallel (EP) group routes each of its T tokens to K
+experts. `dispatch` sends every (token, choice) row to the EP rank that holds its expert;
+`combine` brings the expert outputs back in the original order. Both are differentiable: the
+backward of dispatch is the reverse exchange of gradients (summed over the K copies of a
+token), the backward of combine is the forward exchange.
+
+Shape letters: T tokens on this rank, K routing choices per token (top-k), D hidden size,
+E experts in the layer, L experts local to this rank, N rows received by this rank,
+P = T * K (token, choice) pairs, S ranks of the EP group.
+
+Implementations (same protocol, outputs equal bit for bit):
+  FlatAllToAll: one all_to_all_single with uneven splits (the reference).
+  Halo (runtime/halo.py): hierarchical three-phase exchange, optionally deduplicated.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from runtime.topo import GroupTopology, topology_of_group
+
+
+@dataclass
+class DispatchStats:
+    """Cumulative communication counters of one dispatcher (reset() between steps).
+
+    Attributes:
+      bytes_intra_node: bytes this rank sent to EP peers on its own node (payload + int64
+        metadata; forward and backward exchanges; copies to itself are not counted).
+      bytes_inter_node: bytes this rank sent to EP peers on other nodes.
+      dispatch_s: wall seconds in dispatch (forward) and in its backward.
+      combine_s: wall seconds in combine (forward) and in its backward.
+    """
+
+    bytes_intra_node: int = 0
+    bytes_inter_node: int = 0
+    dispatch_s: float = 0.0
+    combine_s: float = 0.0
+
+    def reset(self) -> None:
+        """Zeroes every counter."""
+        self.bytes_intra_node = 0
+        self.bytes_inter_node = 0
+        self.dispatch_s = 0.0
+        self.combine_s = 0.0
+
+    def add_bytes(self, topo: GroupTopology, me: int, peer: int, num_bytes: int) -> None:
+        """Counts `num_bytes` sent from group rank `me` to group rank `peer`."""
+        if peer == me or num_bytes == 0:
+            return
+        if topo.same_node(me, peer):
+            self.bytes_intra_node += num_bytes
+        else:
+            self.bytes_inter_node += num_bytes
+
+
+class Exchange(Protocol):
+    """One routing decision's data movement (built by `dispatch`, reused by `combine`)."""
+
+    num_tokens: int
+    topk: int
+    tokens_per_local_expert_L: Tensor
+
+    def forward_tokens(self, x_TD: Tensor) -> Tensor:
+        """Sends token rows to the experts (a token may be replicated); returns rows [N, D]."""
+
+    def forward_pairs(self, x_PD: Tensor) -> Tensor:
+        """Sends one row per (token, choice) pair to the experts; returns rows [N, D]."""
+
+    def reverse(self, y_ND: Tensor) -> Tensor:
+        """Sends expert rows back to their sources; returns rows [P, D] in (token, choice) order."""
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What `combine` needs from `dispatch` (opaque to callers)."""
+
+    exchange: Exchange
+
+
+class TokenDispatcher(Protocol):
+    """The contract between the MoE layer and the expert all-to-all."""
+
+    stats: DispatchStats
+
+    def dispatch(
+        self, x_TD: Tensor, expert_TK: Tensor, rank_of_expert_E: Tensor
+    ) -> tuple[Tensor, Tensor, DispatchHandle]:
+        """Sends this rank's (token, choice) rows to the ranks holding their experts.
+
+        Args:
+          x_TD: this rank's tokens [T, D].
+          expert_TK: top-k expert ids per token [T, K] (int).
+          rank_of_expert_E: EP-group rank (0..S-1) of each expert [E]; identical on every rank
+            of the group (the routing table; migration swaps it).
+
+        Returns:
+          expert_input_ND: rows for this rank's local experts (experts whose rank is mine,
+            ascending expert id), grouped by local expert; within a group ordered by
+            (source rank, token, choice).
+          tokens_per_local_expert_L: rows per local expert [L] (int64).
+          handle: for `combine`.
+        """
+
+    def combine(self, expert_output_ND: Tensor, handle: DispatchHandle) -> Tensor:
+        """Returns y_TKD: the expert output for each (token, choice) of this rank, in order.
+
+        The caller applies gate weights and sums over K.
+        """
+
+
+def default_ranks_per_node() -> int | None:
+    """Node size from torchrun's LOCAL_WORLD_SIZE, or None when it is not set."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
+
+
+def sort_pairs(
+    expert_TK: Tensor, rank_of_expert_E: Tensor, group_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Orders this rank's (token, choice) pairs by (destination rank, expert, token, choice).
+
+    Returns:
+      order_P: pair indices (t * K + k) in that order.
+      counts_E: pairs routed to each expert.
+      counts_S: pairs routed to each EP rank.
+    """
+    num_experts = rank_of_expert_E.numel()
+    expert_P = expert_TK.reshape(-1).long()
+    dest_P = rank_of_expert_E[expert_P]
+    order_P = torch.sort(dest_P * num_experts + expert_P, stable=True).indices
+    counts_E = torch.bincount(expert_P, minlength=num_experts)
+    counts_S = torch.zeros(group_size, dtype=torch.long).index_add_(0, rank_of_expert_E, counts_E)
+    return order_P, counts_E, counts_S
+
+
+def block_transpose_index(counts_SL: Tensor) -> Tensor:
+    """Gather index turning rows stored in (s, l) blocks into (l, s) blocks.
+
+    Args:
+      counts_SL: rows in block (s, l) [S, L]; the buffer holds blocks s-major.
+
+    Returns:
+      index_N such that buffer[index_N] holds the same blocks l-major (order kept inside).
+    """
+    flat_sl = counts_SL.reshape(-1)
+    start_sl = torch.cumsum(flat_sl, 0) - flat_sl
+    counts_ls = counts_SL.t().reshape(-1)
+    start_ls = start_sl.reshape(counts_SL.shape).t().reshape(-1)
+    total = int(counts_ls.sum().item())
+    out_start_ls = torch.cumsum(counts_ls, 0) - counts_ls
+    within = torch.arange(total) - torch.repeat_interleave(out_start_ls, counts_ls)
+    return torch.repeat_interleave(start_ls, counts_ls) + within
+
+
+class _DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, exchange, stats):
+        ctx.exchange, ctx.stats = exchange, stats
+        start = time.perf_counter()
+        out = exchange.forward_tokens(x_TD)
+        stats.dispatch_s += time.perf_counter() - start
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        start = time.perf_counter()
+        ex = ctx.exchange
+        grad_PD = ex.reverse(grad_ND.contiguous())
+        grad_TD = grad_PD.reshape(ex.num_tokens, ex.topk, grad_PD.shape[1]).sum(dim=1)
+        ctx.stats.dispatch_s += time.perf_counter() - start
+        return grad_TD, None, None
+
+
+class _CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_ND, exchange, stats):
+        ctx.exchange, ctx.stats = exchange, stats
+        start = time.perf_counter()
+        y_PD = exchange.reverse(y_ND)
+        stats.combine_s += time.perf_counter() - start
+        return y_PD.reshape(exchange.num_tokens, exchange.topk, y_PD.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_TKD):
+        start = time.perf_counter()
+        ex = ctx.exchange
+        grad_ND = ex.forward_pairs(
+            grad_TKD.reshape(ex.num_tokens * ex.topk, grad_TKD.shape[2]).contiguous()
+        )
+        ctx.stats.combine_s += time.perf_counter() - start
+        return grad_ND, None, None
+
+
+class ExchangeDispatcher:
+    """TokenDispatcher built from an Exchange factory (subclasses define `_exchange`)."""
+
+    def __init__(self, group=None, ranks_per_node: int | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        rpn = ranks_per_node or default_ranks_per_node() or dist.get_world_size()
+        self.topo = topology_of_group(group, rpn)
+        self.stats = DispatchStats()
+
+    def _exchange(self, expert_TK: Tensor, rank_of_expert_E: Tensor, dim: int) -> Exchange:
+        raise NotImplementedError
+
+    def dispatch(
+        self, x_TD: Tensor, expert_TK: Tensor, rank_of_expert_E: Tensor
+    ) -> tuple[Tensor, Tensor, DispatchHandle]:
+        """See TokenDispatcher.dispatch."""
+        if x_TD.dim() != 2 or expert_TK.dim() != 2 or expert_TK.shape[0] != x_TD.shape[0]:
+            raise ValueError(
+                f"dispatch: x_TD {tuple(x_TD.shape)} and expert_TK {tuple(expert_TK.shape)} "
+                "must be [T, D] and [T, K]"
+            )
+        start = time.perf_counter()
+        rank_of_expert_E = rank_of_expert_E.long().cpu()
+        if (
+            rank_of_expert_E.numel()
+            and not 0 <= int(rank_of_expert_E.min()) <= int(rank_of_expert_E.max()) < self.size
+        ):
+            raise ValueError(f"dispatch: rank_of_expert_E must lie in [0, {self.size})")
+        exchange = self._exchange(expert_TK.long().cpu(), rank_of_expert_E, x_TD.shape[1])
+        self.stats.dispatch_s += time.perf_counter() - start
+        out_ND = _DispatchFn.apply(x_TD.contiguous(), exchange, self.stats)
+        return out_ND, exchange.tokens_per_local_expert_L, DispatchHandle(exchange)
+
+    def combine(self, expert_output_ND: Tensor, handle: DispatchHandle) -> Tensor:
+        """See TokenDispatcher.combine."""
+        return _CombineFn.apply(expert_output_ND.contiguous(), handle.exchange, self.stats)
+
+
+class _FlatExchange:
+    """all_to_all_single with uneven splits; rows arrive (source, expert) and are regrouped."""
+
+    def __init__(self, owner: FlatAllToAll, expert_TK: Tensor, rank_of_expert_E: Tensor) -> None:
+        self.owner = owner
+        self.num_tokens, self.topk = expert_TK.shape
+        size, me = owner.size, owner.rank
+        self.order_P, counts_E, send_S = sort_pairs(expert_TK, rank_of_expert_E, size)
+        # Metadata: every rank tells each destination how many rows it sends per local expert.
+        expert_rank_order = torch.sort(rank_of_expert_E, stable=True).indices
+        local_per_rank = torch.bincount(rank_of_expert_E, minlength=size)
+        num_local = int(local_per_rank[me].item())
+        counts_SL = torch.empty(size * num_local, dtype=torch.long)
+        dist.all_to_all_single(
+            counts_SL,
+            counts_E[expert_rank_order].contiguous(),
+            [num_local] * size,
+            local_per_rank.tolist(),
+            group=owner.group,
+        )
+        counts_SL = counts_SL.reshape(size, num_local)
+        for peer in range(size):
+            owner.stats.add_bytes(owner.topo, me, peer, 8 * int(local_per_rank[peer].item()))
+        self.send_splits = send_S.tolist()
+        self.recv_splits = counts_SL.sum(dim=1).tolist()
+        self.regroup_N = block_transpose_index(counts_SL)
+        self.tokens_per_local_expert_L = counts_SL.sum(dim=0)
+
+    def _exchange(self, send_ND: Tensor, send_splits, recv_splits) -> Tensor:
+        owner = self.owner
+        recv_ND = send_ND.new_empty((sum(recv_splits), send_ND.shape[1]))
+        dist.all_to_all_single(recv_ND, send_ND, recv_splits, send_splits, group=owner.group)
+        row_bytes = send_ND.shape[1] * send_ND.element_size()
+        for peer, rows in enumerate(send_splits):
+            owner.stats.add_bytes(owner.topo, owner.rank, peer, rows * row_bytes)
+        return recv_ND
+
+    def forward_tokens(self, x_TD: Tensor) -> Tensor:
+        recv = self._exchange(x_TD[self.order_P // self.topk], self.send_splits, self.recv_splits)
+        return recv[self.regroup_N]
+
+    def forward_pairs(self, x_PD: Tensor) -> Tensor:
+        recv = self._exchange(x_PD[self.order_P], self.send_splits, self.recv_splits)
+        return recv[self.regroup_N]
+
+    def reverse(self, y_ND: Tensor) -> Tensor:
+        back = torch.empty_like(y_ND)
+        back[self.regroup_N] = y_ND
+        sorted_PD = self._exchange(back, self.recv_splits, self.send_splits)
+        y_PD = torch.empty_like(sorted_PD)
+        y_PD[self.order_P] = sorted_PD
+        return y_PD
+
+
+class FlatAllToAll(ExchangeDispatcher):
+    """The reference dispatcher: one flat all_to_all_single over the EP group.
+
+    Args:
+      group: the EP process group (None = default group).
+      ranks_per_node: node size, only to split the byte counters into intra/inter node
+        (default: LOCAL_WORLD_SIZE, else the whole world is one node).
+    """
+
+    def _exchange(self, expert_TK: Tensor, rank_of_expert_E: Tensor, dim: int) -> Exchange:
+        return _FlatExchange(self, expert_TK, rank_of_expert_E)
