@@ -1,0 +1,72 @@
+"""`piper model-info M [--json] [--seq-len S]`: parameter counts, FLOPs per token, layer kinds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from planner.model_info import describe_model
+from planner.models import list_model_presets
+from planner.specs import SpecError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "model-info",
+        help="parameter counts (total/active/MTP, with basis), FLOPs per token, layer kinds",
+        description="Describe a model preset or an HF config.json / YAML file.",
+    )
+    p.add_argument("model", nargs="?", help="preset name or path to config.json / .yaml")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--seq-len", type=int, default=4096, help="sequence length for FLOPs")
+    p.add_argument("--list", action="store_true", help="list the model presets and exit")
+    p.set_defaults(func=run)
+
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e8 else f"{n:,.0f}"
+
+
+def format_table(info: dict[str, Any]) -> str:
+    """The human-readable report."""
+    rows = [
+        ("model", f"{info['name']}  (family {info['family']}, {info['source']})"),
+        ("shape", f"hidden {info['hidden_size']}, vocab {info['vocab_size']}, "
+                  f"{info['num_layers']} layers ({info['num_moe_layers']} MoE)"),
+        ("total_params", _b(info["total_params"])),
+        ("active_params", _b(info["active_params"])),
+        ("mtp_params", _b(info["mtp_params"])),
+        ("embedding / head", f"{_b(info['embedding_params'])} / {_b(info['head_params'])}"
+                             f"{' (tied)' if info['tie_word_embeddings'] else ''}"),
+        ("flops_per_token", f"{info['flops_per_token']:.4g} at seq_len {info['flops_seq_len']}"
+                            f" (+{info['mtp_flops_per_token']:.3g} MTP)"),
+    ]  # fmt: skip
+    for label in ("total", "active"):
+        pub = info.get("published", {}).get(label)
+        if pub:
+            rows.append((f"published {label}", f"{_b(pub['published'])} on basis "
+                         f"'{pub['basis']}': computed {_b(pub['computed'])}, "
+                         f"error {pub['error_pct']:+.2f}%"))  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append("layers:")
+    lines += [f"  {g['layers']:<16} {g['kind']}" for g in info["layers"]]
+    lines.append(f"counting basis: {info['counting_basis']}")
+    lines.append(f"flops formula: {info['flops_formula']}")
+    if info.get("published", {}).get("source"):
+        lines.append(f"published source: {info['published']['source']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        print("\n".join(list_model_presets()))
+        return 0
+    if not args.model:
+        raise SpecError("model-info: give a preset name or a config path (see --list)")
+    if args.seq_len < 1:
+        raise SpecError(f"model-info: --seq-len must be >= 1, got {args.seq_len}")
+    info = describe_model(args.model, args.seq_len)
+    print(json.dumps(info, indent=2, sort_keys=True) if args.json else format_table(info))
+    return 0
