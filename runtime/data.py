@@ -1,0 +1,73 @@
+"""Real text for training runs: bytes of the Python standard library's source files.
+
+The corpus is on every machine that runs Python, so a CPU test, a GPU node and CI all train
+on the same text and a falling loss means the model learned something. Tokens are bytes
+(vocabulary 256). Sampling is a pure function of (seed, step, dp index): every stage of a
+pipeline replica draws the same windows (the first stage uses the inputs, the last the
+targets), and each data-parallel rank reads only its own contiguous slice of the corpus.
+
+Shape letters: B = sequences, S = sequence length.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 256
+
+
+def _stdlib_sources(root: Path):
+    """*.py files under root in a fixed order (sorted walk), skipping tests and site-packages."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests"))
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                yield Path(dirpath) / name
+
+
+@lru_cache(maxsize=2)
+def load_corpus(max_bytes: int = 2 * 2**20) -> torch.Tensor:
+    """The stdlib's *.py files in sorted-walk order, concatenated, as uint8 (<= max_bytes)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in _stdlib_sources(root):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    blob = b"".join(chunks)[:max_bytes]
+    if len(blob) < 2**16:
+        raise RuntimeError(f"stdlib corpus under {root} is too small ({len(blob)} bytes)")
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def sample_batch(
+    step: int, dp_index: int, dp: int, batch: int, seq_len: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-byte targets, both int64 [batch, seq_len], for one dp rank and step.
+
+    Args:
+        step: optimizer step. dp_index, dp: this replica's index and the dp degree; the
+            corpus is cut into dp equal slices and replica i samples only slice i.
+        batch: sequences (micro_batch * num_microbatches). seq_len: bytes per sequence.
+        seed: run seed.
+    """
+    corpus = load_corpus()
+    slice_len = len(corpus) // dp
+    if slice_len <= seq_len + 1:
+        raise ValueError(f"seq_len {seq_len} too long for a corpus slice of {slice_len} bytes")
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + dp_index)
+    start_B = torch.randint(0, slice_len - seq_len - 1, (batch,), generator=gen)
+    start_B += dp_index * slice_len
+    idx_BS = start_B[:, None] + torch.arange(seq_len + 1)[None, :]
+    window = corpus[idx_BS].long()
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()

@@ -1,0 +1,298 @@
+"""Entry point of one training process: `python -m runtime.launch --plan plan.json ...`.
+
+Started by `piper run` through torchrun (or by torchrun / srun directly on many nodes): reads
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT from the environment, uses NCCL when CUDA is
+available and gloo otherwise, builds the groups, this rank's pipeline stage and dispatcher,
+trains `--steps` steps on byte-level stdlib text and (rank 0) writes metrics.jsonl,
+trace.csv and run.json into --out.
+
+Shape letters: L = MoE layers of this stage, E = experts, B = sequences, S = sequence length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from runtime.data import sample_batch
+from runtime.dispatch import FlatAllToAll
+from runtime.halo import Halo
+from runtime.mesh import Mesh, build_mesh
+from runtime.metrics import ByteCounter, peak_memory_bytes, rank_record, step_line, trace_csv
+from runtime.migrate import apply_migration, decide, resolve_policy
+from runtime.model import StageModule
+from runtime.moe import LocalDispatcher
+from runtime.pipeline import PipelineRunner, sync_gradients
+from runtime.scale import RunSpec
+
+log = logging.getLogger("runtime.launch")
+
+
+@dataclass
+class RunResult:
+    """What a rank returns from `train` (rank 0 also holds the files' contents)."""
+
+    losses: list[float | None] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+    expert_state: dict = field(default_factory=dict)  # (layer, expert) -> packed tensors
+    placements: dict = field(default_factory=dict)  # run layer -> ep_idx per expert
+
+
+def make_dispatcher(spec: RunSpec, mesh: Mesh, kind: str | None = None):
+    """The EP all-to-all for this rank's stage: HALO, HALO-dedup or flat."""
+    kind = kind or spec.dispatcher
+    if spec.ep == 1:
+        return LocalDispatcher()
+    if kind == "flat":
+        return FlatAllToAll(mesh.ep_group, spec.ranks_per_node)
+    return Halo(mesh.ep_group, spec.ranks_per_node, dedup=(kind == "halo-dedup"))
+
+
+def build_stage(spec: RunSpec, mesh: Mesh, device: torch.device) -> StageModule:
+    """This rank's StageModule with placements translated to EP group ranks."""
+    s = mesh.me.stage
+    tables = {
+        layer: tuple(mesh.ep_group_rank(r) for r in table) for layer, table in spec.placements
+    }
+    module = StageModule(
+        spec.model,
+        spec.stage_layers[s],
+        first=(s == 0),
+        last=(s == spec.pp - 1),
+        placements=tables,
+        ep_rank=mesh.ep_group_rank(mesh.me.ep_idx),
+        seed=spec.seed,
+    )
+    dispatcher = make_dispatcher(spec, mesh)
+    for moe in module.moe_layers().values():
+        moe.dispatcher = dispatcher
+    return module.to(device)
+
+
+def _stage_tokens(module: StageModule, mesh: Mesh) -> torch.Tensor:
+    """Tokens per expert of this step [L, E], summed over the stage's dp ranks; resets."""
+    moes = list(module.moe_layers().values())
+    if not moes:
+        return torch.zeros(0, 0, dtype=torch.long)
+    tokens = torch.stack([m.tokens_E.clone() for m in moes]).cpu()
+    for m in moes:
+        m.tokens_E.zero_()
+    if len(mesh.dp_ranks) > 1:
+        dist.all_reduce(tokens, group=mesh.dp_group)
+    return tokens
+
+
+def _maybe_migrate(spec, module, mesh, optimizer, counter, history, step, fail_at) -> int:
+    """Every migrate_every steps: decide from the history and move; returns experts moved."""
+    moes = module.moe_layers()
+    k = spec.migrate_every
+    if not moes or k <= 0 or (step + 1) % k or step + 1 >= spec.steps:
+        return 0
+    current = [
+        tuple(mesh.ep_idx_of_group_rank(r) for r in m.rank_of_expert_E.tolist())
+        for m in moes.values()
+    ]
+    policy = resolve_policy(spec.migrate_policy)
+    decision = decide(mesh, policy, current, history[-k:])
+    tables = {
+        layer: tuple(mesh.ep_group_rank(r) for r in row)
+        for layer, row in zip(moes, decision.placement_LE, strict=True)
+    }
+    if all(tables[layer] == tuple(moes[layer].rank_of_expert_E.tolist()) for layer in moes):
+        return 0
+    ok = apply_migration(moes, tables, mesh, optimizer, counter, fail=(step + 1 == fail_at))
+    return len(decision.moves) if ok else 0
+
+
+def _gather(obj, rank: int) -> list | None:
+    out = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def train(
+    spec: RunSpec, rank: int, device: torch.device | None = None, fail_migration_at: int = -1
+) -> RunResult:
+    """Run spec.steps optimizer steps on this rank (process group already initialized)."""
+    device = device or torch.device("cpu")
+    mesh = build_mesh(spec, rank)
+    module = build_stage(spec, mesh, device)
+    counter = ByteCounter([c.node for c in mesh.coords], rank)
+    runner = PipelineRunner(
+        module, mesh, spec.micro_batch, spec.num_microbatches, spec.seq_len, counter, device
+    )
+    optimizer = torch.optim.Adam(module.parameters(), lr=spec.lr)
+    dispatcher = (
+        next(iter(module.moe_layers().values())).dispatcher
+        if module.moe_layers()
+        else LocalDispatcher()
+    )
+    batch = spec.micro_batch * spec.num_microbatches
+    result, lines, history, trace_rows = RunResult(), [], [], []
+    for step in range(spec.steps):
+        start = time.perf_counter()
+        dispatcher.stats.reset()
+        counter.reset()
+        optimizer.zero_grad(set_to_none=False)
+        x, y = sample_batch(step, mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
+        loss = runner.step(x.to(device), y.to(device))
+        sync_gradients(module, mesh, spec.dp, counter)
+        optimizer.step()
+        tokens_LE = _stage_tokens(module, mesh)
+        history.append(tokens_LE.tolist())
+        moved = _maybe_migrate(
+            spec, module, mesh, optimizer, counter, history, step, fail_migration_at
+        )
+        elapsed = time.perf_counter() - start
+        record = rank_record(
+            step,
+            rank,
+            mesh.me.stage,
+            loss,
+            elapsed,
+            peak_memory_bytes(device),
+            dispatcher.stats,
+            counter,
+        )
+        record["migrated_experts"] = moved
+        if mesh.me.physical == mesh.dp_ranks[0]:
+            src = [spec.source_layers[i] for i in module.moe_layers()]
+            trace_rows += [
+                (step, src[li], e, int(t))
+                for li, row in enumerate(tokens_LE.tolist())
+                for e, t in enumerate(row)
+            ]
+        records = _gather(record, rank)
+        result.losses.append(loss)
+        if rank == 0:
+            moved_total = sum(r.pop("migrated_experts") for r in records)
+            lines.append(step_line(records, spec.tokens_per_step, moved_total))
+            log.warning(
+                "step %d loss %.4f step_time %.3fs",
+                step,
+                lines[-1]["loss"],
+                lines[-1]["step_time_s"],
+            )
+    all_rows = _gather(trace_rows, rank)
+    if rank == 0:
+        result.files = {
+            "metrics.jsonl": "".join(json.dumps(d, sort_keys=True) + "\n" for d in lines),
+            "trace.csv": trace_csv([r for rows in all_rows for r in rows]),
+        }
+    result.expert_state = _expert_state(module, optimizer, mesh)
+    result.placements = {
+        layer: [mesh.ep_idx_of_group_rank(r) for r in m.rank_of_expert_E]
+        for layer, m in module.moe_layers().items()
+    }
+    return result
+
+
+def _expert_state(module: StageModule, optimizer, mesh: Mesh) -> dict:
+    """(run layer, expert) -> flat weights + Adam moments of the experts this rank holds."""
+    from runtime.migrate import _pack, _pieces
+
+    out = {}
+    for layer, moe in module.moe_layers().items():
+        for slot, e in enumerate(moe.experts.expert_ids):
+            pieces = _pieces(moe, optimizer, slot)
+            out[(layer, e, mesh.me.edp_idx)] = _pack(pieces).clone()
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runtime.launch")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--dispatcher", choices=("halo", "halo-dedup", "flat"), default="halo")
+    p.add_argument("--migrate-every", type=int, default=0)
+    p.add_argument("--migrate-policy", choices=("planner", "greedy", "rotate"), default="planner")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    return p.parse_args(argv)
+
+
+def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    """Load the plan and its model and build the (scaled) RunSpec."""
+    from planner.models import model_from_config
+    from planner.plan import load_plan
+    from runtime.scale import run_spec_from_plan
+
+    plan = load_plan(args.plan)
+    model = model_from_config(
+        plan.model["config"], plan.model.get("name", "model"), plan.model.get("source", args.plan)
+    )
+    return run_spec_from_plan(
+        plan,
+        model,
+        args.scale,
+        args.ranks_per_node,
+        steps=args.steps,
+        seed=args.seed,
+        lr=args.lr,
+        dispatcher=args.dispatcher,
+        migrate_every=args.migrate_every,
+        migrate_policy=args.migrate_policy,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger("runtime.launch").setLevel(logging.ERROR)
+    spec = spec_from_args(args)
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if dist.get_world_size() != spec.world:
+        raise SystemExit(f"world size {dist.get_world_size()} != plan's pp*dp = {spec.world}")
+    rank = dist.get_rank()
+    t0 = time.perf_counter()
+    result = train(spec, rank, device)
+    if rank == 0:
+        from planner.outputs.files import write_files
+
+        run_info = {
+            "world": spec.world,
+            "pp": spec.pp,
+            "dp": spec.dp,
+            "ep": spec.ep,
+            "edp": spec.edp,
+            "steps": spec.steps,
+            "seq_len": spec.seq_len,
+            "micro_batch": spec.micro_batch,
+            "num_microbatches": spec.num_microbatches,
+            "hidden_size": spec.model.hidden_size,
+            "layers": spec.model.num_layers,
+            "source_layers": list(spec.source_layers),
+            "dispatcher": spec.dispatcher,
+            "ranks_per_node": spec.ranks_per_node,
+            "backend": dist.get_backend(),
+            "seed": spec.seed,
+            "migrate_every": spec.migrate_every,
+        }
+        files = dict(result.files)
+        files["run.json"] = json.dumps(run_info, indent=2, sort_keys=True) + "\n"
+        files["timings.json"] = json.dumps({"wall_s": time.perf_counter() - t0}) + "\n"
+        write_files(args.out, files)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

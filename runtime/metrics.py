@@ -1,0 +1,174 @@
+"""Run metrics: bytes sent by kind and node locality, per-step records, metrics.jsonl, trace.csv.
+
+Every byte a rank sends is counted where it is sent (dispatch/combine by the dispatcher's
+stats, pipeline p2p by the counting PipelineStage, gradient reduction and migration here),
+split by whether the peer sits on the same (emulated) node.
+
+metrics.jsonl (one object per step, written by rank 0): step, loss (mean over the last
+stage's ranks), step_time_s (slowest rank), tokens_per_s (tokens of the whole step /
+step_time_s), peak_memory_bytes (largest rank), dispatch_s, combine_s (slowest rank),
+bytes_intra_node, bytes_inter_node (summed over all ranks), bytes_by_kind, migrated_experts,
+and per_rank: the same quantities for every rank.
+trace.csv: `interval,layer,expert,tokens`, interval = step, layer = the plan's layer index,
+tokens routed to that expert in that step summed over all data-parallel ranks of its stage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+from dataclasses import dataclass, field
+
+import torch
+
+METRIC_KEYS = (
+    "step",
+    "loss",
+    "step_time_s",
+    "tokens_per_s",
+    "peak_memory_bytes",
+    "dispatch_s",
+    "combine_s",
+    "bytes_intra_node",
+    "bytes_inter_node",
+)
+TRACE_HEADER = "interval,layer,expert,tokens"
+
+
+@dataclass
+class ByteCounter:
+    """Bytes this rank sent since the last reset, by kind and by peer locality."""
+
+    node_of: list[int]  # physical rank -> node
+    me: int
+    intra: dict[str, int] = field(default_factory=dict)
+    inter: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: float, peer: int) -> None:
+        """Record nbytes sent to physical rank `peer` under `kind` (p2p, grad, migrate...)."""
+        bucket = self.intra if self.node_of[peer] == self.node_of[self.me] else self.inter
+        bucket[kind] = bucket.get(kind, 0) + int(nbytes)
+
+    def add_allreduce(self, kind: str, nbytes: int, members: list[int]) -> None:
+        """Ring all-reduce model: each rank sends 2 (n - 1) / n * nbytes to its successor."""
+        n = len(members)
+        if n <= 1:
+            return
+        ring = sorted(members)
+        succ = ring[(ring.index(self.me) + 1) % n]
+        self.add(kind, 2 * (n - 1) * nbytes / n, succ)
+
+    def reset(self) -> None:
+        self.intra.clear()
+        self.inter.clear()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: peak allocated bytes; CPU: the process's peak resident set size (Linux)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def rank_record(
+    step: int,
+    rank: int,
+    stage: int,
+    loss: float | None,
+    step_time_s: float,
+    peak_bytes: int,
+    stats,
+    counter: ByteCounter,
+) -> dict:
+    """One rank's numbers for one step (dispatcher stats added to the counter's bytes)."""
+    by_kind = {
+        "dispatch_intra": int(stats.bytes_intra_node),
+        "dispatch_inter": int(stats.bytes_inter_node),
+    }
+    for k, v in counter.intra.items():
+        by_kind[f"{k}_intra"] = v
+    for k, v in counter.inter.items():
+        by_kind[f"{k}_inter"] = v
+    return {
+        "step": step,
+        "rank": rank,
+        "stage": stage,
+        "loss": loss,
+        "step_time_s": step_time_s,
+        "peak_memory_bytes": peak_bytes,
+        "dispatch_s": float(stats.dispatch_s),
+        "combine_s": float(stats.combine_s),
+        "bytes_intra_node": int(stats.bytes_intra_node) + sum(counter.intra.values()),
+        "bytes_inter_node": int(stats.bytes_inter_node) + sum(counter.inter.values()),
+        "bytes_by_kind": by_kind,
+    }
+
+
+def step_line(records: list[dict], tokens_per_step: int, migrated: int = 0) -> dict:
+    """Aggregate every rank's record of one step into a metrics.jsonl object."""
+    losses = [r["loss"] for r in records if r["loss"] is not None]
+    step_time_s = max(r["step_time_s"] for r in records)
+    by_kind: dict[str, int] = {}
+    for r in records:
+        for k, v in r["bytes_by_kind"].items():
+            by_kind[k] = by_kind.get(k, 0) + v
+    return {
+        "step": records[0]["step"],
+        "loss": sum(losses) / len(losses) if losses else None,
+        "step_time_s": step_time_s,
+        "tokens_per_s": tokens_per_step / step_time_s if step_time_s > 0 else 0.0,
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records),
+        "dispatch_s": max(r["dispatch_s"] for r in records),
+        "combine_s": max(r["combine_s"] for r in records),
+        "bytes_intra_node": sum(r["bytes_intra_node"] for r in records),
+        "bytes_inter_node": sum(r["bytes_inter_node"] for r in records),
+        "bytes_by_kind": dict(sorted(by_kind.items())),
+        "migrated_experts": migrated,
+        "per_rank": [{k: v for k, v in r.items() if k != "step"} for r in records],
+    }
+
+
+def trace_csv(rows: list[tuple[int, int, int, int]]) -> str:
+    """Render (interval, layer, expert, tokens) rows, sorted, with the trace header."""
+    lines = [TRACE_HEADER] + [f"{i},{layer},{e},{t}" for i, layer, e, t in sorted(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def validate_metrics(text: str) -> list[dict]:
+    """Parse metrics.jsonl text; raise ValueError naming the line and key when malformed."""
+    out = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        d = json.loads(line)
+        for key in METRIC_KEYS:
+            if key not in d:
+                raise ValueError(f"metrics.jsonl line {n}: missing key '{key}'")
+        if d["step"] != n - 1:
+            raise ValueError(f"metrics.jsonl line {n}: step {d['step']}, expected {n - 1}")
+        if d["loss"] is None or not math.isfinite(d["loss"]):
+            raise ValueError(f"metrics.jsonl line {n}: loss must be a finite number")
+        for key in METRIC_KEYS[2:]:
+            if not isinstance(d[key], int | float) or d[key] < 0:
+                raise ValueError(f"metrics.jsonl line {n}: '{key}' must be a number >= 0")
+        out.append(d)
+    return out
+
+
+def validate_trace(text: str) -> list[tuple[int, int, int, int]]:
+    """Parse trace.csv; raise ValueError on a wrong header, a bad row or a duplicate key."""
+    lines = text.splitlines()
+    if not lines or lines[0].strip() != TRACE_HEADER:
+        raise ValueError(f"trace.csv: header must be '{TRACE_HEADER}'")
+    rows, seen = [], set()
+    for n, line in enumerate(lines[1:], start=2):
+        parts = line.split(",")
+        if len(parts) != 4 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+            raise ValueError(f"trace.csv line {n}: expected four integers, got '{line}'")
+        row = tuple(int(p) for p in parts)
+        if min(row) < 0:
+            raise ValueError(f"trace.csv line {n}: values must be >= 0")
+        if row[:3] in seen:
+            raise ValueError(f"trace.csv line {n}: duplicate (interval, layer, expert)")
+        seen.add(row[:3])
+        rows.append(row)
+    return rows

@@ -1,0 +1,207 @@
+"""A decoder-only MoE transformer built from a ModelSpec, as single-device code.
+
+`StageModule` holds a contiguous run of layers (the embedding when it is the first stage,
+the final norm and head when it is the last), so the whole model is the one-stage case and
+a pipeline stage is the same class with fewer layers. Every weight is initialized from a
+generator keyed by (seed, layer, part), so the same model comes out whatever the
+pipeline split or expert placement.
+
+Approximations (documented in runtime/RUNTIME.md): MLA attention runs as GQA with the same
+head count; sliding windows and attention sinks are ignored; embedding and head are untied;
+RoPE uses theta = 10000.
+
+Shape letters: B = sequences, S = sequence length, D = hidden size, V = vocabulary,
+H = query heads, G = key/value heads, Y = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.specs import AttentionSpec, LayerSpec, ModelSpec
+from runtime.moe import MoELayer, init_uniform_, seeded_generator
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(dim=-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def rope(x_BHSY: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding over the last axis (rotate-half convention)."""
+    s, y = x_BHSY.shape[-2], x_BHSY.shape[-1]
+    half = y // 2
+    freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x_BHSY.device) / half)
+    ang = torch.arange(s, dtype=torch.float32, device=x_BHSY.device)[:, None] * freq[None]
+    cos, sin = ang.cos().to(x_BHSY.dtype), ang.sin().to(x_BHSY.dtype)
+    x1, x2 = x_BHSY[..., :half], x_BHSY[..., half : 2 * half]
+    rot = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([rot, x_BHSY[..., 2 * half :]], dim=-1)
+
+
+def _linear(d_in: int, d_out: int, bias: bool, gen: torch.Generator) -> nn.Linear:
+    lin = nn.Linear(d_in, d_out, bias=bias)
+    init_uniform_(lin.weight, d_in, gen)
+    if bias:
+        nn.init.zeros_(lin.bias)
+    return lin
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention (MHA when G == H; MLA approximated as GQA, see module doc)."""
+
+    def __init__(self, d: int, spec: AttentionSpec, gen: torch.Generator) -> None:
+        super().__init__()
+        self.h, self.g = spec.num_heads, spec.num_kv_heads
+        self.y = spec.head_dim or (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+        if self.h % self.g:
+            raise ValueError(f"num_heads {self.h} not divisible by num_kv_heads {self.g}")
+        self.q = _linear(d, self.h * self.y, spec.bias, gen)
+        self.k = _linear(d, self.g * self.y, spec.bias, gen)
+        self.v = _linear(d, self.g * self.y, spec.bias, gen)
+        self.o = _linear(self.h * self.y, d, spec.o_bias, gen)
+        self.q_norm = RMSNorm(self.y) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.y) if spec.qk_norm else None
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x_BSD.shape
+        q = self.q(x_BSD).view(b, s, self.h, self.y)
+        k = self.k(x_BSD).view(b, s, self.g, self.y)
+        v = self.v(x_BSD).view(b, s, self.g, self.y)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = rope(q), rope(k)
+        if self.g != self.h:
+            k = k.repeat_interleave(self.h // self.g, dim=1)
+            v = v.repeat_interleave(self.h // self.g, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, self.h * self.y))
+
+
+class MLP(nn.Module):
+    """Dense feed-forward: SwiGLU when gated, else GELU; optional sigmoid output gate."""
+
+    def __init__(self, d: int, ffn: int, gated: bool, gen, sigmoid_gate: bool = False):
+        super().__init__()
+        self.up = _linear(d, ffn, False, gen)
+        self.gate = _linear(d, ffn, False, gen) if gated else None
+        self.down = _linear(ffn, d, False, gen)
+        self.out_gate = _linear(d, 1, False, gen) if sigmoid_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        h = F.silu(self.gate(x)) * h if self.gate is not None else F.gelu(h)
+        y = self.down(h)
+        if self.out_gate is not None:
+            y = torch.sigmoid(self.out_gate(x)) * y
+        return y
+
+
+class Block(nn.Module):
+    """One transformer layer: attention, then a dense MLP, an MoE, or both (Arctic)."""
+
+    def __init__(self, d: int, spec: LayerSpec, layer: int, seed: int, rank_of_expert_E, ep_rank):
+        super().__init__()
+        gen = seeded_generator(seed, layer, 0)
+        self.attn_norm = RMSNorm(d)
+        self.attn = Attention(d, spec.attention, gen)
+        self.ffn_norm = RMSNorm(d)
+        self.mlp = MLP(d, spec.dense_ffn, spec.dense_gated, gen) if spec.dense_ffn else None
+        self.moe = self.shared = None
+        if spec.moe is not None:
+            m = spec.moe
+            if rank_of_expert_E is None:
+                rank_of_expert_E = [0] * m.num_experts
+            self.moe = MoELayer(d, m, rank_of_expert_E, ep_rank, seed, layer)
+            if m.num_shared_experts and m.shared_ffn:
+                width = m.num_shared_experts * m.shared_ffn
+                self.shared = MLP(d, width, m.gated, gen, sigmoid_gate=m.shared_gate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        h = self.ffn_norm(x)
+        out = torch.zeros_like(x)
+        if self.mlp is not None:
+            out = out + self.mlp(h)
+        if self.moe is not None:
+            out = out + self.moe(h)
+        if self.shared is not None:
+            out = out + self.shared(h)
+        return x + out
+
+
+class StageModule(nn.Module):
+    """Layers `layer_ids` of the model; embedding if `first`, final norm + head if `last`.
+
+    Args:
+        model: the ModelSpec. layer_ids: contiguous layer indices of this stage.
+        placements: layer index -> rank_of_expert_E for the MoE layers (default: all on 0).
+        ep_rank: this rank's index in its EP group. seed: weight identity.
+    forward: token ids [B, S] (first stage) or hidden [B, S, D] -> hidden or logits [B, S, V].
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        layer_ids,
+        first: bool,
+        last: bool,
+        placements: dict[int, tuple[int, ...]] | None = None,
+        ep_rank: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        d, v = model.hidden_size, model.vocab_size
+        placements = placements or {}
+        self.layer_ids = list(layer_ids)
+        self.first, self.last = first, last
+        self.embed = nn.Embedding(v, d) if first else None
+        if self.embed is not None:
+            with torch.no_grad():
+                gen = seeded_generator(seed, 10**6, 1)
+                self.embed.weight.copy_(torch.randn(v, d, generator=gen))
+        self.blocks = nn.ModuleList(
+            Block(d, model.layers[i], i, seed, placements.get(i), ep_rank) for i in self.layer_ids
+        )
+        self.norm = RMSNorm(d) if last else None
+        self.head = _linear(d, v, False, seeded_generator(seed, 10**6, 2)) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """Layer index -> MoELayer for the MoE layers of this stage."""
+        return {
+            i: b.moe for i, b in zip(self.layer_ids, self.blocks, strict=True) if b.moe is not None
+        }
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """Parameters sharded over EP (synchronized over the edp group)."""
+        return [p for moe in self.moe_layers().values() for p in moe.experts.parameters()]
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Parameters replicated over the stage's data-parallel ranks."""
+        expert_ids = {id(p) for p in self.expert_parameters()}
+        return [p for p in self.parameters() if id(p) not in expert_ids]
+
+
+def lm_loss(logits_BSV: torch.Tensor, target_BS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (targets are already shifted by the data loader)."""
+    return F.cross_entropy(
+        logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), target_BS.reshape(-1)
+    )

@@ -1,0 +1,283 @@
+"""From a plan to a RunSpec: what one training run executes, optionally shrunk by `--scale F`.
+
+Pure Python (no torch), so `piper run` can validate a plan before it launches processes.
+
+What `--scale F` (0 < F < 1) changes, and what it keeps:
+- kept: pp, dp, tp, ep, edp, the number of experts (so experts per rank), top-k, gating,
+  shared experts, the expert placement of every kept MoE layer, the rank -> node layout.
+- widths: hidden size, head dim, every FFN width (dense, routed, shared) are multiplied by F
+  and rounded to a multiple of 8 (at least 8); key/value heads by F (at least 1) with the
+  query/kv head ratio kept; MLA becomes GQA of the same (scaled) head count.
+- depth: stage s keeps max(1, round(n_s * F)) of its n_s layers, evenly spaced from its first
+  layer, and at least one MoE layer if it had one, so stage boundaries stay in proportion.
+- sequence length: max(16, round(seq_len * F)); micro-batches per step: max(pp, round(m * F));
+  the micro-batch size is kept. Vocabulary becomes 256 (the data is bytes).
+F = 1 runs the plan as is (the vocabulary must then hold 256 byte ids).
+
+Shape letters: L = layers, E = routed experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from planner.plan import Plan
+from planner.specs import AttentionSpec, LayerSpec, ModelSpec, SpecError
+
+Dispatcher = Literal["halo", "halo-dedup", "flat"]
+BYTE_VOCAB = 256
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything one training run needs; identical on every rank.
+
+    stage_layers: run-model layer indices per pipeline stage. placements: (run layer,
+    rank_of_expert_E) per MoE layer. source_layers: plan layer index of each run layer.
+    logical_of_physical: logical rank (plan convention) run by process RANK p.
+    """
+
+    model: ModelSpec
+    pp: int
+    dp: int
+    ep: int
+    micro_batch: int
+    num_microbatches: int
+    seq_len: int
+    stage_layers: tuple[tuple[int, ...], ...]
+    placements: tuple[tuple[int, tuple[int, ...]], ...]
+    source_layers: tuple[int, ...]
+    logical_of_physical: tuple[int, ...]
+    ranks_per_node: int
+    steps: int = 30
+    seed: int = 0
+    lr: float = 3e-3
+    dispatcher: Dispatcher = "halo"
+    migrate_every: int = 0
+    migrate_policy: Literal["planner", "greedy", "rotate"] = "planner"
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.dp * self.micro_batch * self.num_microbatches * self.seq_len
+
+    def placement_of(self, layer: int) -> tuple[int, ...] | None:
+        return dict(self.placements).get(layer)
+
+
+def _width(x: int, factor: float) -> int:
+    if x <= 0 or factor >= 1.0:
+        return x
+    return max(8, int(round(x * factor / 8.0)) * 8)
+
+
+def scale_attention(att: AttentionSpec, factor: float) -> AttentionSpec:
+    """Shrink one attention block; MLA becomes GQA with the same head count (see module doc)."""
+    head_dim = att.head_dim or (att.qk_nope_head_dim + att.qk_rope_head_dim)
+    kv = att.num_kv_heads if att.kind != "mla" else att.num_heads
+    group = max(1, att.num_heads // max(1, kv))
+    if factor < 1.0:
+        head_dim = max(8, 2 * int(round(head_dim * factor / 2.0)))
+        kv = max(1, int(round(kv * factor)))
+    kind = "gqa" if att.kind == "mla" else att.kind
+    return AttentionSpec(
+        kind=kind,
+        num_heads=kv * group,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        bias=att.bias,
+        o_bias=att.o_bias,
+        qk_norm=att.qk_norm,
+    )
+
+
+def scale_layer(layer: LayerSpec, factor: float) -> LayerSpec:
+    moe = layer.moe
+    if moe is not None:
+        moe = replace(
+            moe,
+            expert_ffn=_width(moe.expert_ffn, factor),
+            shared_ffn=_width(moe.shared_ffn, factor),
+        )
+    return replace(
+        layer,
+        attention=scale_attention(layer.attention, factor),
+        dense_ffn=_width(layer.dense_ffn, factor),
+        moe=moe,
+    )
+
+
+def keep_layers(stage_layers: list[tuple[int, ...]], model: ModelSpec, factor: float):
+    """Plan layer indices kept per stage: evenly spaced, at least one MoE layer if any."""
+    kept = []
+    for layers in stage_layers:
+        n = len(layers)
+        n_new = n if factor >= 1.0 else max(1, int(round(n * factor)))
+        pick = [layers[(i * n) // n_new] for i in range(n_new)]
+        moe = [i for i in layers if model.layers[i].kind == "moe"]
+        if moe and not any(model.layers[i].kind == "moe" for i in pick):
+            pick[-1] = moe[-1]
+        kept.append(tuple(pick))
+    return kept
+
+
+def run_spec_from_plan(
+    plan: Plan, model: ModelSpec, scale: float = 1.0, ranks_per_node: int | None = None, **options
+) -> RunSpec:
+    """Build the RunSpec for `plan` (model = the plan's ModelSpec), shrunk by `scale`.
+
+    options: steps, seed, lr, dispatcher, migrate_every (RunSpec fields).
+    Raises SpecError for plans the runtime cannot execute (tp > 1, bad stages).
+    """
+    par = plan.parallel
+    if not 0.0 < scale <= 1.0:
+        raise SpecError(f"--scale must be in (0, 1], got {scale}")
+    if par.tp != 1:
+        raise SpecError(
+            f"plan: parallel.tp={par.tp}; the runtime runs tp=1 plans only (re-plan with --tp 1)"
+        )
+    if len(plan.stages) != par.pp:
+        raise SpecError(
+            f"plan: {len(plan.stages)} stages but parallel.pp={par.pp}; "
+            "regenerate it with 'piper plan'"
+        )
+    stages = [tuple(s.layers) for s in sorted(plan.stages, key=lambda s: s.stage)]
+    flat = [i for s in stages for i in s]
+    if flat != list(range(model.num_layers)):
+        raise SpecError(f"plan: stages must cover layers 0..{model.num_layers - 1} in order")
+    kept = keep_layers(stages, model, scale)
+    source = [i for s in kept for i in s]
+    layers = tuple(scale_layer(model.layers[i], scale) for i in source)
+    vocab = BYTE_VOCAB if scale < 1.0 else model.vocab_size
+    if vocab < BYTE_VOCAB:
+        raise SpecError(f"model {model.name}: vocab_size {vocab} < 256 byte ids")
+    run_model = replace(
+        model,
+        layers=layers,
+        vocab_size=vocab,
+        hidden_size=_width(model.hidden_size, scale),
+        num_mtp_layers=0,
+    )
+    placement_of = {e.layer: tuple(e.rank_of_expert) for e in plan.experts}
+    placements = []
+    for run_i, plan_i in enumerate(source):
+        moe = model.layers[plan_i].moe
+        if moe is None:
+            continue
+        table = placement_of.get(plan_i) or default_placement(moe.num_experts, par.ep)
+        check_placement(table, moe.num_experts, par.ep, plan_i)
+        placements.append((run_i, table))
+    offsets = [0]
+    for s in kept:
+        offsets.append(offsets[-1] + len(s))
+    stage_layers = tuple(tuple(range(offsets[i], offsets[i + 1])) for i in range(par.pp))
+    seq_len = int(plan.training.get("seq_len", 4096))
+    num_mb = par.num_microbatches
+    if scale < 1.0:
+        seq_len = max(16, int(round(seq_len * scale)))
+        num_mb = max(par.pp, int(round(num_mb * scale)))
+    world = par.pp * par.dp
+    g = ranks_per_node or min(world, int(plan.cluster.get("gpus_per_node", world)))
+    return RunSpec(
+        model=run_model,
+        pp=par.pp,
+        dp=par.dp,
+        ep=par.ep,
+        micro_batch=par.micro_batch,
+        num_microbatches=num_mb,
+        seq_len=seq_len,
+        stage_layers=stage_layers,
+        placements=tuple(placements),
+        source_layers=tuple(source),
+        logical_of_physical=physical_order(plan),
+        ranks_per_node=g,
+        **options,
+    )
+
+
+def default_placement(num_experts: int, ep: int) -> tuple[int, ...]:
+    """Contiguous blocks: expert e on EP rank e // (E / ep)."""
+    return tuple(e // (num_experts // ep) for e in range(num_experts))
+
+
+def check_placement(table, num_experts: int, ep: int, layer: int) -> None:
+    if len(table) != num_experts or any(not 0 <= r < ep for r in table):
+        raise SpecError(
+            f"plan: experts[layer={layer}].rank_of_expert must list {num_experts} "
+            f"EP ranks in 0..{ep - 1}"
+        )
+    if num_experts % ep or any(table.count(r) != num_experts // ep for r in range(ep)):
+        raise SpecError(
+            f"plan: experts[layer={layer}] must give every EP rank "
+            f"{num_experts // max(1, ep)} experts"
+        )
+
+
+def physical_order(plan: Plan) -> tuple[int, ...]:
+    """Logical rank run by each process: the plan's ranks sorted by (node, local_rank)."""
+    world = plan.parallel.pp * plan.parallel.dp * plan.parallel.tp
+    if not plan.ranks:
+        return tuple(range(world))
+    rows = sorted(plan.ranks, key=lambda r: (r.node, r.local_rank, r.rank))
+    order = tuple(r.rank for r in rows)
+    if sorted(order) != list(range(world)):
+        raise SpecError(f"plan: ranks must list logical ranks 0..{world - 1} once each")
+    return order
+
+
+def hand_plan(
+    model: ModelSpec,
+    pp: int,
+    dp: int,
+    ep: int,
+    micro_batch: int = 1,
+    num_microbatches: int = 2,
+    seq_len: int = 64,
+    gpus_per_node: int = 8,
+    model_entry: dict | None = None,
+) -> Plan:
+    """A plan written by hand (no solver): even stages, contiguous expert blocks, ranks in
+    order. For tests and quick runs; `model_entry` is plan.model (name, source, config)."""
+    from planner.plan import (
+        ExpertPlacement,
+        ParallelPlan,
+        Predicted,
+        RankPlan,
+        SolverReport,
+        StagePlan,
+    )
+
+    n = model.num_layers
+    bounds = [round(s * n / pp) for s in range(pp + 1)]
+    stages = tuple(StagePlan(s, tuple(range(bounds[s], bounds[s + 1]))) for s in range(pp))
+    experts = tuple(
+        ExpertPlacement(i, default_placement(model.layers[i].moe.num_experts, ep))
+        for i in model.moe_layers
+    )
+    ranks = tuple(
+        RankPlan(r, r // gpus_per_node, r % gpus_per_node, r // dp, r % dp, 0, (r % dp) % ep)
+        for r in range(pp * dp)
+    )
+    return Plan(
+        model=model_entry or {"name": model.name, "source": model.source, "config": {}},
+        cluster={
+            "name": "hand",
+            "gpus_per_node": gpus_per_node,
+            "nodes": -(-pp * dp // gpus_per_node),
+        },
+        training={"seq_len": seq_len, "global_batch": dp * micro_batch * num_microbatches},
+        parallel=ParallelPlan(pp, dp, 1, ep, dp // ep, micro_batch, num_microbatches, "none"),
+        stages=stages,
+        experts=experts,
+        ranks=ranks,
+        predicted=Predicted(0.0, 0.0, 0.0, 0.0, 0.0, tuple(0.0 for _ in range(pp)), 0.0),
+        solver=SolverReport("none", "NOT_SOLVED", 0.0, 0.0, 0.0),
+    )
