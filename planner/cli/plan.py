@@ -1,0 +1,173 @@
+"""`piper plan`: search the best layout and placement, write plan.json, CSVs, summary and plots.
+
+Defaults (planner/PLANNING.md): mixtral-8x7b on 64 GPUs of frontier, sequence 4096, global
+batch 1024 sequences, CP-SAT, output in results/<model>-<cluster>-<gpus>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+from planner.specs import ModelSpec, SpecError, TrainingSpec
+
+DEFAULTS = {"model": "mixtral-8x7b", "cluster": "frontier", "gpus": 64}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="find the best parallel layout and placement (writes plan.json and reports)",
+        description="Search (pp, dp, tp, ep, micro-batch, recompute), solve the stage, expert "
+        "and rank integer programs, and write plan.json, candidates.csv, stages.csv, "
+        "memory.csv, comm.csv, summary.md and plots. See planner/PLANNING.md.",
+    )
+    p.add_argument("--model", default=DEFAULTS["model"], help="preset name or config.json path")
+    p.add_argument("--cluster", default=DEFAULTS["cluster"], help="preset name or cluster YAML")
+    p.add_argument("--gpus", type=int, default=DEFAULTS["gpus"], help="devices to plan for")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
+    for name in ("pp", "dp", "tp", "ep"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"fix {name} (default: search)")
+    p.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch size")
+    p.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        default=None,
+        help="activation recompute policy (default: search none and per-layer full)",
+    )
+    p.add_argument("--max-ep", type=int, default=None, help="largest EP group allowed")
+    p.add_argument("--zero", action="store_true", help="shard optimizer state over data ranks")
+    p.add_argument("--bytes-per-param", type=int, choices=(16, 18), default=16)
+    p.add_argument("--solver", choices=("cpsat", "cbc"), default="cpsat")
+    p.add_argument("--time-limit-s", type=float, default=10.0, help="limit for each IP solve")
+    p.add_argument("--threads", type=int, default=1, help="candidates solved concurrently")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allocation", default=None, help="node allocation file for the rank IP")
+    p.add_argument("--trace", default=None, help="expert-load trace CSV for the expert IP")
+    p.add_argument("--out", default=None, help="output dir (default results/MODEL-CLUSTER-GPUS)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def trace_loads(path: str, model: ModelSpec) -> dict[int, tuple[float, ...]]:
+    """Tokens per expert summed over all intervals, per transformer layer index.
+
+    The trace's `layer` column may hold transformer layer indices (values among the model's
+    MoE layers) or MoE-layer ordinals 0..n-1; both are accepted.
+    """
+    from planner.migration.trace import load_trace
+
+    trace = load_trace(path)
+    tokens = getattr(trace, "tokens_ILE", None)
+    if tokens is None:
+        raise SpecError(f"{path}: could not read tokens per (interval, layer, expert)")
+    moe = list(model.moe_layers)
+    layers = list(getattr(trace, "layers", range(len(tokens[0]))))
+    totals: dict[int, list[float]] = defaultdict(list)
+    for j, layer in enumerate(layers):
+        target = layer if set(layers) <= set(moe) else (moe[layer] if layer < len(moe) else None)
+        if target is None:
+            raise SpecError(f"{path}: layer {layer} is not an MoE layer of {model.name}")
+        per_e = [
+            sum(float(tokens[i][j][e]) for i in range(len(tokens)))
+            for e in range(len(tokens[0][j]))
+        ]
+        if len(per_e) != model.layers[target].moe.num_experts:  # type: ignore[union-attr]
+            raise SpecError(
+                f"{path}: layer {layer} has {len(per_e)} experts, model has "
+                f"{model.layers[target].moe.num_experts}"
+            )  # type: ignore[union-attr]
+        totals[target] = per_e
+    return {k: tuple(v) for k, v in totals.items()}
+
+
+class _Progress:
+    """`\\rsearch: 12/40 candidates` on stderr, only on a TTY and after the first second."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.active = sys.stderr.isatty()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.active and time.monotonic() - self.start > 1.0:
+            sys.stderr.write(f"\rsearch: {done}/{total} candidates to solve")
+            sys.stderr.flush()
+            self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec]:
+    from planner.clusters import load_cluster
+    from planner.models import load_model
+
+    model = load_model(args.model)
+    cluster = load_cluster(args.cluster)
+    training = TrainingSpec(
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        zero=args.zero,
+        recompute=args.recompute or "none",
+        bytes_per_param=args.bytes_per_param,
+    )
+    return model, cluster, training
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.ip.search import plan
+    from planner.ip.solvers import SolverOptions
+    from planner.outputs.files import write_files
+    from planner.outputs.reports import render_files, summary_dict, summary_text
+
+    model, cluster, training = _inputs(args)
+    options = SolverOptions(args.solver, args.time_limit_s, args.threads, args.seed)
+    allocation = None
+    if args.allocation:
+        from planner.allocation import load_allocation
+
+        allocation = load_allocation(args.allocation)
+    loads = trace_loads(args.trace, model) if args.trace else None
+    fixed = {"pp": args.pp, "dp": args.dp, "tp": args.tp, "ep": args.ep}
+    fixed["micro_batch"] = args.micro_batch
+    progress = _Progress()
+    try:
+        result = plan(
+            model,
+            cluster,
+            training,
+            args.gpus,
+            fixed,
+            options,
+            allocation,
+            loads,
+            progress,
+            recompute=[args.recompute] if args.recompute else None,
+            max_ep=args.max_ep,
+        )
+    finally:
+        progress.close()
+    if result.plan is None:
+        if result.interrupted:
+            print(
+                "piper plan: interrupted before any candidate was solved; nothing written",
+                file=sys.stderr,
+            )
+            return 130
+        raise SpecError(result.message)
+    out = args.out or f"results/{model.name}-{cluster.name}-{args.gpus}"
+    write_files(out, render_files(result))
+    if args.json:
+        print(json.dumps({**summary_dict(result), "out": out}, indent=2, sort_keys=True))
+    else:
+        print(summary_text(result, out))
+    if result.interrupted:
+        print("piper plan: interrupted; wrote the best plan found so far", file=sys.stderr)
+    return 0

@@ -1,0 +1,152 @@
+"""The plots of `piper plan`, rendered to PNG bytes with matplotlib's Agg backend.
+
+- memory.png: memory per stage, stacked by component, against usable device memory;
+- time.png: time of one micro-batch per stage, stacked by component;
+- timeline.png: one 1F1B step (forward = 1/3, backward = 2/3 of a stage's micro-batch time).
+PNG metadata carries no date or version, so the same plan gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from planner.ip.backend import EstimateView  # noqa: E402
+from planner.plan import Plan  # noqa: E402
+
+_META = {"Software": None}
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata=_META)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _stacked(ax, components: Sequence[tuple[str, Sequence[float]]], stages: int) -> None:
+    bottom = [0.0] * stages
+    for name, values in components:
+        ax.bar(range(stages), values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(range(stages))
+    ax.set_xlabel("pipeline stage")
+
+
+def memory_png(est: EstimateView, title: str) -> bytes:
+    stages = len(est.memory_gib_per_stage)
+    comps = est.memory_gib_SC or (("total", est.memory_gib_per_stage),)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _stacked(ax, comps, stages)
+    ax.axhline(est.usable_memory_gib, color="black", linestyle="--", label="usable")
+    ax.set_ylabel("GiB per device")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def time_png(est: EstimateView, title: str) -> bytes:
+    stages = len(est.memory_gib_per_stage)
+    comps = est.time_s_SC or (("total", est.stage_time_s),)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _stacked(ax, [(n, [1e3 * v for v in vals]) for n, vals in comps], stages)
+    ax.set_ylabel("ms per micro-batch (fwd + bwd)")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return _png(fig)
+
+
+@dataclass(frozen=True)
+class Op:
+    stage: int
+    micro: int
+    kind: str  # "F" | "B"
+    start_s: float
+    end_s: float
+
+
+def one_f_one_b(stage_time_s: Sequence[float], num_microbatches: int) -> list[Op]:
+    """Start/end of every forward and backward op of one 1F1B step.
+
+    Stage s runs min(pp - 1 - s, m) warm-up forwards, then alternates forward/backward, then
+    drains the backwards; an op starts when its stage is free and its input has arrived
+    (F from stage s - 1, B from stage s + 1). Forward takes 1/3 of the stage time.
+    """
+    pp, m = len(stage_time_s), num_microbatches
+    order = []
+    for s in range(pp):
+        warm = min(pp - 1 - s, m)
+        seq = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            seq += [("F", warm + i), ("B", i)]
+        seq += [("B", i) for i in range(m - warm, m)]
+        order.append(seq)
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * pp
+    pos = [0] * pp
+    ops: list[Op] = []
+    while len(ops) < 2 * pp * m:
+        progressed = False
+        for s in range(pp):
+            if pos[s] >= len(order[s]):
+                continue
+            kind, i = order[s][pos[s]]
+            dep = ("F", s - 1, i) if kind == "F" else ("B", s + 1, i)
+            has_dep = (kind == "F" and s > 0) or (kind == "B" and s < pp - 1)
+            if has_dep and dep not in done:
+                continue
+            if kind == "B" and ("F", s, i) not in done:
+                continue
+            start = max(free[s], done[dep] if has_dep else 0.0)
+            dur = stage_time_s[s] / 3 if kind == "F" else 2 * stage_time_s[s] / 3
+            done[(kind, s, i)] = free[s] = start + dur
+            ops.append(Op(s, i, kind, start, start + dur))
+            pos[s] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("1F1B schedule deadlocked")  # cannot happen for valid inputs
+    return ops
+
+
+def timeline_png(stage_time_s: Sequence[float], num_microbatches: int, title: str) -> bytes:
+    ops = one_f_one_b(stage_time_s, num_microbatches)
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(stage_time_s) + 1.5))
+    for op in ops:
+        color = "tab:blue" if op.kind == "F" else "tab:orange"
+        ax.barh(
+            op.stage,
+            1e3 * (op.end_s - op.start_s),
+            left=1e3 * op.start_s,
+            color=color,
+            edgecolor="white",
+            linewidth=0.3,
+        )
+    ax.set_yticks(range(len(stage_time_s)))
+    ax.invert_yaxis()
+    ax.set_ylabel("stage")
+    ax.set_xlabel("ms (blue forward, orange backward)")
+    ax.set_title(title)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def render_plots(plan: Plan, est: EstimateView) -> dict[str, bytes]:
+    """{file name: PNG bytes} for the chosen plan."""
+    name = f"{plan.model.get('name', '')} pp={plan.parallel.pp} ep={plan.parallel.ep}"
+    stage_time = est.stage_time_s or tuple(0.0 for _ in est.memory_gib_per_stage)
+    m = plan.parallel.num_microbatches
+    shown = min(m, 32)
+    what = f"one 1F1B step: {name}" + (f" ({shown} of {m} micro-batches)" if shown < m else "")
+    return {
+        "memory.png": memory_png(est, f"memory per stage: {name}"),
+        "time.png": time_png(est, f"time per stage: {name}"),
+        "timeline.png": timeline_png(stage_time, shown, what),
+    }
