@@ -1,0 +1,187 @@
+"""`piper estimate`: the resource model's breakdown for one layout (table, JSON, CSVs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from planner.specs import SpecError
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "estimate",
+        help="predict memory, time and MFU of one parallel layout",
+        description="Per-stage memory by component, time by component, communication by "
+        "level, step time, tokens/s, TFLOPS per GPU and MFU for one layout (even layer split). "
+        "See planner/RESOURCE_MODEL.md.",
+    )
+    p.add_argument("--model", required=True, help="model preset name or config path")
+    p.add_argument("--cluster", required=True, help="cluster preset name or YAML path")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides dp*tp)")
+    p.add_argument("--gpus", type=int, default=None, help="check that pp*dp*tp equals this")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--num-microbatches", type=int, default=None, help="per data-parallel rank")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    p.add_argument("--zero", action="store_true", help="distributed optimizer (shard Adam)")
+    p.add_argument("--bytes-per-param", type=int, choices=(16, 18), default=16)
+    p.add_argument("--routing-skew", type=float, default=1.0, help="hot rank load / mean")
+    p.add_argument("--no-flash", action="store_true", help="attention without flash kernels")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"))
+    p.add_argument("--dispatcher", choices=("flat", "halo"), default="flat")
+    p.add_argument("--accounting", choices=("piper", "paper"), default="piper")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", default=None, help="write estimate.json, memory/time/comm.csv here")
+    p.set_defaults(func=run)
+
+
+def _microbatches(args: argparse.Namespace) -> tuple[int, int]:
+    """(num_microbatches, global_batch) from the flags; a mismatch is one error line."""
+    per_step = args.dp * args.micro_batch
+    if args.num_microbatches is not None:
+        m = args.num_microbatches
+        if args.global_batch is not None and args.global_batch != m * per_step:
+            raise SpecError(
+                f"--global-batch {args.global_batch} != dp*micro-batch*num-microbatches = "
+                f"{m * per_step}; give only one of --global-batch and --num-microbatches"
+            )
+        return m, m * per_step
+    gb = args.global_batch if args.global_batch is not None else 1024
+    if gb % per_step:
+        raise SpecError(
+            f"--global-batch {gb} is not a multiple of dp*micro-batch = {per_step}; "
+            "change --global-batch, --dp or --micro-batch"
+        )
+    return gb // per_step, gb
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.clusters import load_cluster
+    from planner.models import load_model
+    from planner.outputs.files import write_files
+    from planner.parallel import ParallelConfig
+    from planner.resources.cost import estimate, estimate_to_dict
+    from planner.specs import TrainingSpec
+
+    model, cluster = load_model(args.model), load_cluster(args.cluster)
+    m, gb = _microbatches(args)
+    parallel = ParallelConfig(
+        pp=args.pp, dp=args.dp, tp=args.tp, ep=args.ep, micro_batch=args.micro_batch,
+        num_microbatches=m, recompute=args.recompute,
+    )  # fmt: skip
+    if args.gpus is not None and parallel.world != args.gpus:
+        raise SpecError(
+            f"layout: pp*dp*tp = {parallel.world} but --gpus {args.gpus}; make them multiply "
+            "to the GPU count"
+        )
+    training = TrainingSpec(
+        seq_len=args.seq_len, global_batch=gb, dtype=args.dtype,
+        bytes_per_param=args.bytes_per_param, zero=args.zero, recompute=args.recompute,
+        flash_attention=not args.no_flash, routing_skew=args.routing_skew,
+    )  # fmt: skip
+    est = estimate(
+        model, cluster, training, parallel, dispatcher=args.dispatcher, accounting=args.accounting
+    )
+    data = {
+        "model": model.name,
+        "cluster": cluster.name,
+        "parallel": {
+            "pp": parallel.pp,
+            "dp": parallel.dp,
+            "tp": parallel.tp,
+            "ep": parallel.ep,
+            "edp": parallel.edp,
+            "micro_batch": parallel.micro_batch,
+            "num_microbatches": m,
+            "recompute": parallel.recompute,
+            "world": parallel.world,
+        },  # fmt: skip
+        "training": {"seq_len": training.seq_len, "global_batch": gb, "zero": training.zero},
+        "dispatcher": args.dispatcher,
+        "accounting": args.accounting,
+        **estimate_to_dict(est),
+    }
+    if args.out:
+        write_files(args.out, _files(data))
+    if args.json:
+        print(json.dumps(_rounded(data), indent=2, sort_keys=True))
+    else:
+        print(_table(data))
+        if args.out:
+            print(f"wrote estimate.json, memory.csv, time.csv, comm.csv to {args.out}")
+    return 0
+
+
+def _rounded(obj: object) -> object:
+    if isinstance(obj, float):
+        return float(f"{obj:.9g}")
+    if isinstance(obj, dict):
+        return {k: _rounded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rounded(v) for v in obj]
+    return obj
+
+
+def _files(data: dict) -> dict[str, str]:
+    mem = ["stage,component,gib"]
+    time = ["stage,component,seconds"]
+    for st in data["stages"]:
+        mem += [f"{st['stage']},{k},{v:.6f}" for k, v in st["memory_gib"].items()]
+        mem.append(f"{st['stage']},total,{st['total_gib']:.6f}")
+        time += [f"{st['stage']},{k},{v:.9g}" for k, v in st["time_s"].items()]
+        time.append(f"{st['stage']},total,{st['total_s']:.9g}")
+    comm = ["name,kind,level,seconds_per_step"]
+    for name, s in data["comm_s"].items():
+        kind, _, level = name.partition("_")
+        comm.append(f"{name},{kind},{level},{s:.9g}")
+    return {
+        "estimate.json": json.dumps(_rounded(data), indent=2, sort_keys=True) + "\n",
+        "memory.csv": "\n".join(mem) + "\n",
+        "time.csv": "\n".join(time) + "\n",
+        "comm.csv": "\n".join(comm) + "\n",
+    }
+
+
+def _table(d: dict) -> str:
+    par = d["parallel"]
+    lines = [
+        f"{d['model']} on {d['cluster']}: pp={par['pp']} dp={par['dp']} tp={par['tp']} "
+        f"ep={par['ep']} edp={par['edp']} micro-batch={par['micro_batch']} "
+        f"micro-batches={par['num_microbatches']} recompute={par['recompute']} "
+        f"({par['world']} GPUs, {d['dispatcher']} all-to-all)",
+        "",
+    ]
+    mem_keys = list(d["stages"][0]["memory_gib"])
+    lines.append("memory per rank (GiB)")
+    lines.append(f"{'stage':>5} {'layers':>7} " + " ".join(f"{k[:11]:>11}" for k in mem_keys)
+                 + f" {'total':>8}")  # fmt: skip
+    for st in d["stages"]:
+        row = " ".join(f"{st['memory_gib'][k]:>11.2f}" for k in mem_keys)
+        lines.append(f"{st['stage']:>5} {len(st['layers']):>7} {row} {st['total_gib']:>8.2f}")
+    time_keys = sorted({k for st in d["stages"] for k in st["time_s"]})
+    lines += ["", "time per micro-batch, forward + backward (ms)"]
+    lines.append(f"{'stage':>5} " + " ".join(f"{k[:11]:>11}" for k in time_keys) + f" {'total':>9}")
+    for st in d["stages"]:
+        row = " ".join(f"{st['time_s'].get(k, 0.0) * 1e3:>11.2f}" for k in time_keys)
+        lines.append(f"{st['stage']:>5} {row} {st['total_s'] * 1e3:>9.2f}")
+    lines += ["", "communication per step on the bottleneck stage (s)"]
+    lines += [f"  {k:<24} {v:>10.4f}" for k, v in d["comm_s"].items()]
+    tables = ", ".join(d["used_measured_tables"]) or "none (analytic defaults)"
+    lines += [
+        "",
+        f"step time        {d['step_time_s']:.4f} s  (bubble {d['bubble_fraction']:.1%}, "
+        f"exposed comm {d['exposed_comm_s']:.4f} s)",
+        f"tokens/s         {d['tokens_per_s']:,.0f}",
+        f"TFLOPS per GPU   {d['tflops_per_gpu']:.1f}  (MFU {d['mfu']:.1%})",
+        f"usable memory    {d['usable_memory_gib']:.1f} GiB per GPU",
+        f"fits             {'yes' if d['fits'] else 'NO: ' + d['reason']}",
+        f"measured tables  {tables}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,252 @@
+"""Compute per rank: FLOPs of each layer from its shapes and the time they take on a device.
+
+Formulas and constants are derived in planner/RESOURCE_MODEL.md (section "Compute").
+FLOPs count multiply-adds as 2; training = forward + backward = 3 x forward (backward does
+the data-gradient and the weight-gradient GEMMs). Attention scores are causal: each query
+attends (s + 1) / 2 keys on average (or the sliding window).
+
+Time of a GEMM group, analytic: a roofline with a skinny-GEMM penalty,
+    t = max(F / (peak * eff * M / (M + M_HALF_ROWS)), bytes / HBM) + kernels * KERNEL_LAUNCH_S,
+or, when the cluster has a measured `gemm_<dtype>` table (y = achieved TFLOPS at M rows),
+    t = F / y(M).  Attention scores use `attention_<dtype>` (y at sequence length) likewise.
+
+Notation: b micro-batch, s sequence, d hidden, T = b s / tp tokens per rank, k top-k,
+E experts, f expert ffn width, mats = 3 for gated MLPs (SwiGLU) else 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.parallel import ParallelConfig
+from planner.params import attention_params
+from planner.resources.memory import act_bytes_per_element, layer_activations
+from planner.resources.tables import lookup
+from planner.specs import AttentionSpec, ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
+
+TRAIN_FACTOR = 3  # forward + backward = 3 x forward FLOPs
+KERNEL_LAUNCH_S = 5e-6  # ASSUMPTION: per-kernel launch + tail cost (fwd, dgrad, wgrad each)
+M_HALF_ROWS = 128  # ASSUMPTION: a GEMM with 128 rows reaches half its large-GEMM efficiency
+ELEMENTWISE_PASSES = 4  # ASSUMPTION: norms/activations/permutes touch each saved byte ~4 times
+
+
+@dataclass(frozen=True)
+class Work:
+    """One kind of work of one layer on one rank, per micro-batch, forward + backward."""
+
+    name: str  # attn_proj, attn_core, router, experts, shared, dense_mlp, head, elementwise
+    flops: float
+    time_s: float
+    forward_s: float  # the forward part alone (what recompute repeats)
+    tables: tuple[str, ...] = ()  # measured tables used
+
+
+def causal_context(training: TrainingSpec, att: AttentionSpec) -> float:
+    """Average number of keys one query attends to under a causal (sliding-window) mask."""
+    s = training.seq_len
+    w = att.sliding_window
+    if w is None or w >= s:
+        return (s + 1) / 2
+    return w - w * (w - 1) / (2 * s)  # first w queries see 1..w keys, the rest see w
+
+
+def gemm_time(
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    rows: float,
+    flops: float,
+    bytes_moved: float,
+    kernels: int,
+) -> tuple[float, tuple[str, ...]]:
+    """Seconds for GEMMs of `flops` total with `rows` rows (M) each, moving `bytes_moved`
+    bytes through HBM in `kernels` launches; and the measured tables used."""
+    if flops <= 0:
+        return 0.0, ()
+    name = f"gemm_{training.dtype}"
+    measured = lookup(cluster, name, max(rows, 1.0))
+    if measured is not None:
+        return flops / (measured * 1e12), (name,)
+    peak = cluster.device.peak(training.dtype) * 1e12
+    eff = cluster.gemm_efficiency * rows / (rows + M_HALF_ROWS)
+    compute_s = flops / (peak * eff)
+    memory_s = bytes_moved / (cluster.device.hbm_gbps * 1e9)
+    return max(compute_s, memory_s) + kernels * KERNEL_LAUNCH_S, ()
+
+
+def _gemm_work(
+    name: str,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    rows: float,
+    fwd_flops: float,
+    weight_params: float,
+    io_elems: float,
+    mats: int,
+) -> Work:
+    """Forward + backward of GEMMs with `weight_params` weights and `io_elems` input+output
+    elements per forward: weights are read 3 times (fwd, dgrad, wgrad writes dW) and the
+    activations 3 times; 3 kernels per matrix."""
+    a = act_bytes_per_element(training)
+    bytes_moved = a * 3 * (weight_params + io_elems)
+    flops = TRAIN_FACTOR * fwd_flops
+    t, tables = gemm_time(cluster, training, rows, flops, bytes_moved, 3 * mats)
+    return Work(name, flops, t, t / TRAIN_FACTOR, tables)
+
+
+def attention_work(
+    model: ModelSpec,
+    layer: LayerSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+) -> list[Work]:
+    """Projections (2 T x attention parameters / tp) and the causal score/value products
+    (2 b (H/tp) s ctx (d_qk + d_v)) of one attention block."""
+    att, d = layer.attention, model.hidden_size
+    rows = parallel.micro_batch * training.seq_len
+    tokens = rows / parallel.tp
+    p_att = attention_params(att, d) / parallel.tp
+    proj = _gemm_work(
+        "attn_proj", cluster, training, rows, 2 * tokens * p_att, p_att, tokens * 2 * d, 4
+    )
+    if att.kind == "mla":
+        d_qk, d_v = att.qk_nope_head_dim + att.qk_rope_head_dim, att.v_head_dim
+    else:
+        d_qk = d_v = att.head_dim
+    heads = att.num_heads / parallel.tp
+    ctx = causal_context(training, att)
+    fwd = 2 * parallel.micro_batch * heads * training.seq_len * ctx * (d_qk + d_v)
+    flops = TRAIN_FACTOR * fwd
+    name = f"attention_{training.dtype}"
+    measured = lookup(cluster, name, training.seq_len)
+    if measured is not None:
+        t, tables = flops / (measured * 1e12), (name,)
+    else:
+        peak = cluster.device.peak(training.dtype) * 1e12
+        t, tables = flops / (peak * cluster.attention_efficiency) + 3 * KERNEL_LAUNCH_S, ()
+    core = Work("attn_core", flops, t, t / TRAIN_FACTOR, tables)
+    return [proj, core]
+
+
+def mlp_work(
+    model: ModelSpec,
+    layer: LayerSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+) -> list[Work]:
+    """Dense MLP, router, routed experts and shared experts of one layer.
+
+    Routed experts on the hottest rank: E/ep local experts, each with
+    M = ep * T * k / E * skew rows (the tokens of the whole EP group spread over E experts),
+    run as one grouped GEMM per matrix; FLOPs 2 T k skew mats d f.
+    """
+    d = model.hidden_size
+    rows = parallel.micro_batch * training.seq_len
+    tokens = rows / parallel.tp
+    out: list[Work] = []
+    if layer.dense_ffn:
+        mats = 3 if layer.dense_gated else 2
+        w = mats * d * layer.dense_ffn / parallel.tp
+        io = tokens * (2 * d + mats * layer.dense_ffn)
+        out.append(_gemm_work("dense_mlp", cluster, training, rows, 2 * tokens * w, w, io, mats))
+    moe = layer.moe
+    if moe is None:
+        return out
+    e, k, f = moe.num_experts, moe.top_k, moe.expert_ffn
+    mats = 3 if moe.gated else 2
+    router_w = d * e
+    out.append(
+        _gemm_work("router", cluster, training, rows, 2 * tokens * router_w, router_w, 0.0, 1)
+    )
+    skew = training.routing_skew
+    rows_per_expert = parallel.ep * tokens * k / e * skew
+    local = e / parallel.ep
+    copies = tokens * k * skew
+    w = local * mats * d * f
+    io = copies * (2 * d + mats * f)
+    out.append(
+        _gemm_work(
+            "experts", cluster, training, rows_per_expert, 2 * copies * mats * d * f, w, io, mats
+        )
+    )
+    if moe.num_shared_experts:
+        w = moe.num_shared_experts * mats * d * moe.shared_ffn
+        io = tokens * (2 * d + moe.num_shared_experts * mats * moe.shared_ffn)
+        out.append(_gemm_work("shared", cluster, training, rows, 2 * tokens * w, w, io, mats))
+    return out
+
+
+def elementwise_work(
+    model: ModelSpec,
+    layer: LayerSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+) -> Work:
+    """Norms, activation functions, softmax, permutes and residual adds: memory-bound, about
+    ELEMENTWISE_PASSES HBM passes over the layer's saved activations (score matrices excluded,
+    their time is in attn_core)."""
+    act = layer_activations(model, layer, training, parallel)
+    saved = sum(v for n, v in act.components if n != "scores")
+    t = ELEMENTWISE_PASSES * saved / (cluster.device.hbm_gbps * 1e9)
+    return Work("elementwise", 0.0, t, t / TRAIN_FACTOR)
+
+
+def layer_work(
+    model: ModelSpec,
+    layer: LayerSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+) -> list[Work]:
+    """All compute of one layer on one rank for one micro-batch, forward + backward."""
+    return (
+        attention_work(model, layer, cluster, training, parallel)
+        + mlp_work(model, layer, cluster, training, parallel)
+        + [elementwise_work(model, layer, cluster, training, parallel)]
+    )
+
+
+def head_work(
+    model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, parallel: ParallelConfig
+) -> list[Work]:
+    """Output projection (2 T d V, vocab-parallel over tp) and the fp32 cross-entropy pass,
+    plus each MTP module (2d -> d projection, one layer like the last, its own head)."""
+    d, v = model.hidden_size, model.vocab_size
+    rows = parallel.micro_batch * training.seq_len
+    tokens = rows / parallel.tp
+    w = d * v / parallel.tp
+    heads = 1 + model.num_mtp_layers
+    out = [_gemm_work("head", cluster, training, rows, heads * 2 * tokens * w, w, 0.0, heads)]
+    ce_s = heads * ELEMENTWISE_PASSES * 4.0 * tokens * v / (cluster.device.hbm_gbps * 1e9)
+    out.append(Work("elementwise", 0.0, ce_s, ce_s / TRAIN_FACTOR))
+    if model.num_mtp_layers:
+        n = model.num_mtp_layers
+        pw = 2 * d * d / parallel.tp
+        out.append(_gemm_work("mtp_proj", cluster, training, rows, n * 2 * tokens * pw, pw, 0.0, n))
+        for work in layer_work(model, model.layers[-1], cluster, training, parallel):
+            out.append(
+                Work(work.name, n * work.flops, n * work.time_s, n * work.forward_s, work.tables)
+            )
+    return out
+
+
+def model_flops_per_sequence(
+    model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
+) -> float:
+    """Training FLOPs (3 x forward) of one sequence through the whole model at balanced
+    routing: every layer, the head and MTP modules. The numerator of MFU. FLOPs do not
+    depend on the cluster; it is only passed through the shared work functions."""
+    one = ParallelConfig(pp=1, dp=1)
+    balanced = TrainingSpec(
+        seq_len=training.seq_len,
+        global_batch=training.global_batch,
+        dtype=training.dtype,
+        flash_attention=training.flash_attention,
+    )
+    total = sum(w.flops for w in head_work(model, cluster, balanced, one))
+    for layer in model.layers:
+        total += sum(w.flops for w in attention_work(model, layer, cluster, balanced, one))
+        total += sum(w.flops for w in mlp_work(model, layer, cluster, balanced, one))
+    return total
