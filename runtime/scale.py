@@ -281,3 +281,62 @@ def hand_plan(
         predicted=Predicted(0.0, 0.0, 0.0, 0.0, 0.0, tuple(0.0 for _ in range(pp)), 0.0),
         solver=SolverReport("none", "NOT_SOLVED", 0.0, 0.0, 0.0),
     )
+
+
+def check_main(argv: list[str] | None = None) -> int:
+    """`python -m runtime.scale PLAN --scale F [--ranks-per-node G] [--nproc N]`: validate a
+    plan for the runtime without importing torch; prints the run's shape as one JSON line,
+    or one error line and exit code 2."""
+    import argparse
+    import json
+    import sys
+
+    from planner.models import model_from_config
+    from planner.plan import load_plan
+
+    p = argparse.ArgumentParser(prog="python -m runtime.scale")
+    p.add_argument("plan")
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--nproc", type=int, default=None)
+    args = p.parse_args(argv)
+    try:
+        plan = load_plan(args.plan)
+        model = model_from_config(
+            plan.model["config"],
+            plan.model.get("name", "model"),
+            plan.model.get("source", args.plan),
+        )
+        spec = run_spec_from_plan(plan, model, args.scale, args.ranks_per_node)
+        if args.nproc is not None and args.nproc != spec.world:
+            raise SpecError(
+                f"--nproc {args.nproc} != the plan's pp*dp*tp = {spec.world}; "
+                f"use --nproc {spec.world}"
+            )
+        if spec.world % spec.ranks_per_node:
+            raise SpecError(
+                f"--ranks-per-node {spec.ranks_per_node} must divide the {spec.world} ranks"
+            )
+    except (SpecError, KeyError, TypeError) as exc:
+        print(f"{exc}", file=sys.stderr)
+        return 2
+    shape = {
+        "world": spec.world,
+        "pp": spec.pp,
+        "dp": spec.dp,
+        "ep": spec.ep,
+        "edp": spec.edp,
+        "layers": spec.model.num_layers,
+        "hidden_size": spec.model.hidden_size,
+        "seq_len": spec.seq_len,
+        "micro_batch": spec.micro_batch,
+        "num_microbatches": spec.num_microbatches,
+        "ranks_per_node": spec.ranks_per_node,
+        "source_layers": list(spec.source_layers),
+    }
+    print(json.dumps(shape, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(check_main())
