@@ -1,0 +1,120 @@
+"""runtime/profile.py micro-benchmarks and `piper profile` end to end on CPU (gloo)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from planner.cli import main
+from planner.clusters import load_cluster
+from runtime import profile as prof
+
+TINY = prof.ProfileSizes(
+    gemm_k=32,
+    gemm_n=48,
+    gemm_tokens=(4, 16),
+    experts=3,
+    expert_tokens=(2, 8),
+    attn_heads=2,
+    attn_head_dim=8,
+    attn_seq=(16, 32),
+    membw_bytes=(1024,),
+    p2p_bytes=(64, 4096),
+    a2a_bytes=(256, 8192),
+    iters=1,
+)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def half_second(monkeypatch):
+    """Every timed op takes 0.5 s, so throughput is FLOPs (or bytes) / 0.5."""
+    calls = []
+
+    def fake(fn, device, iters, warmup=1):
+        calls.append(fn())
+        return 0.5
+
+    monkeypatch.setattr(prof, "time_op", fake)
+    return calls
+
+
+def test_flop_and_byte_conventions(half_second):
+    assert prof.bench_gemm(TINY, torch.float32, CPU) == pytest.approx(
+        [2 * m * 32 * 48 / 0.5 / 1e12 for m in (4, 16)]
+    )
+    assert half_second[0].shape == (4, 48)
+    grouped, looped = prof.bench_expert_gemm(TINY, torch.float32, CPU)
+    want = [2 * 3 * m * 32 * 48 / 0.5 / 1e12 for m in (2, 8)]
+    assert grouped == pytest.approx(want) and looped == pytest.approx(want)
+    assert prof.bench_attention(TINY, torch.float32, CPU) == pytest.approx(
+        [2 * 2 * s * s * 8 / 0.5 / 1e12 for s in (16, 32)]
+    )
+    assert prof.bench_membw(TINY, CPU) == pytest.approx([2 * 1024 / 0.5 / 1e9])
+
+
+def test_grouped_and_looped_compute_the_same_product():
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 5, 4), torch.randn(3, 4, 6)
+    looped = torch.stack([x[i] @ w[i] for i in range(3)])
+    assert torch.allclose(torch.bmm(x, w), looped, atol=1e-6)
+
+
+def test_real_timings_are_positive_and_finite():
+    values = prof.bench_gemm(TINY, torch.float32, CPU) + prof.bench_attention(
+        TINY, torch.float32, CPU
+    )
+    assert all(0 < v < 1e4 for v in values)
+
+
+def _comm_body(rank, world, sizes):
+    nodes = prof.node_of_ranks(2)
+    rows = prof._comm(sizes, nodes, CPU)
+    return nodes, [(r["kind"], r["ranks"], r["x"], r["y"]) for r in rows]
+
+
+def test_comm_rows_per_level(run_distributed):
+    results = run_distributed(_comm_body, 4, TINY, timeout_s=60)
+    nodes, rows = results[0]
+    assert nodes == [0, 0, 1, 1]
+    kinds = [(k, ranks) for k, ranks, _, _ in rows]
+    assert kinds == [("p2p", [0, 1]), ("p2p", [0, 2]), ("a2a", [0, 1]), ("a2a", [0, 1, 2, 3])]
+    for _, _, x, y in rows:
+        assert len(x) == len(y) == 2 and all(v > 0 for v in y)
+
+
+def test_sizes_scale_with_device():
+    cpu = prof.sizes_for(quick=False, on_gpu=False, hidden=None, ffn=None)
+    gpu = prof.sizes_for(quick=False, on_gpu=True, hidden=4096, ffn=1024)
+    assert max(gpu.gemm_tokens) > max(cpu.gemm_tokens)
+    assert (gpu.gemm_k, gpu.gemm_n) == (4096, 1024)
+    assert isinstance(prof.parse_args(["--raw-out", "x"]), argparse.Namespace)
+
+
+@pytest.mark.slow
+def test_piper_profile_quick_cpu_feeds_the_planner(tmp_path):
+    """A quick 2-rank gloo profile (2 emulated nodes) writes a YAML that the planner loads,
+    and the resource model then uses the measured tables."""
+    out = tmp_path / "cpu-measured.yaml"
+    args = ["profile", "--nproc", "2", "--ranks-per-node", "1", "--quick", "--out", str(out)]
+    assert main(args) == 0
+    cluster = load_cluster(str(out))
+    names = {t.name for t in cluster.tables}
+    assert {"gemm_fp32", "attention_fp32", "a2a_system", "p2p_system"} <= names
+    assert "machine:" in out.read_text() and "hostname:" in out.read_text()
+
+    from planner.models import load_model
+    from planner.parallel import ParallelConfig
+    from planner.resources.cost import estimate
+    from planner.specs import TrainingSpec
+
+    est = estimate(
+        load_model("tiny-moe"),
+        cluster,
+        TrainingSpec(seq_len=64, global_batch=8, dtype="fp32"),
+        ParallelConfig(pp=1, dp=8, ep=8, micro_batch=1, num_microbatches=1),
+    )
+    assert "gemm_fp32" in est.used_measured_tables
+    assert est.step_time_s > 0
