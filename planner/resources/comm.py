@@ -5,7 +5,8 @@ bytes are bytes (elements x 2 for bf16), bandwidths GB/s = 1e9 B/s per device pe
 `LevelSpec.bw_gbps` is the per-device bandwidth of traffic that crosses that level, thinned by
 its `taper`, and `latency_us` is charged once per message that crosses the level (messages
 leave a device one after another, so the per-message cost adds up: this is what makes a flat
-all-to-all over many nodes slow and what HALO's packing removes).
+all-to-all over many nodes slow and what HALO's packing removes). Levels outside the local
+domain (see local_domain_devices) share the device's NIC share, so their loads add up.
 
 A group of n devices is laid out as n consecutive, aligned devices (the rank IP may do
 better or worse on a real allocation; planner.topology gives the level it spans).
@@ -58,21 +59,42 @@ def local_domain_devices(cluster: ClusterSpec) -> int:
     return fast[-1] if fast else 1
 
 
-def _crossing_time_s(bytes_per_rank: float, parts: list[Crossing], msg_scale: float = 1.0) -> float:
-    """Levels carry their traffic in parallel; each level costs bytes / bandwidth plus one
-    latency per message. `msg_scale` scales message counts (HALO packs per domain)."""
+def _crossing_time_s(
+    cluster: ClusterSpec, bytes_per_rank: float, parts: list[Crossing], msg_scale: float = 1.0
+) -> float:
+    """Time for a rank's traffic split over levels by `parts`.
+
+    Levels inside the local domain (NVLink, Infinity Fabric) are separate links that work in
+    parallel: each costs its bytes / bandwidth. Levels outside it all start at the device's
+    NIC, so traffic to farther levels also loads the nearer ones: network level j carries
+    the bytes of every level >= j, at its bandwidth x taper. Every message crossing a level
+    costs that level's latency once (messages leave one after another); `msg_scale` scales
+    message counts (HALO sends one packed message per remote domain).
+    """
+    local = local_domain_devices(cluster)
+    inner = [c for c in parts if c.level.devices <= local]
+    net = [c for c in parts if c.level.devices > local]
     times = [
         bytes_per_rank * c.fraction / (c.level.bw_gbps * c.level.taper * 1e9)
         + c.peers * msg_scale * c.level.latency_us * 1e-6
-        for c in parts
+        for c in inner
     ]
+    if net:
+        latency = sum(c.peers * msg_scale * c.level.latency_us * 1e-6 for c in net)
+        carried = [
+            bytes_per_rank
+            * sum(o.fraction for o in net[j:])
+            / (c.level.bw_gbps * c.level.taper * 1e9)
+            for j, c in enumerate(net)
+        ]
+        times.append(max(carried) + latency)
     return max(times, default=0.0)
 
 
 def flat_all_to_all_s(cluster: ClusterSpec, group_devices: int, bytes_per_rank: float) -> float:
     """Analytic flat (NCCL/RCCL-style) all-to-all: every rank sends bytes_per_rank / n to
     each of the n ranks directly."""
-    return _crossing_time_s(bytes_per_rank, crossings(cluster, group_devices))
+    return _crossing_time_s(cluster, bytes_per_rank, crossings(cluster, group_devices))
 
 
 def halo_all_to_all_s(cluster: ClusterSpec, group_devices: int, bytes_per_rank: float) -> float:
@@ -87,7 +109,7 @@ def halo_all_to_all_s(cluster: ClusterSpec, group_devices: int, bytes_per_rank: 
     local_share = g / n
     t_1 = flat_all_to_all_s(cluster, g, bytes_per_rank * local_share)
     remote = [c for c in crossings(cluster, n) if c.level.devices > g]
-    t_2 = _crossing_time_s(bytes_per_rank, remote, msg_scale=1.0 / g)
+    t_2 = _crossing_time_s(cluster, bytes_per_rank, remote, msg_scale=1.0 / g)
     t_3 = flat_all_to_all_s(cluster, g, bytes_per_rank * (1.0 - local_share))
     return max(t_1, t_2 + t_3)
 

@@ -1,0 +1,99 @@
+"""Communication model: hand-computed collectives, HALO vs flat, the paper's a2a lower bound."""
+
+from __future__ import annotations
+
+import pytest
+from resource_specs import make_cluster, make_model
+
+from planner.clusters import load_cluster
+from planner.parallel import ParallelConfig
+from planner.resources import comm
+from planner.resources.layer_cost import layer_cost
+from planner.specs import EfficiencyTable, SpecError, TrainingSpec
+
+
+def test_crossings_and_flat_all_to_all_by_hand():
+    cl = make_cluster(gpus_per_node=4, nodes=4)  # node 100 GB/s 1 us; NIC 25 GB/s 10 us
+    parts = comm.crossings(cl, 8)
+    assert [(c.level.name, c.fraction, c.peers) for c in parts] == [
+        ("node", 3 / 8, 3),
+        ("system", 4 / 8, 4),
+    ]
+    B = 1e6
+    node = B * 3 / 8 / 100e9 + 3 * 1e-6
+    nic = B * 4 / 8 / 25e9 + 4 * 10e-6
+    assert comm.all_to_all_time_s(cl, 8, B, "flat") == pytest.approx(max(node, nic))
+
+
+def test_halo_by_hand_and_equal_to_flat_inside_a_node():
+    cl = make_cluster(gpus_per_node=4, nodes=4)
+    B = 1e6
+    assert comm.all_to_all_time_s(cl, 4, B, "halo") == comm.all_to_all_time_s(cl, 4, B, "flat")
+    # 16 ranks on 4 nodes: Phase I = intra-node a2a of 1/4 of the bytes; Phase II = 3/4 of the
+    # bytes over the NIC in 3 packed messages; Phase III = redistribute those 3/4 in the node.
+    t1 = B / 4 * 3 / 4 / 100e9 + 3e-6
+    t2 = B * 12 / 16 / 25e9 + 3 * 10e-6
+    t3 = B * 3 / 4 * 3 / 4 / 100e9 + 3e-6
+    assert comm.all_to_all_time_s(cl, 16, B, "halo") == pytest.approx(max(t1, t2 + t3))
+    # small messages: HALO sends 3 instead of 12 messages per rank over the network
+    assert comm.all_to_all_time_s(cl, 16, 1e4, "halo") < comm.all_to_all_time_s(cl, 16, 1e4, "flat")
+
+
+def test_nic_levels_share_the_nic_and_taper_thins_global_links():
+    fr = load_cluster("frontier")
+    B = 1e9  # large: bandwidth-bound
+    inside_group = comm.all_to_all_time_s(fr, 1024, B, "flat")
+    # 1016 of 1024 peers are off-node; all their bytes leave through the 12.5 GB/s NIC share;
+    # 24 peers one switch away (3.5 us per message), 992 in the rest of the group (4 us)
+    latency = 24 * 3.5e-6 + 992 * 4e-6
+    assert inside_group == pytest.approx(B * 1016 / 1024 / 12.5e9 + latency)
+    eight_groups = comm.all_to_all_time_s(fr, 8192, B, "flat")
+    # 7/8 of the bytes cross the global links at 0.57 x 12.5 GB/s, which binds before the NIC
+    # (0.875 / 0.57 > 1); 7168 more messages at 4.5 us
+    latency += 7168 * 4.5e-6
+    assert eight_groups == pytest.approx(B * 7 / 8 / (0.57 * 12.5e9) + latency)
+
+
+def test_unknown_algorithm_is_a_spec_error():
+    with pytest.raises(SpecError, match="flat, halo"):
+        comm.all_to_all_time_s(make_cluster(), 8, 1e6, "ring")
+
+
+def test_a2a_lower_bound_by_hand_and_respected_by_the_model():
+    # 4 b s k d / (EP B_NIC) with b the EP group's sequences, d elements x 2 bytes (bf16)
+    b_group, s, k, d, ep, nic = 64, 4096, 2, 4096, 64, 50.0
+    bound = comm.a2a_lower_bound_s(b_group, s, k, d, ep, nic)
+    assert bound == pytest.approx(4 * 64 * 4096 * 2 * 4096 * 2 / (64 * 50e9))
+    h100 = load_cluster("h100")  # 50 GB/s NIC per GPU, nodes of 8
+    model = make_model(layers=1, d=d, heads=32, experts=64, top_k=k, ffn=1024)
+    par = ParallelConfig(pp=1, dp=ep, ep=ep, micro_batch=b_group // ep)
+    cost = layer_cost(model, 0, h100, TrainingSpec(seq_len=s), par)
+    a2a = dict(cost.comm_s)["a2a_leaf"]
+    # only the bytes for other nodes must cross the NIC: (1 - 8/64) of them; the model adds
+    # one 3 us message latency per off-node peer (56) to each of the four all-to-alls
+    floor = bound * (1 - 8 / ep)
+    assert a2a == pytest.approx(floor + 4 * 56 * 3e-6)
+    assert a2a >= floor
+
+
+def test_measured_a2a_and_p2p_tables_are_used():
+    tables = (
+        EfficiencyTable("a2a_system", (1e3, 1e9), (5.0, 5.0)),
+        EfficiencyTable("p2p_system", (1e3, 1e9), (8.0, 8.0)),
+    )
+    cl = make_cluster(tables=tables)
+    t, level, used = comm.a2a_time_s(cl, 8, 1e6, "flat")
+    assert (t, level, used) == (pytest.approx(1e6 / 5e9), "system", ("a2a_system",))
+    assert comm.a2a_time_s(cl, 8, 1e6, "halo")[2] == ()  # profiler measures the flat one
+    t, level, used = comm.p2p_time_s(cl, (0, 4), 2e6)
+    assert (t, level, used) == (pytest.approx(2e6 / 8e9), "system", ("p2p_system",))
+
+
+def test_p2p_and_ring_by_hand():
+    cl = make_cluster(gpus_per_node=4, nodes=4)
+    assert comm.p2p_time_s(cl, (0, 1), 1e6)[0] == pytest.approx(1e-6 + 1e6 / 100e9)
+    assert comm.p2p_time_s(cl, (0, 4), 1e6)[0] == pytest.approx(10e-6 + 1e6 / 25e9)
+    t, level = comm.ring_allreduce_s(cl, 4, 4, 1e8)  # ranks 0, 4, 8, 12: across nodes
+    assert level == "system"
+    assert t == pytest.approx(2 * 3 / 4 * 1e8 / 25e9 + 6 * 10e-6)
+    assert comm.ring_allreduce_s(cl, 1, 1, 1e8) == (0.0, "")
