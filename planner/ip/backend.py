@@ -50,6 +50,7 @@ class EstimateView:
     memory_gib_SC: tuple[tuple[str, tuple[float, ...]], ...] = ()
     time_s_SC: tuple[tuple[str, tuple[float, ...]], ...] = ()
     stage_time_s: tuple[float, ...] = ()  # one micro-batch, forward + backward, per stage
+    device_memory_gib: float = float("nan")  # capacity the per-stage totals are held against
 
 
 @dataclass(frozen=True)

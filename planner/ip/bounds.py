@@ -17,110 +17,108 @@ before the same stage of any feasible split (exchange argument).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
-from planner.resources.units import StageCostInputs, UnitCost
+from planner.resources.units import StageCostInputs
 
-_BISECT_STEPS = 60
-
-
-def _unit_act(u: UnitCost, recompute: bool) -> float:
-    return min(u.act_bytes, u.act_recompute_bytes) if recompute else u.act_bytes
+_REL_TOL = 1e-7  # bisection stops when the bracket is this tight (relative)
 
 
-def _unit_time(u: UnitCost, recompute: bool) -> float:
-    return min(u.time_s, u.time_recompute_s) if recompute else u.time_s
+@dataclass(frozen=True)
+class _Costs:
+    """Stage s holding units [a, b) costs (pa[b] - pa[a]) + w[s] (pb[b] - pb[a]) + extra[s]."""
+
+    pa: tuple[float, ...]  # prefix sums, length n + 1
+    pb: tuple[float, ...]
+    w: tuple[float, ...]  # per stage
+    extra: tuple[float, ...]  # per stage
+
+    def stage(self, s: int, a: int, b: int) -> float:
+        return self.pa[b] - self.pa[a] + self.w[s] * (self.pb[b] - self.pb[a]) + self.extra[s]
+
+    def fits(self, cap: float) -> bool:
+        """Longest-prefix greedy: can every stage stay within `cap` (empty stages allowed)?"""
+        n, pp = len(self.pa) - 1, len(self.w)
+        start = 0
+        for s in range(pp - 1):
+            if self.extra[s] > cap:
+                return False
+            lo, hi = start, n  # largest end in [start, n] with stage cost <= cap
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.stage(s, start, mid) <= cap:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            start = lo
+        return self.stage(pp - 1, start, n) <= cap
+
+    def minimum(self) -> tuple[float, float]:
+        """(largest infeasible, smallest feasible) capacity, by bisection."""
+        n, pp = len(self.pa) - 1, len(self.w)
+        hi = max(self.stage(s, 0, n) for s in range(pp)) + max(self.extra)
+        lo = max(self.extra) if pp == 1 else 0.0
+        if self.fits(lo):
+            return lo, lo
+        while hi - lo > _REL_TOL * hi:
+            mid = 0.5 * (lo + hi)
+            if self.fits(mid):
+                hi = mid
+            else:
+                lo = mid
+        return lo, hi
 
 
-def _greedy_fits(inputs: StageCostInputs, cap: float, cost: Callable[[int, int], float]) -> bool:
-    """Longest-prefix greedy over stages; cost(stage, unit) is the unit's cost on that stage."""
-    n = len(inputs.units)
-    start = 0
-    for stage in range(inputs.pp):
-        used = _extras_cost(inputs, stage, cost)
-        if stage == inputs.pp - 1:
-            used += sum(cost(stage, i) for i in range(start, n))
-            return used <= cap
-        if used > cap:
-            return False
-        while start < n and used + cost(stage, start) <= cap:
-            used += cost(stage, start)
-            start += 1
-    return start == n
+def _prefix(values) -> tuple[float, ...]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return tuple(out)
 
 
-def _extras_cost(inputs: StageCostInputs, stage: int, cost: Callable[[int, int], float]) -> float:
-    total = 0.0
-    if stage == 0:
-        total += cost(stage, -1)
-    if stage == inputs.pp - 1:
-        total += cost(stage, -2)
-    return total
+def _extras(inputs: StageCostInputs, first: float, last: float) -> tuple[float, ...]:
+    pp = inputs.pp
+    return tuple((first if s == 0 else 0.0) + (last if s == pp - 1 else 0.0) for s in range(pp))
 
 
-def _bisect_min(
-    inputs: StageCostInputs, hi: float, cost: Callable[[int, int], float]
-) -> tuple[float, float]:
-    """(largest infeasible, smallest feasible) capacity found by bisection on [0, hi]."""
-    lo = 0.0
-    if _greedy_fits(inputs, lo, cost):
-        return lo, lo
-    for _ in range(_BISECT_STEPS):
-        mid = 0.5 * (lo + hi)
-        if _greedy_fits(inputs, mid, cost):
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-12 * hi:
-            break
-    return lo, hi
-
-
-def _memory_cost(inputs: StageCostInputs) -> Callable[[int, int], float]:
+def _memory(inputs: StageCostInputs) -> _Costs:
     rc = inputs.recompute_allowed
-
-    def cost(stage: int, unit: int) -> float:
-        flight = inputs.in_flight(stage)
-        if unit == -1:
-            return inputs.first.state_bytes + flight * inputs.first.act_bytes
-        if unit == -2:
-            return inputs.last.state_bytes + flight * inputs.last.act_bytes
-        u = inputs.units[unit]
-        return u.state_bytes + flight * _unit_act(u, rc)
-
-    return cost
+    acts = [min(u.act_bytes, u.act_recompute_bytes) if rc else u.act_bytes for u in inputs.units]
+    flight = tuple(float(inputs.in_flight(s)) for s in range(inputs.pp))
+    f, la = inputs.first, inputs.last
+    extra = tuple(
+        (f.state_bytes + k * f.act_bytes if s == 0 else 0.0)
+        + (la.state_bytes + k * la.act_bytes if s == inputs.pp - 1 else 0.0)
+        for s, k in enumerate(flight)
+    )
+    return _Costs(_prefix(u.state_bytes for u in inputs.units), _prefix(acts), flight, extra)
 
 
-def _time_cost(inputs: StageCostInputs) -> Callable[[int, int], float]:
+def _time(inputs: StageCostInputs) -> _Costs:
     rc = inputs.recompute_allowed
-
-    def cost(stage: int, unit: int) -> float:
-        if unit == -1:
-            return inputs.first.time_s
-        if unit == -2:
-            return inputs.last.time_s
-        return _unit_time(inputs.units[unit], rc)
-
-    return cost
+    times = [min(u.time_s, u.time_recompute_s) if rc else u.time_s for u in inputs.units]
+    zeros = (0.0,) * (len(times) + 1)
+    return _Costs(
+        _prefix(times),
+        zeros,
+        (0.0,) * inputs.pp,
+        _extras(inputs, inputs.first.time_s, inputs.last.time_s),
+    )
 
 
 def min_peak_memory_bytes(inputs: StageCostInputs) -> float:
     """Lower bound (bytes) on the fullest stage's memory over all contiguous splits."""
-    cost = _memory_cost(inputs)
-    hi = sum(cost(0, i) for i in range(len(inputs.units))) + cost(0, -1) + cost(0, -2)
-    return _bisect_min(inputs, max(hi, 1.0), cost)[1]
+    return _memory(inputs).minimum()[0]
 
 
 def memory_may_fit(inputs: StageCostInputs) -> bool:
     """False only when no contiguous split can fit usable memory (then no IP is needed)."""
-    return _greedy_fits(inputs, inputs.usable_memory_bytes, _memory_cost(inputs))
+    return _memory(inputs).fits(inputs.usable_memory_bytes)
 
 
 def bottleneck_time_lower_bound_s(inputs: StageCostInputs) -> float:
     """Lower bound (s) on the slowest stage's time per micro-batch, memory ignored."""
-    cost = _time_cost(inputs)
-    hi = sum(cost(0, i) for i in range(len(inputs.units))) + cost(0, -1) + cost(0, -2)
-    return _bisect_min(inputs, max(hi, 1e-30), cost)[0]
+    return _time(inputs).minimum()[0]
 
 
 def step_time_lower_bound_s(inputs: StageCostInputs) -> float:

@@ -107,14 +107,32 @@ def training_for(training: TrainingSpec, par: ParallelConfig) -> TrainingSpec:
 
 
 def screen(ctx: SearchContext, layouts: Sequence[ParallelConfig]) -> tuple[list, list]:
-    """Cost inputs and bounds for every layout -> (screened candidates, infeasible rows)."""
+    """Cost inputs and bounds for every layout -> (screened candidates, infeasible rows).
+
+    Activation memory per stage, min(pp - s, m) x act(micro_batch), never shrinks as the
+    micro-batch grows (m = batch / micro_batch), so once a micro-batch cannot fit, the larger
+    ones of the same layout are rejected without costing them.
+    """
     cache: dict[tuple, StageCostInputs] = {}
+    too_big: dict[tuple, tuple[int, float, float]] = {}  # layout -> (micro-batch, need, usable)
     survivors, rejected = [], []
     for order, par in enumerate(layouts):
+        key = (par.pp, par.dp, par.tp, par.ep, par.recompute)
+        if key in too_big and par.micro_batch > too_big[key][0]:
+            mb, need, usable = too_big[key]
+            reason = (
+                f"micro-batch {par.micro_batch} > {mb}, which already needs >= {need:.1f} GiB "
+                f"> {usable:.1f} GiB usable"
+            )
+            rejected.append(
+                CandidateRow(order, par, math.nan, False, "infeasible", reason, "", need, usable)
+            )
+            continue
         inputs = _cost_inputs(ctx, par, cache)
         if not bounds.memory_may_fit(inputs):
             need = gib(bounds.min_peak_memory_bytes(inputs))
             usable = gib(inputs.usable_memory_bytes)
+            too_big.setdefault(key, (par.micro_batch, need, usable))
             reason = f"needs >= {need:.1f} GiB on its fullest stage > {usable:.1f} GiB usable"
             rejected.append(
                 CandidateRow(order, par, math.nan, False, "infeasible", reason, "", need, usable)
@@ -126,20 +144,13 @@ def screen(ctx: SearchContext, layouts: Sequence[ParallelConfig]) -> tuple[list,
 
 
 def _cost_inputs(ctx: SearchContext, par: ParallelConfig, cache: dict) -> StageCostInputs:
-    """StageCostInputs of a layout; the 'none' variant reuses another policy's units."""
-    sizes = (par.pp, par.dp, par.tp, par.ep, par.micro_batch, par.num_microbatches)
-    policies = [p for p in ctx.space.recompute if p != "none"] or ["none"]
-    base_policy: Recompute = par.recompute if par.recompute != "none" else policies[0]
-    key = (*sizes, base_policy)
+    """StageCostInputs of a layout (cached: the layouts of one search repeat sizes)."""
+    key = (par.pp, par.dp, par.tp, par.ep, par.micro_batch, par.num_microbatches, par.recompute)
     if key not in cache:
-        base = replace(par, recompute=base_policy)
         cache[key] = ctx.backend.cost_inputs(
-            ctx.model, ctx.cluster, training_for(ctx.training, base), base
+            ctx.model, ctx.cluster, training_for(ctx.training, par), par
         )
-    inputs = cache[key]
-    if par.recompute == "none":
-        return replace(inputs, recompute_allowed=False)
-    return inputs
+    return cache[key]
 
 
 def _evaluate(ctx: SearchContext, cand: Screened) -> CandidateRow:

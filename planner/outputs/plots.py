@@ -44,7 +44,8 @@ def memory_png(est: EstimateView, title: str) -> bytes:
     comps = est.memory_gib_SC or (("total", est.memory_gib_per_stage),)
     fig, ax = plt.subplots(figsize=(7, 4))
     _stacked(ax, comps, stages)
-    ax.axhline(est.usable_memory_gib, color="black", linestyle="--", label="usable")
+    cap = est.device_memory_gib if est.device_memory_gib == est.device_memory_gib else None
+    ax.axhline(cap or est.usable_memory_gib, color="black", linestyle="--", label="capacity")
     ax.set_ylabel("GiB per device")
     ax.set_title(title)
     ax.legend(fontsize=7, loc="upper right")

@@ -211,7 +211,7 @@ def summary_md(result: PlanResult) -> str:
                     f"{100 * est.mfu:.1f}%",
                     f"{100 * est.bubble_fraction:.1f}%",
                     fmt(max(est.memory_gib_per_stage), 4),
-                    fmt(est.usable_memory_gib, 4),
+                    fmt(_capacity(est), 4),
                 ]
             ],
         ),
@@ -312,13 +312,18 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
         f"{describe(best.parallel)}",
         f"  step {est.step_time_s:.4g} s, {est.tokens_per_s:.4g} tokens/s, "
         f"{est.tflops_per_gpu:.4g} TFLOPS/GPU, MFU {100 * est.mfu:.1f}%, "
-        f"max stage memory {max(est.memory_gib_per_stage):.1f} / {est.usable_memory_gib:.1f} GiB",
+        f"max stage memory {max(est.memory_gib_per_stage):.1f} GiB of {_capacity(est):.1f}",
         f"  stage IP {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.3g})",
     ]
     for row in _baseline_rows(result.baselines, est.step_time_s):
         lines.append(f"  vs {row[0]}: {row[1]} -> {row[2]} s, speedup {row[5]} {row[6]}".rstrip())
     lines.append(f"  wrote {out_dir}/ (plan.json, candidates.csv, summary.md, plots)")
     return "\n".join(lines)
+
+
+def _capacity(est: EstimateView) -> float:
+    """What per-stage totals are held against: device memory if known, else usable memory."""
+    return est.usable_memory_gib if math.isnan(est.device_memory_gib) else est.device_memory_gib
 
 
 def timings_json(result: PlanResult) -> str:

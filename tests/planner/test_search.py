@@ -97,8 +97,8 @@ def test_bounds_equal_the_relaxed_brute_force_and_never_exceed_the_real_one(seed
     n, pp = rng.randint(1, 7), rng.randint(1, 4)
     inputs = _random_inputs(rng, n, pp, rng.randint(1, 6), rng.random() < 0.5)
     relaxed_mem, relaxed_time = _brute(inputs, allow_empty=True)
-    assert bounds.min_peak_memory_bytes(inputs) == pytest.approx(relaxed_mem, rel=1e-9)
-    assert bounds.bottleneck_time_lower_bound_s(inputs) == pytest.approx(relaxed_time, rel=1e-9)
+    assert bounds.min_peak_memory_bytes(inputs) == pytest.approx(relaxed_mem, rel=1e-6)
+    assert bounds.bottleneck_time_lower_bound_s(inputs) == pytest.approx(relaxed_time, rel=1e-6)
     assert bounds.memory_may_fit(inputs) == (relaxed_mem <= inputs.usable_memory_bytes)
     if pp <= n:
         real_mem, real_time = _brute(inputs, allow_empty=False)
