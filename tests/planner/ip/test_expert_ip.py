@@ -1,0 +1,209 @@
+"""Expert IP against brute-force enumeration of every equal-slot placement."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from planner.ip.expert_ip import cross_node_tokens, solve_experts
+from planner.ip.solvers import SolverOptions
+from planner.specs import SpecError
+
+CPSAT = SolverOptions(backend="cpsat", time_limit_s=10, threads=1, seed=0)
+CBC = SolverOptions(backend="cbc", time_limit_s=10, threads=1, seed=0)
+
+
+def equal_partitions(items: list[int], size: int):
+    """Every split of `items` into groups of `size` (groups unordered)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for others in itertools.combinations(rest, size - 1):
+        left = [e for e in rest if e not in others]
+        for tail in equal_partitions(left, size):
+            yield [(first,) + others] + tail
+
+
+def brute_balance(load: list[float], ep: int) -> float:
+    best = math.inf
+    for groups in equal_partitions(list(range(len(load))), len(load) // ep):
+        best = min(best, max(sum(load[e] for e in g) for g in groups))
+    return best
+
+
+def brute_traffic(load, ep, nodes, coact, weight) -> float:
+    pairs = [(e, f, coact[e][f]) for e in range(len(load)) for f in range(e + 1, len(load))]
+    best = math.inf
+    for groups in equal_partitions(list(range(len(load))), len(load) // ep):
+        for perm in itertools.permutations(range(ep)):
+            rank_of = [0] * len(load)
+            for g, r in zip(groups, perm, strict=True):
+                for e in g:
+                    rank_of[e] = r
+            hot = max(sum(load[e] for e in g) for g in groups)
+            best = min(best, hot + weight * cross_node_tokens(load, rank_of, nodes, pairs))
+    return best
+
+
+def brute_replicas(load, ep, extra) -> float:
+    """Each rank holds E/ep + extra distinct experts, every expert at least once; an expert's
+    tokens split evenly over its copies."""
+    num_e = len(load)
+    slots = num_e // ep + extra
+    best = math.inf
+    for sets in itertools.product(itertools.combinations(range(num_e), slots), repeat=ep):
+        count = [sum(e in s for s in sets) for e in range(num_e)]
+        if min(count) == 0:
+            continue
+        best = min(best, max(sum(load[e] / count[e] for e in s) for s in sets))
+    return best
+
+
+def check_placement(sol, num_e: int, ep: int, extra: int = 0) -> None:
+    per_rank = [sum(1 for _e, r, _s in sol.replicas if r == rank) for rank in range(ep)]
+    assert per_rank == [num_e // ep + extra] * ep
+    for e in range(num_e):
+        shares = [s for ee, _r, s in sol.replicas if ee == e]
+        assert sum(shares) == pytest.approx(1.0)
+        assert sol.rank_of_expert[e] == min(r for ee, r, _s in sol.replicas if ee == e)
+    assert sol.max_rank_load == pytest.approx(max(sol.rank_load))
+
+
+def _load(rng: random.Random, n: int) -> list[float]:
+    kind = rng.choice(["uniform", "skew", "ties"])
+    if kind == "ties":
+        return [float(rng.randint(1, 4)) for _ in range(n)]
+    if kind == "skew":
+        return [rng.paretovariate(1.2) * 100 for _ in range(n)]
+    return [rng.uniform(10, 20) for _ in range(n)]
+
+
+def test_balance_equals_brute_force():
+    """100 random instances (E <= 8): hottest rank load equals enumeration."""
+    rng = random.Random(11)
+    for _ in range(100):
+        ep = rng.choice([1, 2, 3, 4])
+        num_e = ep * rng.randint(1, 8 // ep)
+        load = _load(rng, num_e)
+        sol = solve_experts(load, ep, CPSAT)
+        assert sol.report.status == "OPTIMAL"
+        assert sol.max_rank_load == pytest.approx(brute_balance(load, ep), rel=1e-5)
+        check_placement(sol, num_e, ep)
+
+
+def test_traffic_equals_brute_force():
+    """30 instances with nodes and co-activation: max load + w x crossings equals enumeration."""
+    rng = random.Random(12)
+    for _ in range(30):
+        ep, nodes = rng.choice([(2, [0, 1]), (3, [0, 0, 1]), (4, [0, 0, 1, 1])])
+        num_e = ep * rng.randint(1, 6 // ep if ep < 4 else 1)
+        load = _load(rng, num_e)
+        upper = [
+            [rng.uniform(0, 1) * min(load[e], load[f]) for f in range(num_e)] for e in range(num_e)
+        ]
+        coact = [
+            [upper[min(e, f)][max(e, f)] if e != f else 0 for f in range(num_e)]
+            for e in range(num_e)
+        ]
+        weight = rng.choice([0.1, 0.5, 2.0])
+        sol = solve_experts(
+            load, ep, CPSAT, node_of_rank=nodes, coactivation_EE=coact, traffic_weight=weight
+        )
+        assert sol.report.status == "OPTIMAL"
+        want = brute_traffic(load, ep, nodes, coact, weight)
+        assert sol.objective == pytest.approx(want, rel=1e-5)
+        assert sol.report.objective == pytest.approx(want, rel=1e-5)
+        check_placement(sol, num_e, ep)
+
+
+def test_replicas_equal_brute_force():
+    """15 instances with one redundant slot per rank."""
+    rng = random.Random(13)
+    for _ in range(15):
+        ep, num_e = rng.choice([(2, 2), (2, 4), (3, 3)])
+        load = _load(rng, num_e)
+        sol = solve_experts(load, ep, CPSAT, redundant_slots=1)
+        assert sol.report.status == "OPTIMAL"
+        assert sol.max_rank_load == pytest.approx(brute_replicas(load, ep, 1), rel=1e-5)
+        check_placement(sol, num_e, ep, extra=1)
+
+
+def test_hand_computed_replica_split():
+    """Loads (9, 1, 2, 0) on 2 ranks x 3 slots: replicate expert 0 (4.5 + 4.5); the best split
+    of the rest is {1} / {2, 0} plus the cheapest fill -> ranks 4.5+1+x and 4.5+2+0 = 6.5."""
+    sol = solve_experts([9.0, 1.0, 2.0, 0.0], 2, CPSAT, redundant_slots=1)
+    assert sol.max_rank_load == pytest.approx(6.5)
+    assert sorted(s for e, _r, s in sol.replicas if e == 0) == [0.5, 0.5]
+
+
+def test_cpsat_and_cbc_agree():
+    rng = random.Random(14)
+    for _ in range(8):
+        ep = rng.choice([2, 4])
+        load = _load(rng, ep * 2)
+        a, b = solve_experts(load, ep, CPSAT), solve_experts(load, ep, CBC)
+        assert a.report.status == b.report.status == "OPTIMAL"
+        assert a.max_rank_load == pytest.approx(b.max_rank_load, rel=1e-6)
+    load = [3.0, 1.0, 2.0, 2.0]
+    coact = [[0, 1, 0, 0], [1, 0, 0, 0.5], [0, 0, 0, 2], [0, 0.5, 2, 0]]
+    a, b = (
+        solve_experts(load, 2, o, node_of_rank=[0, 1], coactivation_EE=coact, traffic_weight=1.0)
+        for o in (CPSAT, CBC)
+    )
+    assert a.objective == pytest.approx(b.objective, rel=1e-6)
+
+
+def test_crossings_hand_computed():
+    """2 nodes, k=2 tokens: 4 routed copies; the pair (0, 1) co-located saves 1 token;
+    half of the distinct (token, node) deliveries are remote."""
+    load = [2.0, 1.0, 1.0, 0.0]
+    coact = [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    sol = solve_experts(
+        load, 2, CPSAT, node_of_rank=[0, 1], coactivation_EE=coact, traffic_weight=10.0
+    )
+    assert sol.rank_of_expert[0] == sol.rank_of_expert[1]
+    assert sol.cross_node_tokens == pytest.approx(0.5 * (4 - 1))
+
+
+def test_large_instance_returns_with_gap():
+    """256 experts on 64 ranks within a 2 s limit: a placement and an honest gap."""
+    rng = random.Random(15)
+    load = [rng.paretovariate(2.0) * 1000 for _ in range(256)]
+    sol = solve_experts(load, 64, SolverOptions(time_limit_s=2.0))
+    assert sol.report.status in ("OPTIMAL", "FEASIBLE")
+    assert 0 <= sol.report.gap < 0.5 and sol.report.bound <= sol.max_rank_load
+    assert sol.max_rank_load >= sum(load) / 64
+    check_placement(sol, 256, 64)
+
+
+def test_time_limit_path_never_empty():
+    rng = random.Random(16)
+    load = [rng.uniform(1, 100) for _ in range(64)]
+    for backend in ("cpsat", "cbc"):
+        sol = solve_experts(load, 16, SolverOptions(backend=backend, time_limit_s=0.01))
+        assert sol.report.status in ("OPTIMAL", "FEASIBLE")
+        check_placement(sol, 64, 16)
+
+
+def test_same_answer_for_any_threads():
+    load = [5.0, 4.0, 3.0, 3.0, 2.0, 1.0]
+    sols = [solve_experts(load, 3, SolverOptions(threads=t, seed=s)) for t, s in [(1, 0), (2, 7)]]
+    assert sols[0].max_rank_load == sols[1].max_rank_load == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"load_E": [1, 2, 3], "ep": 2}, "must divide"),
+        ({"load_E": [1, -2], "ep": 2}, ">= 0"),
+        ({"load_E": [1, 2], "ep": 2, "node_of_rank": [0]}, "node_of_rank"),
+        ({"load_E": [1, 2], "ep": 2, "coactivation_EE": [[0]]}, "2 x 2"),
+    ],
+)
+def test_bad_input_raises_spec_error(kwargs, match):
+    with pytest.raises(SpecError, match=match):
+        solve_experts(options=CPSAT, **kwargs)
