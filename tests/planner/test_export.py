@@ -271,3 +271,31 @@ def test_cli_export_round_trip(tmp_path, capsys):
     assert main(["export", str(path), "--to", "megatron"]) == 0
     assert "MEGATRON_ARGS=(" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "missing.json"), "--to", "slurm"]) == 2
+
+
+def test_end_to_end_piper_plan_then_every_export(tmp_path, capsys):
+    out = tmp_path / "run"
+    sizes = ["--pp", "2", "--dp", "4", "--tp", "1", "--ep", "2", "--micro-batch", "2"]
+    argv = ["plan", "--model", "tiny-moe-deep", "--cluster", "cpu-gloo", "--gpus", "8",
+            "--seq-len", "64", "--global-batch", "16", *sizes, "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    plan = load_plan(out / "plan.json")
+    p = plan.parallel
+    mega = export_plan(plan, "megatron")
+    ns, unknown = megatron_parser().parse_known_args(bash_array(mega.text, "MEGATRON_ARGS"))
+    assert unknown == []
+    assert (ns.pipeline_model_parallel_size, ns.tensor_model_parallel_size) == (p.pp, p.tp)
+    assert (ns.expert_model_parallel_size, ns.micro_batch_size) == (p.ep, p.micro_batch)
+    assert ns.global_batch_size == p.dp * p.micro_batch * p.num_microbatches
+    titan = tomllib.loads(export_plan(plan, "torchtitan").text)["parallelism"]
+    assert titan["pipeline_parallel_degree"] == p.pp and titan["expert_parallel_degree"] == p.ep
+    assert titan["tensor_parallel_degree"] == p.tp
+    parts = titan.get("module_fqns_per_model_part", [])
+    assert [len([f for f in part if f.startswith("layers.")]) for part in parts] == [
+        len(s.layers) for s in plan.stages
+    ]
+    script = tmp_path / "job.sbatch"
+    script.write_text(export_plan(plan, "slurm", plan_path=str(out / "plan.json")).text)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    nodes = {r.node for r in plan.ranks}
+    assert f"#SBATCH --nodes={len(nodes)}" in script.read_text()
