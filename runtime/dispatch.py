@@ -69,6 +69,7 @@ class Exchange(Protocol):
     num_tokens: int
     topk: int
     tokens_per_local_expert_L: Tensor
+    reduces_weighted: bool  # True: reverse_weighted / backward_weighted are implemented
 
     def forward_tokens(self, x_TD: Tensor) -> Tensor:
         """Sends token rows to the experts (a token may be replicated); returns rows [N, D]."""
@@ -111,10 +112,14 @@ class TokenDispatcher(Protocol):
           handle: for `combine`.
         """
 
-    def combine(self, expert_output_ND: Tensor, handle: DispatchHandle) -> Tensor:
+    def combine(
+        self, expert_output_ND: Tensor, handle: DispatchHandle, weight_TK: Tensor | None = None
+    ) -> Tensor:
         """Returns y_TKD: the expert output for each (token, choice) of this rank, in order.
 
-        The caller applies gate weights and sums over K.
+        The caller applies gate weights and sums over K. Optional extension: with `weight_TK`
+        (gates [T, K]) it returns y_TD = sum_k weight_TK[:, k, None] * y_TKD[:, k] instead,
+        differentiable in both arguments; HALO-dedup then sums on the remote node.
         """
 
 
@@ -201,6 +206,23 @@ class _CombineFn(torch.autograd.Function):
         return grad_ND, None, None
 
 
+class _WeightedCombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_ND, weight_TK, exchange, stats):
+        ctx.exchange, ctx.stats, ctx.weight_dtype = exchange, stats, weight_TK.dtype
+        start = time.perf_counter()
+        y_TD = exchange.reverse_weighted(y_ND, weight_TK)
+        stats.combine_s += time.perf_counter() - start
+        return y_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        start = time.perf_counter()
+        grad_ND, grad_weight_TK = ctx.exchange.backward_weighted(grad_TD.contiguous())
+        ctx.stats.combine_s += time.perf_counter() - start
+        return grad_ND, grad_weight_TK.to(ctx.weight_dtype), None, None
+
+
 class ExchangeDispatcher:
     """TokenDispatcher built from an Exchange factory (subclasses define `_exchange`)."""
 
@@ -212,7 +234,7 @@ class ExchangeDispatcher:
         self.topo = topology_of_group(group, rpn)
         self.stats = DispatchStats()
 
-    def _exchange(self, expert_TK: Tensor, rank_of_expert_E: Tensor, dim: int) -> Exchange:
+    def _exchange(self, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int) -> Exchange:
         raise NotImplementedError
 
     def dispatch(
@@ -231,18 +253,30 @@ class ExchangeDispatcher:
             and not 0 <= int(rank_of_expert_E.min()) <= int(rank_of_expert_E.max()) < self.size
         ):
             raise ValueError(f"dispatch: rank_of_expert_E must lie in [0, {self.size})")
-        exchange = self._exchange(expert_TK.long().cpu(), rank_of_expert_E, x_TD.shape[1])
+        row_bytes = x_TD.shape[1] * x_TD.element_size()
+        exchange = self._exchange(expert_TK.long().cpu(), rank_of_expert_E, row_bytes)
         self.stats.dispatch_s += time.perf_counter() - start
         out_ND = _DispatchFn.apply(x_TD.contiguous(), exchange, self.stats)
         return out_ND, exchange.tokens_per_local_expert_L, DispatchHandle(exchange)
 
-    def combine(self, expert_output_ND: Tensor, handle: DispatchHandle) -> Tensor:
+    def combine(
+        self, expert_output_ND: Tensor, handle: DispatchHandle, weight_TK: Tensor | None = None
+    ) -> Tensor:
         """See TokenDispatcher.combine."""
-        return _CombineFn.apply(expert_output_ND.contiguous(), handle.exchange, self.stats)
+        exchange = handle.exchange
+        if weight_TK is not None and exchange.reduces_weighted:
+            y_ND = expert_output_ND.contiguous()
+            return _WeightedCombineFn.apply(y_ND, weight_TK, exchange, self.stats)
+        y_TKD = _CombineFn.apply(expert_output_ND.contiguous(), exchange, self.stats)
+        if weight_TK is None:
+            return y_TKD
+        return (y_TKD * weight_TK.to(y_TKD.dtype)[:, :, None]).sum(dim=1)
 
 
 class _FlatExchange:
     """all_to_all_single with uneven splits; rows arrive (source, expert) and are regrouped."""
+
+    reduces_weighted = False
 
     def __init__(self, owner: FlatAllToAll, expert_TK: Tensor, rank_of_expert_E: Tensor) -> None:
         self.owner = owner
@@ -304,5 +338,5 @@ class FlatAllToAll(ExchangeDispatcher):
         (default: LOCAL_WORLD_SIZE, else the whole world is one node).
     """
 
-    def _exchange(self, expert_TK: Tensor, rank_of_expert_E: Tensor, dim: int) -> Exchange:
+    def _exchange(self, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int) -> Exchange:
         return _FlatExchange(self, expert_TK, rank_of_expert_E)

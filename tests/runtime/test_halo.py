@@ -82,6 +82,25 @@ def _run_one(dispatcher, case: Case, me: int, rank_of_expert_E: torch.Tensor):
     return out_ND.detach(), per_expert_L, y_TKD.detach(), x_TD.grad, expected_y, expected_grad
 
 
+def _gates(case: Case, me: int, shape) -> torch.Tensor:
+    return torch.rand(shape, generator=torch.Generator().manual_seed(77 + me), dtype=case.dtype)
+
+
+def _run_weighted(dispatcher, case: Case, me: int, rank_of_expert_E: torch.Tensor):
+    """dispatch -> per-expert scaling -> gate-weighted combine -> loss -> grads of x and gates."""
+    x_TD, expert_TK = _inputs(case, me)
+    x_TD = x_TD.clone().requires_grad_(True)
+    gate_TK = _gates(case, me, expert_TK.shape).requires_grad_(True)
+    out_ND, per_expert_L, handle = dispatcher.dispatch(x_TD, expert_TK, rank_of_expert_E)
+    local_E = (rank_of_expert_E == me).nonzero().flatten()
+    scale_N = torch.repeat_interleave(local_E.to(case.dtype) + 1.0, per_expert_L)
+    y_TD = dispatcher.combine(out_ND * scale_N[:, None], handle, gate_TK)
+    (
+        y_TD * torch.cos(torch.arange(y_TD.numel(), dtype=case.dtype)).reshape(y_TD.shape)
+    ).sum().backward()
+    return y_TD.detach(), x_TD.grad, gate_TK.grad
+
+
 def _check_cases(rank: int, world_size: int, cases: list[Case]) -> int:
     checked = 0
     for case in cases:
@@ -94,6 +113,8 @@ def _check_cases(rank: int, world_size: int, cases: list[Case]) -> int:
             "flat": FlatAllToAll(group, case.ranks_per_node),
             "halo": Halo(group, case.ranks_per_node),
             "halo-dedup": Halo(group, case.ranks_per_node, dedup=True),
+            "halo-direct": Halo(group, case.ranks_per_node, direct_below_bytes=1 << 40),
+            "halo-dedup-direct": Halo(group, case.ranks_per_node, True, 1 << 40),
         }
         results = {n: _run_one(d, case, me, rank_of_expert_E) for n, d in dispatchers.items()}
         out, per_expert, y, grad, expected_y, expected_grad = results["flat"]
@@ -102,12 +123,23 @@ def _check_cases(rank: int, world_size: int, cases: list[Case]) -> int:
         assert torch.equal(per_expert, oracle_counts), f"{case.name}: counts"
         assert torch.equal(y, expected_y), f"{case.name}: flat combine"
         assert torch.allclose(grad, expected_grad), f"{case.name}: flat grad"
-        for name in ("halo", "halo-dedup"):
+        for name in ("halo", "halo-dedup", "halo-direct", "halo-dedup-direct"):
             h_out, h_counts, h_y, h_grad, _, _ = results[name]
             assert torch.equal(h_out, out), f"{case.name}: {name} forward != flat"
             assert torch.equal(h_counts, per_expert), f"{case.name}: {name} counts"
             assert torch.equal(h_y, y), f"{case.name}: {name} combine != flat"
             assert torch.equal(h_grad, grad), f"{case.name}: {name} grad != flat"
+        weighted = {n: _run_weighted(d, case, me, rank_of_expert_E) for n, d in dispatchers.items()}
+        for name, (y_TD, grad_x, grad_gate) in weighted.items():
+            flat_y, flat_grad_x, flat_grad_gate = weighted["flat"]
+            # The dedup gateway pre-sums a node's rows: same math, another summation order.
+            same = torch.allclose if name == "halo-dedup" else torch.equal
+            assert same(y_TD, flat_y), f"{case.name}: {name} weighted combine"
+            assert same(grad_x, flat_grad_x), f"{case.name}: {name} weighted grad x"
+            assert same(grad_gate, flat_grad_gate), f"{case.name}: {name} gate grad"
+        flat_y, flat_grad_x, flat_grad_gate = weighted["flat"]
+        gate_TK = _gates(case, me, flat_grad_gate.shape)
+        assert torch.allclose(flat_y, (expected_y * gate_TK[:, :, None]).sum(1)), case.name
         checked += 1
     return checked
 
