@@ -17,6 +17,7 @@ from typing import Any
 from planner.models import load_model, model_from_config
 from planner.outputs.export_megatron import megatron_args
 from planner.outputs.export_slurm import slurm_script
+from planner.parallel import divisors
 from planner.plan import Plan
 from planner.specs import ModelSpec, SpecError
 
@@ -128,18 +129,28 @@ def _stage_fqns(plan: Plan) -> list[list[str]]:
     return parts
 
 
+def _shard_degree(dp: int, tp: int, ep: int, zero: bool) -> int:
+    """FSDP degree: all of dp with ZeRO, else the least that lets ep fit in shard x tp.
+
+    torchtitan builds its expert-parallel mesh from the shard (and, with expert TP 1, the
+    tensor-parallel) dimensions, so ep must divide shard * tp.
+    """
+    if zero:
+        return dp
+    return next((s for s in divisors(dp) if (s * tp) % ep == 0), dp)
+
+
 def torchtitan_config(plan: Plan, model: ModelSpec) -> tuple[dict[str, Any], tuple[str, ...]]:
     """The torchtitan job config as nested dicts (one per TOML table) and the notes."""
     p, training = plan.parallel, plan.training
     notes = []
     zero = bool(training.get("zero", False))
-    # torchtitan's EP borrows from the FSDP (shard) dimension, so ep must divide the shard degree.
-    shard = p.dp if zero else p.ep
+    shard = _shard_degree(p.dp, p.tp, p.ep, zero)
     replicate = p.dp // shard
     if not zero:
         notes.append(
-            "torchtitan shards parameters with FSDP (ZeRO-3) inside each expert group of "
-            f"{p.ep} ranks and replicates across {replicate} groups (HSDP); Piper planned no ZeRO"
+            f"torchtitan shards parameters with FSDP (ZeRO-3) over {shard} data-parallel ranks "
+            f"and replicates over {replicate} (HSDP); Piper planned no ZeRO"
         )
     name = TORCHTITAN_MODELS.get(model.family)
     if name is None:

@@ -192,6 +192,17 @@ def test_torchtitan_without_zero_uses_hsdp_inside_expert_groups():
     assert rc["activation_checkpoint"]["mode"] == "full"
 
 
+@pytest.mark.parametrize(("dp", "tp", "ep", "shard"), [(4, 1, 2, 2), (1, 4, 4, 1), (2, 2, 2, 1)])
+def test_torchtitan_shard_degree_lets_ep_fit(dp, tp, ep, shard):
+    plan = make_plan()
+    par = ParallelPlan(pp=4, dp=dp, tp=tp, ep=ep, edp=dp * tp // ep, micro_batch=2,
+                       num_microbatches=8, recompute="none")  # fmt: skip
+    doc = tomllib.loads(export_plan(replace(plan, parallel=par), "torchtitan").text)["parallelism"]
+    assert doc["data_parallel_shard_degree"] == shard
+    assert doc["data_parallel_shard_degree"] * doc["data_parallel_replicate_degree"] == dp
+    assert (doc["data_parallel_shard_degree"] * tp) % ep == 0
+
+
 def _fake_slurm_bin(tmp_path, hosts):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
