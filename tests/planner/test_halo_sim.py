@@ -302,3 +302,16 @@ def test_analytic_model_is_slower_when_message_bound(nodes):
     for algo in ("flat", "halo"):
         sim = simulate_all_to_all(c, nodes, 64 * 2**10, algo).time_s
         assert all_to_all_time_s(c, nodes * c.gpus_per_node, 64 * 2**10, algo) > 1.25 * sim
+
+
+def test_emulated_network_model_by_hand():
+    """4 nodes x 2 ranks at 1000 Mbit/s (125 MB/s per node), no overhead, fast loopback:
+    flat sends 6/8 of each rank's bytes off-node; a node's link carries 2 ranks' share."""
+    from planner.sim.emulated import predict_dispatch_combine_s
+
+    point = dict(nodes=4, ranks_per_node=2, rate_mbit=1000, topk=8, tokens_per_rank=1024,
+                 dim=256, algo="flat")  # fmt: skip
+    nbytes = 1024 * 8 * 256 * 4
+    want = 2 * (2 * nbytes * 6 / 8) / 125e6  # dispatch + combine
+    got = predict_dispatch_combine_s(point, 0.0, loopback_gbps=1e6, latency_us=0.0)
+    assert got == pytest.approx(want, rel=1e-6)
