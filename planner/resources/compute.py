@@ -8,7 +8,8 @@ attends (s + 1) / 2 keys on average (or the sliding window).
 Time of a GEMM group, analytic: a roofline with a skinny-GEMM penalty,
     t = max(F / (peak * eff * M / (M + M_HALF_ROWS)), bytes / HBM) + kernels * KERNEL_LAUNCH_S,
 or, when the cluster has a measured `gemm_<dtype>` table (y = achieved TFLOPS at M rows),
-    t = F / y(M).  Attention scores use `attention_<dtype>` (y at sequence length) likewise.
+    t = F / y(M)  (routed experts prefer `gemm_grouped_<dtype>`, x = tokens per expert).
+Attention scores use `attention_<dtype>` (y at sequence length) likewise.
 
 Notation: b micro-batch, s sequence, d hidden, T = b s / tp tokens per rank, k top-k,
 E experts, f expert ffn width, mats = 3 for gated MLPs (SwiGLU) else 2.
@@ -57,15 +58,21 @@ def gemm_time(
     flops: float,
     bytes_moved: float,
     kernels: int,
+    grouped: bool = False,
 ) -> tuple[float, tuple[str, ...]]:
     """Seconds for GEMMs of `flops` total with `rows` rows (M) each, moving `bytes_moved`
-    bytes through HBM in `kernels` launches; and the measured tables used."""
+    bytes through HBM in `kernels` launches; and the measured tables used. `grouped` (the
+    routed experts) prefers the profiler's `gemm_grouped_<dtype>` table (x = tokens per
+    expert) over `gemm_<dtype>`."""
     if flops <= 0:
         return 0.0, ()
-    name = f"gemm_{training.dtype}"
-    measured = lookup(cluster, name, max(rows, 1.0))
-    if measured is not None:
-        return flops / (measured * 1e12), (name,)
+    names = [f"gemm_{training.dtype}"]
+    if grouped:
+        names.insert(0, f"gemm_grouped_{training.dtype}")
+    for name in names:
+        measured = lookup(cluster, name, max(rows, 1.0))
+        if measured is not None:
+            return flops / (measured * 1e12), (name,)
     peak = cluster.device.peak(training.dtype) * 1e12
     eff = cluster.gemm_efficiency * rows / (rows + M_HALF_ROWS)
     compute_s = flops / (peak * eff)
@@ -89,7 +96,8 @@ def _gemm_work(
     a = act_bytes_per_element(training)
     bytes_moved = a * 3 * (weight_params + io_elems)
     flops = TRAIN_FACTOR * fwd_flops
-    t, tables = gemm_time(cluster, training, rows, flops, bytes_moved, 3 * mats)
+    grouped = name == "experts"
+    t, tables = gemm_time(cluster, training, rows, flops, bytes_moved, 3 * mats, grouped)
     return Work(name, flops, t, t / TRAIN_FACTOR, tables)
 
 

@@ -14,6 +14,7 @@ Step time (RESOURCE_MODEL.md, "Step time"):
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -149,10 +150,10 @@ def _check_split(split: Sequence[Sequence[int]], num_layers: int, pp: int) -> No
 def _flatten(recompute_layers: Iterable[int] | Iterable[Iterable[int]]) -> set[int]:
     out: set[int] = set()
     for item in recompute_layers:
-        if isinstance(item, int):
-            out.add(item)
+        if isinstance(item, numbers.Integral):
+            out.add(int(item))
         else:
-            out.update(item)
+            out.update(int(i) for i in item)
     return out
 
 

@@ -94,3 +94,17 @@ def test_causal_context_with_and_without_window():
     assert causal_context(TrainingSpec(seq_len=9), att) == 5
     # window 3 over 6 tokens: queries see 1, 2, 3, 3, 3, 3 keys -> 15 / 6
     assert causal_context(TrainingSpec(seq_len=6), replace(att, sliding_window=3)) == 2.5
+
+
+def test_grouped_expert_table_is_preferred_for_routed_experts():
+    tables = (
+        EfficiencyTable("gemm_bf16", (1.0, 1e6), (40.0, 40.0)),
+        EfficiencyTable("gemm_grouped_bf16", (1.0, 1e6), (10.0, 10.0)),
+    )
+    model = make_model()
+    par = ParallelConfig(pp=1, dp=2, ep=2, micro_batch=2)
+    work = {w.name: w for w in layer_work(model, model.layers[0], make_cluster(tables=tables),
+                                          TrainingSpec(seq_len=32), par)}  # fmt: skip
+    assert work["experts"].time_s == pytest.approx(work["experts"].flops / 10e12)
+    assert work["experts"].tables == ("gemm_grouped_bf16",)
+    assert work["attn_proj"].tables == ("gemm_bf16",)
