@@ -61,8 +61,8 @@ def place(
     placements, reports = [], []
     for layer, load_E in expert_loads(model, trace_loads).items():
         if load_E not in solved:
-            if par.ep == 1:
-                solved[load_E] = ((0,) * len(load_E), _trivial(options.backend))
+            if par.ep == 1 or len(set(load_E)) == 1:
+                solved[load_E] = (_blocks(len(load_E), par.ep), _uniform(load_E, par.ep))
             else:
                 solved[load_E] = backend.place_experts(load_E, par.ep, opts)
             reports.append(solved[load_E][1])
@@ -71,8 +71,20 @@ def place(
     return Placement(tuple(placements), _merge(reports, options.backend), ranks)
 
 
+def _blocks(experts: int, ep: int) -> tuple[int, ...]:
+    """Experts in contiguous blocks of E/ep per rank."""
+    return tuple(e // (experts // ep) for e in range(experts))
+
+
+def _uniform(load_E: Sequence[float], ep: int) -> SolveReport:
+    """Equal loads: any equal-slot placement reaches the bound sum(load)/ep, so blocks are
+    optimal without a solve."""
+    best = sum(load_E) / ep
+    return SolveReport("closed-form", "OPTIMAL", best, best, 0.0, 0.0, "equal loads")
+
+
 def _trivial(backend: str) -> SolveReport:
-    return SolveReport(backend, "OPTIMAL", 0.0, 0.0, 0.0, 0.0, "one EP rank: nothing to place")
+    return SolveReport(backend, "OPTIMAL", 0.0, 0.0, 0.0, 0.0, "nothing to place")
 
 
 def _merge(reports: Sequence[SolveReport], backend: str) -> SolveReport:

@@ -69,6 +69,10 @@ class Backend(Protocol):
 
     def solve_stages(self, inputs: StageCostInputs, options: SolverOptions) -> StageChoice: ...
 
+    def score_stages(self, inputs: StageCostInputs, options: SolverOptions) -> StageChoice:
+        """Same answer as solve_stages, found faster when possible (exact DP, IP fallback)."""
+        ...
+
     def estimate(
         self,
         model: ModelSpec,

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from planner.ip import bounds
 from planner.ip.backend import Backend, EstimateView, StageChoice, gib
@@ -84,6 +85,7 @@ class SearchContext:
     space: SearchSpace
     options: SolverOptions
     backend: Backend
+    score: Literal["dp", "ip"] = "dp"  # how candidates' splits are found (winner: always IP)
 
 
 def rank_rows(rows: Sequence[CandidateRow]) -> tuple[CandidateRow, ...]:
@@ -156,7 +158,15 @@ def _cost_inputs(ctx: SearchContext, par: ParallelConfig, cache: dict) -> StageC
 def _evaluate(ctx: SearchContext, cand: Screened) -> CandidateRow:
     """Solve the stage IP of one candidate and predict its split."""
     opts = replace(ctx.options, threads=1)
-    choice = ctx.backend.solve_stages(cand.inputs, opts)
+    if ctx.score == "ip":
+        choice = ctx.backend.solve_stages(cand.inputs, opts)
+    else:
+        choice = ctx.backend.score_stages(cand.inputs, opts)
+    return _row(ctx, cand, choice)
+
+
+def _row(ctx: SearchContext, cand: Screened, choice: StageChoice) -> CandidateRow:
+    """The row of a candidate whose split has been chosen: infeasible, or predicted."""
     rep = choice.report
     if not rep.has_solution:
         usable = gib(cand.inputs.usable_memory_bytes)
@@ -259,6 +269,19 @@ def branch_and_bound(
     return rows, best, interrupted
 
 
+def confirm_with_ip(ctx: SearchContext, best: CandidateRow, cand: Screened) -> CandidateRow:
+    """Re-solve the winner's split with the stage IP (the user's backend) and re-predict.
+
+    The DP that scored the candidates is exact; the IP proves it with the chosen solver and
+    its report (status, objective, bound, gap) goes into plan.json.
+    """
+    choice = ctx.backend.solve_stages(cand.inputs, replace(ctx.options, threads=1))
+    if not choice.report.has_solution:
+        log.warning("stage IP found no split where the DP did (%s); keeping the DP's", cand)
+        return best
+    return _row(ctx, cand, choice)
+
+
 def search(
     ctx: SearchContext, progress: Progress | None = None
 ) -> tuple[tuple[CandidateRow, ...], CandidateRow | None, bool, dict[str, float], dict]:
@@ -269,6 +292,9 @@ def search(
     survivors, rejected = screen(ctx, layouts)
     t2 = time.perf_counter()
     rows, best, interrupted = branch_and_bound(ctx, survivors, progress)
+    if best is not None and ctx.score == "dp" and not interrupted:
+        best = confirm_with_ip(ctx, best, {c.order: c for c in survivors}[best.order])
+        rows = [best if r.order == best.order else r for r in rows]
     t3 = time.perf_counter()
     timings = {
         "enumerate_s": t1 - t0,
@@ -291,11 +317,12 @@ def new_context(
     backend: Backend,
     recompute: Sequence[Recompute] | None = None,
     max_ep: int | None = None,
+    score: Literal["dp", "ip"] = "dp",
 ) -> SearchContext:
     """Validate the request (GPU count, fixed sizes) and bundle it for the search."""
     check_fits(cluster, gpus)
     space = make_space(gpus, fixed, recompute, max_ep)
-    return SearchContext(model, cluster, training, space, options, backend)
+    return SearchContext(model, cluster, training, space, options, backend, score)
 
 
 def describe(par: ParallelConfig) -> str:

@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from planner.ip import assemble
 from planner.ip.backend import Backend
@@ -58,6 +58,7 @@ def plan(
     recompute: Sequence[Recompute] | None = None,
     max_ep: int | None = None,
     backend: Backend | None = None,
+    score: Literal["dp", "ip"] = "dp",
 ) -> PlanResult:
     """Find the layout and placement with the best predicted step time that fits in memory.
 
@@ -73,6 +74,9 @@ def plan(
         recompute: recompute policies to try (default: none and full, chosen per layer).
         max_ep: largest EP group allowed (keep EP inside a fast domain); None = no limit.
         backend: the resource model and IPs (default: the real ones; tests pass stubs).
+        score: "dp" finds each candidate's split with the exact DP (the stage IP where the DP
+            is not exact) and re-solves the winner with the stage IP; "ip" solves every
+            candidate with the stage IP. Both give the same plan; "dp" is much faster.
     Returns:
         PlanResult; plan is None when nothing fits (message says what would) or when Ctrl-C
         came before any candidate was solved (interrupted is then True).
@@ -82,7 +86,9 @@ def plan(
 
         backend = default_backend()
     t0 = time.perf_counter()
-    ctx = new_context(model, cluster, training, gpus, fixed, options, backend, recompute, max_ep)
+    ctx = new_context(
+        model, cluster, training, gpus, fixed, options, backend, recompute, max_ep, score
+    )
     rows, best, interrupted, timings, inputs = search(ctx, progress)
     t1 = time.perf_counter()
     baselines = all_baselines(ctx, inputs) if not interrupted else ()

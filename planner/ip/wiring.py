@@ -30,13 +30,22 @@ class RealBackend:
     def solve_stages(self, inputs: StageCostInputs, options: SolverOptions) -> StageChoice:
         from planner.ip.stage_ip import solve_stages
 
-        sol = solve_stages(inputs, options)
-        layer_of = [u.layer for u in inputs.units]  # stage IP speaks unit positions
-        return StageChoice(
-            tuple(tuple(layer_of[i] for i in st) for st in sol.stage_layers),
-            tuple(tuple(layer_of[i] for i in rc) for rc in sol.recompute_layers),
-            sol.report if sol.report.has_solution or not sol.reason else _with_message(sol),
-        )
+        return _choice(inputs, solve_stages(inputs, options))
+
+    def score_stages(self, inputs: StageCostInputs, options: SolverOptions) -> StageChoice:
+        """The exact DP when it is exact for these inputs, else the stage IP."""
+        from planner.ip import stage_dp
+        from planner.ip.stage_ip import stage_solution_dp
+
+        sol = stage_solution_dp(inputs)
+        if sol.report.status == "OPTIMAL":
+            return _choice(inputs, sol)
+        if (
+            sol.report.status == "INFEASIBLE"
+            and stage_dp.solve_dp(stage_dp.quantize_inputs(inputs)).exact
+        ):
+            return _choice(inputs, sol)
+        return self.solve_stages(inputs, options)
 
     def estimate(
         self,
@@ -72,7 +81,8 @@ class RealBackend:
                 "rank IP unavailable: ranks placed in order",
             )
         sol = solve_ranks(par, cluster, allocation, options)
-        return RankChoice(tuple(sol.ranks), sol.report, getattr(sol, "note", ""))
+        note = f"{sol.straddling_groups} of {sol.groups_total} TP/EP groups straddle a switch"
+        return RankChoice(tuple(sol.ranks), sol.report, "; ".join(filter(None, [note, sol.note])))
 
     def describe_model(self, model: ModelSpec) -> dict[str, Any]:
         from planner.models import model_config
@@ -89,6 +99,15 @@ class RealBackend:
             "gpus_per_node": cluster.gpus_per_node,
             "nodes": cluster.num_nodes,
         }
+
+
+def _choice(inputs: StageCostInputs, sol: Any) -> StageChoice:
+    layer_of = [u.layer for u in inputs.units]  # the stage IP speaks unit positions
+    return StageChoice(
+        tuple(tuple(layer_of[i] for i in st) for st in sol.stage_layers),
+        tuple(tuple(layer_of[i] for i in rc) for rc in sol.recompute_layers),
+        sol.report if sol.report.has_solution or not sol.reason else _with_message(sol),
+    )
 
 
 def _with_message(sol: Any) -> SolveReport:

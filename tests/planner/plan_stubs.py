@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from planner.ip.backend import EstimateView, RankChoice, StageChoice
 from planner.ip.solvers import SolveReport, SolverOptions
 from planner.ip.stage_ip import solve_stages
+from planner.ip.wiring import RealBackend
 from planner.parallel import ParallelConfig
 from planner.plan import RankPlan
 from planner.resources.units import StageCostInputs, StageExtras, UnitCost
@@ -109,6 +110,12 @@ class ToyBackend:
             raise KeyboardInterrupt
         sol = solve_stages(inputs, options)
         return StageChoice(sol.stage_layers, sol.recompute_layers, sol.report)
+
+    def score_stages(self, inputs: StageCostInputs, options: SolverOptions) -> StageChoice:
+        self.solves += 1
+        if self.interrupt_after is not None and self.solves > self.interrupt_after:
+            raise KeyboardInterrupt
+        return RealBackend().score_stages(inputs, options)
 
     def estimate(
         self, model, cluster, training, par, stage_layers, recompute_layers

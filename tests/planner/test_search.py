@@ -217,3 +217,11 @@ def test_baselines_are_scored_and_never_beat_piper():
     for b in result.baselines:
         if b.estimate is not None and b.estimate.fits:
             assert b.speedup(result.best.step_time_s) >= 1 - 1e-9
+
+
+def test_dp_scoring_and_ip_scoring_give_the_same_plan():
+    args = (toy_model(layers=5), toy_cluster(3.0), toy_training(), 16, None, OPTS)
+    by_dp = plan(*args, backend=ToyBackend(), score="dp")
+    by_ip = plan(*args, backend=ToyBackend(), score="ip")
+    assert by_dp.plan.to_json() == by_ip.plan.to_json()
+    assert by_dp.plan.solver.backend == "cpsat"  # the winner is always confirmed by the IP
