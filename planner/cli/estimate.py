@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from planner.specs import SpecError
+from planner.parallel import ParallelConfig
+from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -62,13 +63,12 @@ def _microbatches(args: argparse.Namespace) -> tuple[int, int]:
     return gb // per_step, gb
 
 
-def run(args: argparse.Namespace) -> int:
+def _inputs(
+    args: argparse.Namespace,
+) -> tuple[ModelSpec, ClusterSpec, TrainingSpec, ParallelConfig]:
+    """Load the model and cluster and build the training setup and layout from the flags."""
     from planner.clusters import load_cluster
     from planner.models import load_model
-    from planner.outputs.files import write_files
-    from planner.parallel import ParallelConfig
-    from planner.resources.cost import estimate, estimate_to_dict
-    from planner.specs import TrainingSpec
 
     model, cluster = load_model(args.model), load_cluster(args.cluster)
     m, gb = _microbatches(args)
@@ -86,6 +86,15 @@ def run(args: argparse.Namespace) -> int:
         bytes_per_param=args.bytes_per_param, zero=args.zero, recompute=args.recompute,
         flash_attention=not args.no_flash, routing_skew=args.routing_skew,
     )  # fmt: skip
+    return model, cluster, training, parallel
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.outputs.files import write_files
+    from planner.resources.cost import estimate, estimate_to_dict
+
+    model, cluster, training, parallel = _inputs(args)
+    m, gb = parallel.num_microbatches, training.global_batch
     est = estimate(
         model, cluster, training, parallel, dispatcher=args.dispatcher, accounting=args.accounting
     )

@@ -1,0 +1,197 @@
+"""One training step under 1F1B: per-stage memory and time, then the step time.
+
+`stage_estimate` adds up a stage's layers and roles (memory by component in GiB, time by
+component in s per micro-batch); `step_time` turns the stages into the step:
+    slot = max_i stage_time_i + p2p (forward activation + backward gradient per micro-batch)
+    step = (m + pp - 1) * slot + exposed gradient reduction + optimizer step
+Formulas: planner/RESOURCE_MODEL.md, "Step time and MFU".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.parallel import ParallelConfig
+from planner.resources import comm
+from planner.resources.compute import TRAIN_FACTOR
+from planner.resources.layer_cost import ExtrasCost, LayerCost
+from planner.resources.memory import StateBytes, act_bytes_per_element
+from planner.specs import GIB, ClusterSpec, ModelSpec, TrainingSpec
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One pipeline stage on one rank. memory_gib: (component, GiB) incl. framework overhead;
+    time_s: (component, s) for one micro-batch, forward + backward."""
+
+    stage: int
+    layers: tuple[int, ...]
+    recompute_layers: tuple[int, ...]
+    in_flight: int
+    memory_gib: tuple[tuple[str, float], ...]
+    total_gib: float
+    time_s: tuple[tuple[str, float], ...]
+    total_s: float
+
+
+def stage_estimate(
+    stage: int,
+    layers: tuple[int, ...],
+    recomputed: set[int],
+    costs: tuple[LayerCost, ...],
+    extras: list[ExtrasCost],
+    in_flight: int,
+    cluster: ClusterSpec,
+) -> StageEstimate:
+    """Memory by component (GiB) and time by component (s) of one stage."""
+    state = sum((costs[i].state for i in layers), StateBytes())
+    state = sum((e.state for e in extras), state)
+    act = sum((costs[i].act_recompute if i in recomputed else costs[i].act).total for i in layers)
+    act += sum(e.act_bytes for e in extras)
+    rc = [costs[i].act.total - costs[i].act_recompute.total for i in layers if i in recomputed]
+    memory = (
+        ("weights", state.weights / GIB),
+        ("grads", state.grads / GIB),
+        ("optimizer", state.optimizer / GIB),
+        ("activations", in_flight * act / GIB),
+        ("recompute_workspace", max(rc, default=0.0) / GIB),
+        ("framework", cluster.framework_overhead_gib),
+    )
+    time: dict[str, float] = {}
+    for i in layers:
+        for w in costs[i].work:
+            time[w.name] = time.get(w.name, 0.0) + w.time_s
+        for name, s in costs[i].comm_s:
+            time[name] = time.get(name, 0.0) + s
+        if i in recomputed:
+            time["recompute"] = time.get("recompute", 0.0) + costs[i].recompute_extra_s
+    for e in extras:
+        for w in e.work:
+            time[w.name] = time.get(w.name, 0.0) + w.time_s
+    time_s = tuple(sorted(time.items()))
+    return StageEstimate(
+        stage=stage,
+        layers=layers,
+        recompute_layers=tuple(sorted(recomputed & set(layers))),
+        in_flight=in_flight,
+        memory_gib=memory,
+        total_gib=sum(v for _, v in memory),
+        time_s=time_s,
+        total_s=sum(v for _, v in time_s),
+    )
+
+
+def _grad_sync_s(
+    layers: tuple[int, ...],
+    costs: tuple[LayerCost, ...],
+    extras: list[ExtrasCost],
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+) -> list[tuple[str, float]]:
+    """Gradient reduction of one stage at the end of the step: dense gradients over dp (ranks
+    tp apart), expert gradients over edp (ranks ep apart). All-reduce, or with ZeRO a
+    reduce-scatter of gradients + all-gather of updated weights: the same bytes (2 passes)."""
+    grad_b = training.bytes_per_param - 14  # 2 (paper's 16 B/param) or 4 (Megatron's 18)
+    dense = sum(costs[i].params_dense for i in layers) + sum(e.params_dense for e in extras)
+    expert = sum(costs[i].params_expert for i in layers) + sum(e.params_expert for e in extras)
+    out = []
+    t, level = comm.ring_allreduce_s(cluster, parallel.dp, parallel.tp, grad_b * dense)
+    if level:
+        out.append((f"dp_{level}", t))
+    t, level = comm.ring_allreduce_s(cluster, parallel.edp, parallel.ep, grad_b * expert)
+    if level:
+        out.append((f"edp_{level}", t))
+    return out
+
+
+def _p2p_s(
+    model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, parallel: ParallelConfig
+) -> tuple[float, str, tuple[str, ...]]:
+    """Per micro-batch and stage boundary: the activation forward and its gradient backward,
+    a (b s / tp) d bytes each, between ranks dp*tp apart (the next stage's block)."""
+    if parallel.pp == 1:
+        return 0.0, "", ()
+    a = act_bytes_per_element(training)
+    nbytes = a * parallel.micro_batch * training.seq_len / parallel.tp * model.hidden_size
+    t, level, tables = comm.p2p_time_s(cluster, (0, parallel.dp * parallel.tp), nbytes)
+    return 2 * t, level, tables
+
+
+def _optimizer_s(stages: Sequence[StageEstimate], cluster: ClusterSpec) -> float:
+    """Adam step, memory-bound: each rank reads and writes its weights, gradients and
+    optimizer shard once (2 x state bytes through HBM); the slowest stage sets it."""
+    worst = 0.0
+    for st in stages:
+        state_gib = sum(v for n, v in st.memory_gib if n in ("weights", "grads", "optimizer"))
+        worst = max(worst, 2 * state_gib * GIB / (cluster.device.hbm_gbps * 1e9))
+    return worst
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The step assembled from the stages (seconds; comm_s per step on the bottleneck stage)."""
+
+    step_s: float
+    slot_s: float
+    dp_exposed_s: float
+    optimizer_s: float
+    comm_s: tuple[tuple[str, float], ...]
+    exposed_comm_s: float
+    tables: tuple[str, ...]
+
+
+def _grad_sync_all(
+    stages: Sequence[StageEstimate],
+    costs: tuple[LayerCost, ...],
+    ends: Sequence[ExtrasCost],
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    slot: float,
+) -> tuple[float, dict[str, float]]:
+    """(exposed seconds, per-name max over stages) of the end-of-step gradient reduction.
+    Stage i finishes its last backward about i slots before stage 0 does, so its reduction
+    hides behind i x 2/3 of a slot of backward work."""
+    pp = parallel.pp
+    exposed, by_name = 0.0, {}
+    for st in stages:
+        extras = ([ends[0]] if st.stage == 0 else []) + ([ends[1]] if st.stage == pp - 1 else [])
+        sync = _grad_sync_s(st.layers, costs, extras, cluster, training, parallel)
+        total = sum(s for _, s in sync)
+        exposed = max(exposed, total - st.stage * slot * 2 / TRAIN_FACTOR)
+        for name, s in sync:
+            by_name[name] = max(by_name.get(name, 0.0), s)
+    return exposed, by_name
+
+
+def step_time(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    stages: Sequence[StageEstimate],
+    costs: tuple[LayerCost, ...],
+    ends: Sequence[ExtrasCost],
+) -> StepTime:
+    """1F1B step time from the stages; `ends` = (first-stage role, last-stage role)."""
+    pp, m = parallel.pp, parallel.num_microbatches
+    p2p_s, p2p_level, p2p_tables = _p2p_s(model, cluster, training, parallel)
+    bottleneck = max(stages, key=lambda st: (st.total_s, -st.stage))
+    slot = bottleneck.total_s + p2p_s
+    dp_exposed, dp_comm = _grad_sync_all(stages, costs, ends, cluster, training, parallel, slot)
+    optimizer_s = _optimizer_s(stages, cluster)
+    layer_comm = {n: m * s for n, s in bottleneck.time_s if n.startswith(("a2a_", "tp_"))}
+    per_slot_comm = sum(s for n, s in bottleneck.time_s if n.startswith(("a2a_", "tp_")))
+    if p2p_level:
+        layer_comm[f"p2p_{p2p_level}"] = m * p2p_s
+    return StepTime(
+        step_s=(m + pp - 1) * slot + dp_exposed + optimizer_s,
+        slot_s=slot,
+        dp_exposed_s=dp_exposed,
+        optimizer_s=optimizer_s,
+        comm_s=tuple(sorted({**layer_comm, **dp_comm}.items())),
+        exposed_comm_s=(m + pp - 1) * (per_slot_comm + p2p_s) + dp_exposed,
+        tables=p2p_tables,
+    )
