@@ -1,0 +1,160 @@
+"""Rank IP: logical-rank convention, and straddling groups vs brute force on tiny allocations."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from planner.allocation import Allocation, AllocNode, parse_allocation
+from planner.ip import rank_ip
+from planner.ip.rank_ip import KIND_WEIGHT, LEVEL_WEIGHT, solve_ranks
+from planner.ip.solvers import SolverOptions
+from planner.parallel import ParallelConfig
+from planner.specs import ClusterSpec, DeviceSpec, LevelSpec, SpecError
+
+CPSAT = SolverOptions(backend="cpsat", time_limit_s=10)
+CBC = SolverOptions(backend="cbc", time_limit_s=10)
+
+
+def cluster(
+    gpus_per_node: int, nodes_per_switch: int = 4, switches_per_group: int = 2
+) -> ClusterSpec:
+    g = gpus_per_node
+    levels = (
+        LevelSpec("node", g, 100.0, 1.0),
+        LevelSpec("switch", g * nodes_per_switch, 25.0, 2.0),
+        LevelSpec("group", g * nodes_per_switch * switches_per_group, 25.0, 3.0),
+        LevelSpec("system", g * 4096, 12.5, 4.0, 0.5),
+    )
+    dev = DeviceSpec("toy", 64.0, (("bf16", 100.0),), 1000.0)
+    return ClusterSpec("toy", dev, g, 4096, 1, 25.0, levels)
+
+
+def fragmented(sizes: list[int], groups: list[int] | None = None) -> Allocation:
+    nodes, k = [], 0
+    for s, n in enumerate(sizes):
+        for _ in range(n):
+            grp = str(groups[s]) if groups else "0"
+            nodes.append(AllocNode(f"n{k:03d}", str(s), grp))
+            k += 1
+    return Allocation(tuple(nodes), "test")
+
+
+def group_members(par: ParallelConfig) -> list[tuple[str, list[int]]]:
+    """TP groups, EP groups (consecutive blocks) and pipeline pairs, straight from the
+    convention r = stage*(dp*tp) + dp_idx*tp + tp_idx."""
+    out = []
+    for kind, size in (("tp", par.tp), ("ep", par.ep)):
+        if size > 1:
+            out += [(kind, list(range(s, s + size))) for s in range(0, par.world, size)]
+    block = par.dp * par.tp
+    out += [("pp", [r, r + block]) for r in range(par.world - block)]
+    return out
+
+
+def placement_cost(par, alloc: Allocation, node_of_rank: list[int]) -> tuple[int, int]:
+    """(weighted objective, TP/EP groups over >1 switch) of a rank -> node map."""
+    cost, straddling, seen_pp = 0, 0, set()
+    for kind, ranks in group_members(par):
+        nodes = {node_of_rank[r] for r in ranks}
+        sw = {(alloc.nodes[n].group, alloc.nodes[n].switch) for n in nodes}
+        grp = {alloc.nodes[n].group for n in nodes}
+        if kind == "pp":
+            key = tuple(sorted(nodes))
+            if key in seen_pp:  # one pair of nodes counts once
+                continue
+            seen_pp.add(key)
+        else:
+            cost += KIND_WEIGHT[kind] * LEVEL_WEIGHT["switch"] * (len(sw) > 1)
+            straddling += len(sw) > 1
+        cost += KIND_WEIGHT[kind] * LEVEL_WEIGHT["group"] * (len(grp) > 1)
+    return cost, straddling
+
+
+def brute_force(par, alloc: Allocation, g: int) -> int:
+    """Min objective over every injective map of node-sized rank blocks to nodes."""
+    chunks = math.ceil(par.world / g)
+    best = math.inf
+    for nodes in itertools.permutations(range(len(alloc)), chunks):
+        node_of_rank = [nodes[r // g] for r in range(par.world)]
+        best = min(best, placement_cost(par, alloc, node_of_rank)[0])
+    return best
+
+
+def check_rows(sol, par: ParallelConfig, g: int) -> None:
+    assert [r.rank for r in sol.ranks] == list(range(par.world))
+    slots = {(r.node, r.local_rank) for r in sol.ranks}
+    assert len(slots) == par.world  # one rank per device
+    for r in sol.ranks:
+        assert r.rank == r.stage * par.dp * par.tp + r.dp * par.tp + r.tp
+        assert r.ep == (r.dp * par.tp + r.tp) % par.ep
+        assert r.local_rank == r.rank % g
+
+
+def _random_case(rng: random.Random):
+    g = rng.choice([1, 2])
+    sizes = [rng.randint(1, 3) for _ in range(rng.randint(2, 3))]
+    groups = [rng.randint(0, 1) for _ in sizes]
+    alloc = fragmented(sizes, groups)
+    max_chunks = min(len(alloc), 5)
+    for _ in range(50):
+        pp, dp, tp = rng.randint(1, 3), rng.choice([1, 2, 4]), rng.choice([1, 2])
+        if math.ceil(pp * dp * tp / g) <= max_chunks and pp * dp * tp > 1:
+            eps = [e for e in (1, 2, 4) if (dp * tp) % e == 0]
+            return g, alloc, ParallelConfig(pp=pp, dp=dp, tp=tp, ep=rng.choice(eps))
+    return g, alloc, ParallelConfig(pp=2, dp=1)
+
+
+@pytest.mark.parametrize("force_ip", [False, True])
+def test_rank_ip_equals_brute_force(force_ip, monkeypatch):
+    """40 tiny fragmented allocations: IP objective = enumeration; straddle counts add up.
+    force_ip disables the greedy-meets-lower-bound shortcut so every case goes to CP-SAT."""
+    if force_ip:
+        monkeypatch.setattr(rank_ip, "_lower_bound", lambda groups, switches: -1)
+    rng = random.Random(21)
+    for _ in range(40):
+        g, alloc, par = _random_case(rng)
+        sol = solve_ranks(par, cluster(g), alloc, CPSAT)
+        check_rows(sol, par, g)
+        node_of_rank = [r.node for r in sol.ranks]
+        cost, straddling = placement_cost(par, alloc, node_of_rank)
+        assert sol.report.status == "OPTIMAL"
+        assert cost == brute_force(par, alloc, g) == sol.report.objective
+        assert sol.straddling_groups == straddling
+
+
+def test_thirteen_nodes_three_switches():
+    """13 nodes (5+5+3) of 8 GPUs, 6 EP groups of 16 ranks (2 nodes): switches hold 2+2+1
+    whole groups, so exactly one group must straddle."""
+    par = ParallelConfig(pp=1, dp=96, ep=16)
+    for opts in (CPSAT, CBC):
+        sol = solve_ranks(par, cluster(8, nodes_per_switch=5), fragmented([5, 5, 3]), opts)
+        assert sol.straddling_groups == 1 and sol.groups_total == 6
+        assert sol.report.status == "OPTIMAL"
+        assert "1 of 6 TP/EP groups straddle" in sol.note
+        check_rows(sol, par, 8)
+
+
+def test_contiguous_allocation_has_no_straddles():
+    """64 nodes of 8, EP of 32 ranks (= one 4-node switch), pp=4: nothing straddles, and
+    pipeline neighbours stay inside a dragonfly group of 8 switches."""
+    par = ParallelConfig(pp=4, dp=128, ep=32)
+    sol = solve_ranks(par, cluster(8, 4, 8), None, CPSAT)
+    assert sol.straddling_groups == 0 and sol.report.status == "OPTIMAL"
+    assert dict(((k, lv), n) for k, lv, n in sol.straddling_by_level)[("pp", "group")] == 0
+    check_rows(sol, par, 8)
+
+
+def test_too_few_nodes_is_a_spec_error():
+    with pytest.raises(SpecError, match="allocate more nodes"):
+        solve_ranks(ParallelConfig(pp=2, dp=8), cluster(8), fragmented([1]), CPSAT)
+
+
+def test_allocation_file_round_trip(tmp_path):
+    alloc = parse_allocation([{"hostname": "a", "switch": 1}, {"hostname": "b", "switch": 2}])
+    sol = solve_ranks(ParallelConfig(pp=2, dp=2), cluster(2), alloc, CPSAT)
+    assert sol.hostnames == ("a", "b")
+    assert {r.node for r in sol.ranks} == {0, 1}
