@@ -71,6 +71,7 @@ FAMILIES: dict[str, FamilyTraits] = {
     "moe": FamilyTraits("moe"),  # Piper's generic MoE keys (tiny-moe, X-MoE, weak scaling)
     "dense": FamilyTraits("dense"),
 }
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "dense")
 _ALIASES = {"llama4_text": "llama4", "grok": "grok-1", "grok1": "grok-1", "phi_moe": "phimoe"}
 
 
@@ -212,7 +213,7 @@ def build_model(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     gated = r.bool("mlp_gated", True)
     attention, extra_norms = _attention(r, t, d)
     windows = _windows(r, num_layers, max_pos)
-    has_moe = family != "dense" and r.first_key(EXPERTS_KEYS) is not None
+    has_moe = family not in DENSE_FAMILIES or r.first_key(EXPERTS_KEYS) is not None
     moe = _moe_spec(r, t, gated) if has_moe else None
     pattern = _moe_pattern(r, num_layers) if moe else [False] * num_layers
     dense_ffn = 0

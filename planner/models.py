@@ -159,9 +159,18 @@ def published_counts(cfg: dict[str, Any], where: str = "config") -> PublishedCou
         active_basis=active_basis,
         source=str(meta.get("source", "")),
         count_unit=unit,
-        tolerance_pct=float(meta.get("tolerance_pct", 1.0)),
+        tolerance_pct=_tolerance(r),
         note=str(meta.get("note", "")),
     )
+
+
+def _tolerance(r: ConfigReader) -> float:
+    value = r.cfg.get("tolerance_pct", 1.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise r.error(
+            "tolerance_pct", f"must be a positive number, got {value!r}", "write e.g. 1.5"
+        )
+    return float(value)
 
 
 # ---- Piper's normalized format: model_config() and its reader ---------------------------
