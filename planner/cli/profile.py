@@ -57,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+class ProfileFailed(RuntimeError):
+    """torchrun of runtime/profile.py exited non-zero; the message holds its stderr tail."""
+
+
 def _launch(args: argparse.Namespace, raw_path: Path) -> None:
     cmd = [
         sys.executable,
@@ -94,8 +98,9 @@ def _launch(args: argparse.Namespace, raw_path: Path) -> None:
     except subprocess.TimeoutExpired:
         raise SpecError(f"piper profile: torchrun exceeded --timeout-s {args.timeout_s}") from None
     if proc.returncode != 0 or not raw_path.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise RuntimeError("torchrun of runtime/profile.py failed:\n" + "\n".join(tail))
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        errors = [ln for ln in lines if ln.startswith("runtime.profile:") or "Error:" in ln]
+        raise ProfileFailed("\n".join(errors[-3:] + lines[-12:]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +118,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             raw_path = Path(tmp) / "raw.json"
-            _launch(args, raw_path)
+            try:
+                _launch(args, raw_path)
+            except ProfileFailed as exc:
+                print(
+                    f"piper profile: the benchmarks failed; nothing was written\n{exc}",
+                    file=sys.stderr,
+                )
+                return 1
             raw = json.loads(raw_path.read_text())
     base_name = args.base or ("h200" if raw["machine"].get("backend") == "nccl" else "cpu-gloo")
     cluster = profile_to_cluster_dict(raw, load_cluster(base_name), args.name or out.stem)

@@ -118,3 +118,31 @@ def test_piper_profile_quick_cpu_feeds_the_planner(tmp_path):
     )
     assert "gemm_fp32" in est.used_measured_tables
     assert est.step_time_s > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_benchmarks_bf16():
+    """On a GPU: bf16 GEMM throughput grows with M and is a sane fraction of any GPU's peak."""
+    dev = torch.device("cuda", 0)
+    sz = prof.sizes_for(quick=False, on_gpu=True, hidden=4096, ffn=4096)
+    sz = prof.ProfileSizes(**{**sz.__dict__, "gemm_tokens": (64, 8192), "iters": 5})
+    small, large = prof.bench_gemm(sz, torch.bfloat16, dev)
+    assert 1.0 < large < 5000.0 and large > 2 * small
+    assert 50.0 < prof.bench_membw(sz, dev)[-1] < 20000.0
+
+
+def test_cuda_request_without_cuda_fails_cleanly(tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        prof.main(["--raw-out", str(tmp_path / "r.json"), "--device", "cuda"])
+    import planner.cli.profile as cli_profile
+
+    def failing(args, raw_path):
+        raise cli_profile.ProfileFailed("runtime.profile: --device cuda but no CUDA device")
+
+    monkeypatch.setattr(cli_profile, "_launch", failing)
+    out = tmp_path / "x.yaml"
+    assert main(["profile", "--nproc", "1", "--device", "cuda", "--out", str(out)]) == 1
+    assert "no CUDA device" in capsys.readouterr().err and not out.exists()
