@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.models import load_model, model_from_config
-from planner.outputs.export_megatron import megatron_args
+from planner.outputs.export_megatron import megatron_args, noncontiguous_expert_layers
 from planner.outputs.export_slurm import slurm_script
 from planner.parallel import divisors
 from planner.plan import Plan
@@ -174,27 +174,35 @@ def torchtitan_config(plan: Plan, model: ModelSpec) -> tuple[dict[str, Any], tup
                 str(training.get("dtype", "bf16")), "bfloat16"
             ),
         },
-        "parallelism": {
-            "data_parallel_replicate_degree": replicate,
-            "data_parallel_shard_degree": shard,
-            "tensor_parallel_degree": p.tp,
-            "context_parallel_degree": 1,
-            "pipeline_parallel_degree": p.pp,
-            "pipeline_parallel_schedule": "Interleaved1F1B"
-            if training.get("schedule") == "interleaved"
-            else "1F1B",
-            "pipeline_parallel_microbatch_size": p.micro_batch,
-            "expert_parallel_degree": p.ep,
-            "expert_tensor_parallel_degree": 1,
-        },
+        "parallelism": _titan_parallelism(plan, shard, replicate),
         "activation_checkpoint": {"mode": mode},
     }
-    if p.pp > 1:
-        doc["parallelism"]["module_fqns_per_model_part"] = _stage_fqns(plan)
-    if plan.experts:
-        notes.append("expert placement is torchtitan's contiguous default; the plan's "
-                     "rank_of_expert needs the checkpoint's experts permuted to match")  # fmt: skip
+    permuted = noncontiguous_expert_layers(plan)
+    if permuted:
+        notes.append(
+            f"{permuted} MoE layers use a non-contiguous expert placement; torchtitan places "
+            "experts contiguously, so permute the experts in the checkpoint to match"
+        )
     return doc, tuple(notes)
+
+
+def _titan_parallelism(plan: Plan, shard: int, replicate: int) -> dict[str, Any]:
+    p = plan.parallel
+    interleaved = plan.training.get("schedule") == "interleaved"
+    out: dict[str, Any] = {
+        "data_parallel_replicate_degree": replicate,
+        "data_parallel_shard_degree": shard,
+        "tensor_parallel_degree": p.tp,
+        "context_parallel_degree": 1,
+        "pipeline_parallel_degree": p.pp,
+        "pipeline_parallel_schedule": "Interleaved1F1B" if interleaved else "1F1B",
+        "pipeline_parallel_microbatch_size": p.micro_batch,
+        "expert_parallel_degree": p.ep,
+        "expert_tensor_parallel_degree": 1,
+    }
+    if p.pp > 1:
+        out["module_fqns_per_model_part"] = _stage_fqns(plan)
+    return out
 
 
 _TITAN_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}

@@ -149,15 +149,21 @@ def model_args(model: ModelSpec, seq_len: int) -> tuple[list[str], list[str]]:
     return args, notes
 
 
-def _placement_notes(plan: Plan) -> list[str]:
-    notes = []
-    p = plan.parallel
+def noncontiguous_expert_layers(plan: Plan) -> int:
+    """MoE layers whose placement is not the default 'expert e on EP rank e // (E/ep)'."""
     permuted = 0
     for placement in plan.experts:
         n = len(placement.rank_of_expert)
-        per_rank = max(1, n // p.ep)
+        per_rank = max(1, n // plan.parallel.ep)
         if list(placement.rank_of_expert) != [e // per_rank for e in range(n)]:
             permuted += 1
+    return permuted
+
+
+def _placement_notes(plan: Plan) -> list[str]:
+    notes = []
+    p = plan.parallel
+    permuted = noncontiguous_expert_layers(plan)
     if permuted:
         notes.append(
             f"{permuted} of {len(plan.experts)} MoE layers use a non-contiguous expert placement; "

@@ -131,6 +131,9 @@ def test_megatron_zero_recompute_and_placement_notes():
     notes = " ".join(result.notes)
     assert "recomputes [2, 1, 0, 0]" in notes and "7 of 7 MoE layers" in notes
     assert all(f"# NOTE: {n}" in result.text for n in result.notes)
+    titan = export_plan(plan, "torchtitan")
+    assert any("7 MoE layers use a non-contiguous" in n for n in titan.notes)
+    assert not any("non-contiguous" in n for n in export_plan(make_plan(), "torchtitan").notes)
 
 
 def test_megatron_model_flags_for_mla_and_mtp():
