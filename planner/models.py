@@ -57,10 +57,12 @@ def list_model_presets() -> list[str]:
 
 
 def _preset_file(name: str) -> Path | None:
-    for ext in (".json", ".yaml", ".yml"):
-        p = MODELS_DIR / f"{name}{ext}"
-        if p.is_file():
-            return p
+    """The preset file for `name`, matched case-insensitively (Mixtral-8x7B = mixtral-8x7b)."""
+    for candidate in (name, name.lower()):
+        for ext in (".json", ".yaml", ".yml"):
+            p = MODELS_DIR / f"{candidate}{ext}"
+            if p.is_file():
+                return p
     return None
 
 
@@ -85,7 +87,7 @@ def resolve_model(name_or_path: str) -> tuple[dict[str, Any], str, str]:
     """(config dict, model name, source) for a preset name, a file or a directory."""
     preset = _preset_file(name_or_path) if "/" not in name_or_path else None
     if preset is not None:
-        return read_config_file(preset), name_or_path, f"preset:{name_or_path}"
+        return read_config_file(preset), preset.stem, f"preset:{preset.stem}"
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"

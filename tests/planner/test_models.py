@@ -216,6 +216,12 @@ def test_dbrx_missing_nested_key_is_named():
         model_from_config(cfg, "dbrx", "dbrx.json")
 
 
+def test_preset_names_are_case_insensitive(capsys):
+    assert load_model("Mixtral-8x7B") == load_model("mixtral-8x7b")
+    assert main(["model-info", "--list"]) == 0
+    assert capsys.readouterr().out.split() == PRESETS
+
+
 def test_unknown_preset_suggests_closest():
     with pytest.raises(SpecError, match="did you mean mixtral-8x7b"):
         load_model("mixtral-8x7")
