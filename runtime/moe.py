@@ -157,6 +157,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(d, spec, local, seed, layer)
         self.register_buffer("tokens_E", torch.zeros(spec.num_experts, dtype=torch.long), False)
         self.dispatcher = LocalDispatcher()
+        self.counting = True  # off during the pipeline's shape-inference forward
 
     def set_placement(self, rank_of_expert_E) -> None:
         """Swap the routing table (the expert weights must already sit in their new slots)."""
@@ -167,7 +168,7 @@ class MoELayer(nn.Module):
         shape = x_BSD.shape
         x_TD = x_BSD.reshape(-1, shape[-1])
         expert_TK, gate_TK = self.router(x_TD)
-        with torch.no_grad():
+        if self.counting:
             self.tokens_E += torch.bincount(expert_TK.reshape(-1), minlength=len(self.tokens_E))
         x_ND, counts, handle = self.dispatcher.dispatch(x_TD, expert_TK, self.rank_of_expert_E)
         counts_X = counts.tolist() if torch.is_tensor(counts) else list(counts)

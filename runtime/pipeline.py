@@ -1,10 +1,11 @@
 """Pipeline stages and schedule (torch.distributed.pipelining) and the gradient sync.
 
 Each rank owns one stage (the plan has pp stages, one per pipeline rank); the schedule is
-`Schedule1F1B` from torch.distributed.pipelining with static shapes (input/output and their
-gradients declared up front: on gloo the library's shape inference is avoided, and the MoE
-all-to-alls inside a stage never run on meta tensors). pp = 1 runs the same micro-batch
-loop by hand (forward, backward, loss / num_microbatches), which is what the schedule does.
+`Schedule1F1B` from torch.distributed.pipelining, with the library's runtime shape inference.
+(Declaring static shapes with input/output args and grads, in torch 2.13 on gloo, left the
+first stage with zero gradients, which the single-device oracle test caught; without grads
+the static path refuses to run backward.) pp = 1 runs the same micro-batch loop by hand
+(forward, backward of loss / num_microbatches), which is what the schedule does.
 
 Gradient sync after the schedule: dense parameters are averaged over the stage's
 data-parallel group; expert parameters are summed over the expert-DP group and divided by
@@ -34,6 +35,26 @@ class CountingStage(PipelineStage):
             for op in ops:
                 self.counter.add("p2p", op.tensor.numel() * op.tensor.element_size(), op.peer)
         return ops
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        """The library's one-time shape-inference forward: not training, so the MoE layers
+        do not count its tokens (its all-to-all bytes are counted: they were sent)."""
+        moes = self.submod.moe_layers().values()
+        for moe in moes:
+            moe.counting = False
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            for moe in moes:
+                moe.counting = True
+
+    def _to_tensor(self, arg):
+        """Materialize inferred inputs as zeros, not uninitialized memory (deterministic)."""
+        out = super()._to_tensor(arg)
+        if isinstance(out, torch.Tensor) and not isinstance(arg, torch.Tensor):
+            with torch.no_grad():
+                out.zero_()
+        return out
 
     def get_fwd_send_ops(self, fwd_chunk_id):
         return self._count(super().get_fwd_send_ops(fwd_chunk_id))
@@ -65,22 +86,7 @@ class PipelineRunner:
         self.schedule = None
         if pp == 1:
             return
-        d, v = _width(module), _vocab(module)
-        hidden = torch.zeros(micro_batch, seq_len, d, device=device)
-        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
-        inp = ids if module.first else hidden
-        out = torch.zeros(micro_batch, seq_len, v, device=device) if module.last else hidden
-        stage = CountingStage(
-            module,
-            mesh.me.stage,
-            pp,
-            device,
-            input_args=inp,
-            output_args=out,
-            output_grads=None if module.last else out,
-            input_grads=None if module.first else inp,
-            group=mesh.pp_group,
-        )
+        stage = CountingStage(module, mesh.me.stage, pp, device, group=mesh.pp_group)
         order = sorted(mesh.pp_ranks)
         stage.stage_index_to_group_rank = {s: order.index(r) for s, r in enumerate(mesh.pp_ranks)}
         stage.counter = counter
@@ -105,14 +111,6 @@ class PipelineRunner:
         if self.module.last:
             return float(torch.stack([x.detach() for x in losses]).mean())
         return None
-
-
-def _width(module: StageModule) -> int:
-    return module.blocks[0].attn_norm.weight.shape[0]
-
-
-def _vocab(module: StageModule) -> int:
-    return module.head.weight.shape[0] if module.head is not None else 0
 
 
 def _allreduce_mean(

@@ -46,3 +46,38 @@ def tiny_spec(
 
 def with_options(spec: RunSpec, **changes) -> RunSpec:
     return replace(spec, **changes)
+
+
+def reference_losses(spec: RunSpec) -> list[float]:
+    """Single-device oracle: the whole model, every expert local, the global batch of every
+    dp replica, gradients averaged exactly as the distributed run averages them."""
+    import torch
+
+    from runtime.data import sample_batch
+    from runtime.model import StageModule, lm_loss
+
+    model = StageModule(spec.model, range(spec.model.num_layers), True, True, seed=spec.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
+    batch, m = spec.micro_batch * spec.num_microbatches, spec.num_microbatches
+    losses = []
+    for step in range(spec.steps):
+        opt.zero_grad()
+        total = 0.0
+        for j in range(spec.dp):
+            x, y = sample_batch(step, j, spec.dp, batch, spec.seq_len, spec.seed)
+            for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):
+                loss = lm_loss(model(xc), yc) / (spec.dp * m)
+                loss.backward()
+                total += float(loss.detach())
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+def train_body(rank: int, world: int, spec: RunSpec, fail_at: int = -1):
+    """run_distributed body: train and return (losses, files, expert_state, placements)."""
+    from runtime.launch import train
+
+    r = train(spec, rank, fail_migration_at=fail_at)
+    state = {k: v.numpy().copy() for k, v in r.expert_state.items()}  # no shared-memory fds
+    return r.losses, r.files, state, r.placements
