@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from typing import Any
 
 from planner.specs import ModelSpec, SpecError, TrainingSpec
@@ -50,40 +49,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allocation", default=None, help="node allocation file for the rank IP")
     p.add_argument("--trace", default=None, help="expert-load trace CSV for the expert IP")
     p.add_argument("--out", default=None, help="output dir (default results/MODEL-CLUSTER-GPUS)")
+    p.add_argument(
+        "--score",
+        choices=("dp", "ip"),
+        default="dp",
+        help="find candidates' splits with the exact DP (default; the winner is re-solved by "
+        "the stage IP) or with the stage IP for every candidate (slower, same plan)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
 
 
 def trace_loads(path: str, model: ModelSpec) -> dict[int, tuple[float, ...]]:
-    """Tokens per expert summed over all intervals, per transformer layer index.
-
-    The trace's `layer` column may hold transformer layer indices (values among the model's
-    MoE layers) or MoE-layer ordinals 0..n-1; both are accepted.
-    """
+    """Tokens per expert summed over the trace's intervals, per transformer layer index."""
     from planner.migration.trace import load_trace
 
     trace = load_trace(path)
-    tokens = getattr(trace, "tokens_ILE", None)
-    if tokens is None:
-        raise SpecError(f"{path}: could not read tokens per (interval, layer, expert)")
-    moe = list(model.moe_layers)
-    layers = list(getattr(trace, "layers", range(len(tokens[0]))))
-    totals: dict[int, list[float]] = defaultdict(list)
-    for j, layer in enumerate(layers):
-        target = layer if set(layers) <= set(moe) else (moe[layer] if layer < len(moe) else None)
-        if target is None:
-            raise SpecError(f"{path}: layer {layer} is not an MoE layer of {model.name}")
-        per_e = [
-            sum(float(tokens[i][j][e]) for i in range(len(tokens)))
-            for e in range(len(tokens[0][j]))
-        ]
-        if len(per_e) != model.layers[target].moe.num_experts:  # type: ignore[union-attr]
+    moe = set(model.moe_layers)
+    out = {}
+    for j, layer in enumerate(trace.layer_ids):
+        if layer not in moe:
             raise SpecError(
-                f"{path}: layer {layer} has {len(per_e)} experts, model has "
-                f"{model.layers[target].moe.num_experts}"
-            )  # type: ignore[union-attr]
-        totals[target] = per_e
-    return {k: tuple(v) for k, v in totals.items()}
+                f"{path}: layer {layer} is not an MoE layer of {model.name} (MoE layers: "
+                f"{min(moe)}..{max(moe)}); was the trace recorded for another model?"
+            )
+        per_e = trace.tokens_ILE[:, j, :].sum(axis=0)
+        experts = model.layers[layer].moe.num_experts  # type: ignore[union-attr]
+        if len(per_e) != experts:
+            raise SpecError(f"{path}: {len(per_e)} experts per layer, {model.name} has {experts}")
+        out[layer] = tuple(float(x) for x in per_e)
+    return out
 
 
 class _Progress:

@@ -120,16 +120,16 @@ def one_f_one_b(stage_time_s: Sequence[float], num_microbatches: int) -> list[Op
 def timeline_png(stage_time_s: Sequence[float], num_microbatches: int, title: str) -> bytes:
     ops = one_f_one_b(stage_time_s, num_microbatches)
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(stage_time_s) + 1.5))
-    for op in ops:
-        color = "tab:blue" if op.kind == "F" else "tab:orange"
-        ax.barh(
-            op.stage,
-            1e3 * (op.end_s - op.start_s),
-            left=1e3 * op.start_s,
-            color=color,
-            edgecolor="white",
-            linewidth=0.3,
-        )
+    for stage in range(len(stage_time_s)):
+        for kind, color in (("F", "tab:blue"), ("B", "tab:orange")):
+            spans = [
+                (1e3 * op.start_s, 1e3 * (op.end_s - op.start_s))
+                for op in ops
+                if op.stage == stage and op.kind == kind
+            ]
+            ax.broken_barh(
+                spans, (stage - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.3
+            )
     ax.set_yticks(range(len(stage_time_s)))
     ax.invert_yaxis()
     ax.set_ylabel("stage")

@@ -1,0 +1,152 @@
+"""`piper plan` as a user runs it: defaults, files, determinism, fixed sizes, infeasibility,
+--json, --trace, Ctrl-C. In-process (planner.cli.main) to keep it fast."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from planner.ip import search
+from planner.plan import load_plan
+
+OUTPUTS = {
+    "plan.json",
+    "timings.json",
+    "candidates.csv",
+    "stages.csv",
+    "memory.csv",
+    "comm.csv",
+    "summary.md",
+    "memory.png",
+    "time.png",
+    "timeline.png",
+}
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default")
+    assert main(["plan", "--out", str(out)]) == 0
+    return out
+
+
+def test_default_plan_writes_every_output_and_a_valid_plan(default_run, capsys):
+    assert OUTPUTS <= {p.name for p in default_run.iterdir()}
+    plan = load_plan(default_run / "plan.json")
+    assert plan.model["name"] == "mixtral-8x7b" and plan.cluster["name"] == "frontier"
+    assert plan.training["seq_len"] == 4096 and plan.training["global_batch"] == 1024
+    par = plan.parallel
+    assert par.pp * par.dp * par.tp == 64
+    assert par.dp * par.micro_batch * par.num_microbatches == 1024
+    assert [layer for s in plan.stages for layer in s.layers] == list(range(32))
+    assert len(plan.ranks) == 64 and sorted(r.rank for r in plan.ranks) == list(range(64))
+    assert plan.solver.status == "OPTIMAL" and plan.solver.backend == "cpsat"
+    assert max(plan.predicted.memory_gib_per_stage) <= 64.0
+    assert len(plan.inputs_sha256) == 64
+    timings = json.loads((default_run / "timings.json").read_text())
+    assert timings["total_s"] > 0
+
+
+def _outputs(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in path.iterdir() if p.name != "timings.json"}
+
+
+def test_outputs_are_byte_identical_across_runs_and_threads(tmp_path, capsys):
+    small = ["plan", "--gpus", "16", "--global-batch", "256"]
+    assert main([*small, "--out", str(tmp_path / "a")]) == 0
+    assert main([*small, "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    assert main([*small, "--threads", "2", "--json", "--out", str(tmp_path / "c")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    first = _outputs(tmp_path / "a")
+    assert OUTPUTS - {"timings.json"} == set(first)
+    assert _outputs(tmp_path / "b") == first
+    assert _outputs(tmp_path / "c") == first
+    # --json: a machine-readable summary of the same plan
+    plan = load_plan(tmp_path / "c" / "plan.json")
+    assert doc["ok"] and doc["inputs_sha256"] == plan.inputs_sha256
+    assert doc["parallel"]["pp"] == plan.parallel.pp
+    assert [b["name"] for b in doc["baselines"]] == ["uniform", "xmoe", "megatron"]
+
+
+def test_fixed_pp_and_ep_are_honoured(tmp_path):
+    assert main(["plan", "--pp", "4", "--ep", "4", "--out", str(tmp_path)]) == 0
+    plan = load_plan(tmp_path / "plan.json")
+    assert (plan.parallel.pp, plan.parallel.ep) == (4, 4)
+    lines = (tmp_path / "candidates.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    pp, ep = header.index("pp"), header.index("ep")
+    assert all(row.split(",")[pp] == "4" and row.split(",")[ep] == "4" for row in lines[1:])
+    assert len(plan.stages) == 4
+
+
+def test_nothing_fits_exits_2_with_the_closest_candidate_and_fixes(tmp_path, capsys):
+    code = main(["plan", "--model", "deepseek-v3", "--gpus", "64", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert "closest is pp=" in err and "GiB" in err and "--gpus" in err and "--zero" in err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_trace_drives_a_balanced_expert_placement(tmp_path):
+    loads = [90, 10, 70, 30, 60, 40, 55, 45]  # tokens per expert, layer 0 of mixtral-8x7b
+    rows = ["interval,layer,expert,tokens"]
+    rows += [f"{i},0,{e},{t // 2}" for i in range(2) for e, t in enumerate(loads)]
+    trace = tmp_path / "trace.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    args = ["plan", "--gpus", "16", "--global-batch", "256", "--ep", "4", "--trace", str(trace)]
+    assert main([*args, "--out", str(out)]) == 0
+    plan = load_plan(out / "plan.json")
+    placement = next(e for e in plan.experts if e.layer == 0).rank_of_expert
+    rank_load = [sum(t for e, t in enumerate(loads) if placement[e] == r) for r in range(4)]
+    assert sorted(placement.count(r) for r in range(4)) == [2, 2, 2, 2]
+    # oracle: best pairing of 8 experts into 4 ranks of 2 by brute force
+    best = min(max(loads[a] + loads[b] for a, b in pairs) for pairs in _pairings(list(range(8))))
+    assert max(rank_load) == best
+    other = next(e for e in plan.experts if e.layer == 1).rank_of_expert  # uniform layer
+    assert other == (0, 0, 1, 1, 2, 2, 3, 3)
+
+
+def _pairings(items):
+    if not items:
+        yield []
+        return
+    first = items[0]
+    for k in range(1, len(items)):
+        rest = items[1:k] + items[k + 1 :]
+        for tail in _pairings(rest):
+            yield [(first, items[k]), *tail]
+
+
+def test_ctrl_c_before_any_solution_exits_130_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        return search.PlanResult(None, (), None, (), (), True, "", 64)
+
+    monkeypatch.setattr(search, "plan", interrupted)
+    assert main(["plan", "--out", str(tmp_path / "x")]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_deepseek_v3_on_1024_gpus_plans(tmp_path):
+    out = tmp_path / "ds"
+    args = ["plan", "--model", "deepseek-v3", "--cluster", "frontier", "--gpus", "1024"]
+    assert main([*args, "--out", str(out)]) == 0
+    plan = load_plan(out / "plan.json")
+    assert plan.parallel.pp * plan.parallel.dp * plan.parallel.tp == 1024
+    assert 256 % plan.parallel.ep == 0
+    assert [layer for s in plan.stages for layer in s.layers] == list(range(61))
+    assert plan.solver.status == "OPTIMAL"
+    assert max(plan.predicted.memory_gib_per_stage) <= 64.0
+
+
+def test_pairings_helper_counts():
+    assert sum(1 for _ in _pairings(list(range(6)))) == 15  # 5 x 3 x 1
+    assert list(itertools.islice(_pairings([0, 1]), 5)) == [[(0, 1)]]
