@@ -147,7 +147,7 @@ def torchtitan_config(plan: Plan, model: ModelSpec) -> tuple[dict[str, Any], tup
     zero = bool(training.get("zero", False))
     shard = _shard_degree(p.dp, p.tp, p.ep, zero)
     replicate = p.dp // shard
-    if not zero:
+    if not zero and shard > 1:
         notes.append(
             f"torchtitan shards parameters with FSDP (ZeRO-3) over {shard} data-parallel ranks "
             f"and replicates over {replicate} (HSDP); Piper planned no ZeRO"
