@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -94,30 +95,47 @@ def test_sizes_scale_with_device():
 
 
 @pytest.mark.slow
-def test_piper_profile_quick_cpu_feeds_the_planner(tmp_path):
-    """A quick 2-rank gloo profile (2 emulated nodes) writes a YAML that the planner loads,
-    and the resource model then uses the measured tables."""
-    out = tmp_path / "cpu-measured.yaml"
-    args = ["profile", "--nproc", "2", "--ranks-per-node", "1", "--quick", "--out", str(out)]
+def test_profile_plan_run_calibrate_loop_on_cpu(tmp_path, capsys):
+    """The issue's loop on CPU: a quick 2-rank gloo profile (2 emulated nodes) -> a cluster
+    YAML the planner loads and whose measured tables the resource model uses -> piper plan
+    with it -> a 3-step piper run -> piper calibrate against the run's metrics.jsonl."""
+    prof_yaml = tmp_path / "cpu-measured.yaml"
+    args = ["profile", "--nproc", "2", "--ranks-per-node", "1", "--quick", "--out", str(prof_yaml)]
     assert main(args) == 0
-    cluster = load_cluster(str(out))
+    cluster = load_cluster(str(prof_yaml))
     names = {t.name for t in cluster.tables}
-    assert {"gemm_fp32", "attention_fp32", "a2a_system", "p2p_system"} <= names
-    assert "machine:" in out.read_text() and "hostname:" in out.read_text()
-
+    assert {"gemm_fp32", "gemm_grouped_fp32", "attention_fp32", "a2a_system", "p2p_system"} <= names
+    assert "hostname:" in prof_yaml.read_text()
     from planner.models import load_model
     from planner.parallel import ParallelConfig
     from planner.resources.cost import estimate
     from planner.specs import TrainingSpec
 
-    est = estimate(
-        load_model("tiny-moe"),
-        cluster,
-        TrainingSpec(seq_len=64, global_batch=8, dtype="fp32"),
-        ParallelConfig(pp=1, dp=8, ep=8, micro_batch=1, num_microbatches=1),
-    )
-    assert "gemm_fp32" in est.used_measured_tables
-    assert est.step_time_s > 0
+    est = estimate(load_model("tiny-moe"), cluster, TrainingSpec(seq_len=64, global_batch=4,
+                   dtype="fp32"), ParallelConfig(pp=1, dp=2, ep=2, num_microbatches=2))  # fmt: skip
+    assert {"gemm_fp32", "attention_fp32"} <= set(est.used_measured_tables)
+
+    plan_dir = tmp_path / "plan"
+    assert main(["plan", "--model", "tiny-moe", "--cluster", str(prof_yaml), "--gpus", "2",
+                 "--pp", "1", "--ep", "2", "--seq-len", "64", "--global-batch", "4",
+                 "--out", str(plan_dir)]) == 0  # fmt: skip
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    assert plan["cluster"]["name"] == "cpu-measured"
+    assert plan["parallel"]["ep"] == 2
+
+    run_dir = tmp_path / "run"
+    assert main(["run", str(plan_dir / "plan.json"), "--steps", "3", "--out", str(run_dir)]) == 0
+    capsys.readouterr()
+    cal_dir = tmp_path / "cal"
+    fit = tmp_path / "fitted.yaml"
+    assert main(["calibrate", str(plan_dir / "plan.json"), str(run_dir / "metrics.jsonl"),
+                 "--out", str(cal_dir), "--fit", str(fit)]) == 0  # fmt: skip
+    table = capsys.readouterr().out
+    assert "| step_time_s | all |" in table and "| a2a_s | 0 |" in table
+    rows = (cal_dir / "calibration.csv").read_text().splitlines()
+    measured = {r.split(",")[0] + r.split(",")[1]: float(r.split(",")[4]) for r in rows[1:]}
+    assert measured["step_time_sall"] > 0 and measured["memory_gib0"] > 0
+    assert load_cluster(str(fit)).name == "cpu-measured-calibrated"
 
 
 @pytest.mark.gpu
