@@ -1,0 +1,321 @@
+"""Flat all-to-all vs HALO vs HALO-dedup on an emulated multi-node network (needs root).
+
+Nodes are network namespaces joined by rate-limited veth links to one bridge (see
+benchmarks/netns.py); each node runs G gloo ranks that talk to each other over loopback.
+The workload is a real MoE dispatch + combine: each rank routes T random tokens (hidden size
+D, float32) to the top-k of E experts; experts sit contiguously on ranks (expert e on rank
+e // (E / world)), so a node holds a contiguous block of experts. Every measurement is the
+median over repetitions of the slowest rank's time for one dispatch + combine (forward).
+
+  sudo python3 benchmarks/halo_emulated.py            # full sweep (a few minutes)
+  sudo python3 benchmarks/halo_emulated.py --quick    # 2 nodes x 2 ranks, seconds
+  sudo python3 benchmarks/halo_emulated.py --json     # one JSON object with everything
+  sudo python3 benchmarks/halo_emulated.py --cleanup  # remove leftover namespaces
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import netns  # noqa: E402
+
+from runtime.halo import DEFAULT_DIRECT_BELOW_BYTES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ALGOS = ("flat", "halo", "halo-dedup")
+PORT = 29611
+KEY_FIELDS = ("nodes", "ranks_per_node", "rate_mbit", "routing", "topk", "tokens_per_rank")
+HEADLINE = {"nodes": 4, "ranks_per_node": 2, "rate_mbit": 1000, "topk": 8}
+
+
+@dataclass(frozen=True)
+class Network:
+    """One emulated cluster and the workloads run on it."""
+
+    nodes: int
+    ranks_per_node: int
+    rate_mbit: int
+    topks: tuple[int, ...]
+    tokens: tuple[int, ...]  # tokens per rank, small to bandwidth-bound
+    dim: int = 256
+    experts_per_rank: int = 8
+    reps: int = 5
+    routing: str = "uniform"  # uniform | node-limited (each token's experts on <= 2 nodes)
+    direct_below_bytes: int = DEFAULT_DIRECT_BELOW_BYTES
+
+
+@dataclass
+class Measurement:
+    """One (network, routing, k, tokens, algorithm) point."""
+
+    nodes: int
+    ranks_per_node: int
+    rate_mbit: int
+    routing: str
+    topk: int
+    tokens_per_rank: int
+    dim: int
+    algo: str
+    median_s: float
+    times_s: list[float] = field(default_factory=list)
+    bytes_inter_node: int = 0  # all ranks, one dispatch + combine
+    bytes_intra_node: int = 0
+
+
+def sweep(quick: bool) -> list[Network]:
+    """The networks and sizes to measure."""
+    if quick:
+        return [Network(2, 2, 1000, (2, 8), (64, 512), reps=3)]
+    return [
+        Network(4, 2, 1000, (2, 6, 8), (32, 256, 1024, 2048)),
+        Network(4, 2, 1000, (8,), (256, 2048), routing="node-limited"),
+        Network(4, 2, 200, (8,), (32, 512)),
+        Network(2, 4, 1000, (8,), (256, 1024)),
+    ]
+
+
+# ---- worker: runs inside a node namespace ------------------------------------------------
+
+
+def _route(net: Network, rank: int, topk: int, tokens: int):
+    import torch
+
+    world = net.nodes * net.ranks_per_node
+    num_experts = net.experts_per_rank * world
+    gen = torch.Generator().manual_seed(7919 * topk + 104729 * tokens + rank)
+    x_TD = torch.randn(tokens, net.dim, generator=gen)
+    scores_TE = torch.rand(tokens, num_experts, generator=gen)
+    if net.routing == "node-limited":  # like DeepSeek-V3's node-limited routing (M = 2)
+        per_node = num_experts // net.nodes
+        node_scores_TN = scores_TE.reshape(tokens, net.nodes, per_node).amax(dim=2)
+        keep_TN = torch.zeros_like(node_scores_TN, dtype=torch.bool)
+        keep_TN.scatter_(1, node_scores_TN.topk(2, dim=1).indices, True)
+        scores_TE = scores_TE.masked_fill(~keep_TN.repeat_interleave(per_node, dim=1), -1.0)
+    top_scores_TK, expert_TK = scores_TE.topk(topk, dim=1)
+    gate_TK = torch.softmax(top_scores_TK, dim=1)
+    rank_of_expert_E = torch.arange(num_experts) // net.experts_per_rank
+    return x_TD, expert_TK, gate_TK, rank_of_expert_E
+
+
+def _measure(net: Network, dispatchers: dict, topk: int, tokens: int) -> list[Measurement]:
+    """Times every algorithm on one workload; repetitions interleave the algorithms so that
+    load on the (shared) CPUs drifts over all of them alike."""
+    import torch
+    import torch.distributed as dist
+
+    x_TD, expert_TK, gate_TK, rank_of_expert_E = _route(net, dist.get_rank(), topk, tokens)
+    times: dict[str, list[float]] = {algo: [] for algo in dispatchers}
+    sent: dict[str, list[int]] = {}
+    for rep in range(net.reps + 1):  # the first repetition warms up
+        for algo, dispatcher in dispatchers.items():
+            dispatcher.stats.reset()
+            dist.barrier()
+            start = time.perf_counter()
+            out_ND, _, handle = dispatcher.dispatch(x_TD, expert_TK, rank_of_expert_E)
+            dispatcher.combine(out_ND, handle, gate_TK)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if rep:
+                times[algo].append(float(elapsed))
+            stats = dispatcher.stats
+            counts = torch.tensor([stats.bytes_inter_node, stats.bytes_intra_node])
+            dist.all_reduce(counts)
+            sent[algo] = counts.tolist()
+    return [
+        Measurement(
+            net.nodes,
+            net.ranks_per_node,
+            net.rate_mbit,
+            net.routing,
+            topk,
+            tokens,
+            net.dim,
+            algo,
+            statistics.median(times[algo]),
+            times[algo],
+            *sent[algo],
+        )  # fmt: skip
+        for algo in dispatchers
+    ]
+
+
+def worker(net: Network) -> None:
+    """One rank: measures every (k, tokens, algorithm); rank 0 prints JSON lines."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.dispatch import FlatAllToAll
+    from runtime.halo import Halo
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    rpn = net.ranks_per_node
+    dispatchers = {
+        "flat": FlatAllToAll(None, rpn),
+        "halo": Halo(None, rpn, direct_below_bytes=net.direct_below_bytes),
+        "halo-dedup": Halo(None, rpn, dedup=True, direct_below_bytes=net.direct_below_bytes),
+    }
+    with torch.no_grad():
+        for topk in net.topks:
+            for tokens in net.tokens:
+                for m in _measure(net, dispatchers, topk, tokens):
+                    if dist.get_rank() == 0:
+                        print("RESULT " + json.dumps(asdict(m)), flush=True)
+    dist.destroy_process_group()
+
+
+# ---- driver: builds the network, launches ranks, prints ----------------------------------
+
+
+def run_network(net: Network, timeout_s: float) -> list[Measurement]:
+    """Creates the emulated network, runs all ranks of `net`, returns rank 0's results."""
+    emulated = netns.setup(net.nodes, net.rate_mbit)
+    world = net.nodes * net.ranks_per_node
+    procs = []
+    try:
+        for rank in range(world):
+            node = rank // net.ranks_per_node
+            env = dict(
+                os.environ,
+                GLOO_SOCKET_IFNAME="eth0",
+                MASTER_ADDR=emulated.address(0),
+                MASTER_PORT=str(PORT),
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=str(ROOT),
+            )
+            cmd = ["ip", "netns", "exec", emulated.namespace(node), sys.executable, __file__]
+            cmd += ["--worker", json.dumps(asdict(net))]
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            )
+        deadline = time.monotonic() + timeout_s
+        outputs = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append((proc.returncode, out.decode(), err.decode()))
+        for rank, (code, _, err) in enumerate(outputs):
+            if code != 0:
+                raise RuntimeError(f"rank {rank} failed (exit {code}):\n{err[-3000:]}")
+        lines = outputs[0][1].splitlines()
+        return [
+            Measurement(**json.loads(x[len("RESULT ") :])) for x in lines if x.startswith("RESULT ")
+        ]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        netns.teardown()
+
+
+def ratios(results: list[Measurement]) -> list[dict]:
+    """Per (network, routing, k, tokens): flat/HALO and flat/HALO-dedup time and byte ratios."""
+    by_key: dict[tuple, dict[str, Measurement]] = {}
+    for m in results:
+        key = tuple(getattr(m, f) for f in KEY_FIELDS)
+        by_key.setdefault(key, {})[m.algo] = m
+    rows = []
+    for key, algos in by_key.items():
+        flat, halo, dedup = (algos[a] for a in ALGOS)
+        rows.append(
+            {
+                **dict(zip(KEY_FIELDS, key, strict=True)),
+                "flat_s": flat.median_s,
+                "halo_s": halo.median_s,
+                "halo_dedup_s": dedup.median_s,
+                "flat_over_halo": flat.median_s / halo.median_s,
+                "flat_over_halo_dedup": flat.median_s / dedup.median_s,
+                "inter_node_bytes_flat": flat.bytes_inter_node,
+                "inter_node_bytes_halo": halo.bytes_inter_node,
+                "inter_node_bytes_halo_dedup": dedup.bytes_inter_node,
+            }
+        )
+    return rows
+
+
+def headline(rows: list[dict]) -> dict | None:
+    """The 4 nodes x 2 ranks, 1 Gbit/s, top-8, uniform routing, largest-size row."""
+    match = [r for r in rows if all(r[k] == v for k, v in HEADLINE.items())]
+    match = [r for r in match if r["routing"] == "uniform"]
+    return max(match, key=lambda r: r["tokens_per_rank"]) if match else None
+
+
+def print_table(rows: list[dict]) -> None:
+    head = "nodes x g  Mbit/s  routing       k  tokens   flat ms   halo ms  dedup ms  "
+    print(head + "flat/halo  flat/dedup  inter MB flat/halo/dedup")
+    for r in rows:
+        print(
+            f"{r['nodes']:>5} x {r['ranks_per_node']}  {r['rate_mbit']:>6}  {r['routing']:<12}"
+            f" {r['topk']:>2}  {r['tokens_per_rank']:>6}  {1e3 * r['flat_s']:>8.1f}"
+            f"  {1e3 * r['halo_s']:>8.1f}  {1e3 * r['halo_dedup_s']:>8.1f}"
+            f"  {r['flat_over_halo']:>9.2f}  {r['flat_over_halo_dedup']:>10.2f}"
+            f"  {r['inter_node_bytes_flat'] / 1e6:.2f}/{r['inter_node_bytes_halo'] / 1e6:.2f}"
+            f"/{r['inter_node_bytes_halo_dedup'] / 1e6:.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 nodes x 2 ranks, small sizes")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--cleanup", action="store_true", help="remove namespaces and exit")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per network")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(
+            Network(
+                **{
+                    k: tuple(v) if isinstance(v, list) else v
+                    for k, v in json.loads(args.worker).items()
+                }
+            )
+        )
+        return 0
+    if args.cleanup:
+        print("removed: " + " ".join(netns.teardown()) if os.geteuid() == 0 else "needs root")
+        return 0
+    if os.geteuid() != 0:
+        print("halo_emulated: needs root (network namespaces); run with sudo", file=sys.stderr)
+        return 2
+    atexit.register(netns.teardown)
+    results: list[Measurement] = []
+    for net in sweep(args.quick):
+        results += run_network(net, args.timeout_s)
+    rows = ratios(results)
+    top = headline(rows)
+    if args.json:
+        summary = {
+            "measurements": [asdict(m) for m in results],
+            "ratios": rows,
+            "headline": top,
+            "flat_over_halo": top["flat_over_halo"] if top else None,
+            "flat_over_halo_dedup": top["flat_over_halo_dedup"] if top else None,
+        }
+        print(json.dumps(summary, indent=1))
+    else:
+        print_table(rows)
+        if top:
+            print(
+                f"headline (4x2, 1 Gbit/s, top-8, {top['tokens_per_rank']} tokens/rank): "
+                f"flat/HALO {top['flat_over_halo']:.2f}, "
+                f"flat/HALO-dedup {top['flat_over_halo_dedup']:.2f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Emulated multi-node network from Linux network namespaces (needs root).
+
+Layout for N nodes:
+  namespace `piper-hsw`        one bridge `br0` (the switch)
+  namespace `piper-hn{i}`      one emulated node: `lo` and `eth0` = 10.213.0.{i+1}/24
+  veth pair eth0 <-> `hb{i}`   the node's link; `hb{i}` is a port of br0
+Each link is rate limited in both directions with `tc ... tbf` (egress of eth0 and of hb{i}),
+so a node sends and receives at most `rate_mbit` each way. Ranks on one node talk over the
+node's own address, which the kernel routes through loopback (unlimited), as inside a node.
+
+Only names starting with `piper-h` and addresses in 10.213.0.0/24 inside these namespaces are
+created; `teardown()` removes them by name and is safe to call at any time.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+PREFIX = "piper-h"
+SWITCH_NS = f"{PREFIX}sw"
+SUBNET = "10.213.0"
+MAX_NODES = 64
+
+
+@dataclass(frozen=True)
+class EmulatedNet:
+    """A created network: node namespaces and their addresses."""
+
+    num_nodes: int
+    rate_mbit: int
+
+    def namespace(self, node: int) -> str:
+        """Namespace name of a node."""
+        return f"{PREFIX}n{node}"
+
+    def address(self, node: int) -> str:
+        """IPv4 address of a node's eth0."""
+        return f"{SUBNET}.{node + 1}"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True, timeout=30)
+
+
+def _in_ns(ns: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _ip("netns", "exec", ns, *cmd, check=check)
+
+
+def _tbf(ns: str, dev: str, rate_mbit: int) -> None:
+    # burst must hold a full GSO segment (64 KiB) or tbf drops it; latency bounds the queue.
+    burst_bytes = max(128 * 1024, rate_mbit * 1_000_000 // 8 // 250)
+    _in_ns(
+        ns,
+        *("tc", "qdisc", "replace", "dev", dev, "root", "tbf"),
+        *("rate", f"{rate_mbit}mbit", "burst", str(burst_bytes), "latency", "100ms"),
+    )
+
+
+def setup(num_nodes: int, rate_mbit: int) -> EmulatedNet:
+    """Creates the switch and `num_nodes` node namespaces with rate-limited links.
+
+    Args:
+      num_nodes: emulated nodes (1..64).
+      rate_mbit: per-direction link rate of every node (Mbit/s).
+
+    Returns:
+      The EmulatedNet (call `teardown()` when done, also on failure).
+    """
+    if not 1 <= num_nodes <= MAX_NODES:
+        raise ValueError(f"num_nodes must be in 1..{MAX_NODES}, got {num_nodes}")
+    teardown()
+    net = EmulatedNet(num_nodes, rate_mbit)
+    _ip("netns", "add", SWITCH_NS)
+    _in_ns(SWITCH_NS, "ip", "link", "set", "lo", "up")
+    _in_ns(SWITCH_NS, "ip", "link", "add", "br0", "type", "bridge")
+    _in_ns(SWITCH_NS, "ip", "link", "set", "br0", "up")
+    for node in range(num_nodes):
+        ns, port = net.namespace(node), f"hb{node}"
+        _ip("netns", "add", ns)
+        _in_ns(ns, "ip", "link", "set", "lo", "up")
+        # Create the pair inside the node namespace, then move the switch end out.
+        _in_ns(ns, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", port)
+        _in_ns(ns, "ip", "link", "set", port, "netns", SWITCH_NS)
+        _in_ns(ns, "ip", "addr", "add", f"{net.address(node)}/24", "dev", "eth0")
+        _in_ns(ns, "ip", "link", "set", "eth0", "up")
+        _in_ns(SWITCH_NS, "ip", "link", "set", port, "master", "br0")
+        _in_ns(SWITCH_NS, "ip", "link", "set", port, "up")
+        _tbf(ns, "eth0", rate_mbit)
+        _tbf(SWITCH_NS, port, rate_mbit)
+    log.info("emulated network: %d nodes at %d Mbit/s", num_nodes, rate_mbit)
+    return net
+
+
+def teardown() -> list[str]:
+    """Deletes every namespace this module creates (by name); returns the names removed."""
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    ours = {line.split()[0] for line in listed if line.startswith(PREFIX)}
+    removed = []
+    for ns in sorted(ours):
+        if ns == SWITCH_NS or (ns.startswith(f"{PREFIX}n") and ns[len(PREFIX) + 1 :].isdigit()):
+            _ip("netns", "del", ns, check=False)
+            removed.append(ns)
+    return removed
+
+
+def ping(net: EmulatedNet, src: int, dst: int) -> bool:
+    """Whether node `src` reaches node `dst` (one ping, 2 s limit)."""
+    result = _in_ns(net.namespace(src), "ping", "-c", "1", "-W", "2", net.address(dst), check=False)
+    return result.returncode == 0
