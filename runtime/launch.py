@@ -162,7 +162,8 @@ def train(
             dispatcher.stats,
             counter,
         )
-        record["migrated_experts"] = moved
+        # a stage's decision is applied by all its ranks; count its moves once (leader)
+        record["migrated_experts"] = moved if mesh.me.physical == mesh.dp_ranks[0] else 0
         if mesh.me.physical == mesh.dp_ranks[0]:
             src = [spec.source_layers[i] for i in module.moe_layers()]
             trace_rows += [

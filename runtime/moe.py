@@ -51,11 +51,13 @@ class LocalDispatcher:
         x_ND = x_TD[order // expert_TK.shape[1]]
         return x_ND, counts, (order, expert_TK.shape)
 
-    def combine(self, y_ND: torch.Tensor, handle) -> torch.Tensor:
+    def combine(self, y_ND: torch.Tensor, handle, weight_TK=None) -> torch.Tensor:
         order, (t, k) = handle
         y = torch.empty((t * k, y_ND.shape[1]), dtype=y_ND.dtype, device=y_ND.device)
-        y = y.index_copy(0, order, y_ND)
-        return y.view(t, k, y_ND.shape[1])
+        y_TKD = y.index_copy(0, order, y_ND).view(t, k, y_ND.shape[1])
+        if weight_TK is None:
+            return y_TKD
+        return (y_TKD * weight_TK.to(y_TKD.dtype)[:, :, None]).sum(dim=1)
 
 
 class Router(nn.Module):
@@ -173,6 +175,6 @@ class MoELayer(nn.Module):
         x_ND, counts, handle = self.dispatcher.dispatch(x_TD, expert_TK, self.rank_of_expert_E)
         counts_X = counts.tolist() if torch.is_tensor(counts) else list(counts)
         y_ND = self.experts(x_ND, counts_X)
-        y_TKD = self.dispatcher.combine(y_ND, handle)
-        y_TD = (y_TKD * gate_TK.unsqueeze(-1)).sum(dim=1)
+        # gate-weighted combine: HALO-dedup sums a token's experts on their node first
+        y_TD = self.dispatcher.combine(y_ND, handle, gate_TK)
         return y_TD.reshape(shape)

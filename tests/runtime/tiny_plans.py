@@ -49,8 +49,14 @@ def with_options(spec: RunSpec, **changes) -> RunSpec:
 
 
 def reference_losses(spec: RunSpec) -> list[float]:
-    """Single-device oracle: the whole model, every expert local, the global batch of every
-    dp replica, gradients averaged exactly as the distributed run averages them."""
+    """Loss sequence of `reference_run`."""
+    return reference_run(spec)[0]
+
+
+def reference_run(spec: RunSpec):
+    """(losses, model, optimizer) of the single-device oracle: the whole model, every
+    expert local, the global batch of every dp replica, gradients averaged exactly as the
+    distributed run averages them."""
     import torch
 
     from runtime.data import sample_batch
@@ -71,7 +77,7 @@ def reference_losses(spec: RunSpec) -> list[float]:
                 total += float(loss.detach())
         opt.step()
         losses.append(total)
-    return losses
+    return losses, model, opt
 
 
 def train_body(rank: int, world: int, spec: RunSpec, fail_at: int = -1):
