@@ -146,6 +146,7 @@ def _expected_rows(rank: int) -> tuple[dict, dict]:
 def test_byte_counters_match_hand_count(run_distributed):
     results = run_distributed(_byte_counts, 4, timeout_s=60)
     row = DIM * 8
+    saved_rows = 0
     for rank, res in enumerate(results):
         to_peer, unique_to_node = _expected_rows(rank)
         node = rank // 2
@@ -174,5 +175,6 @@ def test_byte_counters_match_hand_count(run_distributed):
         other = 1 - node
         dedup_inter = row * unique_to_node[other] + 8 * inter_rows + 2 * meta
         assert res["dedup"]["dispatch"] == (halo_intra, dedup_inter)
-        assert unique_to_node[other] < inter_rows  # the routing does repeat tokens per node
+        saved_rows += inter_rows - unique_to_node[other]
         assert all(res[name]["times"] == (True, True) for name in res)
+    assert saved_rows > 0  # the routing repeats some tokens per remote node
