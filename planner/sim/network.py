@@ -144,7 +144,10 @@ def build_network(cluster: ClusterSpec, nodes: int) -> SimNetwork:
         reach = max(min(lv.devices, ranks), prev)
         scale_up = is_scale_up(cluster, lv.devices, lv.kind)
         if scale_up and reach % prev:
-            raise SpecError(f"cluster {cluster.name}: level {lv.name} size must be a multiple")
+            raise SpecError(
+                f"cluster {cluster.name}: level {lv.name} holds {reach} of the allocation's "
+                f"devices, not a multiple of the {prev} of the level below; change --nodes"
+            )
         levels.append(
             SimLevel(lv.name, reach, lv.bw_gbps * 1e9, lv.taper, lv.latency_us * 1e-6, scale_up)
         )
