@@ -191,6 +191,7 @@ class _IntervalTable:
             for cc in range(num_c):
                 self.prefix_CL[cc][i + 1] = self.prefix_CL[cc][i] + (cc == c)
         self._front = lru_cache(maxsize=None)(self._front_uncached)
+        self._min_mem = lru_cache(maxsize=None)(self._min_mem_uncached)
 
     def counts(self, a: int, b: int) -> tuple[int, ...]:
         return tuple(p[b] - p[a] for p in self.prefix_CL)
@@ -203,8 +204,11 @@ class _IntervalTable:
 
     def min_mem(self, s: int, a: int, b: int) -> int:
         """Memory of [a, b) in stage s with every recomputable layer recomputed."""
-        d, k = self.data, self.data.in_flight[s]
-        n_C = self.counts(a, b)
+        d = self.data
+        return self._min_mem(d.in_flight[s], (s == 0, s == d.pp - 1), self.counts(a, b), s)
+
+    def _min_mem_uncached(self, k: int, role, n_C: tuple[int, ...], s: int) -> int:
+        d = self.data
         mem = d.extra_mem_q(s)
         for c, n in enumerate(n_C):
             i = self.rep[c]
@@ -312,11 +316,12 @@ def _canonical_split(data: StageData, table: _IntervalTable, limit_t: int) -> Sp
     for s in range(num_s - 1, -1, -1):
         for a in range(s, num_l - (num_s - 1 - s)):
             for b in range(a + 1, num_l - (num_s - 1 - s) + 1):
+                front = table.front(s, a, b)
+                if not front or front[0][0] > limit_t:
+                    break  # longer stages need more memory and at least as much time
                 if h[s + 1][b] == inf:
                     continue
-                fits = [f for f in table.front(s, a, b) if f[0] <= limit_t]
-                if not fits:
-                    continue
+                fits = [f for f in front if f[0] <= limit_t]
                 _, n, r_C = min(fits, key=lambda f: (f[1], f[0], f[2]))
                 if n + h[s + 1][b] < h[s][a]:
                     h[s][a] = n + h[s + 1][b]
@@ -340,9 +345,9 @@ def _infeasible_reason(data: StageData, table: _IntervalTable) -> str:
         for a in [0] if s == 0 else range(s, num_l - (num_s - 1 - s)):
             before = -inf if s == 0 else best[s - 1][a]
             for b in range(a + 1, num_l - (num_s - 1 - s) + 1):
-                val = max(before, table.min_mem(s, a, b))
-                if val < best[s][b]:
-                    best[s][b], arg[(s, b)] = val, (a, table.min_mem(s, a, b))
+                mem = table.min_mem(s, a, b)
+                if max(before, mem) < best[s][b]:
+                    best[s][b], arg[(s, b)] = max(before, mem), (a, mem)
     b, worst = num_l, (0, -inf)
     for s in range(num_s - 1, -1, -1):
         a, mem = arg[(s, b)]

@@ -126,7 +126,8 @@ def _build_model(data: StageData, hint: Split):
         for i in range(num_l)
         if recomputable[i]
     }
-    bottleneck = model.num_var(0, data.max_time_q, "bottleneck_time")
+    # the hint is feasible, so the optimum is no slower than its bottleneck
+    bottleneck = model.num_var(0, data.bottleneck(hint), "bottleneck_time")
 
     def in_stage(i: int, s: int) -> list[tuple[int, int]]:
         """x[i,s] = ge[s][i] - ge[s+1][i] as terms (constants folded by the callers)."""
