@@ -131,7 +131,7 @@ def _plan_document(
         "solver": ctx.options.backend,
         "seed": ctx.options.seed,
         "trace": {str(k): list(v) for k, v in sorted((trace_loads or {}).items())},
-        "allocation": repr(allocation) if allocation is not None else None,
+        "allocation": repr(getattr(allocation, "nodes", allocation)) if allocation else None,
     }
     digest = assemble.inputs_sha256(model_doc, cluster_doc, ctx.training, sizes)
     predicted = Predicted(

@@ -150,3 +150,16 @@ def test_deepseek_v3_on_1024_gpus_plans(tmp_path):
 def test_pairings_helper_counts():
     assert sum(1 for _ in _pairings(list(range(6)))) == 15  # 5 x 3 x 1
     assert list(itertools.islice(_pairings([0, 1]), 5)) == [[(0, 1)]]
+
+
+def test_allocation_file_places_ranks_on_its_nodes(tmp_path):
+    alloc = tmp_path / "alloc.csv"
+    rows = ["hostname,switch,group"] + [f"n{i:02d},{i % 3},0" for i in range(5)]
+    alloc.write_text("\n".join(rows) + "\n")
+    args = ["plan", "--gpus", "32", "--global-batch", "256", "--allocation", str(alloc)]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    plan = load_plan(tmp_path / "out" / "plan.json")
+    assert {r.node for r in plan.ranks} <= set(range(5))
+    per_node = [sum(r.node == n for r in plan.ranks) for n in range(5)]
+    assert max(per_node) <= 8 and sum(per_node) == 32
+    assert "straddle" in plan.extra["rank_note"]
