@@ -71,6 +71,14 @@ def solve_experts(
     data = _Data.build(
         load_E, ep, node_of_rank, coactivation_EE, traffic_weight, redundant_slots, max_replicas
     )
+    greedy = data.greedy()
+    if not data.traffic_active and max(_rank_load_q(data, greedy, _copies(greedy))) == (
+        data.lower_bound_q()
+    ):  # e.g. uniform loads: the warm start meets the lower bound, nothing to search
+        report = SolveReport(
+            options.backend, "OPTIMAL", 0.0, 0.0, 0.0, 0.0, "greedy placement meets the lower bound"
+        )
+        return _result(data, _canonical(data, greedy), report)
     model, x, decode = _build_model(data)
     sol = solve(model, options)
     if not sol.report.has_solution:  # time limit hit before the solver kept the hint
@@ -332,6 +340,14 @@ def _symmetric_first(data: _Data, held: dict[int, list[int]]) -> dict[int, list[
     for ranks in data.symmetry_classes():
         sets = sorted((sorted(held[r]) for r in ranks), key=lambda s: (s[:1], s))
         out.update(zip(ranks, sets, strict=True))
+    return out
+
+
+def _copies(held: dict[int, list[int]]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for experts in held.values():
+        for e in experts:
+            out[e] = out.get(e, 0) + 1
     return out
 
 

@@ -114,6 +114,13 @@ class LinearModel:
         self.constraints: list[tuple[tuple[tuple[int, int], ...], Sense, int, str]] = []
         self.objective: tuple[tuple[int, int], ...] = ()
         self.hints: dict[int, int] = {}
+        self.canonical: list[int] | None = None  # tie-break order; None = all bool vars
+
+    def canonical_vars(self) -> list[int]:
+        """Variables whose lexicographic order breaks ties between optimal solutions."""
+        if self.canonical is not None:
+            return self.canonical
+        return [i for i, v in enumerate(self.vars) if v.kind == "bool"]
 
     def bool_var(self, name: str) -> int:
         return self._add_var(name, 0, 1, "bool")
@@ -161,12 +168,21 @@ class Solution:
 
 
 def solve(model: LinearModel, options: SolverOptions) -> Solution:
-    """Solve `model` (minimize) on the chosen backend within options.time_limit_s."""
+    """Solve `model` (minimize) on the chosen backend within options.time_limit_s.
+
+    A proven optimum is then made canonical (`_canonical_cpsat`): among all solutions with
+    that objective, the first in lexicographic order of `model.canonical`, so the answer
+    depends neither on the backend nor on the thread count or seed.
+    """
     start = time.perf_counter()
     if options.backend == "cpsat":
         status, obj, bound, values = _solve_cpsat(model, options)
     else:
         status, obj, bound, values = _solve_cbc(model, options)
+    if status == "OPTIMAL" and model.canonical_vars():
+        left_s = options.time_limit_s - (time.perf_counter() - start)
+        canonical = _canonical_cpsat(model, obj, left_s) if left_s > 0 else None
+        values = canonical if canonical is not None else values
     wall_s = time.perf_counter() - start
     if status in ("OPTIMAL", "FEASIBLE"):
         objective = model.to_original(obj)
@@ -191,20 +207,26 @@ def _gap(objective: float, bound: float) -> float:
     return max(0.0, objective - bound) / max(abs(objective), 1e-12)
 
 
-def _solve_cpsat(model: LinearModel, options: SolverOptions):
+def _cp_model(model: LinearModel):
     from ortools.sat.python import cp_model
 
     cp = cp_model.CpModel()
     xs = [cp.NewIntVar(v.lb, v.ub, v.name) for v in model.vars]
+
+    def expr(terms):
+        return cp_model.LinearExpr.WeightedSum([xs[v] for _, v in terms], [c for c, _ in terms])
+
     for terms, sense, rhs, _name in model.constraints:
-        expr = sum(c * xs[v] for c, v in terms) if terms else 0
-        if sense == "<=":
-            cp.Add(expr <= rhs)
-        elif sense == ">=":
-            cp.Add(expr >= rhs)
-        else:
-            cp.Add(expr == rhs)
-    cp.Minimize(sum(c * xs[v] for c, v in model.objective) if model.objective else 0)
+        e = expr(terms)
+        cp.Add(e <= rhs if sense == "<=" else e >= rhs if sense == ">=" else e == rhs)
+    return cp, xs, expr(model.objective)
+
+
+def _solve_cpsat(model: LinearModel, options: SolverOptions):
+    from ortools.sat.python import cp_model
+
+    cp, xs, objective = _cp_model(model)
+    cp.Minimize(objective)
     for v, val in sorted(model.hints.items()):
         cp.AddHint(xs[v], val)
     solver = cp_model.CpSolver()
@@ -220,6 +242,27 @@ def _solve_cpsat(model: LinearModel, options: SolverOptions):
     if code == cp_model.INFEASIBLE:
         return "INFEASIBLE", 0, 0, []
     return "NOT_SOLVED", 0, 0, []
+
+
+def _canonical_cpsat(model: LinearModel, objective_units: int, time_limit_s: float):
+    """The lexicographically largest `model.canonical_vars()` vector among solutions with
+    the given objective: a single-worker depth-first search in that variable order, first
+    solution. Deterministic whatever found the optimum; None if it runs out of time."""
+    from ortools.sat.python import cp_model
+
+    cp, xs, objective = _cp_model(model)
+    cp.Add(objective == objective_units)
+    order = [xs[v] for v in model.canonical_vars()]
+    cp.AddDecisionStrategy(order, cp_model.CHOOSE_FIRST, cp_model.SELECT_MAX_VALUE)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1
+    solver.parameters.search_branching = cp_model.FIXED_SEARCH
+    solver.parameters.random_seed = 0
+    code = solver.Solve(cp)
+    if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return [solver.Value(x) for x in xs]
+    return None
 
 
 _CBC_BOUND = re.compile(r"best possible\s+(-?[0-9.eE+]+)")

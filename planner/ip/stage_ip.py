@@ -57,6 +57,8 @@ def solve_stages(inputs: StageCostInputs, options: SolverOptions) -> StageSoluti
     if dp.split is None:
         return _infeasible(inputs, data, options, dp.reason)
     model, decode = _build_model(data, dp.split)
+    if dp.exact:
+        model.canonical = []  # the DP's canonical split breaks ties (see below)
     sol = solve(model, options)
     if not sol.report.has_solution:
         # Only a time limit gets here (the DP found a feasible split): keep it, with its gap.

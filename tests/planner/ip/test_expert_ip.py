@@ -189,10 +189,32 @@ def test_time_limit_path_never_empty():
         check_placement(sol, 64, 16)
 
 
-def test_same_answer_for_any_threads():
-    load = [5.0, 4.0, 3.0, 3.0, 2.0, 1.0]
-    sols = [solve_experts(load, 3, SolverOptions(threads=t, seed=s)) for t, s in [(1, 0), (2, 7)]]
-    assert sols[0].max_rank_load == sols[1].max_rank_load == pytest.approx(6.0)
+def test_same_answer_for_any_threads_and_backend():
+    """Many optimal placements tie here; the canonical tie-break picks the same one for any
+    thread count, seed and backend."""
+    load = [5.0, 4.0, 3.0, 3.0, 2.0, 2.0, 1.0, 1.0]
+    coact = [[1.0 if abs(e - f) == 4 else 0.0 for f in range(8)] for e in range(8)]
+    runs = [
+        SolverOptions(threads=1, seed=0),
+        SolverOptions(threads=2, seed=7),
+        SolverOptions(backend="cbc", threads=1, seed=3),
+    ]
+    for kwargs in (
+        {},
+        {"node_of_rank": [0, 0, 1, 1], "coactivation_EE": coact, "traffic_weight": 0.5},
+    ):
+        sols = [solve_experts(load, 4, o, **kwargs) for o in runs]
+        assert all(s.report.status == "OPTIMAL" for s in sols)
+        assert len({s.replicas for s in sols}) == 1
+    assert sols[0].max_rank_load == pytest.approx(6.0)
+
+
+def test_uniform_loads_need_no_search():
+    """Uniform loads: the LPT warm start meets the lower bound, proven without a solve."""
+    sol = solve_experts([10.0] * 256, 64, CPSAT)
+    assert sol.report.status == "OPTIMAL" and "lower bound" in sol.report.message
+    assert sol.rank_load == (40.0,) * 64
+    check_placement(sol, 256, 64)
 
 
 @pytest.mark.parametrize(

@@ -158,3 +158,11 @@ def test_allocation_file_round_trip(tmp_path):
     sol = solve_ranks(ParallelConfig(pp=2, dp=2), cluster(2), alloc, CPSAT)
     assert sol.hostnames == ("a", "b")
     assert {r.node for r in sol.ranks} == {0, 1}
+
+
+def test_same_placement_for_any_threads_and_backend():
+    par = ParallelConfig(pp=1, dp=96, ep=16)
+    alloc = fragmented([5, 5, 3])
+    runs = [SolverOptions(threads=1), SolverOptions(threads=2, seed=9), CBC]
+    sols = [solve_ranks(par, cluster(8, nodes_per_switch=5), alloc, o) for o in runs]
+    assert len({s.ranks for s in sols}) == 1
