@@ -23,6 +23,14 @@ from planner.paths import CLUSTERS_DIR
 from planner.specs import ClusterSpec, DeviceSpec, EfficiencyTable, LevelSpec, SpecError
 
 _OPTIONAL_FLOATS = ("framework_overhead_gib", "gemm_efficiency", "attention_efficiency")
+_KINDS = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    dict: "a mapping",
+    list: "a list",
+    type(None): "nothing (null)",
+}
 
 
 def list_cluster_presets() -> list[str]:
@@ -58,6 +66,18 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     return cluster_from_dict(data, source=str(path))
 
 
+def check_dtype(cluster: ClusterSpec, dtype: str, where: str) -> None:
+    """Raise SpecError naming `where` (the cluster preset or file) when the device has no peak
+    TFLOPS for `dtype`."""
+    have = [name for name, _ in cluster.device.peak_tflops]
+    if dtype not in have:
+        raise SpecError(
+            f"cluster {where}: field 'device.peak_tflops' has no "
+            f"{dtype} entry ({', '.join(have)}); add {dtype}: <dense TFLOPS> or use --dtype "
+            f"{have[0]}"
+        )
+
+
 def cluster_from_dict(data: Any, source: str = "<dict>") -> ClusterSpec:
     """Parse and validate the YAML structure of a cluster profile (see the module docstring)."""
     if not isinstance(data, dict):
@@ -75,7 +95,10 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> ClusterSpec:
             _parse_level(reader, lv, i)
             for i, lv in enumerate(reader.get(data, "levels", list, nonempty=True))
         ),
-        tables=tuple(_parse_table(reader, t, i) for i, t in enumerate(data.get("tables") or [])),
+        tables=tuple(
+            _parse_table(reader, t, i)
+            for i, t in enumerate(reader.get(data, "tables", list) if data.get("tables") else [])
+        ),
         topology=str(data.get("topology", "")),
         source=str(data.get("source", "")),
         **{k: reader.positive(data, k) for k in _OPTIONAL_FLOATS if k in data},
@@ -140,14 +163,15 @@ class _Reader:
 
     def get(self, d: dict, key: str, typ: type, where: str = "", nonempty: bool = False) -> Any:
         field = f"{where}{key}"
+        kind = _KINDS.get(typ, typ.__name__)
         if key not in d:
-            raise self.fail(field, f"is missing; add it ({typ.__name__})")
+            raise self.fail(field, f"is missing; add it ({kind})")
         value = d[key]
         if typ is str and isinstance(value, int | float) and not isinstance(value, bool):
             value = str(value)
         if not isinstance(value, typ) or isinstance(value, bool):
-            got = type(value).__name__
-            raise self.fail(field, f"must be a {typ.__name__}, got {got} {value!r}")
+            got = _KINDS.get(type(value), type(value).__name__)
+            raise self.fail(field, f"must be {kind}, got {got} {value!r}")
         if nonempty and not value:
             raise self.fail(field, "must not be empty")
         return value
@@ -171,6 +195,9 @@ class _Reader:
 
 def _parse_device(r: _Reader, d: dict) -> DeviceSpec:
     peak = r.get(d, "peak_tflops", dict, "device.", nonempty=True)
+    if "bf16" not in peak:  # the default training dtype; every accelerator Piper targets has it
+        raise r.fail("device.peak_tflops", f"has no bf16 entry ({', '.join(map(str, peak))}); "
+                     "add bf16: <dense TFLOPS>")  # fmt: skip
     pairs = tuple((str(k), r.positive(peak, k, "device.peak_tflops.")) for k in peak)
     return DeviceSpec(
         name=r.get(d, "name", str, "device."),

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner.plan_check import check_plan_dict
 from planner.specs import SpecError
 
 SCHEMA_VERSION = 1
@@ -116,6 +117,7 @@ def _need(d: dict[str, Any], key: str, where: str, path: str) -> Any:
 
 def plan_from_dict(d: dict[str, Any], path: str = "plan.json") -> Plan:
     """Build a Plan from parsed JSON, validating schema version and required fields."""
+    check_plan_dict(d, path)  # types, sizes and consistency (planner/plan_check.py)
     version = _need(d, "schema_version", "", path)
     if version != SCHEMA_VERSION:
         raise SpecError(

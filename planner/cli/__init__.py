@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="piper", description="Plan and run Mixture-of-Experts training."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # dest "subcommand", not "command": a subcommand may have its own --command option.
+    sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"planner.cli.{name}")
@@ -57,14 +58,30 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    name = args.subcommand
     try:
         return int(args.func(args) or 0)
     except SpecError as exc:
-        print(f"piper {args.command}: error: {exc}", file=sys.stderr)
+        print(f"piper {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an input path that is a directory, unreadable, ...
+        print(f"piper {name}: error: {_os_error_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"piper {args.command}: interrupted; nothing was written", file=sys.stderr)
+        print(f"piper {name}: interrupted; no partial output was written", file=sys.stderr)
         return 130
+
+
+def _os_error_line(exc: OSError) -> str:
+    """One line for a file-system error: the path, what is wrong, and the fix."""
+    path = exc.filename if exc.filename is not None else "input"
+    if isinstance(exc, IsADirectoryError):
+        return f"{path}: is a directory; pass the file inside it"
+    if isinstance(exc, FileNotFoundError):
+        return f"{path}: no such file or directory; check the path"
+    if isinstance(exc, PermissionError):
+        return f"{path}: permission denied; check the file's permissions"
+    return f"{path}: {exc.strerror or exc}"
 
 
 if __name__ == "__main__":

@@ -67,10 +67,11 @@ def _inputs(
     args: argparse.Namespace,
 ) -> tuple[ModelSpec, ClusterSpec, TrainingSpec, ParallelConfig]:
     """Load the model and cluster and build the training setup and layout from the flags."""
-    from planner.clusters import load_cluster
+    from planner.clusters import check_dtype, load_cluster
     from planner.models import load_model
 
     model, cluster = load_model(args.model), load_cluster(args.cluster)
+    check_dtype(cluster, args.dtype, args.cluster)
     m, gb = _microbatches(args)
     parallel = ParallelConfig(
         pp=args.pp, dp=args.dp, tp=args.tp, ep=args.ep, micro_batch=args.micro_batch,
