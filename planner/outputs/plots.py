@@ -42,13 +42,13 @@ def _stacked(ax, components: Sequence[tuple[str, Sequence[float]]], stages: int)
 def memory_png(est: EstimateView, title: str) -> bytes:
     stages = len(est.memory_gib_per_stage)
     comps = est.memory_gib_SC or (("total", est.memory_gib_per_stage),)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     _stacked(ax, comps, stages)
     cap = est.device_memory_gib if est.device_memory_gib == est.device_memory_gib else None
     ax.axhline(cap or est.usable_memory_gib, color="black", linestyle="--", label="capacity")
     ax.set_ylabel("GiB per device")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return _png(fig)
 
@@ -56,11 +56,11 @@ def memory_png(est: EstimateView, title: str) -> bytes:
 def time_png(est: EstimateView, title: str) -> bytes:
     stages = len(est.memory_gib_per_stage)
     comps = est.time_s_SC or (("total", est.stage_time_s),)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     _stacked(ax, [(n, [1e3 * v for v in vals]) for n, vals in comps], stages)
     ax.set_ylabel("ms per micro-batch (fwd + bwd)")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return _png(fig)
 

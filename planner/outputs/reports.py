@@ -106,7 +106,7 @@ def stages_csv(result: PlanResult) -> str:
                 " ".join(map(str, st.recompute_layers)),
                 fmt(est.stage_time_s[s]) if s < len(est.stage_time_s) else "",
                 fmt(est.memory_gib_per_stage[s], 5),
-                fmt(est.usable_memory_gib, 5),
+                fmt(_capacity(est), 5),
             ]
         )
     header = (
@@ -117,7 +117,7 @@ def stages_csv(result: PlanResult) -> str:
         "recompute_layers",
         "time_per_microbatch_s",
         "memory_gib",
-        "usable_memory_gib",
+        "capacity_gib",
     )
     return _csv(header, rows)
 
