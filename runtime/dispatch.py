@@ -233,9 +233,18 @@ class ExchangeDispatcher:
         rpn = ranks_per_node or default_ranks_per_node() or dist.get_world_size()
         self.topo = topology_of_group(group, rpn)
         self.stats = DispatchStats()
+        # Collectives on NCCL groups need CUDA tensors; index planning stays on the CPU.
+        on_nccl = dist.get_backend(group) == "nccl"
+        self.meta_device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else None
 
-    def _exchange(self, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int) -> Exchange:
+    def _exchange(
+        self, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int, device: torch.device
+    ) -> Exchange:
         raise NotImplementedError
+
+    def meta(self, tensor: Tensor) -> Tensor:
+        """`tensor` on the device this group's collectives need."""
+        return tensor if self.meta_device is None else tensor.to(self.meta_device)
 
     def dispatch(
         self, x_TD: Tensor, expert_TK: Tensor, rank_of_expert_E: Tensor
@@ -254,7 +263,8 @@ class ExchangeDispatcher:
         ):
             raise ValueError(f"dispatch: rank_of_expert_E must lie in [0, {self.size})")
         row_bytes = x_TD.shape[1] * x_TD.element_size()
-        exchange = self._exchange(expert_TK.long().cpu(), rank_of_expert_E, row_bytes)
+        expert_TK = expert_TK.long().cpu()
+        exchange = self._exchange(expert_TK, rank_of_expert_E, row_bytes, x_TD.device)
         self.stats.dispatch_s += time.perf_counter() - start
         out_ND = _DispatchFn.apply(x_TD.contiguous(), exchange, self.stats)
         return out_ND, exchange.tokens_per_local_expert_L, DispatchHandle(exchange)
@@ -278,7 +288,9 @@ class _FlatExchange:
 
     reduces_weighted = False
 
-    def __init__(self, owner: FlatAllToAll, expert_TK: Tensor, rank_of_expert_E: Tensor) -> None:
+    def __init__(
+        self, owner: FlatAllToAll, expert_TK: Tensor, rank_of_expert_E: Tensor, device
+    ) -> None:
         self.owner = owner
         self.num_tokens, self.topk = expert_TK.shape
         size, me = owner.size, owner.rank
@@ -287,21 +299,22 @@ class _FlatExchange:
         expert_rank_order = torch.sort(rank_of_expert_E, stable=True).indices
         local_per_rank = torch.bincount(rank_of_expert_E, minlength=size)
         num_local = int(local_per_rank[me].item())
-        counts_SL = torch.empty(size * num_local, dtype=torch.long)
+        counts_SL = owner.meta(torch.empty(size * num_local, dtype=torch.long))
         dist.all_to_all_single(
             counts_SL,
-            counts_E[expert_rank_order].contiguous(),
+            owner.meta(counts_E[expert_rank_order].contiguous()),
             [num_local] * size,
             local_per_rank.tolist(),
             group=owner.group,
         )
-        counts_SL = counts_SL.reshape(size, num_local)
+        counts_SL = counts_SL.cpu().reshape(size, num_local)
         for peer in range(size):
             owner.stats.add_bytes(owner.topo, me, peer, 8 * int(local_per_rank[peer].item()))
         self.send_splits = send_S.tolist()
         self.recv_splits = counts_SL.sum(dim=1).tolist()
-        self.regroup_N = block_transpose_index(counts_SL)
-        self.tokens_per_local_expert_L = counts_SL.sum(dim=0)
+        self.regroup_N = block_transpose_index(counts_SL).to(device)
+        self.tokens_per_local_expert_L = counts_SL.sum(dim=0).to(device)
+        self.order_P = self.order_P.to(device)
 
     def _exchange(self, send_ND: Tensor, send_splits, recv_splits) -> Tensor:
         owner = self.owner
@@ -338,5 +351,7 @@ class FlatAllToAll(ExchangeDispatcher):
         (default: LOCAL_WORLD_SIZE, else the whole world is one node).
     """
 
-    def _exchange(self, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int) -> Exchange:
-        return _FlatExchange(self, expert_TK, rank_of_expert_E)
+    def _exchange(
+        self, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int, device: torch.device
+    ) -> Exchange:
+        return _FlatExchange(self, expert_TK, rank_of_expert_E, device)

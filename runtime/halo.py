@@ -49,7 +49,9 @@ def _segments(counts: list[int]) -> list[tuple[int, int]]:
 class _HaloExchange:
     """The three-phase exchange for one routing decision (see module docstring)."""
 
-    def __init__(self, owner: Halo, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int):
+    def __init__(
+        self, owner: Halo, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int, device
+    ) -> None:
         topo, size, me = owner.topo, owner.size, owner.rank
         self.owner, self.topo, self.me, self.my_node = owner, topo, me, topo.node_of[me]
         self.num_tokens, self.topk = expert_TK.shape
@@ -76,16 +78,25 @@ class _HaloExchange:
         self._choose_paths(row_bytes)
         self.gateway_index: dict[int, Tensor] = {}  # src -> pack index (dedup, as a gateway)
         self.saved: dict = {}  # weighted combine: what its backward needs
+        self._to_device(device)
+
+    def _to_device(self, device: torch.device) -> None:
+        """Moves the index tensors next to the data (planning above ran on the CPU)."""
+        self.device = device
+        for name in ("order_P", "token_sorted_P", "regroup_N", "tokens_per_local_expert_L"):
+            setattr(self, name, getattr(self, name).to(device))
+        for name in ("rows_to_node", "unique_tokens", "pack_index"):
+            setattr(self, name, [t.to(device) for t in getattr(self, name)])
 
     def _gather_counts(self, mine: Tensor, rank_of_expert_E: Tensor) -> None:
         """All-gathers per-expert and per-node counts; derives the traffic matrix."""
         topo, size, me, owner = self.topo, self.owner.size, self.me, self.owner
-        every = [torch.empty_like(mine) for _ in range(size)]
-        dist.all_gather(every, mine, group=owner.group)
+        every = [owner.meta(torch.empty_like(mine)) for _ in range(size)]
+        dist.all_gather(every, owner.meta(mine), group=owner.group)
         for peer in range(size):
             owner.stats.add_bytes(topo, me, peer, 8 * mine.numel())
         num_experts = rank_of_expert_E.numel()
-        table = torch.stack(every)
+        table = torch.stack(every).cpu()
         counts_SE, self.unique_SN = table[:, :num_experts], table[:, num_experts:].tolist()
         pairs_SS = torch.zeros(size, size, dtype=torch.long)
         pairs_SS.index_add_(1, rank_of_expert_E, counts_SE)
@@ -188,7 +199,7 @@ class _HaloExchange:
             rows = self.unique_SN[src][node] if pack else pairs
             packs[src] = self._recv(ops_ii, rows, like, src, _TAG_II)
             if send_index:
-                index_like = torch.zeros(0, dtype=torch.long)
+                index_like = torch.zeros(0, dtype=torch.long, device=self.device)
                 indices[src] = self._recv(ops_ii, pairs, index_like, src, _TAG_II_INDEX)
         works_i = self._post(ops_i)
         for work in self._post(ops_ii):
@@ -314,7 +325,8 @@ class _HaloExchange:
         weight_P = weight_TK.reshape(-1)[self.order_P].to(y_ND.dtype)
         local, from_node = self._reverse(y_ND, weight_P)
         ranks = sorted(local)
-        local_pos = self._cat([torch.arange(*self.seg_of_dest[r]) for r in ranks], self.order_P)
+        positions = [torch.arange(*self.seg_of_dest[r], device=self.device) for r in ranks]
+        local_pos = self._cat(positions, self.order_P)
         local_rows = self._cat([local[r] for r in ranks], y_ND)
         y_TD = y_ND.new_zeros((self.num_tokens, y_ND.shape[1]))
         y_TD.index_add_(0, self.token_sorted_P[local_pos], local_rows * weight_P[local_pos, None])
@@ -400,5 +412,7 @@ class Halo(ExchangeDispatcher):
         self.dedup = dedup
         self.direct_below_bytes = direct_below_bytes
 
-    def _exchange(self, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int) -> Exchange:
-        return _HaloExchange(self, expert_TK, rank_of_expert_E, row_bytes)
+    def _exchange(
+        self, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int, device: torch.device
+    ) -> Exchange:
+        return _HaloExchange(self, expert_TK, rank_of_expert_E, row_bytes, device)
