@@ -268,15 +268,16 @@ def _lower_bound(groups: list[_Group], switches: list[_Switch]) -> int:
 def _greedy(groups: list[_Group], num_chunks: int, switches: list[_Switch], par, g) -> list[int]:
     """Blocks of consecutive chunks (one EP/TP group each), taken column by column (block j
     of stage 0, 1, ..., so pipeline neighbours come in a row), go best-fit onto switches in
-    the current dragonfly group; a block that fits nowhere whole fills the fullest switches."""
+    the previous block's switch, else its dragonfly group (pipeline neighbours stay close);
+    a block that fits nowhere whole fills the fullest switches."""
     span = max([len(k.chunks) for k in groups if k.kind != "pp"] + [1])
     free = [s.capacity for s in switches]
     out = [-1] * num_chunks
-    last_group = switches[0].group
+    last_group, last_w = switches[0].group, -1
     for block in _block_order(num_chunks, span, par, g):
         fits = [w for w in range(len(switches)) if free[w] >= len(block)]
         if fits:
-            w = min(fits, key=lambda w: (switches[w].group != last_group, free[w], w))
+            w = min(fits, key=lambda w: (w != last_w, switches[w].group != last_group, free[w], w))
             targets = [w] * len(block)
         else:
             targets = []
@@ -291,7 +292,8 @@ def _greedy(groups: list[_Group], num_chunks: int, switches: list[_Switch], par,
         for c, w in zip(block, targets, strict=True):
             out[c] = w
             free[w] -= 1
-        last_group = switches[targets[-1]].group
+        last_w = targets[-1]
+        last_group = switches[last_w].group
     return out
 
 

@@ -166,3 +166,12 @@ def test_same_placement_for_any_threads_and_backend():
     runs = [SolverOptions(threads=1), SolverOptions(threads=2, seed=9), CBC]
     sols = [solve_ranks(par, cluster(8, nodes_per_switch=5), alloc, o) for o in runs]
     assert len({s.ranks for s in sols}) == 1
+
+
+def test_pipeline_neighbours_share_a_switch_when_they_can():
+    """pp=4 stages of one node each on 4-node switches: the whole pipeline on one switch."""
+    par = ParallelConfig(pp=4, dp=8, ep=8)
+    sol = solve_ranks(par, cluster(8, 4, 2), fragmented([3, 4, 4]), CPSAT)
+    counts = {(k, lv): n for k, lv, n in sol.straddling_by_level}
+    assert counts[("pp", "switch")] == 0 and counts[("pp", "node")] == 3
+    assert len({r.node for r in sol.ranks}) == 4
