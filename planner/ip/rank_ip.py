@@ -267,45 +267,55 @@ def _lower_bound(groups: list[_Group], switches: list[_Switch]) -> int:
 
 def _greedy(groups: list[_Group], num_chunks: int, switches: list[_Switch], par, g) -> list[int]:
     """Blocks of consecutive chunks (one EP/TP group each), taken column by column (block j
-    of stage 0, 1, ..., so pipeline neighbours come in a row), go best-fit onto switches in
-    the previous block's switch, else its dragonfly group (pipeline neighbours stay close);
-    a block that fits nowhere whole fills the fullest switches."""
+    of stage 0, 1, ... in a row, so pipeline neighbours follow each other), go onto the
+    previous block's switch, else best-fit in its dragonfly group; a column starts on the
+    best-fitting switch that holds it whole, if any. A block that fits nowhere whole fills
+    the fullest switches."""
     span = max([len(k.chunks) for k in groups if k.kind != "pp"] + [1])
     free = [s.capacity for s in switches]
     out = [-1] * num_chunks
     last_group, last_w = switches[0].group, -1
-    for block in _block_order(num_chunks, span, par, g):
-        fits = [w for w in range(len(switches)) if free[w] >= len(block)]
-        if fits:
-            w = min(fits, key=lambda w: (w != last_w, switches[w].group != last_group, free[w], w))
-            targets = [w] * len(block)
-        else:
-            targets = []
-            for _ in block:
-                w = min(
-                    (w for w in range(len(switches)) if free[w] > 0),
-                    key=lambda w: (switches[w].group != last_group, -free[w], w),
-                )
-                targets.append(w)
-                free[w] -= 1
-            free = [f + targets.count(w) for w, f in enumerate(free)]
-        for c, w in zip(block, targets, strict=True):
-            out[c] = w
-            free[w] -= 1
-        last_w = targets[-1]
-        last_group = switches[last_w].group
+    for column in _block_columns(num_chunks, span, par, g):
+        need = sum(len(b) for b in column)
+        whole = [w for w in range(len(switches)) if free[w] >= need]
+        if whole:
+            last_w = min(whole, key=lambda w: (switches[w].group != last_group, free[w], w))
+        for block in column:
+            targets = _place_block(len(block), free, switches, last_w, last_group)
+            for c, w in zip(block, targets, strict=True):
+                out[c] = w
+            last_w = targets[-1]
+            last_group = switches[last_w].group
     return out
 
 
-def _block_order(num_chunks: int, span: int, par, g: int) -> list[list[int]]:
-    """Chunk blocks, column-major over stages when stages split evenly into blocks."""
+def _place_block(size: int, free: list[int], switches, last_w: int, last_group: str):
+    """Switch per chunk of one block (updates `free`)."""
+    fits = [w for w in range(len(switches)) if free[w] >= size]
+    if fits:
+        w = min(fits, key=lambda w: (w != last_w, switches[w].group != last_group, free[w], w))
+        free[w] -= size
+        return [w] * size
+    targets = []
+    for _ in range(size):
+        w = min(
+            (w for w in range(len(switches)) if free[w] > 0),
+            key=lambda w: (switches[w].group != last_group, -free[w], w),
+        )
+        targets.append(w)
+        free[w] -= 1
+    return targets
+
+
+def _block_columns(num_chunks: int, span: int, par, g: int) -> list[list[list[int]]]:
+    """Chunk blocks grouped in columns (block j of every stage) when stages split evenly
+    into blocks; otherwise one column of consecutive blocks."""
     per_stage = par.dp * par.tp // g if (par.dp * par.tp) % g == 0 else 0
     if not per_stage or per_stage % span:
-        return [list(range(c, min(c + span, num_chunks))) for c in range(0, num_chunks, span)]
+        return [[list(range(c, min(c + span, num_chunks))) for c in range(0, num_chunks, span)]]
     return [
-        list(range(s * per_stage + j, s * per_stage + j + span))
+        [list(range(s * per_stage + j, s * per_stage + j + span)) for s in range(par.pp)]
         for j in range(0, per_stage, span)
-        for s in range(par.pp)
     ]
 
 
