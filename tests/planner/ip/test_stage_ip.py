@@ -7,6 +7,8 @@ import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner.ip import stage_dp
 from planner.ip.solvers import SolverOptions
@@ -239,3 +241,39 @@ def test_deterministic_across_threads_and_backends():
     ]
     assert len({(s.stage_layers, s.recompute_layers) for s in sols}) == 1
     assert [len(s) for s in sols[0].stage_layers] == [2, 4, 4]  # shortest early stages first
+
+
+@st.composite
+def stage_inputs(draw) -> StageCostInputs:
+    """Any valid StageCostInputs with up to 12 layers (sizes in GiB, times in seconds)."""
+    n = draw(st.integers(1, 12))
+    pp = draw(st.integers(1, min(n, 6)))
+    pos = st.floats(0.0, 4.0, allow_nan=False)
+    units = []
+    for i in range(n):
+        t, dt, state, act = draw(pos), draw(pos), draw(pos), draw(pos)
+        frac = draw(st.floats(0.0, 1.0))
+        units.append(UnitCost(i, "moe", t, t + dt, state * GIB, act * GIB, act * frac * GIB))
+    first = StageExtras(draw(pos), draw(pos) * GIB, draw(pos) * GIB)
+    last = StageExtras(draw(pos), draw(pos) * GIB, draw(pos) * GIB)
+    cap = draw(st.floats(0.0, 60.0)) * GIB
+    return StageCostInputs(
+        tuple(units), first, last, cap, pp, draw(st.integers(1, 64)), draw(st.booleans())
+    )
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(stage_inputs())
+def test_property_plans_satisfy_their_constraints(inputs):
+    """Random valid inputs: a split that is contiguous, non-empty and fits, whose bottleneck
+    the IP and the DP agree on; or INFEASIBLE with a one-line reason from both."""
+    dp = stage_solution_dp(inputs)
+    ip = solve_stages(inputs, CPSAT)
+    assert dp.report.status in ("OPTIMAL", "INFEASIBLE")
+    if not dp.feasible:
+        assert ip.report.status == "INFEASIBLE" and ip.reason and "\n" not in ip.reason
+        return
+    check_solution(inputs, dp)
+    check_solution(inputs, ip)
+    assert ip.report.status == "OPTIMAL"
+    assert ip.bottleneck_s == pytest.approx(dp.bottleneck_s, rel=1e-5, abs=1e-9)
