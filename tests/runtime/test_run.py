@@ -1,0 +1,99 @@
+"""`piper run`: plan checks that fail fast with exit code 2, and one end-to-end torchrun launch
+of a plan written as `piper plan` writes it (scaled down)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from planner.cli import main
+from planner.models import load_model, model_config
+from planner.plan import ParallelPlan, RankPlan
+from runtime.metrics import validate_metrics, validate_trace
+from runtime.scale import hand_plan, keep_layers, run_spec_from_plan
+
+
+def _write_plan(tmp_path, pp=2, dp=1, ep=1, **changes):
+    model = load_model("tiny-moe")
+    entry = {"name": "tiny-moe", "source": model.source, "config": model_config(model)}
+    plan = hand_plan(
+        model,
+        pp,
+        dp,
+        ep,
+        micro_batch=2,
+        num_microbatches=2,
+        seq_len=64,
+        gpus_per_node=2,
+        model_entry=entry,
+    )
+    plan = replace(plan, **changes)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    return path, plan
+
+
+def test_changed_model_is_refused_unless_forced(tmp_path, capsys):
+    path, plan = _write_plan(tmp_path)
+    cfg = dict(plan.model["config"], hidden_size=96)  # the model file "changed" since
+    path.write_text(replace(plan, model={**plan.model, "config": cfg}).to_json())
+    assert main(["run", str(path), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "model 'tiny-moe' changed since planning" in err and "--force" in err
+    assert "\n" not in err.strip()  # one line
+
+
+@pytest.mark.parametrize(
+    "args, tp, msg",
+    [
+        (["--nproc", "3"], 1, "use --nproc 2"),
+        ([], 2, "tp=1"),
+        (["--scale", "1.5"], 1, "--scale"),
+    ],
+)
+def test_bad_runs_exit_2_with_one_line(tmp_path, capsys, args, tp, msg):
+    changes = {}
+    if tp == 2:  # one data-parallel rank made of two tensor-parallel ranks
+        changes = {
+            "parallel": ParallelPlan(1, 1, 2, 1, 2, 2, 2, "none"),
+            "ranks": tuple(RankPlan(r, 0, r, 0, 0, r, 0) for r in range(2)),
+        }
+    path, _ = _write_plan(tmp_path, pp=1 if tp == 2 else 2, dp=2 if tp == 2 else 1, **changes)
+    assert main(["run", str(path), "--steps", "1", *args]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_scale_keeps_structure():
+    model = load_model("mixtral-8x7b")  # 32 layers, 8 experts top-2
+    plan = hand_plan(model, pp=4, dp=4, ep=4, num_microbatches=16, seq_len=4096)
+    spec = run_spec_from_plan(plan, model, 0.125, 2)
+    assert (spec.pp, spec.dp, spec.ep, spec.edp) == (4, 4, 4, 1)
+    assert [len(s) for s in spec.stage_layers] == [1, 1, 1, 1]  # 8 layers per stage * 1/8
+    assert spec.source_layers == (0, 8, 16, 24)
+    assert spec.model.num_experts == 8 and spec.model.top_k == 2
+    assert spec.model.hidden_size == 512 and spec.seq_len == 512
+    assert spec.model.layers[0].moe.expert_ffn == 14336 // 8
+    att = spec.model.layers[0].attention
+    assert (att.num_heads // att.num_kv_heads, att.num_kv_heads) == (4, 1)  # 32/8 ratio kept
+    assert spec.num_microbatches == 4 and spec.model.vocab_size == 256
+    assert [p for _, p in spec.placements] == [plan.experts[0].rank_of_expert] * 4
+    # a stage keeps an MoE layer even when its evenly spaced pick is a dense one
+    ds = load_model("deepseek-v2-lite")  # layer 0 dense, then MoE
+    kept = keep_layers([tuple(range(0, 3)), tuple(range(3, ds.num_layers))], ds, 0.1)
+    assert kept[0] == (2,) and all(ds.layers[i].kind == "moe" for s in kept for i in s)
+
+
+@pytest.mark.slow
+def test_piper_run_end_to_end_through_torchrun(tmp_path, capsys):
+    path, _ = _write_plan(tmp_path, pp=2, dp=1, ep=1)
+    out = tmp_path / "run"
+    rc = main(["run", str(path), "--steps", "4", "--scale", "0.5", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    lines = validate_metrics((out / "metrics.jsonl").read_text())
+    assert len(lines) == 4 and lines[-1]["loss"] < lines[0]["loss"]
+    assert validate_trace((out / "trace.csv").read_text())
+    run = json.loads((out / "run.json").read_text())
+    assert (run["pp"], run["hidden_size"], run["seq_len"], run["backend"]) == (2, 32, 32, "gloo")
+    assert "4 steps: loss" in capsys.readouterr().out
