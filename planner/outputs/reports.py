@@ -193,28 +193,7 @@ def summary_md(result: PlanResult) -> str:
         "",
         "## Predicted",
         "",
-        _table(
-            (
-                "step time (s)",
-                "tokens/s",
-                "TFLOPS/GPU",
-                "MFU",
-                "bubble",
-                "max stage GiB",
-                "usable GiB",
-            ),
-            [
-                [
-                    fmt(est.step_time_s, 4),
-                    fmt(est.tokens_per_s, 4),
-                    fmt(est.tflops_per_gpu, 4),
-                    f"{100 * est.mfu:.1f}%",
-                    f"{100 * est.bubble_fraction:.1f}%",
-                    fmt(max(est.memory_gib_per_stage), 4),
-                    fmt(_capacity(est), 4),
-                ]
-            ],
-        ),
+        _predicted_table(est),
         "",
         "## Solvers",
         "",
@@ -237,6 +216,28 @@ def summary_md(result: PlanResult) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _predicted_table(est: EstimateView) -> str:
+    header = (
+        "step time (s)",
+        "tokens/s",
+        "TFLOPS/GPU",
+        "MFU",
+        "bubble",
+        "max stage GiB",
+        "capacity GiB",
+    )
+    row = [
+        fmt(est.step_time_s, 4),
+        fmt(est.tokens_per_s, 4),
+        fmt(est.tflops_per_gpu, 4),
+        f"{100 * est.mfu:.1f}%",
+        f"{100 * est.bubble_fraction:.1f}%",
+        fmt(max(est.memory_gib_per_stage), 4),
+        fmt(_capacity(est), 4),
+    ]
+    return _table(header, [row])
 
 
 def _solver_lines(plan: Any) -> str:
