@@ -127,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
                 )
                 return 1
             raw = json.loads(raw_path.read_text())
-    base_name = args.base or ("h200" if raw["machine"].get("backend") == "nccl" else "cpu-gloo")
+    base_name = args.base or (
+        "h200" if (raw.get("machine") or {}).get("backend") == "nccl" else "cpu-gloo"
+    )
     cluster = profile_to_cluster_dict(raw, load_cluster(base_name), args.name or out.stem)
     files = {out.name: profile_yaml(cluster)}
     if args.keep_raw:
