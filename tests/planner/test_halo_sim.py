@@ -315,3 +315,24 @@ def test_emulated_network_model_by_hand():
     want = 2 * (2 * nbytes * 6 / 8) / 125e6  # dispatch + combine
     got = predict_dispatch_combine_s(point, 0.0, loopback_gbps=1e6, latency_us=0.0)
     assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_cli_json_has_time_and_breakdown(capsys):
+    from planner.cli import main
+    from planner.cli.a2a_sim import parse_bytes
+
+    assert parse_bytes("64KiB") == 65536 and parse_bytes("1.5MiB") == 1.5 * 2**20
+    assert parse_bytes("2000") == 2000 and parse_bytes("1MB") == 1e6
+    args = ["a2a-sim", "--cluster", "frontier", "--nodes", "16", "--bytes-per-rank", "64KiB"]
+    assert main([*args, "--algo", "halo", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["algo"] == "halo" and one["time_s"] > 0 and one["messages_per_rank"] == 29
+    assert {lv["level"] for lv in one["levels"]} >= {"package", "node", "switch", "nic"}
+    assert main([*args, "--json"]) == 0
+    allj = json.loads(capsys.readouterr().out)
+    res = allj["results"]
+    assert allj["ratios"]["flat_over_halo"] == pytest.approx(
+        res["flat"]["time_s"] / res["halo"]["time_s"]
+    )
+    assert main(args) == 0
+    assert "flat_over_halo_dedup:" in capsys.readouterr().out
