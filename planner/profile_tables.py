@@ -39,8 +39,9 @@ def comm_level(base: ClusterSpec, ranks: list[int], ranks_per_node: int) -> str:
     """
     if ranks_per_node > base.gpus_per_node:
         raise SpecError(
-            f"--ranks-per-node {ranks_per_node} exceeds the base cluster {base.name}'s "
-            f"gpus_per_node {base.gpus_per_node}; pick a --base whose nodes are as large"
+            f"--ranks-per-node {ranks_per_node} (declared, or ranks sharing a hostname) exceeds "
+            f"the base cluster {base.name}'s gpus_per_node {base.gpus_per_node}; pass a smaller "
+            "--ranks-per-node or a --base whose nodes are as large"
         )
     devices = [(r // ranks_per_node) * base.gpus_per_node + r % ranks_per_node for r in ranks]
     if max(devices) >= base.total_gpus:
