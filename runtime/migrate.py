@@ -111,7 +111,11 @@ def decide(mesh: Mesh, policy: Callable, current_LE, history_TLE) -> MigrationDe
     """The stage leader runs the policy; every rank of the stage gets the same decision."""
     box = [None]
     if mesh.me.physical == mesh.dp_ranks[0]:
-        box[0] = policy(current_LE, history_TLE, None, None)
+        try:
+            box[0] = policy(current_LE, history_TLE, None, None)
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait for this broadcast
+            log.warning("migration policy failed (%s); using the greedy swap", exc)
+            box[0] = greedy_next_placement(current_LE, history_TLE)
     if len(mesh.dp_ranks) > 1:
         dist.broadcast_object_list(box, src=mesh.dp_ranks[0], group=mesh.dp_group)
     return box[0]
