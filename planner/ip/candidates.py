@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -224,6 +226,19 @@ def _better(row: CandidateRow, best: CandidateRow | None) -> bool:
     return (row.step_time_s, row.order) < (best.step_time_s, best.order)
 
 
+def reinstall_sigint() -> None:
+    """Give Ctrl-C back to Python after solver calls.
+
+    OR-Tools CP-SAT (catch_sigint_signal, on by default) installs its own SIGINT handler for
+    the length of a solve and leaves SIG_DFL behind, so the next Ctrl-C would kill the
+    process instead of raising KeyboardInterrupt. Re-registering Python's handler (main
+    thread only) keeps "Ctrl-C stops the search and keeps the best plan" working.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is threading.main_thread() and callable(handler):
+        signal.signal(signal.SIGINT, handler)
+
+
 def branch_and_bound(
     ctx: SearchContext, survivors: Sequence[Screened], progress: Progress | None = None
 ) -> tuple[list[CandidateRow], CandidateRow | None, bool]:
@@ -251,6 +266,7 @@ def branch_and_bound(
                 rows.append(row)
                 if _better(row, best):
                     best = row
+            reinstall_sigint()
             if progress:
                 progress(i, len(survivors))
     except KeyboardInterrupt:
@@ -276,6 +292,7 @@ def confirm_with_ip(ctx: SearchContext, best: CandidateRow, cand: Screened) -> C
     its report (status, objective, bound, gap) goes into plan.json.
     """
     choice = ctx.backend.solve_stages(cand.inputs, replace(ctx.options, threads=1))
+    reinstall_sigint()
     if not choice.report.has_solution:
         log.warning("stage IP found no split where the DP did (%s); keeping the DP's", cand)
         return best

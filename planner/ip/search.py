@@ -22,6 +22,7 @@ from planner.ip.candidates import (
     SearchContext,
     describe,
     new_context,
+    reinstall_sigint,
     search,
     training_for,
 )
@@ -91,7 +92,12 @@ def plan(
     )
     rows, best, interrupted, timings, inputs = search(ctx, progress)
     t1 = time.perf_counter()
-    baselines = all_baselines(ctx, inputs) if not interrupted else ()
+    baselines: tuple[Baseline, ...] = ()
+    if not interrupted:
+        try:
+            baselines = all_baselines(ctx, inputs)
+        except KeyboardInterrupt:  # Ctrl-C while scoring baselines: keep the plan, skip them
+            interrupted = True
     t2 = time.perf_counter()
     timings.update({"baselines_s": t2 - t1})
     if best is None:
@@ -121,6 +127,7 @@ def _plan_document(
     placement = assemble.place(
         ctx.backend, ctx.model, par, ctx.cluster, allocation, trace_loads, ctx.options
     )
+    reinstall_sigint()
     model_doc = ctx.backend.describe_model(ctx.model)
     cluster_doc = {**ctx.backend.describe_cluster(ctx.cluster), "gpus": ctx.space.gpus}
     sizes = {

@@ -233,6 +233,9 @@ def _solve_cpsat(model: LinearModel, options: SolverOptions):
     solver.parameters.max_time_in_seconds = options.time_limit_s
     solver.parameters.num_workers = options.threads
     solver.parameters.random_seed = options.seed
+    # Leave Ctrl-C to Python (KeyboardInterrupt): CP-SAT's own SIGINT handler would swallow
+    # it mid-solve and leave SIG_DFL behind, killing the process on the next Ctrl-C.
+    solver.parameters.catch_sigint_signal = False
     code = solver.Solve(cp)
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         status = "OPTIMAL" if code == cp_model.OPTIMAL else "FEASIBLE"
@@ -259,6 +262,7 @@ def _canonical_cpsat(model: LinearModel, objective_units: int, time_limit_s: flo
     solver.parameters.num_workers = 1
     solver.parameters.search_branching = cp_model.FIXED_SEARCH
     solver.parameters.random_seed = 0
+    solver.parameters.catch_sigint_signal = False  # Ctrl-C stays with Python, as above
     code = solver.Solve(cp)
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return [solver.Value(x) for x in xs]
@@ -278,9 +282,13 @@ def _solve_cbc(model: LinearModel, options: SolverOptions):
         prob.add_variable(f"v{i}_{_safe(v.name)}", v.lb, v.ub, cat[v.kind])
         for i, v in enumerate(model.vars)
     ]
-    prob += pulp.lpSum(c * xs[v] for c, v in model.objective)
+
+    def affine(terms):
+        return pulp.LpAffineExpression([(xs[v], c) for c, v in terms])
+
+    prob += affine(model.objective)
     for k, (terms, sense, rhs, _name) in enumerate(model.constraints):
-        expr = pulp.lpSum(c * xs[v] for c, v in terms)
+        expr = affine(terms)
         con = expr <= rhs if sense == "<=" else expr >= rhs if sense == ">=" else expr == rhs
         prob += con, f"c{k}"
     for v, val in model.hints.items():
