@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
+import signal
+import time
 from dataclasses import replace
 
 import pytest
@@ -18,7 +21,8 @@ from planner.ip import bounds
 from planner.ip.candidates import _evaluate, new_context, screen
 from planner.ip.enumerate import enumerate_layouts, make_space
 from planner.ip.search import plan
-from planner.ip.solvers import SolverOptions
+from planner.ip.solvers import LinearModel, SolverOptions, solve
+from planner.ip.wiring import RealBackend
 from planner.resources.units import StageCostInputs, StageExtras, UnitCost
 from planner.specs import SpecError
 
@@ -225,3 +229,33 @@ def test_dp_scoring_and_ip_scoring_give_the_same_plan():
     by_ip = plan(*args, backend=ToyBackend(), score="ip")
     assert by_dp.plan.to_json() == by_ip.plan.to_json()
     assert by_dp.plan.solver.backend == "cpsat"  # the winner is always confirmed by the IP
+
+
+class _SigintBackend(ToyBackend):
+    """Sends a real SIGINT to the process from a solver thread on the n-th scoring call."""
+
+    def score_stages(self, inputs, options):
+        if self.solves == self.interrupt_at:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the main thread raises KeyboardInterrupt meanwhile
+        self.solves += 1
+        return RealBackend().score_stages(inputs, options)
+
+
+def test_a_real_sigint_mid_search_keeps_the_best_plan():
+    backend = _SigintBackend()
+    backend.interrupt_at = 4  # first call of the second batch: the first gave an incumbent
+    result = plan(toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, backend=backend)
+    assert result.interrupted and result.plan is not None
+    assert any(r.status == "interrupted" for r in result.rows)
+
+
+def test_ctrl_c_after_a_cp_sat_solve_still_raises_keyboard_interrupt():
+    model = LinearModel("tiny")
+    x = model.int_var(0, 5, "x")
+    model.add([(1, x)], ">=", 2)
+    model.minimize([(1, x)])
+    assert solve(model, OPTS).report.objective == 2
+    with pytest.raises(KeyboardInterrupt):  # not SIG_DFL (process killed), not swallowed
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
