@@ -71,11 +71,13 @@ class Screened:
 
 @dataclass(frozen=True)
 class SearchOutcome:
-    """Step 3's result: every row (unranked), the winner's row and whether Ctrl-C stopped it."""
+    """Steps 1-3: ranked rows, the winner's row, whether Ctrl-C stopped the search, wall
+    times (s) and counts, and the screened candidates' cost inputs (for the baselines)."""
 
     rows: tuple[CandidateRow, ...]
     best: CandidateRow | None
     interrupted: bool
+    timings: dict[str, float]
     inputs: Mapping[ParallelConfig, StageCostInputs]
 
 
@@ -92,11 +94,11 @@ class SearchContext:
 
 def rank_rows(rows: Sequence[CandidateRow]) -> tuple[CandidateRow, ...]:
     """Feasible solved rows by step time, then pruned and interrupted by bound, then the rest."""
-    group = {"solved": 0, "pruned": 1, "interrupted": 2, "infeasible": 3}
+    group = {"pruned": 1, "interrupted": 2}  # everything else not feasible: 3
 
     def key(r: CandidateRow) -> tuple:
         ok = r.status == "solved" and r.feasible
-        g = 0 if ok else group.get(r.status, 3) + (1 if r.status == "solved" else 0)
+        g = 0 if ok else group.get(r.status, 3)
         value = r.step_time_s if ok else r.bound_step_time_s
         if r.status == "infeasible" and not math.isnan(r.memory_need_gib):
             value = r.memory_need_gib
@@ -106,7 +108,7 @@ def rank_rows(rows: Sequence[CandidateRow]) -> tuple[CandidateRow, ...]:
 
 
 def training_for(training: TrainingSpec, par: ParallelConfig) -> TrainingSpec:
-    """The training spec a layout is costed with: its recompute policy, its global batch."""
+    """The training spec a layout is costed with (the layout's recompute policy)."""
     return replace(training, recompute=par.recompute)
 
 
@@ -299,10 +301,8 @@ def confirm_with_ip(ctx: SearchContext, best: CandidateRow, cand: Screened) -> C
     return _row(ctx, cand, choice)
 
 
-def search(
-    ctx: SearchContext, progress: Progress | None = None
-) -> tuple[tuple[CandidateRow, ...], CandidateRow | None, bool, dict[str, float], dict]:
-    """Steps 1-3 -> (ranked rows, best row, interrupted, timings, cost-input cache by layout)."""
+def search(ctx: SearchContext, progress: Progress | None = None) -> SearchOutcome:
+    """Steps 1-3: enumerate, screen, branch and bound (and confirm the winner by the IP)."""
     t0 = time.perf_counter()
     layouts = enumerate_layouts(ctx.model, ctx.cluster, ctx.training, ctx.space)
     t1 = time.perf_counter()
@@ -318,10 +318,11 @@ def search(
         "screen_s": t2 - t1,
         "stage_search_s": t3 - t2,
         "layouts": float(len(layouts)),
-        "stage_ip_solves": float(sum(r.status in ("solved", "infeasible") for r in rows)),
+        "candidates_scored": float(sum(r.status in ("solved", "infeasible") for r in rows)),
+        "candidates_pruned": float(sum(r.status == "pruned" for r in rows)),
     }
     inputs = {c.parallel: c.inputs for c in survivors}
-    return rank_rows([*rows, *rejected]), best, interrupted, timings, inputs
+    return SearchOutcome(rank_rows([*rows, *rejected]), best, interrupted, timings, inputs)
 
 
 def new_context(

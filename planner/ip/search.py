@@ -90,12 +90,13 @@ def plan(
     ctx = new_context(
         model, cluster, training, gpus, fixed, options, backend, recompute, max_ep, score
     )
-    rows, best, interrupted, timings, inputs = search(ctx, progress)
+    found = search(ctx, progress)
+    rows, best, interrupted, timings = found.rows, found.best, found.interrupted, found.timings
     t1 = time.perf_counter()
     baselines: tuple[Baseline, ...] = ()
     if not interrupted:
         try:
-            baselines = all_baselines(ctx, inputs)
+            baselines = all_baselines(ctx, found.inputs)
         except KeyboardInterrupt:  # Ctrl-C while scoring baselines: keep the plan, skip them
             interrupted = True
     t2 = time.perf_counter()
