@@ -259,3 +259,24 @@ def test_ctrl_c_after_a_cp_sat_solve_still_raises_keyboard_interrupt():
     with pytest.raises(KeyboardInterrupt):  # not SIG_DFL (process killed), not swallowed
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1.0)
+
+
+def test_pruning_is_safe_with_the_real_resource_model():
+    """On a real model, branch and bound finds the exhaustive optimum, and every candidate's
+    step-time bound is below its predicted step time."""
+    from planner.clusters import load_cluster
+    from planner.models import load_model
+    from planner.specs import TrainingSpec
+
+    model, cluster = load_model("qwen1.5-moe-a2.7b"), load_cluster("frontier")
+    training = TrainingSpec(global_batch=64)
+    ctx = new_context(model, cluster, training, 8, None, OPTS, RealBackend())
+    survivors, _ = screen(ctx, enumerate_layouts(model, cluster, training, ctx.space))
+    rows = [_evaluate(ctx, c) for c in survivors]
+    for cand, row in zip(survivors, rows, strict=True):
+        if row.estimate is not None:
+            assert cand.bound_s <= row.step_time_s * (1 + 1e-9)
+    want = min((r for r in rows if r.feasible), key=lambda r: (r.step_time_s, r.order))
+    got = plan(model, cluster, training, 8, None, OPTS)
+    assert got.best.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
+    assert got.best.parallel == want.parallel
