@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,12 +72,13 @@ class Measurement:
     times_s: list[float] = field(default_factory=list)
     bytes_inter_node: int = 0  # all ranks, one dispatch + combine
     bytes_intra_node: int = 0
+    load_avg_1min: float = 0.0  # of the machine running every emulated node, when measured
 
 
 def sweep(quick: bool) -> list[Network]:
     """The networks and sizes to measure."""
     if quick:
-        return [Network(2, 2, 1000, (2, 8), (64, 512), reps=3)]
+        return [Network(2, 2, 1000, (8,), (64, 512), reps=3)]
     return [
         Network(4, 2, 1000, (2, 6, 8), (32, 256, 1024, 2048)),
         Network(4, 2, 1000, (8,), (256, 2048), routing="node-limited"),
@@ -170,6 +172,7 @@ def worker(net: Network) -> None:
         for topk in net.topks:
             for tokens in net.tokens:
                 for m in _measure(net, dispatchers, topk, tokens):
+                    print(f"done {m.algo} k={topk} T={tokens}", file=sys.stderr, flush=True)
                     if dist.get_rank() == 0:
                         print("RESULT " + json.dumps(asdict(m)), flush=True)
     dist.destroy_process_group()
@@ -183,42 +186,45 @@ def run_network(net: Network, timeout_s: float) -> list[Measurement]:
     emulated = netns.setup(net.nodes, net.rate_mbit)
     world = net.nodes * net.ranks_per_node
     procs = []
-    try:
-        for rank in range(world):
-            node = rank // net.ranks_per_node
-            env = dict(
-                os.environ,
-                GLOO_SOCKET_IFNAME="eth0",
-                MASTER_ADDR=emulated.address(0),
-                MASTER_PORT=str(PORT),
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                OMP_NUM_THREADS="1",
-                PYTHONPATH=str(ROOT),
-            )
-            cmd = ["ip", "netns", "exec", emulated.namespace(node), sys.executable, __file__]
-            cmd += ["--worker", json.dumps(asdict(net))]
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            )
-        deadline = time.monotonic() + timeout_s
-        outputs = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append((proc.returncode, out.decode(), err.decode()))
-        for rank, (code, _, err) in enumerate(outputs):
-            if code != 0:
-                raise RuntimeError(f"rank {rank} failed (exit {code}):\n{err[-3000:]}")
-        lines = outputs[0][1].splitlines()
-        return [
-            Measurement(**json.loads(x[len("RESULT ") :])) for x in lines if x.startswith("RESULT ")
-        ]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-        netns.teardown()
+    with tempfile.TemporaryDirectory(prefix="piper-halo-") as logs:
+        try:
+            for rank in range(world):
+                procs.append(_launch(net, emulated, rank, Path(logs)))
+            deadline = time.monotonic() + timeout_s
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            for rank, proc in enumerate(procs):
+                if proc.returncode != 0:
+                    err = (Path(logs) / f"{rank}.err").read_text()[-3000:]
+                    raise RuntimeError(f"rank {rank} failed (exit {proc.returncode}):\n{err}")
+            lines = (Path(logs) / "0.out").read_text().splitlines()
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+            netns.teardown()
+    tagged = [x.removeprefix("RESULT ") for x in lines if x.startswith("RESULT ")]
+    return [Measurement(**json.loads(x)) for x in tagged]
+
+
+def _launch(net: Network, emulated: netns.EmulatedNet, rank: int, logs: Path):
+    """Starts one rank inside its node's namespace; output goes to files in `logs`."""
+    env = dict(
+        os.environ,
+        GLOO_SOCKET_IFNAME="eth0",
+        MASTER_ADDR=emulated.address(0),
+        MASTER_PORT=str(PORT),
+        RANK=str(rank),
+        WORLD_SIZE=str(net.nodes * net.ranks_per_node),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+    )
+    node = rank // net.ranks_per_node
+    cmd = ["ip", "netns", "exec", emulated.namespace(node), sys.executable, __file__]
+    cmd += ["--worker", json.dumps(asdict(net))]
+    with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
 
 
 def ratios(results: list[Measurement]) -> list[dict]:
@@ -304,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             "headline": top,
             "flat_over_halo": top["flat_over_halo"] if top else None,
             "flat_over_halo_dedup": top["flat_over_halo_dedup"] if top else None,
+            "cpus": os.cpu_count(),
+            "load_avg_1min_at_end": os.getloadavg()[0],
         }
         print(json.dumps(summary, indent=1))
     else:

@@ -82,6 +82,9 @@ def setup(num_nodes: int, rate_mbit: int) -> EmulatedNet:
         ns, port = net.namespace(node), f"hb{node}"
         _ip("netns", "add", ns)
         _in_ns(ns, "ip", "link", "set", "lo", "up")
+        # A fabric has no TCP slow start: keep each connection's window across idle gaps
+        # between exchanges (this sysctl is per namespace; the host's is untouched).
+        _in_ns(ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0")
         # Create the pair inside the node namespace, then move the switch end out.
         _in_ns(ns, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", port)
         _in_ns(ns, "ip", "link", "set", port, "netns", SWITCH_NS)

@@ -16,7 +16,7 @@ sums a token's weighted expert outputs from its node, so that direction also cro
 network once per (token, node) (backward likewise: one gradient row per (token, node) goes
 out, the gate gradients come back as scalars).
 
-Sizes are known everywhere before any payload moves: one all_gather of each rank's per-expert
+Sizes are known everywhere before any payload moves: one exchange of each rank's per-expert
 row counts (and per-node unique-token counts) gives every rank the full traffic matrix. When
 the largest node-to-node message is below `direct_below_bytes` (latency-bound sizes), every
 rank decides the same way to send rows straight to their final ranks in one round, like the
@@ -89,14 +89,15 @@ class _HaloExchange:
             setattr(self, name, [t.to(device) for t in getattr(self, name)])
 
     def _gather_counts(self, mine: Tensor, rank_of_expert_E: Tensor) -> None:
-        """All-gathers per-expert and per-node counts; derives the traffic matrix."""
+        """Shares per-expert and per-node counts with every rank; derives the traffic matrix."""
         topo, size, me, owner = self.topo, self.owner.size, self.me, self.owner
-        every = [owner.meta(torch.empty_like(mine)) for _ in range(size)]
-        dist.all_gather(every, owner.meta(mine), group=owner.group)
+        # An all-gather as one all_to_all round (gloo's all_gather is a ring of S - 1 steps).
+        table = owner.meta(torch.empty(size * mine.numel(), dtype=torch.long))
+        dist.all_to_all_single(table, owner.meta(mine.repeat(size)), group=owner.group)
         for peer in range(size):
             owner.stats.add_bytes(topo, me, peer, 8 * mine.numel())
         num_experts = rank_of_expert_E.numel()
-        table = torch.stack(every).cpu()
+        table = table.cpu().reshape(size, mine.numel())
         counts_SE, self.unique_SN = table[:, :num_experts], table[:, num_experts:].tolist()
         pairs_SS = torch.zeros(size, size, dtype=torch.long)
         pairs_SS.index_add_(1, rank_of_expert_E, counts_SE)
