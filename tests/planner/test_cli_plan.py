@@ -163,3 +163,12 @@ def test_allocation_file_places_ranks_on_its_nodes(tmp_path):
     per_node = [sum(r.node == n for r in plan.ranks) for n in range(5)]
     assert max(per_node) <= 8 and sum(per_node) == 32
     assert "straddle" in plan.extra["rank_note"]
+
+
+def test_trace_for_a_dense_layer_is_a_one_line_error(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("interval,layer,expert,tokens\n" + "".join(f"0,0,{e},5\n" for e in range(64)))
+    args = ["plan", "--model", "deepseek-v2-lite", "--gpus", "8", "--trace", str(trace)]
+    assert main([*args, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "layer 0 is not an MoE layer" in err
