@@ -45,31 +45,28 @@ def calibration_markdown(cal: Calibration) -> str:
 
 
 def calibration_png(cal: Calibration) -> bytes:
-    """Bars of predicted and measured per component (log scale), errors on top."""
+    """Predicted / measured per component (log scale) with the +-25% band; unit-free."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    comps = [c for c in cal.components if c.predicted > 0 or c.measured > 0]
+    comps = [c for c in cal.components if c.predicted > 0 and c.measured > 0]
     labels = [f"{c.name}\n{_stage(c.stage)}" for c in comps]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(comps)), 4))
-    xs = range(len(comps))
-    ax.bar([x - 0.2 for x in xs], [max(c.predicted, 1e-12) for c in comps], 0.4, label="predicted")
-    ax.bar([x + 0.2 for x in xs], [max(c.measured, 1e-12) for c in comps], 0.4, label="measured")
-    for x, c in zip(xs, comps, strict=True):
-        ax.annotate(
-            f"{_pct(c.error)}%",
-            (x, max(c.predicted, c.measured)),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
-    ax.set_xticks(list(xs), labels, fontsize=8)
+    ratios = [c.predicted / c.measured for c in comps]
+    fig, ax = plt.subplots(figsize=(max(6, 1.0 * len(comps)), 3.8))
+    xs = list(range(len(comps)))
+    colors = ["tab:green" if abs(r - 1) <= 0.25 else "tab:red" for r in ratios]
+    ax.bar(xs, ratios, 0.6, color=colors)
+    ax.axhspan(0.75, 1.25, color="green", alpha=0.08, label="within 25%")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    for x, c, r in zip(xs, comps, ratios, strict=True):
+        ax.annotate(f"{_pct(c.error)}%", (x, r), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(xs, labels, fontsize=8)
     ax.set_yscale("log")
-    ax.set_ylabel("value (unit per component)")
-    ax.set_title("piper calibrate: predicted vs measured")
-    ax.legend()
+    ax.set_ylabel("predicted / measured")
+    ax.set_title(f"piper calibrate: predicted vs measured ({cal.steps_used} steps)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
