@@ -56,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="find candidates' splits with the exact DP (default; the winner is re-solved by "
         "the stage IP) or with the stage IP for every candidate (slower, same plan)",
     )
+    p.add_argument(
+        "--dispatcher",
+        choices=("flat", "halo"),
+        default="flat",
+        help="all-to-all priced for the MoE dispatch/combine (default flat)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
 
@@ -146,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
             progress,
             recompute=[args.recompute] if args.recompute else None,
             max_ep=args.max_ep,
+            score=args.score,
+            dispatcher=args.dispatcher,
         )
     finally:
         progress.close()

@@ -60,6 +60,7 @@ def plan(
     max_ep: int | None = None,
     backend: Backend | None = None,
     score: Literal["dp", "ip"] = "dp",
+    dispatcher: Literal["flat", "halo"] = "flat",
 ) -> PlanResult:
     """Find the layout and placement with the best predicted step time that fits in memory.
 
@@ -78,6 +79,7 @@ def plan(
         score: "dp" finds each candidate's split with the exact DP (the stage IP where the DP
             is not exact) and re-solves the winner with the stage IP; "ip" solves every
             candidate with the stage IP. Both give the same plan; "dp" is much faster.
+        dispatcher: the all-to-all priced by the default backend ("flat" or "halo").
     Returns:
         PlanResult; plan is None when nothing fits (message says what would) or when Ctrl-C
         came before any candidate was solved (interrupted is then True).
@@ -85,7 +87,7 @@ def plan(
     if backend is None:
         from planner.ip.wiring import default_backend
 
-        backend = default_backend()
+        backend = default_backend(dispatcher)
     t0 = time.perf_counter()
     ctx = new_context(
         model, cluster, training, gpus, fixed, options, backend, recompute, max_ep, score
@@ -130,7 +132,12 @@ def _plan_document(
     )
     reinstall_sigint()
     model_doc = ctx.backend.describe_model(ctx.model)
-    cluster_doc = {**ctx.backend.describe_cluster(ctx.cluster), "gpus": ctx.space.gpus}
+    g = ctx.cluster.gpus_per_node
+    cluster_doc = {
+        **ctx.backend.describe_cluster(ctx.cluster),
+        "gpus": ctx.space.gpus,
+        "nodes_used": -(-ctx.space.gpus // g),
+    }
     sizes = {
         "gpus": ctx.space.gpus,
         "fixed": dict(ctx.space.fixed),
@@ -138,6 +145,7 @@ def _plan_document(
         "max_ep": ctx.space.max_ep,
         "solver": ctx.options.backend,
         "seed": ctx.options.seed,
+        "dispatcher": getattr(ctx.backend, "dispatcher", ""),
         "trace": {str(k): list(v) for k, v in sorted((trace_loads or {}).items())},
         "allocation": repr(getattr(allocation, "nodes", allocation)) if allocation else None,
     }
@@ -153,6 +161,7 @@ def _plan_document(
         tuple(sorted(est.comm_s)),
     )
     extra = {
+        "dispatcher": sizes["dispatcher"],
         "interrupted": interrupted,
         "baselines": [_baseline_doc(b, est.step_time_s) for b in baselines],
     }

@@ -18,14 +18,21 @@ from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 
 
 class RealBackend:
-    """Backend protocol (planner.ip.backend) over the project's modules."""
+    """Backend protocol (planner.ip.backend) over the project's modules.
+
+    `dispatcher` ("flat" | "halo") is the all-to-all the resource model prices for every
+    candidate and baseline.
+    """
+
+    def __init__(self, dispatcher: str = "flat") -> None:
+        self.dispatcher = dispatcher
 
     def cost_inputs(
         self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, par: ParallelConfig
     ) -> StageCostInputs:
         from planner.resources.cost import stage_cost_inputs
 
-        return stage_cost_inputs(model, cluster, training, par)
+        return stage_cost_inputs(model, cluster, training, par, dispatcher=self.dispatcher)
 
     def solve_stages(self, inputs: StageCostInputs, options: SolverOptions) -> StageChoice:
         from planner.ip.stage_ip import solve_stages
@@ -58,7 +65,9 @@ class RealBackend:
     ) -> EstimateView:
         from planner.resources.cost import estimate
 
-        est = estimate(model, cluster, training, par, stage_layers, recompute_layers)
+        est = estimate(
+            model, cluster, training, par, stage_layers, recompute_layers, self.dispatcher
+        )
         return view_of(est, cluster)
 
     def place_experts(
@@ -154,5 +163,5 @@ def in_order_ranks(par: ParallelConfig, cluster: ClusterSpec) -> tuple[RankPlan,
     return tuple(rows)
 
 
-def default_backend() -> RealBackend:
-    return RealBackend()
+def default_backend(dispatcher: str = "flat") -> RealBackend:
+    return RealBackend(dispatcher)

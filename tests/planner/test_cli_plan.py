@@ -55,7 +55,7 @@ def _outputs(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in path.iterdir() if p.name != "timings.json"}
 
 
-def test_outputs_are_byte_identical_across_runs_and_threads(tmp_path, capsys):
+def test_outputs_are_byte_identical_across_runs_threads_and_scoring(tmp_path, capsys):
     small = ["plan", "--gpus", "16", "--global-batch", "256"]
     assert main([*small, "--out", str(tmp_path / "a")]) == 0
     assert main([*small, "--out", str(tmp_path / "b")]) == 0
@@ -66,6 +66,9 @@ def test_outputs_are_byte_identical_across_runs_and_threads(tmp_path, capsys):
     assert OUTPUTS - {"timings.json"} == set(first)
     assert _outputs(tmp_path / "b") == first
     assert _outputs(tmp_path / "c") == first
+    # the stage IP on every candidate finds the same plan as the exact DP
+    assert main([*small, "--score", "ip", "--out", str(tmp_path / "d")]) == 0
+    assert _outputs(tmp_path / "d") == first
     # --json: a machine-readable summary of the same plan
     plan = load_plan(tmp_path / "c" / "plan.json")
     assert doc["ok"] and doc["inputs_sha256"] == plan.inputs_sha256
@@ -172,3 +175,16 @@ def test_trace_for_a_dense_layer_is_a_one_line_error(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "layer 0 is not an MoE layer" in err
+
+
+def test_dispatcher_is_priced_and_recorded(tmp_path):
+    small = ["plan", "--model", "deepseek-v2-lite", "--gpus", "32", "--ep", "32"]
+    assert main([*small, "--out", str(tmp_path / "flat")]) == 0
+    assert main([*small, "--dispatcher", "halo", "--out", str(tmp_path / "halo")]) == 0
+    flat, halo = (
+        load_plan(tmp_path / "flat" / "plan.json"),
+        load_plan(tmp_path / "halo" / "plan.json"),
+    )
+    assert (flat.extra["dispatcher"], halo.extra["dispatcher"]) == ("flat", "halo")
+    assert flat.inputs_sha256 != halo.inputs_sha256
+    assert flat.predicted.step_time_s != halo.predicted.step_time_s  # EP 32 spans nodes
