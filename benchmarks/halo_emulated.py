@@ -184,6 +184,7 @@ def worker(net: Network) -> None:
 def run_network(net: Network, timeout_s: float) -> list[Measurement]:
     """Creates the emulated network, runs all ranks of `net`, returns rank 0's results."""
     emulated = netns.setup(net.nodes, net.rate_mbit)
+    _CREATED.append(emulated)
     world = net.nodes * net.ranks_per_node
     procs = []
     with tempfile.TemporaryDirectory(prefix="piper-halo-") as logs:
@@ -203,7 +204,7 @@ def run_network(net: Network, timeout_s: float) -> list[Measurement]:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait(timeout=10)
-            netns.teardown()
+            netns.teardown(emulated)
     tagged = [x.removeprefix("RESULT ") for x in lines if x.startswith("RESULT ")]
     return [Measurement(**json.loads(x)) for x in tagged]
 
@@ -273,6 +274,14 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+_CREATED: list[netns.EmulatedNet] = []
+
+
+def _cleanup_mine() -> None:
+    for net in _CREATED:
+        netns.teardown(net)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 nodes x 2 ranks, small sizes")
@@ -292,12 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.cleanup:
-        print("removed: " + " ".join(netns.teardown()) if os.geteuid() == 0 else "needs root")
+        print("removed: " + " ".join(netns.teardown_all()) if os.geteuid() == 0 else "needs root")
         return 0
     if os.geteuid() != 0:
         print("halo_emulated: needs root (network namespaces); run with sudo", file=sys.stderr)
         return 2
-    atexit.register(netns.teardown)
+    atexit.register(_cleanup_mine)
     results: list[Measurement] = []
     for net in sweep(args.quick):
         results += run_network(net, args.timeout_s)

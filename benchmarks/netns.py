@@ -1,27 +1,30 @@
 """Emulated multi-node network from Linux network namespaces (needs root).
 
-Layout for N nodes:
-  namespace `piper-hsw`        one bridge `br0` (the switch)
-  namespace `piper-hn{i}`      one emulated node: `lo` and `eth0` = 10.213.0.{i+1}/24
+Layout for N nodes (RUN = the creating process id, so concurrent runs never share names):
+  namespace `piper-h{RUN}sw`   one bridge `br0` (the switch)
+  namespace `piper-h{RUN}n{i}` one emulated node: `lo` and `eth0` = 10.213.0.{i+1}/24
   veth pair eth0 <-> `hb{i}`   the node's link; `hb{i}` is a port of br0
 Each link is rate limited in both directions with `tc ... tbf` (egress of eth0 and of hb{i}),
 so a node sends and receives at most `rate_mbit` each way. Ranks on one node talk over the
 node's own address, which the kernel routes through loopback (unlimited), as inside a node.
 
-Only names starting with `piper-h` and addresses in 10.213.0.0/24 inside these namespaces are
-created; `teardown()` removes them by name and is safe to call at any time.
+Only those namespace names and addresses in 10.213.0.0/24 inside them are created (interface
+names live inside the namespaces). `teardown(net)` removes one run's namespaces by name;
+`teardown_all()` removes every run's (`--cleanup`), leaving other names alone.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 PREFIX = "piper-h"
-SWITCH_NS = f"{PREFIX}sw"
+OURS = re.compile(r"^piper-h\d+(sw|n\d+)$")
 SUBNET = "10.213.0"
 MAX_NODES = 64
 
@@ -32,10 +35,20 @@ class EmulatedNet:
 
     num_nodes: int
     rate_mbit: int
+    run: int = field(default_factory=os.getpid)
+
+    @property
+    def switch(self) -> str:
+        """Namespace name of the switch."""
+        return f"{PREFIX}{self.run}sw"
 
     def namespace(self, node: int) -> str:
         """Namespace name of a node."""
-        return f"{PREFIX}n{node}"
+        return f"{PREFIX}{self.run}n{node}"
+
+    def names(self) -> list[str]:
+        """Every namespace of this network."""
+        return [self.switch] + [self.namespace(n) for n in range(self.num_nodes)]
 
     def address(self, node: int) -> str:
         """IPv4 address of a node's eth0."""
@@ -72,12 +85,13 @@ def setup(num_nodes: int, rate_mbit: int) -> EmulatedNet:
     """
     if not 1 <= num_nodes <= MAX_NODES:
         raise ValueError(f"num_nodes must be in 1..{MAX_NODES}, got {num_nodes}")
-    teardown()
     net = EmulatedNet(num_nodes, rate_mbit)
-    _ip("netns", "add", SWITCH_NS)
-    _in_ns(SWITCH_NS, "ip", "link", "set", "lo", "up")
-    _in_ns(SWITCH_NS, "ip", "link", "add", "br0", "type", "bridge")
-    _in_ns(SWITCH_NS, "ip", "link", "set", "br0", "up")
+    teardown(net)
+    switch = net.switch
+    _ip("netns", "add", switch)
+    _in_ns(switch, "ip", "link", "set", "lo", "up")
+    _in_ns(switch, "ip", "link", "add", "br0", "type", "bridge")
+    _in_ns(switch, "ip", "link", "set", "br0", "up")
     for node in range(num_nodes):
         ns, port = net.namespace(node), f"hb{node}"
         _ip("netns", "add", ns)
@@ -87,27 +101,36 @@ def setup(num_nodes: int, rate_mbit: int) -> EmulatedNet:
         _in_ns(ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0")
         # Create the pair inside the node namespace, then move the switch end out.
         _in_ns(ns, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", port)
-        _in_ns(ns, "ip", "link", "set", port, "netns", SWITCH_NS)
+        _in_ns(ns, "ip", "link", "set", port, "netns", switch)
         _in_ns(ns, "ip", "addr", "add", f"{net.address(node)}/24", "dev", "eth0")
         _in_ns(ns, "ip", "link", "set", "eth0", "up")
-        _in_ns(SWITCH_NS, "ip", "link", "set", port, "master", "br0")
-        _in_ns(SWITCH_NS, "ip", "link", "set", port, "up")
+        _in_ns(switch, "ip", "link", "set", port, "master", "br0")
+        _in_ns(switch, "ip", "link", "set", port, "up")
         _tbf(ns, "eth0", rate_mbit)
-        _tbf(SWITCH_NS, port, rate_mbit)
+        _tbf(switch, port, rate_mbit)
     log.info("emulated network: %d nodes at %d Mbit/s", num_nodes, rate_mbit)
     return net
 
 
-def teardown() -> list[str]:
-    """Deletes every namespace this module creates (by name); returns the names removed."""
+def teardown(net: EmulatedNet) -> list[str]:
+    """Deletes this network's namespaces (by name); returns the names removed."""
+    return _delete([ns for ns in _listed() if ns in net.names()])
+
+
+def teardown_all() -> list[str]:
+    """Deletes the namespaces of every run of this module (and no other names)."""
+    return _delete([ns for ns in _listed() if OURS.match(ns)])
+
+
+def _listed() -> list[str]:
     listed = _ip("netns", "list", check=False).stdout.split("\n")
-    ours = {line.split()[0] for line in listed if line.startswith(PREFIX)}
-    removed = []
-    for ns in sorted(ours):
-        if ns == SWITCH_NS or (ns.startswith(f"{PREFIX}n") and ns[len(PREFIX) + 1 :].isdigit()):
-            _ip("netns", "del", ns, check=False)
-            removed.append(ns)
-    return removed
+    return [line.split()[0] for line in listed if line.strip()]
+
+
+def _delete(names: list[str]) -> list[str]:
+    for ns in sorted(names):
+        _ip("netns", "del", ns, check=False)
+    return sorted(names)
 
 
 def ping(net: EmulatedNet, src: int, dst: int) -> bool:
