@@ -219,6 +219,8 @@ def no_fit_message(ctx: SearchContext, rows: Sequence[CandidateRow]) -> str:
         )
     if ctx.space.fixed:
         tips.append("fewer fixed sizes")
+    if any(r.solver_status == "NOT_SOLVED" for r in rows):
+        tips.append("a larger --time-limit-s (some stage IPs found no split in time)")
     return (
         f"plan: no layout of {ctx.model.name} on {ctx.space.gpus} GPUs of {ctx.cluster.name} "
         f"fits in memory; {closest_text}; try {', '.join(tips)}"

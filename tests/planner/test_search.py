@@ -280,3 +280,21 @@ def test_pruning_is_safe_with_the_real_resource_model():
     got = plan(model, cluster, training, 8, None, OPTS)
     assert got.best.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
     assert got.best.parallel == want.parallel
+
+
+def test_a_tiny_time_limit_still_returns_a_plan_with_its_gap():
+    opts = SolverOptions("cpsat", 0.001, 1, 0)
+    result = plan(
+        toy_model(layers=8),
+        toy_cluster(4.0),
+        toy_training(),
+        16,
+        None,
+        opts,
+        backend=ToyBackend(),
+        score="ip",
+    )
+    assert result.plan is not None
+    s = result.plan.solver
+    assert s.status in ("OPTIMAL", "FEASIBLE") and s.gap >= 0 and math.isfinite(s.gap)
+    assert s.bound <= s.objective * (1 + 1e-9)
