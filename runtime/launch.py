@@ -82,12 +82,12 @@ def _stage_tokens(module: StageModule, mesh: Mesh) -> torch.Tensor:
     moes = list(module.moe_layers().values())
     if not moes:
         return torch.zeros(0, 0, dtype=torch.long)
-    tokens = torch.stack([m.tokens_E.clone() for m in moes]).cpu()
+    tokens = torch.stack([m.tokens_E.clone() for m in moes])  # on the device (NCCL)
     for m in moes:
         m.tokens_E.zero_()
     if len(mesh.dp_ranks) > 1:
         dist.all_reduce(tokens, group=mesh.dp_group)
-    return tokens
+    return tokens.cpu()
 
 
 def _maybe_migrate(spec, module, mesh, optimizer, counter, history, step, fail_at) -> int:
@@ -247,8 +247,21 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     )
 
 
+def _env_from_slurm() -> None:
+    """Under srun without torchrun: take RANK / WORLD_SIZE / LOCAL_RANK from Slurm's env
+    (MASTER_ADDR and MASTER_PORT must still be exported by the job script)."""
+    for ours, slurm in (
+        ("RANK", "SLURM_PROCID"),
+        ("WORLD_SIZE", "SLURM_NTASKS"),
+        ("LOCAL_RANK", "SLURM_LOCALID"),
+    ):
+        if ours not in os.environ and slurm in os.environ:
+            os.environ[ours] = os.environ[slurm]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _env_from_slurm()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger("runtime.launch").setLevel(logging.ERROR)

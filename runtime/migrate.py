@@ -157,7 +157,9 @@ def _stage_layer(moe: MoELayer, new_table, mesh: Mesh, optimizer, counter: ByteC
             ]
             counter.add("migrate", buf.numel() * 4 + 8, peer)
         else:
-            buf, csum = torch.empty(size), torch.empty(1, dtype=torch.float64)
+            dev = moe.experts.w_in.device  # NCCL needs device buffers
+            buf = torch.empty(size, device=dev)
+            csum = torch.empty(1, dtype=torch.float64, device=dev)
             ops += [
                 dist.P2POp(dist.irecv, buf, peer, mesh.ep_group, 2 * e),
                 dist.P2POp(dist.irecv, csum, peer, mesh.ep_group, 2 * e + 1),
@@ -213,7 +215,8 @@ def apply_migration(
     for layer, moe in moes.items():
         layer_ok, staged[layer] = _stage_layer(moe, tables[layer], mesh, optimizer, counter)
         ok = ok and layer_ok
-    flag = torch.tensor([1 if ok else 0])
+    device = next(iter(moes.values())).experts.w_in.device
+    flag = torch.tensor([1 if ok else 0], device=device)
     if len(mesh.dp_ranks) > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.dp_group)
     if int(flag) == 0:
