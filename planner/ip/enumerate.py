@@ -149,7 +149,7 @@ def _no_layout_message(
     fixed = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in space.fixed) or "no fixed sizes"
     return (
         f"plan: no valid layout of {space.gpus} GPUs for {model.name} with {fixed} and global "
-        f"batch {training.global_batch}: need pp*dp*tp = GPUs, dp*micro_batch | global batch, ep | dp*tp "
-        f"and ep | {max(model.num_experts, 1)} experts; change --gpus, --global-batch or the "
-        "fixed sizes"
+        f"batch {training.global_batch}: need pp*dp*tp = GPUs, dp*micro_batch | global batch, "
+        f"ep | dp*tp and ep | {max(model.num_experts, 1)} experts; change --gpus, "
+        "--global-batch or the fixed sizes"
     )
