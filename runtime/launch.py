@@ -118,61 +118,91 @@ def _gather(obj, rank: int) -> list | None:
     return out
 
 
-def train(
-    spec: RunSpec, rank: int, device: torch.device | None = None, fail_migration_at: int = -1
-) -> RunResult:
-    """Run spec.steps optimizer steps on this rank (process group already initialized)."""
-    device = device or torch.device("cpu")
-    mesh = build_mesh(spec, rank)
-    module = build_stage(spec, mesh, device)
-    counter = ByteCounter([c.node for c in mesh.coords], rank)
-    runner = PipelineRunner(
-        module, mesh, spec.micro_batch, spec.num_microbatches, spec.seq_len, counter, device
-    )
-    optimizer = torch.optim.Adam(module.parameters(), lr=spec.lr)
-    dispatcher = (
-        next(iter(module.moe_layers().values())).dispatcher
-        if module.moe_layers()
-        else LocalDispatcher()
-    )
-    batch = spec.micro_batch * spec.num_microbatches
-    result, lines, history, trace_rows = RunResult(), [], [], []
-    for step in range(spec.steps):
-        start = time.perf_counter()
-        dispatcher.stats.reset()
-        counter.reset()
-        optimizer.zero_grad(set_to_none=False)
-        x, y = sample_batch(step, mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
-        loss = runner.step(x.to(device), y.to(device))
-        sync_gradients(module, mesh, spec.dp, counter)
-        optimizer.step()
-        tokens_LE = _stage_tokens(module, mesh)
-        history.append(tokens_LE.tolist())
-        moved = _maybe_migrate(
-            spec, module, mesh, optimizer, counter, history, step, fail_migration_at
+class Trainer:
+    """One rank's training state: groups, stage module, pipeline, optimizer, counters."""
+
+    def __init__(self, spec: RunSpec, rank: int, device: torch.device) -> None:
+        self.spec, self.rank, self.device = spec, rank, device
+        self.mesh = build_mesh(spec, rank)
+        self.module = build_stage(spec, self.mesh, device)
+        self.counter = ByteCounter([c.node for c in self.mesh.coords], rank)
+        self.runner = PipelineRunner(
+            self.module,
+            self.mesh,
+            spec.micro_batch,
+            spec.num_microbatches,
+            spec.seq_len,
+            self.counter,
+            device,
         )
-        elapsed = time.perf_counter() - start
+        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=spec.lr)
+        moes = list(self.module.moe_layers().values())
+        self.dispatcher = moes[0].dispatcher if moes else LocalDispatcher()
+        self.leader = self.mesh.me.physical == self.mesh.dp_ranks[0]  # of its stage
+        self.history: list = []  # per step: tokens [L][E] of this stage's MoE layers
+
+    def step(self, step: int, fail_migration_at: int = -1) -> tuple[float | None, dict, list]:
+        """One optimizer step (+ migration when due); returns (loss, record, trace rows)."""
+        spec, mesh = self.spec, self.mesh
+        start = time.perf_counter()
+        self.dispatcher.stats.reset()
+        self.counter.reset()
+        self.optimizer.zero_grad(set_to_none=False)
+        batch = spec.micro_batch * spec.num_microbatches
+        x, y = sample_batch(step, mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
+        loss = self.runner.step(x.to(self.device), y.to(self.device))
+        sync_gradients(self.module, mesh, spec.dp, self.counter)
+        self.optimizer.step()
+        tokens_LE = _stage_tokens(self.module, mesh)
+        self.history.append(tokens_LE.tolist())
+        moved = _maybe_migrate(
+            spec,
+            self.module,
+            mesh,
+            self.optimizer,
+            self.counter,
+            self.history,
+            step,
+            fail_migration_at,
+        )
         record = rank_record(
             step,
-            rank,
+            self.rank,
             mesh.me.stage,
             loss,
-            elapsed,
-            peak_memory_bytes(device),
-            dispatcher.stats,
-            counter,
+            time.perf_counter() - start,
+            peak_memory_bytes(self.device),
+            self.dispatcher.stats,
+            self.counter,
         )
         # a stage's decision is applied by all its ranks; count its moves once (leader)
-        record["migrated_experts"] = moved if mesh.me.physical == mesh.dp_ranks[0] else 0
-        if mesh.me.physical == mesh.dp_ranks[0]:
-            src = [spec.source_layers[i] for i in module.moe_layers()]
-            trace_rows += [
+        record["migrated_experts"] = moved if self.leader else 0
+        rows = []
+        if self.leader:
+            src = [spec.source_layers[i] for i in self.module.moe_layers()]
+            rows = [
                 (step, src[li], e, int(t))
                 for li, row in enumerate(tokens_LE.tolist())
                 for e, t in enumerate(row)
             ]
-        records = _gather(record, rank)
+        return loss, record, rows
+
+
+def train(
+    spec: RunSpec, rank: int, device: torch.device | None = None, fail_migration_at: int = -1
+) -> RunResult:
+    """Run spec.steps optimizer steps on this rank (process group already initialized).
+
+    Rank 0 gathers every rank's record each step and prints the step's loss.
+    fail_migration_at: inject a failed migration after that step (tests).
+    """
+    trainer = Trainer(spec, rank, device or torch.device("cpu"))
+    result, lines, trace_rows = RunResult(), [], []
+    for step in range(spec.steps):
+        loss, record, rows = trainer.step(step, fail_migration_at)
+        trace_rows += rows
         result.losses.append(loss)
+        records = _gather(record, rank)
         if rank == 0:
             moved_total = sum(r.pop("migrated_experts") for r in records)
             lines.append(step_line(records, spec.tokens_per_step, moved_total))
@@ -188,7 +218,8 @@ def train(
             "metrics.jsonl": "".join(json.dumps(d, sort_keys=True) + "\n" for d in lines),
             "trace.csv": trace_csv([r for rows in all_rows for r in rows]),
         }
-    result.expert_state = _expert_state(module, optimizer, mesh)
+    mesh, module = trainer.mesh, trainer.module
+    result.expert_state = _expert_state(module, trainer.optimizer, mesh)
     result.placements = {
         layer: [mesh.ep_idx_of_group_rank(r) for r in m.rank_of_expert_E]
         for layer, m in module.moe_layers().items()

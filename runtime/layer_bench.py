@@ -142,6 +142,21 @@ def _csv(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _print_rows(rows: list[dict]) -> None:
+    for r in rows:
+        mem = ""
+        if "mem_bytes" in r:
+            mem = (
+                f"  mem {r['mem_bytes'] / 2**30:.2f} GiB vs pred {r['pred_mem_bytes'] / 2**30:.2f}"
+            )
+        print(
+            f"layer {r['layer']} ({r['kind']}): fwd {r['fwd_s'] * 1e3:.2f} ms bwd "
+            f"{r['bwd_s'] * 1e3:.2f} ms = {r['measured_tflops']:.1f} TFLOPS; predicted "
+            f"fwd+bwd {r['pred_fwd_bwd_s'] * 1e3:.2f} ms (measured/pred "
+            f"{r['time_ratio_measured_over_pred']:.2f}){mem}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     from planner.clusters import load_cluster
     from planner.models import load_model, model_from_config
@@ -187,18 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        for r in rows:
-            mem = (
-                f"  mem {r['mem_bytes'] / 2**30:.2f} GiB vs pred {r['pred_mem_bytes'] / 2**30:.2f}"
-                if "mem_bytes" in r
-                else ""
-            )
-            print(
-                f"layer {r['layer']} ({r['kind']}): fwd {r['fwd_s'] * 1e3:.2f} ms bwd "
-                f"{r['bwd_s'] * 1e3:.2f} ms = {r['measured_tflops']:.1f} TFLOPS; predicted "
-                f"fwd+bwd {r['pred_fwd_bwd_s'] * 1e3:.2f} ms (measured/pred "
-                f"{r['time_ratio_measured_over_pred']:.2f}){mem}"
-            )
+        _print_rows(rows)
     return 0
 
 

@@ -129,14 +129,8 @@ def keep_layers(stage_layers: list[tuple[int, ...]], model: ModelSpec, factor: f
     return kept
 
 
-def run_spec_from_plan(
-    plan: Plan, model: ModelSpec, scale: float = 1.0, ranks_per_node: int | None = None, **options
-) -> RunSpec:
-    """Build the RunSpec for `plan` (model = the plan's ModelSpec), shrunk by `scale`.
-
-    options: steps, seed, lr, dispatcher, migrate_every (RunSpec fields).
-    Raises SpecError for plans the runtime cannot execute (tp > 1, bad stages).
-    """
+def _plan_stages(plan: Plan, model: ModelSpec, scale: float) -> list[tuple[int, ...]]:
+    """The plan's stage layers, after checking what the runtime can execute."""
     par = plan.parallel
     if not 0.0 < scale <= 1.0:
         raise SpecError(f"--scale must be in (0, 1], got {scale}")
@@ -150,42 +144,53 @@ def run_spec_from_plan(
             "regenerate it with 'piper plan'"
         )
     stages = [tuple(s.layers) for s in sorted(plan.stages, key=lambda s: s.stage)]
-    flat = [i for s in stages for i in s]
-    if flat != list(range(model.num_layers)):
+    if [i for s in stages for i in s] != list(range(model.num_layers)):
         raise SpecError(f"plan: stages must cover layers 0..{model.num_layers - 1} in order")
-    kept = keep_layers(stages, model, scale)
+    return stages
+
+
+def _placements(plan: Plan, model: ModelSpec, source: list[int]):
+    """(run layer, rank_of_expert_E) for every kept MoE layer, checked."""
+    placement_of = {e.layer: tuple(e.rank_of_expert) for e in plan.experts}
+    out = []
+    for run_i, plan_i in enumerate(source):
+        moe = model.layers[plan_i].moe
+        if moe is None:
+            continue
+        table = placement_of.get(plan_i) or default_placement(moe.num_experts, plan.parallel.ep)
+        check_placement(table, moe.num_experts, plan.parallel.ep, plan_i)
+        out.append((run_i, table))
+    return tuple(out)
+
+
+def run_spec_from_plan(
+    plan: Plan, model: ModelSpec, scale: float = 1.0, ranks_per_node: int | None = None, **options
+) -> RunSpec:
+    """Build the RunSpec for `plan` (model = the plan's ModelSpec), shrunk by `scale`.
+
+    options: steps, seed, lr, dispatcher, migrate_every, migrate_policy (RunSpec fields).
+    Raises SpecError for plans the runtime cannot execute (tp > 1, bad stages).
+    """
+    par = plan.parallel
+    kept = keep_layers(_plan_stages(plan, model, scale), model, scale)
     source = [i for s in kept for i in s]
-    layers = tuple(scale_layer(model.layers[i], scale) for i in source)
     vocab = BYTE_VOCAB if scale < 1.0 else model.vocab_size
     if vocab < BYTE_VOCAB:
         raise SpecError(f"model {model.name}: vocab_size {vocab} < 256 byte ids")
     run_model = replace(
         model,
-        layers=layers,
+        layers=tuple(scale_layer(model.layers[i], scale) for i in source),
         vocab_size=vocab,
         hidden_size=_width(model.hidden_size, scale),
         num_mtp_layers=0,
     )
-    placement_of = {e.layer: tuple(e.rank_of_expert) for e in plan.experts}
-    placements = []
-    for run_i, plan_i in enumerate(source):
-        moe = model.layers[plan_i].moe
-        if moe is None:
-            continue
-        table = placement_of.get(plan_i) or default_placement(moe.num_experts, par.ep)
-        check_placement(table, moe.num_experts, par.ep, plan_i)
-        placements.append((run_i, table))
-    offsets = [0]
-    for s in kept:
-        offsets.append(offsets[-1] + len(s))
-    stage_layers = tuple(tuple(range(offsets[i], offsets[i + 1])) for i in range(par.pp))
+    starts = [sum(len(s) for s in kept[:i]) for i in range(par.pp + 1)]
     seq_len = int(plan.training.get("seq_len", 4096))
     num_mb = par.num_microbatches
     if scale < 1.0:
         seq_len = max(16, int(round(seq_len * scale)))
         num_mb = max(par.pp, int(round(num_mb * scale)))
     world = par.pp * par.dp
-    g = ranks_per_node or min(world, int(plan.cluster.get("gpus_per_node", world)))
     return RunSpec(
         model=run_model,
         pp=par.pp,
@@ -194,11 +199,11 @@ def run_spec_from_plan(
         micro_batch=par.micro_batch,
         num_microbatches=num_mb,
         seq_len=seq_len,
-        stage_layers=stage_layers,
-        placements=tuple(placements),
+        stage_layers=tuple(tuple(range(starts[i], starts[i + 1])) for i in range(par.pp)),
+        placements=_placements(plan, model, source),
         source_layers=tuple(source),
         logical_of_physical=physical_order(plan),
-        ranks_per_node=g,
+        ranks_per_node=ranks_per_node or min(world, int(plan.cluster.get("gpus_per_node", world))),
         **options,
     )
 
