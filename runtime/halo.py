@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from runtime.dispatch import Exchange, ExchangeDispatcher, block_transpose_index, sort_pairs
+from runtime.halo_weighted import WeightedReduction
 
-_TAG_I, _TAG_II, _TAG_II_INDEX, _TAG_III, _TAG_WEIGHT = 11, 12, 13, 14, 15
+_TAG_I, _TAG_II, _TAG_II_OWN, _TAG_II_INDEX, _TAG_III = 11, 12, 13, 14, 15
 DEFAULT_DIRECT_BELOW_BYTES = 0
 
 
@@ -46,8 +47,13 @@ def _segments(counts: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-class _HaloExchange:
-    """The three-phase exchange for one routing decision (see module docstring)."""
+class _HaloExchange(WeightedReduction):
+    """The three-phase exchange for one routing decision (see module docstring).
+
+    Every Phase II message from a source to a node's gateway is split in two: first the rows
+    the gateway forwards, then the rows for the gateway itself, so Phase III starts while the
+    second part is still on the wire (and, in reverse, the gateway's own rows go back first).
+    """
 
     def __init__(
         self, owner: Halo, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int, device
@@ -58,27 +64,41 @@ class _HaloExchange:
         self.order_P, counts_E, counts_S = sort_pairs(expert_TK, rank_of_expert_E, size)
         self.seg_of_dest = _segments(counts_S.tolist())
         self.token_sorted_P = self.order_P // self.topk
-        # Sorted-pair positions bound for each node (its ranks ascending), and unique tokens.
-        self.rows_to_node: list[Tensor] = []
-        self.unique_tokens: list[Tensor] = []
-        self.pack_index: list[Tensor] = []
-        for members in topo.members_of_node:
-            rows = torch.cat(
-                [torch.arange(*self.seg_of_dest[r]) for r in members]
-                or [torch.zeros(0, dtype=torch.long)]
-            )
-            uniq, inverse = torch.unique(
-                self.token_sorted_P[rows], sorted=True, return_inverse=True
-            )
-            self.rows_to_node.append(rows)
-            self.unique_tokens.append(uniq)
-            self.pack_index.append(inverse)
+        self._pack_plan()
         unique_N = torch.tensor([u.numel() for u in self.unique_tokens], dtype=torch.long)
-        self._gather_counts(torch.cat([counts_E, unique_N]), rank_of_expert_E)
+        forwarded_N = torch.tensor(self.forwarded_unique, dtype=torch.long)
+        self._gather_counts(torch.cat([counts_E, unique_N, forwarded_N]), rank_of_expert_E)
         self._choose_paths(row_bytes)
         self.gateway_index: dict[int, Tensor] = {}  # src -> pack index (dedup, as a gateway)
         self.saved: dict = {}  # weighted combine: what its backward needs
         self._to_device(device)
+
+    def _member_order(self, src: int, node: int) -> list[int]:
+        """Ranks of `node` in the order src packs their rows: its gateway there last."""
+        gw = self.topo.gateway(src, node)
+        return [m for m in self.topo.members_of_node[node] if m != gw] + [gw]
+
+    def _pack_plan(self) -> None:
+        """Per node: sorted-pair positions in member order, its unique tokens (those the
+        gateway forwards first) and each pair's position among them."""
+        self.rows_to_node, self.unique_tokens, self.pack_index = [], [], []
+        self.forwarded_unique: list[int] = []
+        empty = torch.zeros(0, dtype=torch.long)
+        for node in range(self.topo.num_nodes):
+            order = self._member_order(self.me, node)
+            fwd = torch.cat([torch.arange(*self.seg_of_dest[r]) for r in order[:-1]] + [empty])
+            own = torch.arange(*self.seg_of_dest[order[-1]])
+            tokens_fwd = torch.unique(self.token_sorted_P[fwd])
+            tokens_own = torch.unique(self.token_sorted_P[own])
+            tokens_own = tokens_own[~torch.isin(tokens_own, tokens_fwd)]
+            uniq = torch.cat([tokens_fwd, tokens_own])
+            position_T = torch.full((self.num_tokens,), -1, dtype=torch.long)
+            position_T[uniq] = torch.arange(uniq.numel())
+            rows = torch.cat([fwd, own])
+            self.rows_to_node.append(rows)
+            self.unique_tokens.append(uniq)
+            self.pack_index.append(position_T[self.token_sorted_P[rows]])
+            self.forwarded_unique.append(tokens_fwd.numel())
 
     def _to_device(self, device: torch.device) -> None:
         """Moves the index tensors next to the data (planning above ran on the CPU)."""
@@ -96,9 +116,11 @@ class _HaloExchange:
         dist.all_to_all_single(table, owner.meta(mine.repeat(size)), group=owner.group)
         for peer in range(size):
             owner.stats.add_bytes(topo, me, peer, 8 * mine.numel())
-        num_experts = rank_of_expert_E.numel()
+        num_experts, num_nodes = rank_of_expert_E.numel(), topo.num_nodes
         table = table.cpu().reshape(size, mine.numel())
-        counts_SE, self.unique_SN = table[:, :num_experts], table[:, num_experts:].tolist()
+        counts_SE = table[:, :num_experts]
+        self.unique_SN = table[:, num_experts : num_experts + num_nodes].tolist()
+        self.forwarded_unique_SN = table[:, num_experts + num_nodes :].tolist()
         pairs_SS = torch.zeros(size, size, dtype=torch.long)
         pairs_SS.index_add_(1, rank_of_expert_E, counts_SE)
         self.pairs_SS = pairs_SS.tolist()
@@ -110,7 +132,7 @@ class _HaloExchange:
         """Peers of Phase I, remote nodes of Phase II and the gateways' sources (or direct)."""
         topo, size, node = self.topo, self.owner.size, self.my_node
         node_pair_bytes = [
-            row_bytes * sum(self.pairs_SS[s][r] for r in topo.members_of_node[b])
+            row_bytes * self._pairs_to_node(s, b)
             for s in range(size)
             for b in range(topo.num_nodes)
             if b != topo.node_of[s]
@@ -126,10 +148,21 @@ class _HaloExchange:
             if not self.direct and topo.node_of[src] != node:
                 self.srcs_via[topo.gateway(src, node)].append(src)
 
-    # ---- p2p helpers -----------------------------------------------------------------------
+    # ---- sizes and p2p helpers -------------------------------------------------------------
 
     def _pairs_to_node(self, src: int, node: int) -> int:
         return sum(self.pairs_SS[src][r] for r in self.topo.members_of_node[node])
+
+    def _forwarded_rows(self, src: int, node: int, unique: bool) -> int:
+        """Rows of src's Phase II message to `node` that its gateway forwards (sent first)."""
+        if unique:
+            return self.forwarded_unique_SN[src][node]
+        return sum(self.pairs_SS[src][r] for r in self._member_order(src, node)[:-1])
+
+    def _seg_at_gateway(self, src: int, dst: int) -> tuple[int, int]:
+        """Pair positions of src -> dst inside src's message to my node (member order)."""
+        order = self._member_order(src, self.my_node)
+        return _segments([self.pairs_SS[src][r] for r in order])[order.index(dst)]
 
     def _send(self, ops: list, tensor: Tensor, peer: int, tag: int) -> None:
         if tensor.numel() == 0:
@@ -149,6 +182,11 @@ class _HaloExchange:
         return dist.batch_isend_irecv(ops) if ops else []
 
     @staticmethod
+    def _wait(works: list) -> None:
+        for work in works:
+            work.wait()
+
+    @staticmethod
     def _cat(parts: list[Tensor], like: Tensor) -> Tensor:
         return torch.cat(parts) if parts else like.new_empty((0, *like.shape[1:]))
 
@@ -158,29 +196,25 @@ class _HaloExchange:
         """Dispatch: token rows (one per (token, node) across nodes with dedup)."""
         tok = self.token_sorted_P
         if not self.dedup:
-            return self._forward(lambda pos: x_TD[tok[pos]], x_TD, self._expand_plain)
+            return self._forward(lambda pos: x_TD[tok[pos]], x_TD)
         return self._forward(
             lambda pos: x_TD[tok[pos]],
             x_TD,
-            lambda src, pack: pack[self.gateway_index[src]],
             pack=lambda b: x_TD[self.unique_tokens[b]],
             send_index=True,
         )
 
     def forward_pairs(self, x_PD: Tensor) -> Tensor:
         """Backward of combine: one row per (token, choice)."""
-        return self._forward(lambda pos: x_PD[self.order_P[pos]], x_PD, self._expand_plain)
+        return self._forward(lambda pos: x_PD[self.order_P[pos]], x_PD)
 
-    @staticmethod
-    def _expand_plain(src: int, pack: Tensor) -> Tensor:
-        return pack
-
-    def _forward(self, rows_at, like, expand, pack=None, send_index=False, extra=None) -> Tensor:
+    def _forward(self, rows_at, like, pack=None, send_index=False, expand=None, extra=None):
         """Phases I + II, then III; returns rows grouped by (local expert, source).
 
-        rows_at(pos) gives the rows of sorted pairs `pos`; pack(b) the Phase II message for node
-        b (default: rows_at of its pairs); expand(src, message) turns a gateway's message into
-        pair-ordered rows; extra(ops) may add ops to the Phase III batch.
+        rows_at(pos): rows of sorted pairs `pos`. pack(b): the Phase II message to node b
+        (default: the rows of its pairs), indexed per pair by the pack index. expand(src,
+        message): pair rows from a whole message (then Phase III waits for all of it).
+        extra(ops): adds ops to the Phase III batch.
         """
         me, node = self.me, self.my_node
         ops_i: list = []
@@ -188,28 +222,46 @@ class _HaloExchange:
         for peer in self.node_peers:  # Phase I
             self._send(ops_i, rows_at(slice(*self.seg_of_dest[peer])), peer, _TAG_I)
             from_peer[peer] = self._recv(ops_i, self.pairs_SS[peer][me], like, peer, _TAG_I)
-        ops_ii: list = []
-        for b in self.remote_nodes:  # Phase II: one packed message per remote node
+        ops_fwd: list = []
+        ops_own: list = []
+        for b in self.remote_nodes:  # Phase II: per remote node, forwarded rows first
             gw = self.topo.gateway(me, b)
-            self._send(ops_ii, pack(b) if pack else rows_at(self.rows_to_node[b]), gw, _TAG_II)
+            message = pack(b) if pack else rows_at(self.rows_to_node[b])
+            first = self._forwarded_rows(me, b, pack is not None)
             if send_index:
-                self._send(ops_ii, self.pack_index[b], gw, _TAG_II_INDEX)
-        packs, indices = {}, {}
+                self._send(ops_fwd, self.pack_index[b], gw, _TAG_II_INDEX)
+            self._send(ops_fwd, message[:first], gw, _TAG_II)
+            self._send(ops_own, message[first:], gw, _TAG_II_OWN)
+        fwd, own = {}, {}
         for src in self.srcs_via[me]:
             pairs = self._pairs_to_node(src, node)
-            rows = self.unique_SN[src][node] if pack else pairs
-            packs[src] = self._recv(ops_ii, rows, like, src, _TAG_II)
+            total = self.unique_SN[src][node] if pack else pairs
+            first = self._forwarded_rows(src, node, pack is not None)
             if send_index:
                 index_like = torch.zeros(0, dtype=torch.long, device=self.device)
-                indices[src] = self._recv(ops_ii, pairs, index_like, src, _TAG_II_INDEX)
-        works_i = self._post(ops_i)
-        for work in self._post(ops_ii):
-            work.wait()
-        self.gateway_index.update(indices)
-        full = {src: expand(src, packs[src]) for src in packs}
-        relayed = self._phase_iii(full, like, extra)
-        for work in works_i:
-            work.wait()
+                self.gateway_index[src] = self._recv(ops_fwd, pairs, index_like, src, _TAG_II_INDEX)
+            fwd[src] = self._recv(ops_fwd, first, like, src, _TAG_II)
+            own[src] = self._recv(ops_own, total - first, like, src, _TAG_II_OWN)
+        works_i, works_fwd, works_own = map(self._post, (ops_i, ops_fwd, ops_own))
+        self._wait(works_fwd)
+        unique = pack is not None
+        if expand is not None:  # the transform needs whole messages: no overlap
+            self._wait(works_own)
+            full = {s: expand(s, torch.cat([fwd[s], own[s]])) for s in fwd}
+            relayed = self._phase_iii(
+                lambda s, dst: full[s][slice(*self._seg_at_gateway(s, dst))], like, extra
+            )
+        else:
+
+            def own_pieces() -> dict[int, Tensor]:
+                self._wait(works_own)
+                return {s: self._piece(torch.cat([fwd[s], own[s]]), s, me, unique) for s in fwd}
+
+            def piece(src: int, dst: int) -> Tensor:
+                return self._piece(fwd[src], src, dst, unique)
+
+            relayed = self._phase_iii(piece, like, extra, own_pieces)
+        self._wait(works_i)
         pieces = []
         for src in range(self.owner.size):
             if src == me:
@@ -218,25 +270,27 @@ class _HaloExchange:
                 pieces.append(from_peer[src] if src in from_peer else relayed[src])
         return torch.cat(pieces)[self.regroup_N]
 
-    def _phase_iii(self, full: dict, like: Tensor, extra=None) -> dict[int, Tensor]:
-        """Gateway forwards pair rows to their final ranks; returns rows relayed to me by src."""
+    def _phase_iii(self, piece, like, extra=None, own_pieces=None) -> dict[int, Tensor]:
+        """Gateway forwards pair rows to the other ranks of its node; returns rows relayed to
+        me, by source. piece(src, dst): src's rows for dst; own_pieces(): each src's rows for
+        me (may wait for them); extra(ops): more ops for this batch."""
         me, members = self.me, self.topo.members_of_node[self.my_node]
+        srcs = self.srcs_via[me]
         ops: list = []
         bufs: dict[int, Tensor] = {}
         for dst in members:  # as a gateway
-            data = self._cat([self._piece(full[s], s, dst) for s in self.srcs_via[me]], like)
-            if dst == me:
-                bufs[me] = data
-            else:
-                self._send(ops, data, dst, _TAG_III)
+            if dst != me:
+                self._send(ops, self._cat([piece(s, dst) for s in srcs], like), dst, _TAG_III)
         for gw in members:  # as a final destination
             if gw != me:
                 rows = sum(self.pairs_SS[s][me] for s in self.srcs_via[gw])
                 bufs[gw] = self._recv(ops, rows, like, gw, _TAG_III)
         if extra:
             extra(ops)
-        for work in self._post(ops):
-            work.wait()
+        works = self._post(ops)
+        mine = own_pieces() if own_pieces else {s: piece(s, me) for s in srcs}
+        bufs[me] = self._cat([mine[s] for s in srcs], like)
+        self._wait(works)
         relayed: dict[int, Tensor] = {}
         for gw in members:
             counts = [self.pairs_SS[s][me] for s in self.srcs_via[gw]]
@@ -244,11 +298,10 @@ class _HaloExchange:
                 relayed[s] = bufs[gw][a:b]
         return relayed
 
-    def _piece(self, full_RD: Tensor, src: int, dst: int) -> Tensor:
-        """Rows of src's pair-ordered message for my node that go to rank dst."""
-        members = self.topo.members_of_node[self.my_node]
-        segs = _segments([self.pairs_SS[src][r] for r in members])
-        return full_RD[slice(*segs[members.index(dst)])]
+    def _piece(self, message: Tensor, src: int, dst: int, unique: bool) -> Tensor:
+        """Rows of src's Phase II message to my node for rank dst (copies tokens if unique)."""
+        a, b = self._seg_at_gateway(src, dst)
+        return message[self.gateway_index[src][a:b]] if unique else message[a:b]
 
     # ---- reverse: experts -> sources -------------------------------------------------------
 
@@ -265,128 +318,70 @@ class _HaloExchange:
         return y_PD
 
     def _reverse(self, y_ND: Tensor, weight_P: Tensor | None = None):
-        """Reverse I with III, then II. Returns (pair rows from my node's ranks by rank,
-        rows from each remote node: pair rows, or per-token weighted sums if weight_P)."""
-        me, node, size = self.me, self.my_node, self.owner.size
+        """Reverse I, III and the gateways' own rows at once, then reverse II.
+
+        Returns (pair rows from my node's ranks, by rank; per remote node its pair rows in
+        member order, or, with weight_P, one gate-weighted sum per unique token).
+        """
+        me, size, weighted = self.me, self.owner.size, weight_P is not None
         by_src_ND = torch.empty_like(y_ND)
         by_src_ND[self.regroup_N] = y_ND
         seg = _segments([self.pairs_SS[s][me] for s in range(size)])
-        ops_i: list = []
+        ops_early: list = []
         local = {me: by_src_ND[slice(*seg[me])]}
         for peer in self.node_peers:  # reverse Phase I
-            self._send(ops_i, by_src_ND[slice(*seg[peer])], peer, _TAG_I)
-            local[peer] = self._recv(ops_i, self.pairs_SS[me][peer], y_ND, peer, _TAG_I)
+            self._send(ops_early, by_src_ND[slice(*seg[peer])], peer, _TAG_I)
+            local[peer] = self._recv(ops_early, self.pairs_SS[me][peer], y_ND, peer, _TAG_I)
         ops_iii: list = []
         at_gateway: dict[int, Tensor] = {}
-        for gw in self.topo.members_of_node[node]:  # reverse Phase III, to each src's gateway
-            data = self._cat([by_src_ND[slice(*seg[s])] for s in self.srcs_via[gw]], y_ND)
-            if gw == me:
-                at_gateway[me] = data
-            else:
-                self._send(ops_iii, data, gw, _TAG_III)
-        for dst in self.node_peers:
+        others = [m for m in self.topo.members_of_node[self.my_node] if m != me]
+        for gw in others:  # reverse Phase III: rows of remote sources to their gateway
+            rows = self._cat([by_src_ND[slice(*seg[s])] for s in self.srcs_via[gw]], y_ND)
+            self._send(ops_iii, rows, gw, _TAG_III)
+        for dst in others:
             rows = sum(self.pairs_SS[s][dst] for s in self.srcs_via[me])
             at_gateway[dst] = self._recv(ops_iii, rows, y_ND, dst, _TAG_III)
-        weights = self._exchange_weights(ops_iii, weight_P) if weight_P is not None else {}
-        works_i = self._post(ops_i)
-        for work in self._post(ops_iii):
-            work.wait()
-        ops_ii: list = []
-        for src, rows_RD in self._regather(at_gateway, y_ND).items():  # reverse Phase II
-            if weight_P is not None:
-                rows_RD = self._gateway_sum(src, rows_RD, weights[src])
-            self._send(ops_ii, rows_RD, src, _TAG_II)
-        from_node: dict[int, Tensor] = {}
+        from_own, from_fwd, weights = {}, {}, {}
         for b in self.remote_nodes:
-            rows = self.unique_SN[me][b] if weight_P is not None else self._pairs_to_node(me, b)
-            from_node[b] = self._recv(ops_ii, rows, y_ND, self.topo.gateway(me, b), _TAG_II)
-        for work in self._post(ops_ii) + works_i:
-            work.wait()
-        return local, from_node
+            gw = self.topo.gateway(me, b)
+            own_rows = 0 if weighted else self.pairs_SS[me][gw]
+            rows = self.unique_SN[me][b] if weighted else self._pairs_to_node(me, b) - own_rows
+            from_fwd[b] = self._recv(ops_early, rows, y_ND, gw, _TAG_II)
+            from_own[b] = self._recv(ops_early, own_rows, y_ND, gw, _TAG_II_OWN)
+        if weighted:
+            weights = self._exchange_weights(ops_iii, weight_P)
+        else:  # as a gateway, my own rows for each source go back at once
+            for s in self.srcs_via[me]:
+                self._send(ops_early, by_src_ND[slice(*seg[s])], s, _TAG_II_OWN)
+        works_early = self._post(ops_early)
+        self._wait(self._post(ops_iii))
+        ops_ii: list = []
+        for s, rows_RD in self._regather(at_gateway, y_ND).items():  # reverse Phase II
+            if weighted:
+                rows_RD = torch.cat([rows_RD, by_src_ND[slice(*seg[s])]])
+                rows_RD = self._gateway_sum(s, rows_RD, weights[s])
+            self._send(ops_ii, rows_RD, s, _TAG_II)
+        self._wait(self._post(ops_ii) + works_early)
+        if not weighted:
+            from_fwd = {b: torch.cat([from_fwd[b], from_own[b]]) for b in self.remote_nodes}
+        return local, from_fwd
 
     def _regather(self, at_gateway: dict[int, Tensor], like: Tensor) -> dict[int, Tensor]:
-        """As a gateway: rebuilds each remote source's pair-ordered rows from my node's ranks."""
-        members = self.topo.members_of_node[self.my_node]
-        srcs = self.srcs_via[self.me]
-        per_dst = {dst: _segments([self.pairs_SS[s][dst] for s in srcs]) for dst in members}
+        """As a gateway: each remote source's rows from the other ranks of my node, in that
+        source's member order (my own rows, last in that order, are not included)."""
+        me, node, srcs = self.me, self.my_node, self.srcs_via[self.me]
+        per_dst = {d: _segments([self.pairs_SS[s][d] for s in srcs]) for d in at_gateway}
         return {
-            src: self._cat([at_gateway[dst][slice(*per_dst[dst][i])] for dst in members], like)
+            src: self._cat(
+                [
+                    at_gateway[dst][slice(*per_dst[dst][i])]
+                    for dst in self._member_order(src, node)
+                    if dst != me
+                ],
+                like,
+            )
             for i, src in enumerate(srcs)
         }
-
-    # ---- gate-weighted combine with per-node reduction (dedup) -----------------------------
-
-    @property
-    def reduces_weighted(self) -> bool:
-        """Whether combine(weight_TK) sums on the remote node (dedup, not direct)."""
-        return self.dedup
-
-    def reverse_weighted(self, y_ND: Tensor, weight_TK: Tensor) -> Tensor:
-        """y_TD = sum_k weight_TK[t, k] * (expert output of (t, k)); gateways pre-sum per node."""
-        weight_P = weight_TK.reshape(-1)[self.order_P].to(y_ND.dtype)
-        local, from_node = self._reverse(y_ND, weight_P)
-        ranks = sorted(local)
-        positions = [torch.arange(*self.seg_of_dest[r], device=self.device) for r in ranks]
-        local_pos = self._cat(positions, self.order_P)
-        local_rows = self._cat([local[r] for r in ranks], y_ND)
-        y_TD = y_ND.new_zeros((self.num_tokens, y_ND.shape[1]))
-        y_TD.index_add_(0, self.token_sorted_P[local_pos], local_rows * weight_P[local_pos, None])
-        for b in self.remote_nodes:
-            y_TD.index_add_(0, self.unique_tokens[b], from_node[b])
-        self.saved.update(weight_P=weight_P, local_pos=local_pos, local_rows=local_rows)
-        return y_TD
-
-    def _exchange_weights(self, ops: list, weight_P: Tensor) -> dict[int, Tensor]:
-        """Sources send the gates of their pairs to each remote gateway; returns mine by src."""
-        for b in self.remote_nodes:
-            gw = self.topo.gateway(self.me, b)
-            self._send(ops, weight_P[self.rows_to_node[b]], gw, _TAG_WEIGHT)
-        return {
-            src: self._recv(ops, self._pairs_to_node(src, self.my_node), weight_P, src, _TAG_WEIGHT)
-            for src in self.srcs_via[self.me]
-        }
-
-    def _gateway_sum(self, src: int, rows_RD: Tensor, weight_R: Tensor) -> Tensor:
-        """As a gateway: one weighted-sum row per unique token of src (saved for backward)."""
-        self.saved.setdefault("gateway_rows", {})[src] = rows_RD
-        self.saved.setdefault("gateway_weight", {})[src] = weight_R
-        partial = rows_RD.new_zeros((self.unique_SN[src][self.my_node], rows_RD.shape[1]))
-        return partial.index_add_(0, self.gateway_index[src], rows_RD * weight_R[:, None])
-
-    def backward_weighted(self, grad_TD: Tensor) -> tuple[Tensor, Tensor]:
-        """Gradients of reverse_weighted: (grad of expert rows [N, D], grad of gates [T, K])."""
-        tok, saved = self.token_sorted_P, self.saved
-        weight_P, rows_by_src = saved["weight_P"], saved.get("gateway_rows", {})
-        grad_weight: dict[int, Tensor] = {}
-        from_node: dict[int, Tensor] = {}
-
-        def expand(src: int, pack: Tensor) -> Tensor:
-            grad_RD = pack[self.gateway_index[src]]
-            grad_weight[src] = (grad_RD * rows_by_src[src]).sum(dim=1)
-            return grad_RD * saved["gateway_weight"][src][:, None]
-
-        def extra(ops: list) -> None:  # gate gradients go back to their sources with Phase III
-            for src in self.srcs_via[self.me]:
-                self._send(ops, grad_weight[src], src, _TAG_WEIGHT)
-            for b in self.remote_nodes:
-                rows, gw = self._pairs_to_node(self.me, b), self.topo.gateway(self.me, b)
-                from_node[b] = self._recv(ops, rows, weight_P, gw, _TAG_WEIGHT)
-
-        grad_ND = self._forward(
-            lambda pos: grad_TD[tok[pos]] * weight_P[pos, None],
-            grad_TD,
-            expand,
-            pack=lambda b: grad_TD[self.unique_tokens[b]],
-            extra=extra,
-        )
-        grad_weight_sorted_P = weight_P.new_empty(weight_P.shape)
-        local_pos = saved["local_pos"]
-        grad_weight_sorted_P[local_pos] = (grad_TD[tok[local_pos]] * saved["local_rows"]).sum(1)
-        for b in self.remote_nodes:
-            grad_weight_sorted_P[self.rows_to_node[b]] = from_node[b]
-        grad_weight_P = torch.empty_like(grad_weight_sorted_P)
-        grad_weight_P[self.order_P] = grad_weight_sorted_P
-        return grad_ND, grad_weight_P.reshape(self.num_tokens, self.topk)
 
 
 class Halo(ExchangeDispatcher):

@@ -164,9 +164,10 @@ def test_byte_counters_match_hand_count(run_distributed):
             2 * row * (intra_rows + intra_back) + 8,
             2 * row * (inter_rows + inter_back) + 16,
         )
-        # HALO: all-gather of 4 expert counts + 2 node counts to each of 3 peers; Phase I
-        # direct; Phase II the same inter-node rows, then Phase III relays inside the node.
-        meta = 8 * 6
+        # HALO: all-gather of 4 expert counts + 2 x 2 node counts (unique tokens, forwarded
+        # unique tokens) to each of 3 peers; Phase I direct; Phase II the same inter-node rows,
+        # then Phase III relays inside the node.
+        meta = 8 * (4 + 2 * 2)
         rail_peer = (rank + 2) % 4  # the one remote source whose gateway I am
         relayed_by_me = _expected_rows(rail_peer)[0][peer_same]
         halo_intra = row * (intra_rows + relayed_by_me) + meta
