@@ -1,0 +1,174 @@
+"""Migration policies: one MoE layer, one interval, past loads only.
+
+Every policy maps (placement in force, loads of the past intervals) to the placement for
+the next interval; all keep each rank's slot count.
+
+- none:   never move.
+- swap:   the paper's greedy swap, on the last interval's loads: up to `swap_rounds` times,
+          take the hottest and the coldest rank and make the swap of one expert of each that
+          most narrows their gap; stop when no swap narrows it.
+- repack: EPLB's policy: re-pack from scratch on the last interval's loads (replicas first
+          when there are spare slots), ignoring where experts are and what moves cost.
+- piper:  forecast the loads (forecast.py), then the priced assignment (assignment.py),
+          moving only when the predicted gain pays for the moves.
+
+Shape letters: T past intervals, E experts, R ranks, S slots per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from planner.migration.assignment import priced_local_search, smooth_max
+from planner.migration.forecast import ForecastOptions, forecast_loads
+from planner.migration.placement import (
+    holders,
+    placement_cost_ER,
+    rank_loads,
+    replica_counts,
+)
+from planner.migration.replicate import adjust_replicas, pack, replica_counts_for
+
+PolicyName = Literal["none", "swap", "repack", "piper"]
+POLICIES: tuple[PolicyName, ...] = ("none", "swap", "repack", "piper")
+
+
+@dataclass(frozen=True)
+class MigrationOptions:
+    """Knobs shared by the policies (defaults are the documented ones)."""
+
+    forecast: ForecastOptions = field(default_factory=ForecastOptions)
+    swap_rounds: int = 0  # paper's T for `swap`; 0 = number of ranks
+    max_swaps: int = 0  # bound of Piper's local search; 0 = number of experts
+    # Extra predicted imbalance reduction (in units of max/mean) a migration must deliver on
+    # top of paying for its moves: a hysteresis against forecast noise.
+    min_gain: float = 0.0
+    # Predicted imbalance reduction each moved expert must buy on top of its transfer time:
+    # a gain smaller than the forecast's error is noise, and chasing it moves experts for
+    # nothing (see MIGRATION.md for the measurement behind the default).
+    move_margin: float = 0.002
+    # Forecast error of a rank load, in units of its measured RMS error on the last interval;
+    # 0 = optimize the plain maximum of the forecast.
+    noise_scale: float = 1.0
+    sources: int = 1  # hottest ranks that may give up an expert in one swap
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Prices for one layer: move seconds between ranks and balanced expert seconds."""
+
+    move_s_RR: np.ndarray
+    balanced_s: float
+
+
+def no_migration(current_RS, history_TE, costs, opts):  # noqa: ARG001 - uniform signature
+    return current_RS.copy()
+
+
+def greedy_swap(current_RS: np.ndarray, history_TE: np.ndarray, costs, opts) -> np.ndarray:
+    """The paper's heuristic on the last interval's loads (see module docstring)."""
+    load_E = history_TE[-1].astype(float)
+    slots_RS = current_RS.copy()
+    num_e = len(load_E)
+    share_X = np.append(load_E / np.maximum(replica_counts(slots_RS, num_e), 1), 0.0)
+    rounds = opts.swap_rounds or slots_RS.shape[0]
+    for _ in range(rounds):
+        load_R = rank_loads(slots_RS, load_E)
+        hot, cold = int(np.argmax(load_R)), int(np.argmin(load_R))
+        gap = load_R[hot] - load_R[cold]
+        held_ER = holders(slots_RS, num_e)
+        best = (gap - 1e-9, -1, -1)
+        for sa, ea in enumerate(slots_RS[hot]):
+            for sb, eb in enumerate(slots_RS[cold]):
+                if ea == eb or (ea >= 0 and held_ER[ea, cold]) or (eb >= 0 and held_ER[eb, hot]):
+                    continue
+                new_gap = abs(gap - 2.0 * (share_X[ea] - share_X[eb]))
+                if new_gap < best[0]:
+                    best = (new_gap, sa, sb)
+        if best[1] < 0:
+            break
+        _, sa, sb = best
+        slots_RS[hot, sa], slots_RS[cold, sb] = slots_RS[cold, sb], slots_RS[hot, sa]
+    return slots_RS
+
+
+def repack(current_RS: np.ndarray, history_TE: np.ndarray, costs, opts) -> np.ndarray:
+    """EPLB: replicas by load per replica, then heaviest-first packing, from scratch."""
+    load_E = history_TE[-1].astype(float)
+    ranks, slots = current_RS.shape
+    counts_E = replica_counts_for(load_E, ranks, slots)
+    return pack(load_E, counts_E, ranks, slots)
+
+
+def rank_error(current_RS: np.ndarray, history_TE: np.ndarray, fopts: ForecastOptions) -> float:
+    """RMS error, tokens, of the forecast of a rank load, measured on the last past interval.
+
+    With one past interval only, the counting noise sqrt(mean rank load) stands in.
+    """
+    last_E = history_TE[-1].astype(float)
+    mean = float(last_E.sum()) / current_RS.shape[0]
+    if history_TE.shape[0] < 2:
+        return float(np.sqrt(max(mean, 0.0)))
+    guess_E = forecast_loads(history_TE[:-1], fopts)
+    guess_E = guess_E * last_E.sum() / max(float(guess_E.sum()), 1e-300)
+    err_R = rank_loads(current_RS, last_E) - rank_loads(current_RS, guess_E)
+    return float(np.sqrt(np.mean(err_R**2)))
+
+
+def _candidates(current_RS, load_E, cost_ER, opts, search):
+    """Local searches from the current placement (and from re-counted replicas)."""
+    ranks, slots = current_RS.shape
+    num_e = len(load_E)
+    starts = [current_RS]
+    if ranks * slots > num_e:  # spare slots: also try the forecast's replica counts
+        target_E = replica_counts_for(load_E, ranks, slots)
+        starts.append(adjust_replicas(current_RS, target_E, load_E, cost_ER))
+    held_ER = holders(current_RS, num_e)
+    for start_RS in starts:
+        start_cost = float(cost_ER[holders(start_RS, num_e) & ~held_ER].sum())
+        yield priced_local_search(start_RS, load_E, cost_ER, start_cost_s=start_cost, **search)
+
+
+def piper(
+    current_RS: np.ndarray, history_TE: np.ndarray, costs: LayerCosts, opts: MigrationOptions
+) -> np.ndarray:
+    """Forecast, then priced search from several starts; keep the current placement unless
+    the best start's predicted gain over the interval exceeds its move cost and margins."""
+    load_E = forecast_loads(history_TE, opts.forecast)
+    ranks, slots = current_RS.shape
+    num_e = len(load_E)
+    mean = float(load_E.sum()) / ranks
+    if mean <= 0:
+        return current_RS.copy()
+    scale_s = costs.balanced_s / mean
+    cost_ER = placement_cost_ER(current_RS, num_e, costs.move_s_RR)
+    cost_ER = cost_ER + np.where(cost_ER > 0, opts.move_margin * costs.balanced_s, 0.0)
+    # temperature that makes sigma*log(sum exp) match E[max] of R Gaussian errors
+    sigma = opts.noise_scale * rank_error(current_RS, history_TE, opts.forecast)
+    temp = sigma * np.sqrt(2.0 / np.log(ranks)) if ranks > 1 else 0.0
+    search = dict(
+        scale_s=scale_s, max_swaps=opts.max_swaps or num_e, sigma=temp, sources=opts.sources
+    )
+    current_s = scale_s * smooth_max(rank_loads(current_RS, load_E), temp)
+    best_RS, best_s = current_RS, current_s - opts.min_gain * costs.balanced_s
+    held_ER = holders(current_RS, num_e)
+    for found in _candidates(current_RS, load_E, cost_ER, opts, search):
+        move_s = float(cost_ER[holders(found.slots_RS, num_e) & ~held_ER].sum())
+        total_s = scale_s * smooth_max(rank_loads(found.slots_RS, load_E), temp) + move_s
+        if total_s < best_s - 1e-12:
+            best_RS, best_s = found.slots_RS, total_s
+    return best_RS.copy()
+
+
+PolicyFn = Callable[[np.ndarray, np.ndarray, LayerCosts, MigrationOptions], np.ndarray]
+
+POLICY_FNS: dict[str, PolicyFn] = {
+    "none": no_migration,
+    "swap": greedy_swap,
+    "repack": repack,
+    "piper": piper,
+}

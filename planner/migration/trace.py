@@ -1,0 +1,173 @@
+"""Expert-load traces: the `interval,layer,expert,tokens` CSV, validated on load.
+
+A trace row says how many tokens were routed to `expert` of MoE layer `layer` during
+`interval` (summed over the expert-parallel group). Intervals are 0..I-1 without gaps;
+every (interval, layer) lists every expert 0..E-1 exactly once.
+
+Shape letters: I = intervals, L = MoE layers of the trace (in ascending layer id), E = experts.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from planner.specs import SpecError
+
+COLUMNS = ("interval", "layer", "expert", "tokens")
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """Tokens per interval, MoE layer and expert.
+
+    tokens_ILE: int64 array (I, L, E), tokens routed to each expert in each interval.
+    layer_ids: transformer layer index of each of the L trace layers (ascending).
+    source: the file it came from ("" when built in memory).
+    """
+
+    tokens_ILE: np.ndarray
+    layer_ids: tuple[int, ...]
+    source: str = ""
+
+    @property
+    def num_intervals(self) -> int:
+        return int(self.tokens_ILE.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.tokens_ILE.shape[1])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.tokens_ILE.shape[2])
+
+
+def _parse_int(text: str, path: str, row: int, column: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise SpecError(
+            f"{path}: row {row}: column '{column}' must be a non-negative integer, got "
+            f"'{text}'; fix or drop that row"
+        ) from None
+    if value < 0:
+        raise SpecError(
+            f"{path}: row {row}: column '{column}' is negative ({value}); token counts and "
+            f"ids must be >= 0"
+        )
+    return value
+
+
+def _read_rows(text: str, path: str) -> list[tuple[int, int, int, int]]:
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, None)
+    if header is None:
+        raise SpecError(f"{path}: empty file; a trace needs the header {','.join(COLUMNS)}")
+    names = [h.strip() for h in header]
+    missing = [c for c in COLUMNS if c not in names]
+    if missing:
+        raise SpecError(
+            f"{path}: missing column(s) {', '.join(missing)}; the header must name "
+            f"{','.join(COLUMNS)}"
+        )
+    index = [names.index(c) for c in COLUMNS]
+    rows = []
+    for line_no, fields in enumerate(reader, start=2):
+        if not fields or all(not f.strip() for f in fields):
+            continue
+        if len(fields) < len(names):
+            raise SpecError(
+                f"{path}: row {line_no}: {len(fields)} fields, the header has {len(names)}; "
+                f"fill in every column"
+            )
+        values = [
+            _parse_int(fields[i], path, line_no, c) for i, c in zip(index, COLUMNS, strict=True)
+        ]
+        rows.append((values[0], values[1], values[2], values[3]))
+    if not rows:
+        raise SpecError(f"{path}: no data rows; a trace needs at least one interval")
+    return rows
+
+
+def trace_from_rows(rows: list[tuple[int, int, int, int]], path: str) -> Trace:
+    """Build a Trace from (interval, layer, expert, tokens) rows, checking completeness."""
+    arr = np.asarray(rows, dtype=np.int64)
+    intervals = np.unique(arr[:, 0])
+    layer_ids = np.unique(arr[:, 1])
+    experts = np.unique(arr[:, 2])
+    expected = np.arange(int(intervals[-1]) + 1)
+    if len(intervals) != len(expected):
+        gap = sorted(set(expected.tolist()) - set(intervals.tolist()))[0]
+        raise SpecError(
+            f"{path}: interval {gap} is missing (intervals must run 0..{int(intervals[-1])} "
+            f"without gaps); add its rows or renumber the intervals"
+        )
+    num_e = int(experts[-1]) + 1
+    if len(experts) != num_e:
+        gap = sorted(set(range(num_e)) - set(experts.tolist()))[0]
+        raise SpecError(
+            f"{path}: expert {gap} never appears (experts must be 0..{num_e - 1}); "
+            f"add rows with tokens 0 for it"
+        )
+    tokens = np.full((len(intervals), len(layer_ids), num_e), -1, dtype=np.int64)
+    li = np.searchsorted(layer_ids, arr[:, 1])
+    seen = np.zeros(tokens.shape, dtype=np.int64)
+    np.add.at(seen, (arr[:, 0], li, arr[:, 2]), 1)
+    if seen.max() > 1:
+        t, lj, e = (int(x[0]) for x in np.nonzero(seen > 1))
+        raise SpecError(
+            f"{path}: interval {t}, layer {int(layer_ids[lj])}, expert {e} appears more than "
+            f"once; keep one row per (interval, layer, expert)"
+        )
+    if seen.min() == 0:
+        t, lj, e = (int(x[0]) for x in np.nonzero(seen == 0))
+        raise SpecError(
+            f"{path}: no row for interval {t}, layer {int(layer_ids[lj])}, expert {e}; every "
+            f"interval must list every expert of every layer (use tokens 0)"
+        )
+    tokens[arr[:, 0], li, arr[:, 2]] = arr[:, 3]
+    return Trace(tokens, tuple(int(x) for x in layer_ids), path)
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read and validate a trace CSV; every fault is a SpecError naming the file and row."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise SpecError(
+            f"{p}: no such trace file; make one with 'piper trace synth --out {p}'"
+        ) from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{p}: not a text CSV; a trace is 'interval,layer,expert,tokens'") from None
+    return trace_from_rows(_read_rows(text, str(p)), str(p))
+
+
+def check_divisible(trace: Trace, ranks: int) -> None:
+    """Experts must split evenly over the expert-parallel ranks."""
+    if ranks <= 0:
+        raise SpecError(f"--ep must be a positive number of ranks, got {ranks}")
+    if trace.num_experts % ranks:
+        divisors = [r for r in range(1, trace.num_experts + 1) if trace.num_experts % r == 0]
+        raise SpecError(
+            f"{trace.source or 'trace'}: {trace.num_experts} experts do not divide over --ep "
+            f"{ranks} ranks; use an --ep that divides them ({', '.join(map(str, divisors))})"
+        )
+
+
+def trace_to_csv(trace: Trace) -> str:
+    """Render a trace as CSV text, rows sorted by (interval, layer, expert)."""
+    out = io.StringIO()
+    out.write(",".join(COLUMNS) + "\n")
+    num_i, num_l, num_e = trace.tokens_ILE.shape
+    for t in range(num_i):
+        for lj in range(num_l):
+            layer = trace.layer_ids[lj]
+            row = trace.tokens_ILE[t, lj]
+            out.writelines(f"{t},{layer},{e},{int(row[e])}\n" for e in range(num_e))
+    return out.getvalue()
