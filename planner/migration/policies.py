@@ -146,7 +146,8 @@ def piper(
         return current_RS.copy()
     scale_s = costs.balanced_s / mean
     cost_ER = placement_cost_ER(current_RS, num_e, costs.move_s_RR)
-    cost_ER = cost_ER + np.where(cost_ER > 0, opts.move_margin * costs.balanced_s, 0.0)
+    held_ER = holders(current_RS, num_e)
+    cost_ER = cost_ER + np.where(held_ER, 0.0, opts.move_margin * costs.balanced_s)
     # temperature that makes sigma*log(sum exp) match E[max] of R Gaussian errors
     sigma = opts.noise_scale * rank_error(current_RS, history_TE, opts.forecast)
     temp = sigma * np.sqrt(2.0 / np.log(ranks)) if ranks > 1 else 0.0
@@ -155,7 +156,6 @@ def piper(
     )
     current_s = scale_s * smooth_max(rank_loads(current_RS, load_E), temp)
     best_RS, best_s = current_RS, current_s - opts.min_gain * costs.balanced_s
-    held_ER = holders(current_RS, num_e)
     for found in _candidates(current_RS, load_E, cost_ER, opts, search):
         move_s = float(cost_ER[holders(found.slots_RS, num_e) & ~held_ER].sum())
         total_s = scale_s * smooth_max(rank_loads(found.slots_RS, load_E), temp) + move_s
