@@ -45,6 +45,23 @@ def test_changed_model_is_refused_unless_forced(tmp_path, capsys):
     assert "\n" not in err.strip()  # one line
 
 
+def test_changed_cluster_is_refused_and_force_passes_the_check(tmp_path, capsys):
+    from planner.cli.run import changed_inputs
+    from planner.clusters import cluster_to_dict, load_cluster
+
+    recorded = {**cluster_to_dict(load_cluster("cpu-gloo")), "gpus": 2}
+    path, plan = _write_plan(tmp_path, cluster=recorded)
+    assert changed_inputs(plan) == []  # as planned
+    stale = replace(plan, cluster={**recorded, "nic_gbps": 99.0})
+    assert changed_inputs(stale) == ["cluster 'cpu-gloo' (nic_gbps)"]
+    path.write_text(stale.to_json())
+    assert main(["run", str(path), "--steps", "1"]) == 2
+    assert "cluster 'cpu-gloo' (nic_gbps) changed since planning" in capsys.readouterr().err
+    # --force skips this check; the launch then fails on the bad --nproc instead
+    assert main(["run", str(path), "--force", "--nproc", "5"]) == 2
+    assert "use --nproc 2" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args, tp, msg",
     [
