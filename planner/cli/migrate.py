@@ -1,0 +1,95 @@
+"""`piper migrate --trace FILE --ep R ...`: replay a trace under each migration policy and
+write placements.csv, migrations.csv, summary.md, plots and timings.json."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from planner.migration.policies import POLICIES, MigrationOptions
+from planner.migration.run import replay_all
+from planner.migration.trace import load_trace
+from planner.outputs.files import write_files
+from planner.specs import SpecError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "migrate",
+        help="plan expert migration per interval on a load trace, against the baselines",
+        description=(
+            "Replay an expert-load trace: for each interval and MoE layer, choose the "
+            "placement from past loads only, under no migration, the paper's greedy swap, "
+            "an EPLB-style re-pack and Piper's priced assignment."
+        ),
+    )
+    p.add_argument("--trace", required=True, help="CSV interval,layer,expert,tokens")
+    p.add_argument("--ep", type=int, required=True, help="expert-parallel ranks")
+    p.add_argument("--plan", help="plan.json: model, cluster, rank devices, start placement")
+    p.add_argument(
+        "--model", help="prices an expert's bytes; default: the first preset with the trace's E"
+    )
+    p.add_argument("--cluster", help="prices the links (default frontier)")
+    p.add_argument("--steps-per-interval", type=int, default=100, help="default 100")
+    p.add_argument(
+        "--tokens-per-step",
+        type=int,
+        help="tokens per EP rank and step (default: from the plan, else 8 x 4096)",
+    )
+    p.add_argument("--redundant-slots", type=int, default=0, help="spare slots per rank")
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="piper",
+        help="policy whose placements.csv / migrations.csv are written (default piper)",
+    )
+    p.add_argument("--move-margin", type=float, help="imbalance each moved expert must buy")
+    p.add_argument("--seed", type=int, default=0, help="accepted for symmetry; replay is exact")
+    p.add_argument("--out", default="results/migrate", help="output folder")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.migration import report
+    from planner.migration.inputs import migrate_setup
+
+    start = time.perf_counter()
+    trace = load_trace(args.trace)
+    setup = migrate_setup(
+        trace,
+        args.ep,
+        plan_path=args.plan,
+        model_name=args.model,
+        cluster_name=args.cluster,
+        steps_per_interval=args.steps_per_interval,
+        tokens_per_rank_step=args.tokens_per_step,
+        redundant_slots=args.redundant_slots,
+    )
+    opts = MigrationOptions()
+    if args.move_margin is not None:
+        if args.move_margin < 0:
+            raise SpecError(f"--move-margin must be >= 0, got {args.move_margin}")
+        opts = MigrationOptions(move_margin=args.move_margin)
+    runs = replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, opts)
+    chosen = runs[args.policy]
+    files: dict[str, str | bytes] = {
+        "placements.csv": report.placements_csv(chosen, trace),
+        "migrations.csv": report.migrations_csv(chosen),
+        "summary.md": report.summary_md(runs, trace, setup, args.ep),
+        "summary.json": report.summary_json(runs, setup),
+    }
+    if not args.no_plots:
+        from planner.migration import plots
+
+        files["imbalance.png"] = plots.imbalance_png(runs)
+        files["load_heatmap.png"] = plots.heatmap_png(runs["none"], chosen, trace)
+    files["timings.json"] = report.timings_json(runs, time.perf_counter() - start)
+    write_files(args.out, files)
+    if args.json:
+        print(files["summary.json"], end="")
+    else:
+        print(report.table(runs, setup))
+        print(f"wrote {', '.join(sorted(files))} to {args.out}")
+    return 0

@@ -1,0 +1,167 @@
+"""Inputs of `piper migrate`: the model and cluster that price moves, rank devices, start.
+
+Defaults: without --plan or --model, the model is the first preset of `PREFERRED_MODELS`
+(then any preset, alphabetically) whose routed-expert count equals the trace's; the cluster
+is frontier; EP rank r sits on device r (a contiguous group starting at device 0); expert e
+starts on rank e // (E / R). With --plan, the plan's model, cluster, training, ranks table
+(the device of EP rank r for the stage holding the layer) and experts table are used.
+
+Shape letters: L trace layers, R EP ranks, S slots per rank, E experts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from planner.migration.placement import default_rank_of_expert, initial_slots
+from planner.migration.pricing import MoveCosts, build_move_costs
+from planner.migration.trace import Trace, check_divisible
+from planner.plan import Plan, load_plan
+from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
+
+log = logging.getLogger(__name__)
+
+PREFERRED_MODELS = ("mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3")
+DEFAULT_CLUSTER = "frontier"
+DEFAULT_MICROBATCHES = 8  # without a plan: 8 sequences of seq_len tokens per EP rank and step
+
+
+@dataclass(frozen=True, eq=False)
+class MigrateSetup:
+    """Everything the replay needs besides the trace and the policy options."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    costs: MoveCosts
+    initial_LRS: np.ndarray  # placement in force during interval 0
+    devices_LR: tuple[tuple[int, ...], ...]
+    steps_per_interval: int
+    tokens_per_rank_step: int
+    layer_ids: tuple[int, ...]
+
+
+def pick_model(num_experts: int, name: str | None) -> ModelSpec:
+    """--model, or the first preset with the trace's expert count."""
+    from planner.models import list_model_presets, load_model
+
+    if name:
+        model = load_model(name)
+        if model.num_experts != num_experts:
+            raise SpecError(
+                f"--model {name} has {model.num_experts} routed experts but the trace has "
+                f"{num_experts}; pick a model with {num_experts} experts"
+            )
+        return model
+    presets = list_model_presets()
+    order = [p for p in PREFERRED_MODELS if p in presets] + sorted(presets)
+    for preset in order:
+        model = load_model(preset)
+        if model.num_experts == num_experts:
+            log.info("pricing moves with model %s (%d experts)", preset, num_experts)
+            return model
+    raise SpecError(
+        f"no model preset has {num_experts} routed experts; pass --model with a config.json"
+    )
+
+
+def _training(plan: Plan) -> TrainingSpec:
+    names = {f.name for f in fields(TrainingSpec)} - {"extra"}
+    kwargs = {k: v for k, v in plan.training.items() if k in names}
+    try:
+        return TrainingSpec(**kwargs)
+    except TypeError as exc:
+        raise SpecError(f"plan training: {exc}; regenerate the plan with 'piper plan'") from None
+
+
+def _plan_devices(plan: Plan, cluster: ClusterSpec, layer: int, ranks: int) -> tuple[int, ...]:
+    """Device of each EP rank for the stage that holds `layer` (lowest global rank wins)."""
+    stage = next((s.stage for s in plan.stages if layer in s.layers), 0)
+    devices: dict[int, int] = {}
+    for row in sorted(plan.ranks, key=lambda r: r.rank):
+        if row.stage == stage and row.tp == 0 and row.ep not in devices:
+            devices[row.ep] = row.node * cluster.gpus_per_node + row.local_rank
+    if sorted(devices) != list(range(ranks)):
+        raise SpecError(
+            f"plan ranks table: stage {stage} does not list EP ranks 0..{ranks - 1}; "
+            f"regenerate the plan with 'piper plan'"
+        )
+    return tuple(devices[r] for r in range(ranks))
+
+
+def _plan_start(plan: Plan, trace: Trace, ranks: int) -> np.ndarray:
+    table = {p.layer: p.rank_of_expert for p in plan.experts}
+    rows = []
+    for layer in trace.layer_ids:
+        row = np.asarray(table.get(layer, ()), dtype=np.int64)
+        if row.size == 0:
+            row = default_rank_of_expert(trace.num_experts, ranks)
+        counts = np.bincount(row, minlength=ranks)
+        if len(row) != trace.num_experts or row.max() >= ranks or (counts != counts[0]).any():
+            raise SpecError(
+                f"plan experts table, layer {layer}: needs {trace.num_experts} ranks in "
+                f"0..{ranks - 1}, E/R per rank; regenerate the plan with 'piper plan'"
+            )
+        rows.append(row)
+    return np.stack(rows)
+
+
+def migrate_setup(
+    trace: Trace,
+    ranks: int,
+    plan_path: str | None = None,
+    model_name: str | None = None,
+    cluster_name: str | None = None,
+    steps_per_interval: int = 100,
+    tokens_per_rank_step: int | None = None,
+    redundant_slots: int = 0,
+) -> MigrateSetup:
+    """Resolve model, cluster, rank devices, start placement and prices for a replay."""
+    from planner.clusters import load_cluster
+    from planner.models import model_from_config
+
+    check_divisible(trace, ranks)
+    if redundant_slots < 0:
+        raise SpecError(f"--redundant-slots must be >= 0, got {redundant_slots}")
+    plan = load_plan(plan_path) if plan_path else None
+    if plan is not None and plan.parallel.ep != ranks:
+        raise SpecError(
+            f"{plan_path}: the plan has ep={plan.parallel.ep}; pass --ep {plan.parallel.ep}"
+        )
+    if plan is not None and not model_name:
+        cfg = plan.model.get("config")
+        if not isinstance(cfg, dict):
+            raise SpecError(f"{plan_path}: model.config missing; regenerate it with 'piper plan'")
+        model = model_from_config(cfg, str(plan.model.get("name", "plan")), str(plan_path))
+        if model.num_experts != trace.num_experts:
+            raise SpecError(
+                f"{plan_path}: its model has {model.num_experts} experts, the trace "
+                f"{trace.num_experts}; use the trace recorded for this plan's model"
+            )
+    else:
+        model = pick_model(trace.num_experts, model_name)
+    if plan is not None and not cluster_name:
+        cluster = load_cluster(str(plan.cluster.get("source") or plan.cluster.get("name")))
+    else:
+        cluster = load_cluster(cluster_name or DEFAULT_CLUSTER)
+    if ranks > cluster.total_gpus:
+        raise SpecError(f"--ep {ranks} exceeds the {cluster.total_gpus} devices of {cluster.name}")
+    training = _training(plan) if plan is not None else TrainingSpec()
+    if plan is not None:
+        devices = tuple(_plan_devices(plan, cluster, layer, ranks) for layer in trace.layer_ids)
+        start_LE = _plan_start(plan, trace, ranks)
+        per_step = training.seq_len * plan.parallel.micro_batch * plan.parallel.num_microbatches
+    else:
+        devices = tuple(tuple(range(ranks)) for _ in trace.layer_ids)
+        start_LE = np.stack([default_rank_of_expert(trace.num_experts, ranks)] * trace.num_layers)
+        per_step = training.seq_len * DEFAULT_MICROBATCHES
+    tokens = tokens_per_rank_step or per_step
+    costs = build_move_costs(
+        model, cluster, trace.layer_ids, devices, steps_per_interval, tokens, training
+    )
+    initial = np.stack([initial_slots(row, ranks, redundant_slots) for row in start_LE])
+    return MigrateSetup(
+        model, cluster, costs, initial, devices, steps_per_interval, tokens, trace.layer_ids
+    )
