@@ -35,7 +35,7 @@ from runtime.dispatch import Exchange, ExchangeDispatcher, block_transpose_index
 from runtime.halo_weighted import WeightedReduction
 
 _TAG_I, _TAG_II, _TAG_II_OWN, _TAG_II_INDEX, _TAG_III = 11, 12, 13, 14, 15
-DEFAULT_DIRECT_BELOW_BYTES = 0
+DEFAULT_DIRECT_BELOW_BYTES = 256 * 1024  # below: latency-bound, one direct round wins
 
 
 def _segments(counts: list[int]) -> list[tuple[int, int]]:

@@ -114,8 +114,9 @@ def _byte_counts(rank: int, world_size: int) -> dict:
     out = {}
     for name, disp in {
         "flat": FlatAllToAll(None, 2),
-        "halo": Halo(None, 2),
-        "dedup": Halo(None, 2, dedup=True),
+        "halo": Halo(None, 2, direct_below_bytes=0),
+        "dedup": Halo(None, 2, dedup=True, direct_below_bytes=0),
+        "small-direct": Halo(None, 2, dedup=True),  # default threshold: tiny messages go direct
     }.items():
         y_ND, _, handle = disp.dispatch(x_TD, expert_TK, rank_of_expert_E)
         after_dispatch = (disp.stats.bytes_intra_node, disp.stats.bytes_inter_node)
@@ -177,5 +178,8 @@ def test_byte_counters_match_hand_count(run_distributed):
         dedup_inter = row * unique_to_node[other] + 8 * inter_rows + 2 * meta
         assert res["dedup"]["dispatch"] == (halo_intra, dedup_inter)
         saved_rows += inter_rows - unique_to_node[other]
+        # Below the threshold every row goes straight to its rank: no relay, no dedup.
+        direct = (row * intra_rows + meta, row * inter_rows + 2 * meta)
+        assert res["small-direct"]["dispatch"] == direct
         assert all(res[name]["times"] == (True, True) for name in res)
     assert saved_rows > 0  # the routing repeats some tokens per remote node

@@ -111,8 +111,8 @@ def _check_cases(rank: int, world_size: int, cases: list[Case]) -> int:
         rank_of_expert_E = torch.tensor(case.rank_of_expert)
         dispatchers = {
             "flat": FlatAllToAll(group, case.ranks_per_node),
-            "halo": Halo(group, case.ranks_per_node),
-            "halo-dedup": Halo(group, case.ranks_per_node, dedup=True),
+            "halo": Halo(group, case.ranks_per_node, direct_below_bytes=0),
+            "halo-dedup": Halo(group, case.ranks_per_node, dedup=True, direct_below_bytes=0),
             "halo-direct": Halo(group, case.ranks_per_node, direct_below_bytes=1 << 40),
             "halo-dedup-direct": Halo(group, case.ranks_per_node, True, 1 << 40),
         }
