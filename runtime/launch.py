@@ -90,6 +90,14 @@ def _stage_tokens(module: StageModule, mesh: Mesh) -> torch.Tensor:
     return tokens.cpu()
 
 
+def update_router_bias(module: StageModule, tokens_LE: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of experts below the
+    mean load by `rate`, lower it above. tokens_LE is summed over the stage, so every rank of
+    the stage applies the same update."""
+    for moe, load_E in zip(module.moe_layers().values(), tokens_LE.float(), strict=True):
+        moe.router.bias_E += rate * torch.sign(load_E.mean() - load_E).to(moe.router.bias_E)
+
+
 def _maybe_migrate(spec, module, mesh, optimizer, counter, history, step, fail_at) -> int:
     """Every migrate_every steps: decide from the history and move; returns experts moved."""
     moes = module.moe_layers()
@@ -155,6 +163,9 @@ class Trainer:
         self.optimizer.step()
         tokens_LE = _stage_tokens(self.module, mesh)
         self.history.append(tokens_LE.tolist())
+        del self.history[: -max(1, spec.migrate_every)]  # only the migration window is read
+        if spec.router_bias_rate > 0:
+            update_router_bias(self.module, tokens_LE, spec.router_bias_rate)
         moved = _maybe_migrate(
             spec,
             self.module,
@@ -180,8 +191,9 @@ class Trainer:
         rows = []
         if self.leader:
             src = [spec.source_layers[i] for i in self.module.moe_layers()]
+            interval = step // spec.trace_every
             rows = [
-                (step, src[li], e, int(t))
+                (interval, src[li], e, int(t))
                 for li, row in enumerate(tokens_LE.tolist())
                 for e, t in enumerate(row)
             ]
@@ -197,10 +209,12 @@ def train(
     fail_migration_at: inject a failed migration after that step (tests).
     """
     trainer = Trainer(spec, rank, device or torch.device("cpu"))
-    result, lines, trace_rows = RunResult(), [], []
+    result, lines, trace = RunResult(), [], {}
     for step in range(spec.steps):
         loss, record, rows = trainer.step(step, fail_migration_at)
-        trace_rows += rows
+        for interval, layer, expert, tokens in rows:  # summed over trace_every steps
+            key = (interval, layer, expert)
+            trace[key] = trace.get(key, 0) + tokens
         result.losses.append(loss)
         records = _gather(record, rank)
         if rank == 0:
@@ -212,7 +226,7 @@ def train(
                 lines[-1]["loss"],
                 lines[-1]["step_time_s"],
             )
-    all_rows = _gather(trace_rows, rank)
+    all_rows = _gather([(*k, v) for k, v in trace.items()], rank)
     if rank == 0:
         result.files = {
             "metrics.jsonl": "".join(json.dumps(d, sort_keys=True) + "\n" for d in lines),
@@ -251,6 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--migrate-policy", choices=("planner", "greedy", "rotate"), default="planner")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--trace-every", type=int, default=1)
+    p.add_argument("--router-bias-rate", type=float, default=0.0)
     return p.parse_args(argv)
 
 
@@ -275,6 +291,8 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         dispatcher=args.dispatcher,
         migrate_every=args.migrate_every,
         migrate_policy=args.migrate_policy,
+        trace_every=args.trace_every,
+        router_bias_rate=args.router_bias_rate,
     )
 
 
@@ -329,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             "backend": dist.get_backend(),
             "seed": spec.seed,
             "migrate_every": spec.migrate_every,
+            "trace_every": spec.trace_every,
+            "router_bias_rate": spec.router_bias_rate,
         }
         files = dict(result.files)
         files["run.json"] = json.dumps(run_info, indent=2, sort_keys=True) + "\n"

@@ -56,6 +56,8 @@ class RunSpec:
     dispatcher: Dispatcher = "halo"
     migrate_every: int = 0
     migrate_policy: Literal["planner", "greedy", "rotate"] = "planner"
+    trace_every: int = 1  # steps summed into one trace.csv interval
+    router_bias_rate: float = 0.0  # aux-loss-free bias update per step (0 = off)
 
     @property
     def world(self) -> int:

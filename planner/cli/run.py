@@ -58,6 +58,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument(
+        "--trace-every",
+        type=int,
+        default=1,
+        metavar="S",
+        help="sum S steps into one trace.csv interval (default 1)",
+    )
+    p.add_argument(
+        "--router-bias-rate",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="aux-loss-free balancing: router bias step per update (0 = off)",
+    )
+    p.add_argument(
         "--force",
         action="store_true",
         help="run even if the model or cluster changed since planning",
@@ -129,8 +143,11 @@ def _summary(out: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     """Validate the plan, launch torchrun, print a summary; returns the exit code."""
     plan = load_plan(args.plan)
-    if args.steps < 1:
-        raise SpecError(f"--steps must be >= 1, got {args.steps}")
+    for name in ("steps", "trace_every"):
+        if getattr(args, name) < 1:
+            raise SpecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.migrate_every < 0 or args.router_bias_rate < 0:
+        raise SpecError("--migrate-every and --router-bias-rate must be >= 0")
     changed = changed_inputs(plan)
     if changed and not args.force:
         raise SpecError(
@@ -166,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
         str(args.seed),
         "--lr",
         str(args.lr),
+        "--trace-every",
+        str(args.trace_every),
+        "--router-bias-rate",
+        str(args.router_bias_rate),
     ]
     print(
         f"piper run: {shape['world']} processes (pp={shape['pp']} dp={shape['dp']} "

@@ -10,6 +10,7 @@ import pytest
 from tiny_plans import reference_run, tiny_spec, train_body
 
 from runtime.data import load_corpus
+from runtime.metrics import validate_trace
 from runtime.migrate import _pack, _pieces, greedy_next_placement, rotate_placement
 
 
@@ -53,6 +54,7 @@ def test_migration_every_two_steps_matches_training_without_it(run_distributed):
         layers=3,
         migrate_every=2,
         migrate_policy="rotate",
+        trace_every=3,
     )
     results = run_distributed(train_body, 4, spec, 2, timeout_s=240)
     ref_losses, ref_model, ref_opt = reference_run(spec)
@@ -61,6 +63,13 @@ def test_migration_every_two_steps_matches_training_without_it(run_distributed):
     moved = [d["migrated_experts"] for d in lines]
     # rotate moves all 8 experts of each of the 2 MoE layers; the injected failure moves none
     assert moved == [0, 0, 0, 16, 0, 16, 0, 16, 0]
+    # trace.csv: 3 intervals of 3 steps; each sums tokens x top-k over the stage and steps
+    per_key: dict = {}
+    for interval, layer, _e, tokens in validate_trace(results[0][1]["trace.csv"]):
+        per_key[(interval, layer)] = per_key.get((interval, layer), 0) + tokens
+    assert per_key == {
+        (i, layer): 3 * spec.tokens_per_step * 2 for i in range(3) for layer in (1, 2)
+    }
     # three rotations with ep=2: every expert sits on the other EP rank than initially
     for rank_result in results:
         for layer, table in rank_result[3].items():

@@ -150,3 +150,21 @@ def test_layer_bench_on_cuda(tmp_path):
         # within an order of magnitude of the planner's prediction
         assert 0.1 < r["time_ratio_measured_over_pred"] < 10
         assert 0.1 < r["mem_ratio_measured_over_pred"] < 10
+
+
+def test_router_bias_update_moves_selection_toward_cold_experts():
+    from runtime.launch import update_router_bias
+
+    module = StageModule(tiny_model(), [1], first=False, last=False, seed=2)
+    moe = module.moe_layers()[1]
+    tokens_LE = torch.tensor([[10, 0, 0, 0, 0, 0, 0, 30]])  # mean 5
+    update_router_bias(module, tokens_LE, rate=0.25)
+    assert moe.router.bias_E.tolist() == [-0.25] + [0.25] * 6 + [-0.25]
+    # the bias shifts selection only: gates are still the softmax of the chosen experts
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    moe.router.bias_E.copy_(torch.tensor([0.0] * 7 + [10.0]))
+    expert_TK, gate_TK = moe.router(x)
+    assert (expert_TK == 7).any(dim=1).all()  # expert 7 always chosen
+    probs = torch.softmax(x @ moe.router.weight.T, dim=-1)
+    chosen = probs.gather(1, expert_TK)
+    torch.testing.assert_close(gate_TK, chosen / chosen.sum(dim=1, keepdim=True))
