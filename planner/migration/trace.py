@@ -143,8 +143,12 @@ def load_trace(path: str | Path) -> Trace:
         raise SpecError(
             f"{p}: no such trace file; make one with 'piper trace synth --out {p}'"
         ) from None
+    except IsADirectoryError:
+        raise SpecError(f"{p}: is a directory; pass the trace CSV file inside it") from None
     except UnicodeDecodeError:
         raise SpecError(f"{p}: not a text CSV; a trace is 'interval,layer,expert,tokens'") from None
+    except OSError as exc:
+        raise SpecError(f"{p}: cannot read the trace ({exc.strerror}); check the path") from None
     return trace_from_rows(_read_rows(text, str(p)), str(p))
 
 
