@@ -102,16 +102,24 @@ def _merge(reports: Sequence[SolveReport], backend: str) -> SolveReport:
     )
 
 
+_LABELS = ("name", "source")
+
+
 def inputs_sha256(
     model_config: Mapping[str, Any],
     cluster: Mapping[str, Any],
     training: TrainingSpec,
     sizes: Mapping[str, Any],
 ) -> str:
-    """sha256 of the canonical JSON of every input that decides the plan."""
+    """sha256 of the canonical JSON of every input that decides the plan.
+
+    Content only: the `name` and `source` fields (what a preset or file was called and where
+    it was read from) are left out, so the same model and cluster give the same digest from
+    any path or checkout.
+    """
     doc = {
-        "model": model_config,
-        "cluster": cluster,
+        "model": {k: v for k, v in model_config.items() if k not in _LABELS},
+        "cluster": {k: v for k, v in cluster.items() if k not in _LABELS},
         "training": asdict(training),
         "sizes": dict(sizes),
     }

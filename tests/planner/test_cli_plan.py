@@ -188,3 +188,33 @@ def test_dispatcher_is_priced_and_recorded(tmp_path):
     assert (flat.extra["dispatcher"], halo.extra["dispatcher"]) == ("flat", "halo")
     assert flat.inputs_sha256 != halo.inputs_sha256
     assert flat.predicted.step_time_s != halo.predicted.step_time_s  # EP 32 spans nodes
+
+
+def test_inputs_sha256_follows_content_not_paths(tmp_path):
+    from dataclasses import replace
+
+    from planner.clusters import load_cluster
+    from planner.ip.assemble import inputs_sha256
+    from planner.ip.wiring import RealBackend
+    from planner.models import load_model, read_config_file
+    from planner.paths import MODELS_DIR
+    from planner.specs import TrainingSpec
+
+    config = tmp_path / "m" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(read_config_file(MODELS_DIR / "mixtral-8x7b.json")))
+    backend, training = RealBackend(), TrainingSpec()
+    cluster = backend.describe_cluster(load_cluster("frontier"))
+    sizes = {"gpus": 64}
+
+    def digest(model: str, **kw) -> str:
+        doc = backend.describe_model(load_model(model))
+        return inputs_sha256(doc, kw.get("cluster", cluster), kw.get("training", training), sizes)
+
+    assert digest("mixtral-8x7b") == digest(str(config))
+    assert digest("mixtral-8x7b") != digest(
+        "mixtral-8x7b", training=replace(training, seq_len=2048)
+    )
+    assert digest("mixtral-8x7b") != digest("mixtral-8x22b")
+    other = {**cluster, "gpus_per_node": 4}
+    assert digest("mixtral-8x7b") != digest("mixtral-8x7b", cluster=other)
