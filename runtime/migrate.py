@@ -83,13 +83,14 @@ def rotate_placement(current_LE, load_history_TLE=None, costs=None, options=None
 
 
 def resolve_policy(name: str) -> Callable:
-    """'planner' = engineer D's next_placement when present, else the greedy stand-in."""
+    """'planner' = planner.migration.api.next_placement (uniform move prices: the runtime
+    does not carry the cluster), else the greedy stand-in; 'greedy'; 'rotate' (tests)."""
     if name == "rotate":
         return rotate_placement
     if name == "greedy":
         return greedy_next_placement
     try:
-        from planner.migration import next_placement  # type: ignore[attr-defined]
+        from planner.migration.api import next_placement
     except ImportError:
         return greedy_next_placement
     return lambda cur, hist, costs=None, opts=None: _adapt(next_placement(cur, hist, costs, opts))

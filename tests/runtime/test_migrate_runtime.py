@@ -84,3 +84,18 @@ def test_migration_every_two_steps_matches_training_without_it(run_distributed):
             np.testing.assert_allclose(packed, want, rtol=1e-3, atol=1e-5)
             seen.add((layer, expert, edp))
     assert seen == {(layer, e, q) for layer in ref_moes for e in range(8) for q in range(2)}
+
+
+def test_planner_policy_is_the_planners_next_placement():
+    from runtime.migrate import resolve_policy
+
+    policy = resolve_policy("planner")
+    current = [(0, 0, 1, 1), (0, 1, 0, 1)]
+    # layer 0: both hot experts on rank 0 -> the planner separates them; layer 1 balanced
+    history = [[[100, 90, 1, 1], [5, 5, 5, 5]]] * 4
+    decision = policy(current, history)
+    assert sorted(decision.placement_LE[0]) == [0, 0, 1, 1]
+    assert decision.placement_LE[0][0] != decision.placement_LE[0][1]
+    assert decision.placement_LE[1] == current[1]
+    for layer, expert, src, dst in decision.moves:
+        assert current[layer][expert] == src and decision.placement_LE[layer][expert] == dst
