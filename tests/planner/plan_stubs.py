@@ -9,7 +9,7 @@ bounds the search prunes with. The stage IP is the real one (planner.ip.stage_ip
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 from planner.ip.backend import EstimateView, RankChoice, StageChoice
 from planner.ip.solvers import SolveReport, SolverOptions
@@ -61,7 +61,6 @@ class ToyBackend:
     interrupt_after: int | None = None
     solves: int = 0
     estimates: int = 0
-    calls: list = field(default_factory=list)
 
     def cost_inputs(self, model, cluster, training, par: ParallelConfig) -> StageCostInputs:
         d = model.hidden_size
@@ -212,7 +211,3 @@ def toy_training(**kw) -> TrainingSpec:
     kw.setdefault("seq_len", 1024)
     kw.setdefault("global_batch", 32)
     return TrainingSpec(**kw)
-
-
-def as_dict(x) -> dict:
-    return asdict(x)

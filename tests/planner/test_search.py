@@ -234,6 +234,8 @@ def test_dp_scoring_and_ip_scoring_give_the_same_plan():
 class _SigintBackend(ToyBackend):
     """Sends a real SIGINT to the process from a solver thread on the n-th scoring call."""
 
+    interrupt_at = 4  # first call of the second batch: the first batch gave an incumbent
+
     def score_stages(self, inputs, options):
         if self.solves == self.interrupt_at:
             os.kill(os.getpid(), signal.SIGINT)
@@ -244,7 +246,6 @@ class _SigintBackend(ToyBackend):
 
 def test_a_real_sigint_mid_search_keeps_the_best_plan():
     backend = _SigintBackend()
-    backend.interrupt_at = 4  # first call of the second batch: the first gave an incumbent
     result = plan(toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, backend=backend)
     assert result.interrupted and result.plan is not None
     assert any(r.status == "interrupted" for r in result.rows)
