@@ -1,16 +1,16 @@
-"""Candidates of the outer search: screening by cheap bounds and branch and bound on the stage IP.
+"""Candidates of the outer search: screening by cheap bounds and branch and bound on the split.
 
 Steps (planner/PLANNING.md describes them for users):
 1. Enumerate valid layouts (planner.ip.enumerate) within the user's fixed sizes.
 2. Screen each with its StageCostInputs: a memory lower bound rejects layouts no split can fit;
    a step-time lower bound orders the rest (planner.ip.bounds).
-3. Branch and bound: solve the stage IP for candidates in bound order, in fixed-size batches
-   (threads solve a batch concurrently, each solver single-threaded, so the set of solved
-   candidates and every answer are the same for any --threads); predict each solved split
-   with the resource model; a candidate whose bound is not below the best predicted step time
-   is not solved and gets a "pruned" row.
-4. For the winner: the expert IP per MoE layer and the rank IP; then the baselines.
-Ctrl-C during step 3 stops the search and keeps the best plan found so far.
+3. Branch and bound: find each candidate's optimal split in bound order (the exact DP, or the
+   stage IP where the DP is not exact or score="ip"), in fixed-size batches (threads work on
+   a batch concurrently, each solver single-threaded, so the set of candidates scored and
+   every answer are the same for any --threads); predict each split with the resource model;
+   a candidate whose bound is not below the best predicted step time is not scored and gets
+   a "pruned" row. The winner's split is then re-solved by the stage IP (confirm_with_ip).
+Ctrl-C during step 3 stops the search and keeps the best candidate found so far.
 """
 
 from __future__ import annotations
