@@ -317,7 +317,11 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
         f"  stage IP {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.3g})",
     ]
     for row in _baseline_rows(result.baselines, est.step_time_s):
-        lines.append(f"  vs {row[0]}: {row[1]} -> {row[2]} s, speedup {row[5]} {row[6]}".rstrip())
+        if row[2] == "-":
+            lines.append(f"  vs {row[0]}: no layout ({row[6]})")
+        else:
+            note = f" ({row[6]})" if row[6] else ""
+            lines.append(f"  vs {row[0]}: {row[1]} -> {row[2]} s, speedup {row[5]}{note}")
     lines.append(f"  wrote {out_dir}/ (plan.json, candidates.csv, summary.md, plots)")
     return "\n".join(lines)
 
