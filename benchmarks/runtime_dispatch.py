@@ -1,8 +1,9 @@
 """Flat vs HALO vs HALO-dedup inside real training runs (`piper run`, CPU gloo emulation).
 
 Plans tiny-moe on the cpu-gloo cluster (2 ranks per emulated node) with the expert group
-spanning every node (pp=1, dp=ep=8 -> 4 nodes), trains the same steps with each dispatcher
-and prints, side by side: the loss sequence agreement, the dispatch bytes each rank sent per
+spanning every node (pp=1, dp=ep=8 -> 4 nodes), trains the same steps with each
+dispatcher (HALO forced onto its three-phase path: direct-send threshold 0) and prints,
+side by side: the loss sequence agreement, the dispatch bytes each rank sent per
 step within and across nodes, and step time, with ratios to flat. CPU step times only say
 how the emulation behaves; the bytes are what the network would carry.
 
@@ -71,6 +72,8 @@ def main() -> int:
             str(out),
             "--ranks-per-node",
             "2",
+            "--halo-direct-below-bytes",
+            "0",  # the three-phase path even for these small messages
         )
         results[kind] = _lines(out)
     base = results["flat"]

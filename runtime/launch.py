@@ -53,7 +53,10 @@ def make_dispatcher(spec: RunSpec, mesh: Mesh, kind: str | None = None):
         return LocalDispatcher()
     if kind == "flat":
         return FlatAllToAll(mesh.ep_group, spec.ranks_per_node)
-    return Halo(mesh.ep_group, spec.ranks_per_node, dedup=(kind == "halo-dedup"))
+    options = {"dedup": kind == "halo-dedup"}
+    if spec.halo_direct_below_bytes >= 0:
+        options["direct_below_bytes"] = spec.halo_direct_below_bytes
+    return Halo(mesh.ep_group, spec.ranks_per_node, **options)
 
 
 def build_stage(spec: RunSpec, mesh: Mesh, device: torch.device) -> StageModule:
@@ -267,6 +270,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--trace-every", type=int, default=1)
     p.add_argument("--router-bias-rate", type=float, default=0.0)
+    p.add_argument("--halo-direct-below-bytes", type=int, default=-1)
     return p.parse_args(argv)
 
 
@@ -293,6 +297,7 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         migrate_policy=args.migrate_policy,
         trace_every=args.trace_every,
         router_bias_rate=args.router_bias_rate,
+        halo_direct_below_bytes=args.halo_direct_below_bytes,
     )
 
 

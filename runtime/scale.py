@@ -58,6 +58,7 @@ class RunSpec:
     migrate_policy: Literal["planner", "greedy", "rotate"] = "planner"
     trace_every: int = 1  # steps summed into one trace.csv interval
     router_bias_rate: float = 0.0  # aux-loss-free bias update per step (0 = off)
+    halo_direct_below_bytes: int = -1  # HALO's direct-send threshold; -1 = its default
 
     @property
     def world(self) -> int:

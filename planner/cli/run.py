@@ -65,6 +65,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="sum S steps into one trace.csv interval (default 1)",
     )
     p.add_argument(
+        "--halo-direct-below-bytes",
+        type=int,
+        default=-1,
+        metavar="B",
+        help="HALO sends directly when node-to-node messages are below B bytes "
+        "(0 = always hierarchical; default: the dispatcher's own threshold)",
+    )
+    p.add_argument(
         "--router-bias-rate",
         type=float,
         default=0.0,
@@ -187,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
         str(args.trace_every),
         "--router-bias-rate",
         str(args.router_bias_rate),
+        "--halo-direct-below-bytes",
+        str(args.halo_direct_below_bytes),
     ]
     print(
         f"piper run: {shape['world']} processes (pp={shape['pp']} dp={shape['dp']} "

@@ -62,7 +62,8 @@ def test_pp2_ep2_four_processes(run_distributed):
 
 
 def test_pp2_ep4_spans_two_nodes_halo_equals_flat(run_distributed):
-    spec = tiny_spec(pp=2, dp=4, ep=4, ranks_per_node=2, steps=STEPS)
+    # direct-send threshold 0: the three-phase hierarchical path even for these small sizes
+    spec = tiny_spec(pp=2, dp=4, ep=4, ranks_per_node=2, steps=STEPS, halo_direct_below_bytes=0)
     halo = _launch(run_distributed, spec)
     lines = _check_run(spec, halo)
     assert lines[0]["bytes_by_kind"]["dispatch_inter"] > 0
@@ -76,7 +77,15 @@ def test_pp2_ep4_spans_two_nodes_halo_equals_flat(run_distributed):
 
 
 def test_pp2_dp4_ep2_expert_data_parallel(run_distributed):
-    spec = tiny_spec(pp=2, dp=4, ep=2, ranks_per_node=2, steps=STEPS, dispatcher="halo-dedup")
+    spec = tiny_spec(
+        pp=2,
+        dp=4,
+        ep=2,
+        ranks_per_node=2,
+        steps=STEPS,
+        dispatcher="halo-dedup",
+        halo_direct_below_bytes=0,
+    )
     assert spec.edp == 2
     lines = _check_run(spec, _launch(run_distributed, spec))
     kinds = lines[0]["bytes_by_kind"]
