@@ -1,36 +1,135 @@
-"""Atomic output: write a set of files so an interrupted run leaves the old set or the new one."""
+"""Atomic output: write a set of files so an interrupted run leaves the old set or the new one.
+
+`write_files(out_dir, files)` takes every file's content rendered beforehand and:
+- when `out_dir` does not exist yet, writes the set into a hidden sibling directory and renames
+  it to `out_dir` in one step, so a run killed at any moment leaves no `out_dir` at all;
+- when `out_dir` exists (earlier results, other files), writes every file to a temporary
+  sibling first, then renames them over the old ones in a tight loop.
+Ctrl-C (SIGINT) and SIGTERM arriving during the write are held until the set is complete and
+then delivered as usual, so an interrupted command never leaves a mixed set. New files get
+the usual permissions (0666 minus the umask), not the 0600 of a bare temporary file.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+
+_DEFERRED = (signal.SIGINT, signal.SIGTERM)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where /proc allows (thread-safe)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM until the block ends, then deliver the first one that arrived.
+
+    Only the main thread can install handlers; elsewhere the block runs unprotected.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def hold(signum: int, _frame: object) -> None:
+        caught.append(signum)
+
+    previous = {s: signal.signal(s, hold) for s in _DEFERRED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if caught:
+            os.kill(os.getpid(), caught[0])  # the restored handler acts (SIGINT: KeyboardInterrupt)
+
+
+def _write_tmp(path: Path, data: str | bytes, mode: int) -> str:
+    """Write `data` to a new temporary sibling of `path`; returns the temporary's path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as fh:
+            fh.write(data)
+        os.chmod(tmp, mode)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Write one file through a temporary sibling and os.replace (atomic on POSIX)."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    with signals_deferred():
+        tmp = _write_tmp(p, data, 0o666 & ~_umask())
+        try:
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _write_new_dir(out: Path, files: dict[str, str | bytes], umask: int) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        with os.fdopen(fd, mode) as fh:
-            fh.write(data)
-        os.replace(tmp, p)
+        for name in sorted(files):
+            os.replace(_write_tmp(stage / name, files[name], 0o666 & ~umask), stage / name)
+        os.chmod(stage, 0o777 & ~umask)
+        os.rename(stage, out)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+def _replace_in_place(out: Path, files: dict[str, str | bytes], umask: int) -> None:
+    tmps: dict[str, str] = {}
+    try:
+        for name in sorted(files):
+            tmps[name] = _write_tmp(out / name, files[name], 0o666 & ~umask)
+        for name in sorted(files):
+            os.replace(tmps.pop(name), out / name)
+    finally:
+        for tmp in tmps.values():
+            Path(tmp).unlink(missing_ok=True)
 
 
 def write_files(out_dir: str | Path, files: dict[str, str | bytes]) -> list[Path]:
     """Write every file of a result set atomically; all contents must be ready beforehand.
 
-    Contents are rendered before this is called, so a failure while computing never leaves
-    a half-written directory; each file is replaced atomically.
+    Args:
+        out_dir: the result directory (created when missing, with its parents).
+        files: file name (relative to out_dir) -> content (str as text, bytes as is).
+    Returns:
+        The written paths, sorted by name.
     """
     out = Path(out_dir)
-    written = []
-    for name in sorted(files):
-        write_atomic(out / name, files[name])
-        written.append(out / name)
-    return written
+    umask = _umask()
+    with signals_deferred():
+        if out.is_dir():
+            _replace_in_place(out, files, umask)
+        else:
+            try:
+                _write_new_dir(out, files, umask)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not out.is_dir():
+                    raise
+                _replace_in_place(out, files, umask)  # created meanwhile: merge into it
+    return [out / name for name in sorted(files)]
