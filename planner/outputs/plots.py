@@ -36,6 +36,8 @@ def _stacked(ax, components: Sequence[tuple[str, Sequence[float]]], stages: int)
         ax.bar(range(stages), values, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_xticks(range(stages))
+    if stages > 16:
+        ax.tick_params(axis="x", labelsize=6)
     ax.set_xlabel("pipeline stage")
 
 
