@@ -1,7 +1,8 @@
 """Pipeline stages and schedule (torch.distributed.pipelining) and the gradient sync.
 
 Each rank owns one stage (the plan has pp stages, one per pipeline rank); the schedule is
-`Schedule1F1B` from torch.distributed.pipelining, with the library's runtime shape inference.
+`Schedule1F1B` from torch.distributed.pipelining (GPipe when micro-batches < pp, which 1F1B
+refuses), with the library's runtime shape inference.
 (Declaring static shapes with input/output args and grads, in torch 2.13 on gloo, left the
 first stage with zero gradients, which the single-device oracle test caught; without grads
 the static path refuses to run backward.) pp = 1 runs the same micro-batch loop by hand
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from runtime.mesh import Mesh
 from runtime.metrics import ByteCounter
@@ -90,7 +91,9 @@ class PipelineRunner:
         order = sorted(mesh.pp_ranks)
         stage.stage_index_to_group_rank = {s: order.index(r) for s, r in enumerate(mesh.pp_ranks)}
         stage.counter = counter
-        self.schedule = Schedule1F1B(stage, num_microbatches, loss_fn=lm_loss)
+        # 1F1B needs at least pp micro-batches; fewer run as GPipe (same math, more memory)
+        schedule = Schedule1F1B if num_microbatches >= pp else ScheduleGPipe
+        self.schedule = schedule(stage, num_microbatches, loss_fn=lm_loss)
 
     def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float | None:
         """Forward + backward of every micro-batch; returns the mean loss on the last stage."""
