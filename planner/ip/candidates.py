@@ -31,7 +31,7 @@ from planner.ip.enumerate import SearchSpace, enumerate_layouts, make_space
 from planner.ip.solvers import SolverOptions
 from planner.parallel import ParallelConfig
 from planner.resources.units import StageCostInputs
-from planner.specs import ClusterSpec, ModelSpec, Recompute, TrainingSpec
+from planner.specs import ClusterSpec, ModelSpec, Recompute, SpecError, TrainingSpec
 from planner.topology import check_fits
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,11 @@ def screen(ctx: SearchContext, layouts: Sequence[ParallelConfig]) -> tuple[list,
                 CandidateRow(order, par, math.nan, False, "infeasible", reason, "", need, usable)
             )
             continue
-        inputs = _cost_inputs(ctx, par, cache)
+        try:
+            inputs = _cost_inputs(ctx, par, cache)
+        except SpecError as exc:  # a rule of the resource model the enumeration does not know
+            rejected.append(CandidateRow(order, par, math.nan, False, "infeasible", str(exc)))
+            continue
         if not bounds.memory_may_fit(inputs):
             need = gib(bounds.min_peak_memory_bytes(inputs))
             usable = gib(inputs.usable_memory_bytes)

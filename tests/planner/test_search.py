@@ -299,3 +299,16 @@ def test_a_tiny_time_limit_still_returns_a_plan_with_its_gap():
     s = result.plan.solver
     assert s.status in ("OPTIMAL", "FEASIBLE") and s.gap >= 0 and math.isfinite(s.gap)
     assert s.bound <= s.objective * (1 + 1e-9)
+
+
+def test_a_layout_the_resource_model_rejects_becomes_an_infeasible_row():
+    class Picky(ToyBackend):
+        def cost_inputs(self, model, cluster, training, par):
+            if par.tp == 2:
+                raise SpecError("layout: tp=2 is not supported here")
+            return super().cost_inputs(model, cluster, training, par)
+
+    result = plan(toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, backend=Picky())
+    rows = [r for r in result.rows if r.parallel.tp == 2]
+    assert rows and all(not r.feasible and "tp=2 is not supported" in r.reason for r in rows)
+    assert result.plan.parallel.tp != 2
