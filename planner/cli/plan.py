@@ -135,6 +135,12 @@ def run(args: argparse.Namespace) -> int:
         from planner.allocation import load_allocation
 
         allocation = load_allocation(args.allocation)
+        room = len(allocation) * cluster.gpus_per_node
+        if args.gpus > room:
+            raise SpecError(
+                f"{args.allocation}: {len(allocation)} nodes hold {room} GPUs but --gpus is "
+                f"{args.gpus}; lower --gpus or allocate more nodes"
+            )
     loads = trace_loads(args.trace, model) if args.trace else None
     fixed = {"pp": args.pp, "dp": args.dp, "tp": args.tp, "ep": args.ep}
     fixed["micro_batch"] = args.micro_batch

@@ -218,3 +218,11 @@ def test_inputs_sha256_follows_content_not_paths(tmp_path):
     assert digest("mixtral-8x7b") != digest("mixtral-8x22b")
     other = {**cluster, "gpus_per_node": 4}
     assert digest("mixtral-8x7b") != digest("mixtral-8x7b", cluster=other)
+
+
+def test_allocation_smaller_than_gpus_fails_before_searching(tmp_path, capsys):
+    alloc = tmp_path / "alloc.csv"
+    alloc.write_text("hostname,switch\nn0,0\nn1,0\n")
+    assert main(["plan", "--allocation", str(alloc), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "2 nodes hold 16 GPUs but --gpus is 64" in err
