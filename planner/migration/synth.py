@@ -54,35 +54,47 @@ class SynthOptions:
             raise SpecError("trace synth: --shift-prob and --revert must be in [0, 1]")
 
 
+def _first_distinct(cand_NM: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mask of each row's first top_k distinct candidates, and which rows have top_k of them."""
+    draws = cand_NM.shape[1]
+    earlier = np.tri(draws, k=-1, dtype=bool)
+    dup_NM = ((cand_NM[:, :, None] == cand_NM[:, None, :]) & earlier).any(axis=2)
+    keep_NM = ~dup_NM
+    keep_NM &= np.cumsum(keep_NM, axis=1) <= top_k
+    return keep_NM, keep_NM.sum(axis=1) == top_k
+
+
 def _topk_counts(logits_E: np.ndarray, tokens: int, top_k: int, rng: np.random.Generator):
     """Count picks of `tokens` tokens each choosing top_k distinct experts.
 
-    Successive sampling: each token draws candidates with probabilities softmax(logits) and
-    keeps the first top_k distinct ones, which is exactly sampling without replacement
-    (Plackett-Luce). Tokens that drew too few distinct candidates fall back to Gumbel top-k.
+    Successive sampling: each token draws 2 top_k candidates with probabilities
+    softmax(logits) and keeps the first top_k distinct ones, which is exactly sampling
+    without replacement (Plackett-Luce). A token short of top_k distinct candidates keeps
+    what it has and completes the rest by Gumbel top-k over the experts it lacks, which is
+    the exact conditional law of the remaining picks (restarting it would bias the sample).
     """
     num_e = logits_E.shape[0]
     p_E = np.exp(logits_E - logits_E.max())
-    p_E /= p_E.sum()
-    cdf_E = np.cumsum(p_E)
-    cdf_E[-1] = 1.0
+    cdf_E = np.cumsum(p_E / p_E.sum())
     counts_E = np.zeros(num_e, dtype=np.int64)
-    draws = 2 * top_k
     done = 0
     while done < tokens:
         n = min(_CHUNK_TOKENS, tokens - done)
-        cand_NM = np.searchsorted(cdf_E, rng.random((n, draws)), side="right")
-        cand_NM = np.minimum(cand_NM, num_e - 1)
-        dup_NM = (cand_NM[:, :, None] == cand_NM[:, None, :]) & np.tri(draws, k=-1, dtype=bool)
-        keep_NM = ~dup_NM.any(axis=2)
-        keep_NM &= np.cumsum(keep_NM, axis=1) <= top_k
-        short = keep_NM.sum(axis=1) < top_k
-        counts_E += np.bincount(cand_NM[keep_NM & ~short[:, None]], minlength=num_e)
-        if short.any():
-            keys = logits_E[None, :] + rng.gumbel(size=(int(short.sum()), num_e))
-            picks = np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
-            counts_E += np.bincount(picks.ravel(), minlength=num_e)
         done += n
+        u_NM = rng.random((n, 2 * top_k)) * cdf_E[-1]
+        cand_NM = np.minimum(np.searchsorted(cdf_E, u_NM, side="right"), num_e - 1)
+        keep_NM, full_N = _first_distinct(cand_NM, top_k)
+        counts_E += np.bincount(cand_NM[keep_NM], minlength=num_e)
+        short = np.nonzero(~full_N)[0]
+        if short.size:
+            have_SE = np.zeros((short.size, num_e), dtype=bool)
+            rows = np.repeat(np.arange(short.size), 2 * top_k)
+            have_SE[rows[keep_NM[short].ravel()], cand_NM[short][keep_NM[short]]] = True
+            keys_SE = np.where(have_SE, -np.inf, logits_E + rng.gumbel(size=have_SE.shape))
+            order_SE = np.argsort(-keys_SE, axis=1, kind="stable")
+            need_S = top_k - have_SE.sum(axis=1)
+            take_SE = np.arange(num_e)[None, :] < need_S[:, None]
+            counts_E += np.bincount(order_SE[take_SE], minlength=num_e)
     return counts_E
 
 
