@@ -27,7 +27,13 @@ from runtime.dispatch import FlatAllToAll
 from runtime.halo import Halo
 from runtime.mesh import Mesh, build_mesh
 from runtime.metrics import ByteCounter, peak_memory_bytes, rank_record, step_line, trace_csv
-from runtime.migrate import apply_migration, decide, resolve_policy
+from runtime.migrate import (
+    apply_migration,
+    decide,
+    pack_views,
+    resolve_policy,
+    slot_state_views,
+)
 from runtime.model import StageModule
 from runtime.moe import LocalDispatcher
 from runtime.pipeline import PipelineRunner, sync_gradients
@@ -246,13 +252,11 @@ def train(
 
 def _expert_state(module: StageModule, optimizer, mesh: Mesh) -> dict:
     """(run layer, expert) -> flat weights + Adam moments of the experts this rank holds."""
-    from runtime.migrate import _pack, _pieces
-
     out = {}
     for layer, moe in module.moe_layers().items():
         for slot, e in enumerate(moe.experts.expert_ids):
-            pieces = _pieces(moe, optimizer, slot)
-            out[(layer, e, mesh.me.edp_idx)] = _pack(pieces).clone()
+            pieces = slot_state_views(moe, optimizer, slot)
+            out[(layer, e, mesh.me.edp_idx)] = pack_views(pieces).clone()
     return out
 
 

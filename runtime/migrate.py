@@ -122,7 +122,7 @@ def decide(mesh: Mesh, policy: Callable, current_LE, history_TLE) -> MigrationDe
     return box[0]
 
 
-def _pieces(moe: MoELayer, optimizer, slot: int) -> list[torch.Tensor]:
+def slot_state_views(moe: MoELayer, optimizer, slot: int) -> list[torch.Tensor]:
     """Views of everything that belongs to one local slot: weights, grads, Adam moments."""
     out = []
     for p in moe.experts.slot_params():
@@ -133,7 +133,8 @@ def _pieces(moe: MoELayer, optimizer, slot: int) -> list[torch.Tensor]:
     return out
 
 
-def _pack(pieces: list[torch.Tensor]) -> torch.Tensor:
+def pack_views(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """One flat fp32 copy of the views (the wire format of a moved expert)."""
     return torch.cat([t.reshape(-1).float() for t in pieces])
 
 
@@ -142,7 +143,7 @@ def _stage_layer(moe: MoELayer, new_table, mesh: Mesh, optimizer, counter: ByteC
     me = dist.get_rank(mesh.ep_group)
     old, new = moe.rank_of_expert_E.tolist(), list(new_table)
     old_local = [e for e, r in enumerate(old) if r == me]
-    size = _pack(_pieces(moe, optimizer, 0)).numel() if old_local else 0
+    size = pack_views(slot_state_views(moe, optimizer, 0)).numel() if old_local else 0
     staged, ops, checks = {}, [], []
     for e in range(len(old)):
         src, dst = old[e], new[e]
@@ -150,7 +151,7 @@ def _stage_layer(moe: MoELayer, new_table, mesh: Mesh, optimizer, counter: ByteC
             continue
         peer = dist.get_global_rank(mesh.ep_group, dst if src == me else src)
         if src == me:
-            buf = _pack(_pieces(moe, optimizer, old_local.index(e)))
+            buf = pack_views(slot_state_views(moe, optimizer, old_local.index(e)))
             csum = buf.double().sum().reshape(1)
             ops += [
                 dist.P2POp(dist.isend, buf, peer, mesh.ep_group, 2 * e),
@@ -184,12 +185,14 @@ def _commit_layer(moe: MoELayer, new_table, staged: dict, optimizer, me: int) ->
     old_local = [e for e, r in enumerate(old) if r == me]
     new_local = [e for e, r in enumerate(new_table) if r == me]
     bufs = [
-        staged[e] if e in staged else _pack(_pieces(moe, optimizer, old_local.index(e)))
+        staged[e]
+        if e in staged
+        else pack_views(slot_state_views(moe, optimizer, old_local.index(e)))
         for e in new_local
     ]
     for slot, buf in enumerate(bufs):
         offset = 0
-        for view in _pieces(moe, optimizer, slot):
+        for view in slot_state_views(moe, optimizer, slot):
             n = view.numel()
             view.copy_(buf[offset : offset + n].view_as(view))
             offset += n

@@ -11,7 +11,7 @@ from tiny_plans import reference_run, tiny_spec, train_body
 
 from runtime.data import load_corpus
 from runtime.metrics import validate_trace
-from runtime.migrate import _pack, _pieces, greedy_next_placement, rotate_placement
+from runtime.migrate import greedy_next_placement, pack_views, rotate_placement, slot_state_views
 
 
 def _max_load(table, load):
@@ -80,7 +80,7 @@ def test_migration_every_two_steps_matches_training_without_it(run_distributed):
     seen = set()
     for rank_result in results:
         for (layer, expert, edp), packed in rank_result[2].items():
-            want = _pack(_pieces(ref_moes[layer], ref_opt, expert)).detach().numpy()
+            want = pack_views(slot_state_views(ref_moes[layer], ref_opt, expert)).detach().numpy()
             np.testing.assert_allclose(packed, want, rtol=1e-3, atol=1e-5)
             seen.add((layer, expert, edp))
     assert seen == {(layer, e, q) for layer in ref_moes for e in range(8) for q in range(2)}
