@@ -44,7 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bytes-per-param", type=int, choices=(16, 18), default=16)
     p.add_argument("--solver", choices=("cpsat", "cbc"), default="cpsat")
     p.add_argument("--time-limit-s", type=float, default=10.0, help="limit for each IP solve")
-    p.add_argument("--threads", type=int, default=1, help="candidates solved concurrently")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="candidates solved concurrently (at most 4: the batch size)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allocation", default=None, help="node allocation file for the rank IP")
     p.add_argument("--trace", default=None, help="expert-load trace CSV for the expert IP")
