@@ -72,7 +72,7 @@ class Measurement:
     times_s: list[float] = field(default_factory=list)
     bytes_inter_node: int = 0  # all ranks, one dispatch + combine
     bytes_intra_node: int = 0
-    load_avg_1min: float = 0.0  # of the machine running every emulated node, when measured
+    load_avg_1min: float = 0.0  # of the machine running all nodes: mean of start and end
 
 
 def sweep(quick: bool) -> list[Network]:
@@ -183,6 +183,7 @@ def worker(net: Network) -> None:
 
 def run_network(net: Network, timeout_s: float) -> list[Measurement]:
     """Creates the emulated network, runs all ranks of `net`, returns rank 0's results."""
+    load_start = os.getloadavg()[0]  # (inside a namespace /proc/loadavg may read 0)
     emulated = netns.setup(net.nodes, net.rate_mbit)
     _CREATED.append(emulated)
     world = net.nodes * net.ranks_per_node
@@ -206,7 +207,8 @@ def run_network(net: Network, timeout_s: float) -> list[Measurement]:
                     proc.wait(timeout=10)
             netns.teardown(emulated)
     tagged = [x.removeprefix("RESULT ") for x in lines if x.startswith("RESULT ")]
-    return [Measurement(**json.loads(x)) for x in tagged]
+    load = (load_start + os.getloadavg()[0]) / 2
+    return [Measurement(**{**json.loads(x), "load_avg_1min": load}) for x in tagged]
 
 
 def _launch(net: Network, emulated: netns.EmulatedNet, rank: int, logs: Path):

@@ -27,6 +27,8 @@ Shape letters as in runtime/dispatch.py (T, K, D, E, L, N, P = T * K, S ranks); 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -164,6 +166,18 @@ class _HaloExchange(WeightedReduction):
         order = self._member_order(src, self.my_node)
         return _segments([self.pairs_SS[src][r] for r in order])[order.index(dst)]
 
+    def _all_to_all(self, rows_RD: Tensor, forward: bool) -> Tensor:
+        """Direct path: every row straight to its rank in one all_to_all_single round."""
+        me, size = self.me, self.owner.size
+        to_rank = self.pairs_SS[me] if forward else [self.pairs_SS[s][me] for s in range(size)]
+        from_rank = [self.pairs_SS[s][me] for s in range(size)] if forward else self.pairs_SS[me]
+        out_RD = rows_RD.new_empty((sum(from_rank), *rows_RD.shape[1:]))
+        dist.all_to_all_single(out_RD, rows_RD, from_rank, to_rank, group=self.owner.group)
+        row_bytes = math.prod(rows_RD.shape[1:]) * rows_RD.element_size()
+        for peer, rows in enumerate(to_rank):
+            self.owner.stats.add_bytes(self.topo, me, peer, rows * row_bytes)
+        return out_RD
+
     def _send(self, ops: list, tensor: Tensor, peer: int, tag: int) -> None:
         if tensor.numel() == 0:
             return
@@ -216,6 +230,8 @@ class _HaloExchange(WeightedReduction):
         message): pair rows from a whole message (then Phase III waits for all of it).
         extra(ops): adds ops to the Phase III batch.
         """
+        if self.direct:
+            return self._all_to_all(rows_at(slice(None)), forward=True)[self.regroup_N]
         me, node = self.me, self.my_node
         ops_i: list = []
         from_peer: dict[int, Tensor] = {}
@@ -307,12 +323,17 @@ class _HaloExchange(WeightedReduction):
 
     def reverse(self, y_ND: Tensor) -> Tensor:
         """Combine (unweighted) / backward of dispatch: rows [P, D] in (token, choice) order."""
-        local, from_node = self._reverse(y_ND)
-        sorted_PD = y_ND.new_empty((self.order_P.numel(), *y_ND.shape[1:]))
-        for peer, rows in local.items():
-            sorted_PD[slice(*self.seg_of_dest[peer])] = rows
-        for b in self.remote_nodes:
-            sorted_PD[self.rows_to_node[b]] = from_node[b]
+        if self.direct:
+            by_src_ND = torch.empty_like(y_ND)
+            by_src_ND[self.regroup_N] = y_ND
+            sorted_PD = self._all_to_all(by_src_ND, forward=False)
+        else:
+            local, from_node = self._reverse(y_ND)
+            sorted_PD = y_ND.new_empty((self.order_P.numel(), *y_ND.shape[1:]))
+            for peer, rows in local.items():
+                sorted_PD[slice(*self.seg_of_dest[peer])] = rows
+            for b in self.remote_nodes:
+                sorted_PD[self.rows_to_node[b]] = from_node[b]
         y_PD = torch.empty_like(sorted_PD)
         y_PD[self.order_P] = sorted_PD
         return y_PD
