@@ -104,9 +104,35 @@ def test_scale_keeps_structure():
 
 @pytest.mark.slow
 def test_piper_run_end_to_end_through_torchrun(tmp_path, capsys):
-    path, _ = _write_plan(tmp_path, pp=2, dp=1, ep=1)
-    out = tmp_path / "run"
-    rc = main(["run", str(path), "--steps", "4", "--scale", "0.5", "--out", str(out)])
+    """What a new user does: `piper plan` (2 CPU ranks, pp=2), then `piper run --scale`."""
+    plan_dir, out = tmp_path / "plan", tmp_path / "run"
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "tiny-moe",
+                "--cluster",
+                "cpu-gloo",
+                "--gpus",
+                "2",
+                "--tp",
+                "1",
+                "--pp",
+                "2",
+                "--seq-len",
+                "64",
+                "--global-batch",
+                "4",
+                "--out",
+                str(plan_dir),
+            ]
+        )
+        == 0
+    )
+    rc = main(
+        ["run", str(plan_dir / "plan.json"), "--steps", "4", "--scale", "0.5", "--out", str(out)]
+    )
     assert rc == 0, capsys.readouterr().err
     lines = validate_metrics((out / "metrics.jsonl").read_text())
     assert len(lines) == 4 and lines[-1]["loss"] < lines[0]["loss"]
