@@ -26,7 +26,14 @@ from runtime.data import sample_batch
 from runtime.dispatch import FlatAllToAll
 from runtime.halo import Halo
 from runtime.mesh import Mesh, build_mesh
-from runtime.metrics import ByteCounter, peak_memory_bytes, rank_record, step_line, trace_csv
+from runtime.metrics import (
+    ByteCounter,
+    loss_plot_png,
+    peak_memory_bytes,
+    rank_record,
+    step_line,
+    trace_csv,
+)
 from runtime.migrate import (
     apply_migration,
     decide,
@@ -210,7 +217,11 @@ class Trainer:
 
 
 def train(
-    spec: RunSpec, rank: int, device: torch.device | None = None, fail_migration_at: int = -1
+    spec: RunSpec,
+    rank: int,
+    device: torch.device | None = None,
+    fail_migration_at: int = -1,
+    plot: bool = False,
 ) -> RunResult:
     """Run spec.steps optimizer steps on this rank (process group already initialized).
 
@@ -241,6 +252,9 @@ def train(
             "metrics.jsonl": "".join(json.dumps(d, sort_keys=True) + "\n" for d in lines),
             "trace.csv": trace_csv([r for rows in all_rows for r in rows]),
         }
+        png = loss_plot_png(lines) if plot else None
+        if png is not None:
+            result.files["loss.png"] = png
     mesh, module = trainer.mesh, trainer.module
     result.expert_state = _expert_state(module, trainer.optimizer, mesh)
     result.placements = {
@@ -334,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"world size {dist.get_world_size()} != plan's pp*dp = {spec.world}")
     rank = dist.get_rank()
     t0 = time.perf_counter()
-    result = train(spec, rank, device)
+    result = train(spec, rank, device, plot=True)
     if rank == 0:
         from planner.outputs.files import write_files
 

@@ -172,3 +172,30 @@ def validate_trace(text: str) -> list[tuple[int, int, int, int]]:
         seen.add(row[:3])
         rows.append(row)
     return rows
+
+
+def loss_plot_png(lines: list[dict]) -> bytes | None:
+    """loss.png: loss per step and bytes sent per step (intra/inter node); None without
+    matplotlib. No timestamps in the file, so equal runs give equal bytes."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    import io
+
+    steps = [d["step"] for d in lines]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax1.plot(steps, [d["loss"] for d in lines], marker=".")
+    ax1.set(xlabel="step", ylabel="loss (nats per byte)", title="training loss")
+    ax2.plot(steps, [d["bytes_intra_node"] / 1e6 for d in lines], label="intra-node")
+    ax2.plot(steps, [d["bytes_inter_node"] / 1e6 for d in lines], label="inter-node")
+    ax2.set(xlabel="step", ylabel="MB sent (all ranks)", title="bytes per step")
+    ax2.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()

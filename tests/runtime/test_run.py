@@ -137,6 +137,7 @@ def test_piper_run_end_to_end_through_torchrun(tmp_path, capsys):
     lines = validate_metrics((out / "metrics.jsonl").read_text())
     assert len(lines) == 4 and lines[-1]["loss"] < lines[0]["loss"]
     assert validate_trace((out / "trace.csv").read_text())
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     run = json.loads((out / "run.json").read_text())
     assert (run["pp"], run["hidden_size"], run["seq_len"], run["backend"]) == (2, 32, 32, "gloo")
     assert "4 steps: loss" in capsys.readouterr().out
