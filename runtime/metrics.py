@@ -9,8 +9,9 @@ stage's ranks), step_time_s (slowest rank), tokens_per_s (tokens of the whole st
 step_time_s), peak_memory_bytes (largest rank), dispatch_s, combine_s (slowest rank),
 bytes_intra_node, bytes_inter_node (summed over all ranks), bytes_by_kind, migrated_experts,
 and per_rank: the same quantities for every rank.
-trace.csv: `interval,layer,expert,tokens`, interval = step, layer = the plan's layer index,
-tokens routed to that expert in that step summed over all data-parallel ranks of its stage.
+trace.csv: `interval,layer,expert,tokens`, interval = step // trace_every, layer = the plan's
+layer index, tokens routed to that expert in that interval summed over all data-parallel
+ranks of its stage.
 """
 
 from __future__ import annotations
