@@ -68,7 +68,10 @@ def _delta_m(load_R, h, rb_F, new_h, new_r, sigma):
     z_R = np.exp((load_R - top) / sigma)
     z = z_R.sum()
     rest = np.maximum(z - z_R[h] - z_R[rb_F], 0.0)[None, :]
-    new_z = rest + np.exp((new_h - top) / sigma) + np.exp((new_r - top) / sigma)
+    # invalid swaps may overshoot far above `top`; they are masked later, keep exp finite
+    up_h = np.minimum((new_h - top) / sigma, 700.0)
+    up_r = np.minimum((new_r - top) / sigma, 700.0)
+    new_z = rest + np.exp(up_h) + np.exp(up_r)
     return sigma * (np.log(z) - np.log(new_z))
 
 

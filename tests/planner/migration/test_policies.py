@@ -1,0 +1,138 @@
+"""Each policy's definition on tiny hand-made loads (expected answers computed by hand)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from planner.migration.assignment import priced_local_search
+from planner.migration.placement import (
+    holders,
+    initial_slots,
+    rank_loads,
+    rank_of_expert,
+    replica_counts,
+)
+from planner.migration.policies import (
+    LayerCosts,
+    MigrationOptions,
+    greedy_swap,
+    no_migration,
+    piper,
+    repack,
+)
+from planner.migration.replicate import pack, replica_counts_for
+
+LOADS = np.array([[10, 8, 1, 3]])  # one past interval; experts 0,1 on rank 0 and 2,3 on rank 1
+START = initial_slots(np.array([0, 0, 1, 1]), 2)
+FREE = LayerCosts(np.zeros((2, 2)), 1.0)
+EXACT = MigrationOptions(move_margin=0.0, noise_scale=0.0)
+
+
+def _sets(slots_RS):
+    return [sorted(int(e) for e in row if e >= 0) for row in slots_RS]
+
+
+def test_no_migration_keeps_the_placement():
+    assert np.array_equal(no_migration(START, LOADS, FREE, EXACT), START)
+
+
+def test_greedy_swap_by_hand():
+    # gap 18 - 4 = 14; swapping 0<->3 gives |14 - 2*(10-3)| = 0, the first best pair;
+    # then both ranks hold 11 and no swap narrows the gap
+    got = greedy_swap(START, LOADS, FREE, EXACT)
+    assert _sets(got) == [[1, 3], [0, 2]]
+
+
+def test_greedy_swap_stops_after_swap_rounds():
+    loads = np.array([[9, 7, 5, 3, 1, 0]])
+    start = initial_slots(np.array([0, 0, 1, 1, 2, 2]), 3)
+    one = greedy_swap(start, loads, FREE, MigrationOptions(swap_rounds=1))
+    assert (rank_of_expert(one, 6) != rank_of_expert(start, 6)).sum() == 2
+
+
+def test_repack_by_hand_ignores_the_current_placement():
+    # heaviest first onto the least loaded rank with room: 0->r0, 1->r1, 3->r1, 2->r0
+    for start in (START, initial_slots(np.array([1, 0, 1, 0]), 2)):
+        assert _sets(repack(start, LOADS, FREE, EXACT)) == [[0, 2], [1, 3]]
+
+
+def test_repack_uses_only_the_last_interval():
+    history = np.array([[0, 0, 100, 100], [10, 8, 1, 3]])
+    assert _sets(repack(START, history, FREE, EXACT)) == [[0, 2], [1, 3]]
+
+
+def test_replicas_by_hand():
+    # two spare slots: expert 0 (100) gets a second replica (cap: one per rank), then
+    # expert 1 (10, first of the 10s); packing 50, 50, 10, 10, 5, 5 gives 65 / 65
+    load_E = np.array([100.0, 10.0, 10.0, 10.0])
+    counts = replica_counts_for(load_E, 2, 3)
+    assert counts.tolist() == [2, 2, 1, 1]
+    slots = pack(load_E, counts, 2, 3)
+    assert _sets(slots) == [[0, 1, 2], [0, 1, 3]]
+    assert rank_loads(slots, load_E).tolist() == [65.0, 65.0]
+
+
+def test_piper_reaches_the_balanced_placement_when_moves_are_free():
+    got = piper(START, LOADS, FREE, EXACT)
+    assert rank_loads(got, LOADS[0].astype(float)).max() == 11
+
+
+def test_piper_stays_when_moves_cost_more_than_they_save():
+    # balanced expert time 1 s per interval: the best swap saves 7/11 s, a move costs 10 s
+    costly = LayerCosts(np.full((2, 2), 10.0) - 10.0 * np.eye(2), 1.0)
+    assert np.array_equal(piper(START, LOADS, costly, EXACT), START)
+    cheap = LayerCosts(np.full((2, 2), 0.1) - 0.1 * np.eye(2), 1.0)
+    assert not np.array_equal(piper(START, LOADS, cheap, EXACT), START)
+
+
+def test_piper_margin_blocks_small_gains():
+    # 22 / 18 -> 20 / 20 by swapping 12 and 10: saves 2 / 20 = 0.1 of the balanced second,
+    # bought with two moves: a margin of 0.04 per move lets it through, 0.06 does not
+    loads = np.array([[12, 10, 10, 8]])
+    allowed = MigrationOptions(move_margin=0.04, noise_scale=0.0)
+    assert rank_loads(piper(START, loads, FREE, allowed), loads[0].astype(float)).max() == 20
+    blocked = MigrationOptions(move_margin=0.06, noise_scale=0.0)
+    assert np.array_equal(piper(START, loads, FREE, blocked), START)
+
+
+def test_piper_prefers_the_cheaper_link():
+    # ranks 0,1 share a fast link, rank 2 is far; relieving rank 0 works with either
+    loads = np.array([[10, 6, 1, 2, 1, 2]])
+    start = initial_slots(np.array([0, 0, 1, 1, 2, 2]), 3)
+    move_s = np.array([[0.0, 0.01, 0.05], [0.01, 0.0, 0.05], [0.05, 0.05, 0.0]])
+    got = piper(start, loads, LayerCosts(move_s, 100.0), EXACT)
+    moved = rank_of_expert(got, 6) != rank_of_expert(start, 6)
+    assert moved.any() and not (rank_of_expert(got, 6)[moved] == 2).any()
+
+
+def _brute_force_max(load_E, ranks):
+    """Optimal max rank load over all equal-slot placements (tiny instances)."""
+    num_e, best = len(load_E), np.inf
+    for perm in itertools.permutations(range(num_e)):
+        groups = np.array(perm).reshape(ranks, -1)
+        best = min(best, max(load_E[g].sum() for g in groups))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_local_search_never_worse_than_start_and_often_optimal(seed):
+    rng = np.random.default_rng(seed)
+    load_E = rng.integers(1, 50, size=6).astype(float)
+    start = initial_slots(np.arange(6) // 2, 3)
+    found = priced_local_search(start, load_E, np.zeros((6, 3)), 1.0, 20)
+    got = rank_loads(found.slots_RS, load_E).max()
+    assert got <= rank_loads(start, load_E).max()
+    assert got >= _brute_force_max(load_E, 3) - 1e-9
+    assert replica_counts(found.slots_RS, 6).tolist() == [1] * 6
+
+
+def test_piper_with_spare_slots_adds_replicas_of_hot_experts():
+    load = np.array([[100, 10, 10, 10]])
+    start = initial_slots(np.array([0, 0, 1, 1]), 2, redundant_slots=1)
+    got = piper(start, load, FREE, EXACT)
+    held = holders(got, 4)
+    assert held[0].all()  # the hot expert now lives on both ranks
+    assert (got >= 0).sum(axis=1).max() <= 3
