@@ -104,6 +104,12 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> ClusterSpec:
         **{k: reader.positive(data, k) for k in _OPTIONAL_FLOATS if k in data},
     )
     _check_levels(cluster, source)
+    overhead, memory = cluster.framework_overhead_gib, cluster.device.memory_gib
+    if overhead >= memory:
+        raise SpecError(
+            f"cluster file {source}: field 'framework_overhead_gib'={overhead} leaves nothing of "
+            f"the {memory} GiB device memory; use a smaller value"
+        )
     for key in ("gemm_efficiency", "attention_efficiency"):
         if getattr(cluster, key) > 1.0:
             raise SpecError(f"cluster file {source}: {key} is a fraction of peak; use a value <= 1")

@@ -190,7 +190,8 @@ def _table(d: dict) -> str:
         f"exposed comm {d['exposed_comm_s']:.4f} s)",
         f"tokens/s         {d['tokens_per_s']:,.0f}",
         f"TFLOPS per GPU   {d['tflops_per_gpu']:.1f}  (MFU {d['mfu']:.1%})",
-        f"usable memory    {d['usable_memory_gib']:.1f} GiB per GPU",
+        f"memory limit     {d['usable_memory_gib']:.1f} GiB per GPU (stage totals include "
+        f"the framework overhead)",
         f"fits             {'yes' if d['fits'] else 'NO: ' + d['reason']}",
         f"measured tables  {tables}",
     ]

@@ -48,6 +48,9 @@ class Estimate:
     stages: tuple[StageEstimate, ...]
     comm_s: tuple[tuple[str, float], ...]  # per step, on the bottleneck stage, by kind_level
     exposed_comm_s: float
+    # What the per-stage totals are held against. The totals include the framework overhead
+    # as a component, so this is the whole device memory (the stage IP's contract instead
+    # subtracts the overhead: StageCostInputs.usable_memory_bytes).
     usable_memory_gib: float
     fits: bool
     reason: str
@@ -216,7 +219,7 @@ def _assemble(
         stages=tuple(stages),
         comm_s=step.comm_s,
         exposed_comm_s=step.exposed_comm_s,
-        usable_memory_gib=usable,
+        usable_memory_gib=cluster.device.memory_gib,
         fits=not over,
         reason=reason,
         model_flops_per_step=flops,
