@@ -279,11 +279,11 @@ def _build_model(data: _Data):
                 load_this = [(-c, v) for c, v in load_terms[r]]
                 model.add(load_prev + load_this, ">=", 0, f"C10_order_r{r}")
     # C11: pairs (e, e2) count as co-located on node n only if both are on n (see _pair_terms).
-    together = _pair_terms(model, data, x, data.ranks_of_node())
+    together, pair_vars = _pair_terms(model, data, x, data.ranks_of_node())
 
     # Objective: hottest rank + traffic_weight x (placement-dependent part of) crossings.
     model.minimize([(1, zmax)] + together)
-    _hint(model, data, x, y, z, zmax)
+    _hint(model, data, x, y, z, zmax, pair_vars)
 
     def decode(values) -> dict[int, list[int]]:
         return {r: [e for e in range(num_e) if values[x[e][r]]] for r in range(ep)}
@@ -291,19 +291,21 @@ def _build_model(data: _Data):
     return model, x, decode
 
 
-def _pair_terms(model, data, x, classes) -> list[tuple[int, int]]:
+def _pair_terms(model, data, x, classes):
+    """Objective terms of co-located pairs, and their variables {(e, e2, node): var}."""
     if not data.traffic_active:
-        return []
+        return [], {}
     keep = _strong_pairs(data)
     factor = data.traffic_weight * (1 - 1 / data.num_nodes)
-    terms = []
+    terms, pair_vars = [], {}
     for e, e2, tokens in keep:
         for n, ranks in classes.items():
             p = model.bool_var(f"experts{e}_{e2}_on_node{n}")
+            pair_vars[(e, e2, n)] = p
             for ee in (e, e2):  # C11
                 model.add([(1, p)] + [(-1, x[ee][r]) for r in ranks], "<=", 0, f"C11_{e}_{e2}_{n}")
             terms.append((-quantize(factor * tokens, data.unit), p))
-    return terms
+    return terms, pair_vars
 
 
 def _strong_pairs(data: _Data) -> list[tuple[int, int, float]]:
@@ -321,9 +323,12 @@ def _strong_pairs(data: _Data) -> list[tuple[int, int, float]]:
     return sorted(keep)
 
 
-def _hint(model, data: _Data, x, y, z, zmax) -> None:
+def _hint(model, data: _Data, x, y, z, zmax, pair_vars) -> None:
     held = _symmetric_first(data, data.greedy())
     count = {e: sum(e in v for v in held.values()) for e in range(data.num_e)}
+    rank_of = {e: r for r in held for e in held[r]}
+    for (e, e2, n), v in pair_vars.items():
+        model.hint(v, int(data.node_of_rank[rank_of[e]] == data.node_of_rank[rank_of[e2]] == n))
     for e in range(data.num_e):
         for r in range(data.ep):
             model.hint(x[e][r], int(e in held[r]))
@@ -337,8 +342,18 @@ def _hint(model, data: _Data, x, y, z, zmax) -> None:
 def _symmetric_first(data: _Data, held: dict[int, list[int]]) -> dict[int, list[int]]:
     """Relabel interchangeable ranks by their smallest expert (the order C10 expects)."""
     out: dict[int, list[int]] = {}
+    count = _copies(held)
     for ranks in data.symmetry_classes():
-        sets = sorted((sorted(held[r]) for r in ranks), key=lambda s: (s[:1], s))
+        if data.redundant_slots:  # C10 with replicas: loads non-increasing
+
+            def key(s):
+                return (-sum(-(-data.load_q[e] // count[e]) for e in s), s)
+        else:  # C10 without: ordered by smallest expert
+
+            def key(s):
+                return (s[:1], s)
+
+        sets = sorted((sorted(held[r]) for r in ranks), key=key)
         out.update(zip(ranks, sets, strict=True))
     return out
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +37,8 @@ Sense = Literal["<=", ">=", "=="]
 Terms = Iterable[tuple[int, int]]  # (integer coefficient, variable index)
 
 BACKENDS: tuple[str, ...] = ("cpsat", "cbc")
+PRESOLVE_MAX_TERMS = 20_000  # CP-SAT presolve off above this many constraint terms
+CBC_MAX_TERMS = 100_000  # larger models overrun CBC's time limit in its root LP; not sent
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class LinearModel:
         self.objective: tuple[tuple[int, int], ...] = ()
         self.hints: dict[int, int] = {}
         self.canonical: list[int] | None = None  # tie-break order; None = all bool vars
+        self.created_at = time.perf_counter()  # building the model counts against the limit
 
     def canonical_vars(self) -> list[int]:
         """Variables whose lexicographic order breaks ties between optimal solutions."""
@@ -148,6 +151,9 @@ class LinearModel:
     def hint(self, var: int, value: int) -> None:
         self.hints[var] = int(value)
 
+    def num_terms(self) -> int:
+        return sum(len(terms) for terms, _s, _r, _n in self.constraints)
+
     def evaluate(self, values: Sequence[int]) -> int:
         """Objective (integer units) of a full assignment."""
         return sum(c * values[v] for c, v in self.objective)
@@ -175,12 +181,21 @@ def solve(model: LinearModel, options: SolverOptions) -> Solution:
     depends neither on the backend nor on the thread count or seed.
     """
     start = time.perf_counter()
+    left_s = max(options.time_limit_s - (start - model.created_at), options.time_limit_s / 10)
+    run = replace(options, time_limit_s=left_s)
+    if options.backend == "cbc" and model.num_terms() > CBC_MAX_TERMS:
+        message = (
+            f"{model.name}: {model.num_terms()} terms is more than CBC handles within a time "
+            "limit (its root LP ignores it); the warm start is kept, use --solver cpsat"
+        )
+        nan = float("nan")
+        return Solution(SolveReport("cbc", "NOT_SOLVED", nan, nan, math.inf, 0.0, message))
     if options.backend == "cpsat":
-        status, obj, bound, values = _solve_cpsat(model, options)
+        status, obj, bound, values = _solve_cpsat(model, run)
     else:
-        status, obj, bound, values = _solve_cbc(model, options)
+        status, obj, bound, values = _solve_cbc(model, run)
     if status == "OPTIMAL" and model.canonical_vars():
-        left_s = options.time_limit_s - (time.perf_counter() - start)
+        left_s = options.time_limit_s - (time.perf_counter() - model.created_at)
         canonical = _canonical_cpsat(model, obj, left_s) if left_s > 0 else None
         values = canonical if canonical is not None else values
     wall_s = time.perf_counter() - start
@@ -208,18 +223,24 @@ def _gap(objective: float, bound: float) -> float:
 
 
 def _cp_model(model: LinearModel):
+    """CpModel built through its proto (fast for 10^5 terms); returns (model, vars, objective)."""
     from ortools.sat.python import cp_model
 
     cp = cp_model.CpModel()
     xs = [cp.NewIntVar(v.lb, v.ub, v.name) for v in model.vars]
-
-    def expr(terms):
-        return cp_model.LinearExpr.WeightedSum([xs[v] for _, v in terms], [c for c, _ in terms])
-
+    proto = cp.Proto()
+    big = cp_model.INT_MAX
     for terms, sense, rhs, _name in model.constraints:
-        e = expr(terms)
-        cp.Add(e <= rhs if sense == "<=" else e >= rhs if sense == ">=" else e == rhs)
-    return cp, xs, expr(model.objective)
+        lin = proto.constraints.add().linear
+        lin.vars.extend(v for _, v in terms)
+        lin.coeffs.extend(c for c, _ in terms)
+        lo = rhs if sense in (">=", "==") else -big
+        hi = rhs if sense in ("<=", "==") else big
+        lin.domain.extend([lo, hi])
+    objective = cp_model.LinearExpr.WeightedSum(
+        [xs[v] for _, v in model.objective], [c for c, _ in model.objective]
+    )
+    return cp, xs, objective
 
 
 def _solve_cpsat(model: LinearModel, options: SolverOptions):
@@ -236,10 +257,12 @@ def _solve_cpsat(model: LinearModel, options: SolverOptions):
     # Leave Ctrl-C to Python (KeyboardInterrupt): CP-SAT's own SIGINT handler would swallow
     # it mid-solve and leave SIG_DFL behind, killing the process on the next Ctrl-C.
     solver.parameters.catch_sigint_signal = False
+    if model.num_terms() > PRESOLVE_MAX_TERMS:  # presolve alone could eat the time limit
+        solver.parameters.cp_model_presolve = False
     code = solver.Solve(cp)
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         status = "OPTIMAL" if code == cp_model.OPTIMAL else "FEASIBLE"
-        values = [solver.Value(x) for x in xs]
+        values = list(solver.ResponseProto().solution)
         obj = model.evaluate(values)
         return status, obj, solver.BestObjectiveBound(), values
     if code == cp_model.INFEASIBLE:
@@ -265,7 +288,7 @@ def _canonical_cpsat(model: LinearModel, objective_units: int, time_limit_s: flo
     solver.parameters.catch_sigint_signal = False  # Ctrl-C stays with Python, as above
     code = solver.Solve(cp)
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return [solver.Value(x) for x in xs]
+        return list(solver.ResponseProto().solution)
     return None
 
 
