@@ -217,7 +217,11 @@ def apply_migration(
                 p.grad = torch.zeros_like(p)
     staged, ok = {}, not fail
     for layer, moe in moes.items():
-        layer_ok, staged[layer] = _stage_layer(moe, tables[layer], mesh, optimizer, counter)
+        try:
+            layer_ok, staged[layer] = _stage_layer(moe, tables[layer], mesh, optimizer, counter)
+        except (RuntimeError, ValueError) as exc:  # a failed copy: vote no, keep the old slots
+            log.warning("migration copy failed on layer %d: %s", layer, exc)
+            layer_ok = False
         ok = ok and layer_ok
     device = next(iter(moes.values())).experts.w_in.device
     flag = torch.tensor([1 if ok else 0], device=device)
