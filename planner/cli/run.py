@@ -148,14 +148,49 @@ def _summary(out: Path) -> str:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Validate the plan, launch torchrun, print a summary; returns the exit code."""
-    plan = load_plan(args.plan)
+def _launch_cmd(args: argparse.Namespace, world: int, ranks_per_node: int, out: Path) -> list:
+    """torchrun (standalone, one machine) running runtime.launch with the run's options."""
+    options = {
+        "plan": args.plan,
+        "out": out,
+        "steps": args.steps,
+        "scale": args.scale,
+        "ranks-per-node": ranks_per_node,
+        "dispatcher": args.dispatcher,
+        "migrate-every": args.migrate_every,
+        "seed": args.seed,
+        "lr": args.lr,
+        "trace-every": args.trace_every,
+        "router-bias-rate": args.router_bias_rate,
+        "halo-direct-below-bytes": args.halo_direct_below_bytes,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "-m",
+        "runtime.launch",
+    ]
+    for name, value in options.items():
+        cmd += [f"--{name}", str(value)]
+    return cmd
+
+
+def _check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "trace_every"):
         if getattr(args, name) < 1:
             raise SpecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.migrate_every < 0 or args.router_bias_rate < 0:
         raise SpecError("--migrate-every and --router-bias-rate must be >= 0")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate the plan, launch torchrun, print a summary; returns the exit code."""
+    plan = load_plan(args.plan)
+    _check_args(args)
     changed = changed_inputs(plan)
     if changed and not args.force:
         raise SpecError(
@@ -164,40 +199,7 @@ def run(args: argparse.Namespace) -> int:
         )
     shape = _check(args, plan)
     out = Path(args.out) if args.out else Path(args.plan).resolve().parent / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(shape["world"]),
-        "-m",
-        "runtime.launch",
-        "--plan",
-        str(args.plan),
-        "--out",
-        str(out),
-        "--steps",
-        str(args.steps),
-        "--scale",
-        str(args.scale),
-        "--ranks-per-node",
-        str(shape["ranks_per_node"]),
-        "--dispatcher",
-        args.dispatcher,
-        "--migrate-every",
-        str(args.migrate_every),
-        "--seed",
-        str(args.seed),
-        "--lr",
-        str(args.lr),
-        "--trace-every",
-        str(args.trace_every),
-        "--router-bias-rate",
-        str(args.router_bias_rate),
-        "--halo-direct-below-bytes",
-        str(args.halo_direct_below_bytes),
-    ]
+    cmd = _launch_cmd(args, shape["world"], shape["ranks_per_node"], out)
     print(
         f"piper run: {shape['world']} processes (pp={shape['pp']} dp={shape['dp']} "
         f"ep={shape['ep']} edp={shape['edp']}, {shape['ranks_per_node']} per node), "
