@@ -60,6 +60,10 @@ def load_allocation(path: str | Path) -> Allocation:
             f"{p}: no such allocation file; pass a YAML/CSV list of nodes with hostname, "
             "switch and group"
         ) from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{p}: not a text file; pass a YAML or CSV allocation") from None
+    except IsADirectoryError:
+        raise SpecError(f"{p}: is a directory; pass a YAML or CSV allocation file") from None
     if p.suffix.lower() == ".csv":
         rows: Any = _read_csv(text, p)
     else:

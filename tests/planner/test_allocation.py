@@ -48,12 +48,13 @@ def test_default_allocation_follows_cluster_levels():
         ("type.yaml", "- {hostname: a, switch: [1, 2]}\n", "must be a string or integer"),
         ("scalar.yaml", "- a\n", "must be a mapping"),
         ("bad.csv", "host,switch\na,1\n", "CSV header must include hostname,switch"),
+        ("binary.yaml", "\udcff\udcfe\x00", "not a text file"),
     ],
 )
 def test_bad_files_name_the_problem(tmp_path, name, text, match):
     p = tmp_path / name
     if text is not None:
-        p.write_text(text)
+        p.write_bytes(text.encode("utf-8", "surrogateescape"))
     with pytest.raises(SpecError, match=match) as err:
         load_allocation(p)
     assert name in str(err.value) and "\n" not in str(err.value)
