@@ -65,9 +65,10 @@ def brute_stage(inputs: StageCostInputs) -> float:
 
 
 def random_experts(rng: random.Random) -> tuple[list[float], int]:
+    """Mildly skewed loads, so the LPT warm start rarely meets the lower bound by itself."""
     ep = rng.choice([2, 3, 4])
-    num_e = ep * rng.randint(1, 8 // ep)
-    return [rng.paretovariate(1.3) * 100 for _ in range(num_e)], ep
+    num_e = ep * rng.randint(2, 8 // ep) if ep < 4 else 8
+    return [rng.uniform(50, 150) for _ in range(num_e)], ep
 
 
 def brute_experts(load: list[float], ep: int) -> float:
@@ -92,9 +93,10 @@ def close(a: float, b: float) -> bool:
 def run_family(name, instances, solve_fn, brute_fn) -> None:
     equal = {b: 0 for b in OPTS}
     walls = {b: [] for b in OPTS}
-    agree = 0
+    agree = infeasible = 0
     for inst in instances:
         want = brute_fn(inst)
+        infeasible += math.isinf(want)
         got = {}
         for b, opts in OPTS.items():
             start = time.perf_counter()
@@ -103,7 +105,7 @@ def run_family(name, instances, solve_fn, brute_fn) -> None:
             equal[b] += close(got[b], want)
         agree += close(got["cpsat"], got["cbc"])
     n = len(instances)
-    print(f"\n{name}: {n} random instances")
+    print(f"\n{name}: {n} random instances ({infeasible} infeasible, by brute force)")
     print(f"  {'backend':8} {'= brute force':>14} {'median ms':>10} {'total s':>8}")
     for b in OPTS:
         print(
@@ -119,8 +121,13 @@ def stage_objective(inputs, opts) -> float:
     return sol.bottleneck_s if sol.feasible else math.inf
 
 
+SHORTCUTS = {"n": 0}  # instances proven by the warm start meeting the bound (no solve)
+
+
 def expert_objective(inst, opts) -> float:
-    return solve_experts(inst[0], inst[1], opts).max_rank_load
+    sol = solve_experts(inst[0], inst[1], opts)
+    SHORTCUTS["n"] += "lower bound" in sol.report.message
+    return sol.max_rank_load
 
 
 def dsv3_like(pp: int) -> StageCostInputs:
@@ -168,6 +175,10 @@ def main() -> None:
     expert_cases = [random_experts(rng) for _ in range(args.instances)]
     run_family("stage IP", stage_cases, stage_objective, brute_stage)
     run_family("expert IP", expert_cases, expert_objective, lambda i: brute_experts(*i))
+    print(
+        f"  solved by the IP: {2 * len(expert_cases) - SHORTCUTS['n']} of "
+        f"{2 * len(expert_cases)} backend runs (the rest: LPT met the lower bound)"
+    )
     time_dsv3()
 
 
