@@ -1,11 +1,12 @@
 """Does the simulator predict the emulated network? Measured (halo_emulated.py) vs simulated.
 
 Reads the JSON of `benchmarks/halo_emulated.py --json` (or runs it with --run; needs root),
-models each emulated network with planner.sim.emulated, fits ONE parameter, the per-message
-software overhead (gloo over TCP + the dispatcher's Python), on the smallest token count of
-the uniform-routing points, and predicts every other point. Prints measured vs predicted
-per point, the error, and how many bandwidth-bound points are within 25%; writes
-results/a2a/emulated_check.{md,csv}.
+models each emulated network with planner.sim.emulated, fits two parameters on the top-k = 2
+uniform-routing points: the per-message software overhead (gloo over TCP + the dispatcher's
+Python) and the host's CPU throughput that every emulated byte shares (all "nodes" run on
+one machine), and predicts every other uniform-routing point (other k, 200 Mbit/s, 2 x 4).
+Prints measured vs predicted per point, the error, and how many held-out points are within
+25%; writes results/a2a/emulated_check.{md,csv}.
 
   python3 benchmarks/a2a_emulated_check.py --emulated-json emulated.json
   python3 benchmarks/a2a_emulated_check.py --run            # as root: runs the emulation
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.outputs.files import write_files  # noqa: E402
-from planner.sim.emulated import fit_overhead_us, predict_dispatch_combine_s  # noqa: E402
+from planner.sim.emulated import fit_parameters, predict_dispatch_combine_s  # noqa: E402
 
 
 def load_points(args: argparse.Namespace) -> dict:
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         default=2.0,
         help="loopback TCP GB/s per rank (piper profile's p2p_node on this host)",
     )
+    ap.add_argument("--fit-topk", type=int, default=2, help="points used to fit")
     ap.add_argument("--out", default=str(ROOT / "results" / "a2a"))
     ap.add_argument("--no-files", action="store_true")
     args = ap.parse_args(argv)
@@ -58,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --emulated-json FILE or --run")
     data = load_points(args)
     points = [m for m in data["measurements"] if m["routing"] == "uniform"]
-    smallest = min(p["tokens_per_rank"] for p in points)
-    calib = [p for p in points if p["tokens_per_rank"] == smallest]
-    o_us = fit_overhead_us(calib, args.loopback_gbps)
+    is_fit = {id(p): p["topk"] == args.fit_topk for p in points}
+    calib = [p for p in points if is_fit[id(p)]]
+    o_us, host = fit_parameters(calib, args.loopback_gbps)
     rows, within, held_out = [], 0, 0
     csv = [
         "nodes,ranks_per_node,rate_mbit,topk,tokens_per_rank,algo,measured_s,predicted_s,"
@@ -77,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             q["algo"],
         ),
     ):
-        pred = predict_dispatch_combine_s(p, o_us, args.loopback_gbps)
+        pred = predict_dispatch_combine_s(p, o_us, args.loopback_gbps, host_gbps=host)
         err = (pred - p["median_s"]) / p["median_s"]
-        fit = p["tokens_per_rank"] == smallest
+        fit = is_fit[id(p)]
         if not fit:
             held_out += 1
             within += abs(err) <= 0.25
@@ -96,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Simulator vs emulated network (benchmarks/halo_emulated.py)",
         "",
-        f"Fitted per-message overhead: {o_us:.0f} us (on the {smallest}-token points); "
-        f"loopback {args.loopback_gbps} GB/s per rank.",
+        f"Fitted on the top-{args.fit_topk} points: per-message overhead {o_us:.0f} us, host "
+        f"CPU {host:.3g} GB/s of payload shared by all ranks; loopback {args.loopback_gbps} "
+        f"GB/s per rank. Machine: {data.get('cpus', '?')} CPUs, load average "
+        f"{data.get('load_avg_1min_at_end', '?')} at the end of the run.",
         "",
         "| nodes x g | Mbit/s | k | tokens | algo | measured ms | simulated ms | error |",
         "|---|---:|---:|---:|---|---:|---:|---:|",

@@ -7,14 +7,18 @@ MoE dispatch + combine in float32: every rank sends tokens x topk rows of `dim` 
 each direction (the combine mirrors the dispatch), with experts spread evenly.
 
 As a ClusterSpec: level "node" (G ranks, loopback bandwidth), level "network" (N x G ranks,
-the link rate shared by the node's G ranks), one "NIC" per node at the link rate.
+the link rate shared by the node's G ranks), one "NIC" per node at the link rate. All
+emulated nodes run on the same machine, so every byte sent (over veth or loopback) also
+costs the same CPUs: `host_gbps` models them as one more link that every flow crosses.
 """
 
 from __future__ import annotations
 
 import math
 
-from planner.halo_sim import simulate_all_to_all
+from planner.sim.a2a import phase_timings
+from planner.sim.network import build_network
+from planner.sim.routing import dedup_ratio
 from planner.specs import ClusterSpec, DeviceSpec, LevelSpec
 
 CPU_RANK = DeviceSpec("emulated-cpu-rank", 4.0, (("fp32", 0.1),), 10.0)
@@ -48,6 +52,7 @@ def predict_dispatch_combine_s(
     overhead_us: float,
     loopback_gbps: float,
     latency_us: float = 50.0,
+    host_gbps: float = 0.0,
     experts_per_rank: int = 8,
     elem_bytes: int = 4,
 ) -> float:
@@ -57,32 +62,32 @@ def predict_dispatch_combine_s(
         point: a measurement of halo_emulated.py --json (nodes, ranks_per_node, rate_mbit,
             topk, tokens_per_rank, dim, algo).
         overhead_us: per-message software cost (gloo over TCP plus the dispatcher's Python).
+        host_gbps: > 0 adds the machine's CPUs as one link every flow crosses (GB/s of
+            payload the host can push through its TCP stacks; all emulated nodes share it).
     """
     cluster = emulated_cluster(
         point["nodes"], point["ranks_per_node"], point["rate_mbit"], loopback_gbps, latency_us
     )
-    ranks = point["nodes"] * point["ranks_per_node"]
+    net = build_network(cluster, point["nodes"], host_bytes_s=host_gbps * 1e9)
     nbytes = point["tokens_per_rank"] * point["topk"] * point["dim"] * elem_bytes
-    one = simulate_all_to_all(
-        cluster,
-        point["nodes"],
-        nbytes,
-        point["algo"],
-        topk=point["topk"],
-        experts=experts_per_rank * ranks,
-        overhead_us=overhead_us,
-    )
-    return 2.0 * one.time_s
+    ratio = 1.0
+    if point["algo"] == "halo-dedup":
+        ratio = dedup_ratio(experts_per_rank * net.ranks, net.domains, point["topk"])
+    _, phases = phase_timings(net, point["algo"], nbytes, overhead_us * 1e-6, ratio)
+    return 2.0 * max(ph.end_s for ph in phases)
 
 
-def fit_overhead_us(points: list[dict], loopback_gbps: float) -> float:
-    """Per-message overhead minimizing the squared log error on `points` (grid search)."""
-    grid = [10 ** (k / 40) for k in range(0, 201)]  # 1 us .. 100 ms, 40 per decade
+def fit_parameters(points: list[dict], loopback_gbps: float) -> tuple[float, float]:
+    """(overhead_us, host_gbps) minimizing the squared log error on `points` (grid search:
+    overhead 1 us .. 100 ms and host 0.01 .. 100 GB/s, 10 steps per decade)."""
+    overheads = [10 ** (k / 10) for k in range(0, 51)]
+    hosts = [10 ** (k / 10) for k in range(-20, 21)]
 
-    def loss(o: float) -> float:
+    def loss(o: float, h: float) -> float:
         return sum(
-            math.log(predict_dispatch_combine_s(p, o, loopback_gbps) / p["median_s"]) ** 2
+            math.log(predict_dispatch_combine_s(p, o, loopback_gbps, host_gbps=h) / p["median_s"])
+            ** 2
             for p in points
         )
 
-    return min(grid, key=loss)
+    return min(((o, h) for o in overheads for h in hosts), key=lambda oh: loss(*oh))

@@ -63,6 +63,8 @@ class SimNetwork:
     domain_ranks: int  # g: ranks of one scale-up domain, HALO's "node"
     levels: tuple[SimLevel, ...]
     gpus_per_nic_max: int  # the most devices sharing one NIC under affinity
+    host_bytes_s: float = 0.0  # > 0: every flow also crosses ONE shared "host" link (an
+    # emulation whose nodes all run on the same CPUs: every byte sent costs the same cores)
 
     @property
     def domains(self) -> int:
@@ -84,6 +86,8 @@ class SimNetwork:
                 for d in ("up", "down"):
                     kinds.append(LinkKind(f"{d}:{lv.name}", lv.name, cap, self.ranks // prev))
             prev = lv.reach
+        if self.host_bytes_s > 0:
+            kinds.append(LinkKind("host", "host", self.host_bytes_s, 1))
         if self.domains > 1:
             nics = self.nodes * self.nics_per_node
             kinds.append(LinkKind("nic_out", "nic", self.nic_bytes_s, nics))
@@ -104,9 +108,12 @@ class SimNetwork:
         """Flows on ONE link of each kind when every device sends `flows_per_device` flows
         that cross level v (and receives as many)."""
         lv = self.levels[v]
+        host = {"host": flows_per_device * self.ranks} if self.host_bytes_s > 0 else {}
         if lv.scale_up:
-            return {f"egress:{lv.name}": flows_per_device, f"ingress:{lv.name}": flows_per_device}
+            return {f"egress:{lv.name}": flows_per_device, f"ingress:{lv.name}": flows_per_device,
+                    **host}  # fmt: skip
         use = {
+            **host,
             "nic_out": flows_per_device * self.gpus_per_nic_max,
             "nic_in": flows_per_device * self.gpus_per_nic_max,
         }
@@ -126,8 +133,9 @@ def is_scale_up(cluster: ClusterSpec, devices: int, kind: str) -> bool:
     return devices <= cluster.gpus_per_node or any(k in kind.lower() for k in _SCALE_UP_KINDS)
 
 
-def build_network(cluster: ClusterSpec, nodes: int) -> SimNetwork:
-    """The simulator's view of `nodes` consecutive nodes of `cluster`.
+def build_network(cluster: ClusterSpec, nodes: int, host_bytes_s: float = 0.0) -> SimNetwork:
+    """The simulator's view of `nodes` consecutive nodes of `cluster` (`host_bytes_s` > 0 adds
+    one link that every flow crosses: all emulated nodes sharing one machine's CPUs).
 
     Raises SpecError when the allocation does not fit the cluster or the levels cannot
     connect it.
@@ -176,6 +184,7 @@ def build_network(cluster: ClusterSpec, nodes: int) -> SimNetwork:
         domain_ranks=domain,
         levels=tuple(levels),
         gpus_per_nic_max=max(per_nic),
+        host_bytes_s=host_bytes_s,
     )
 
 

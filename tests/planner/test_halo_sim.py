@@ -336,3 +336,17 @@ def test_cli_json_has_time_and_breakdown(capsys):
     )
     assert main(args) == 0
     assert "flat_over_halo_dedup:" in capsys.readouterr().out
+
+
+def test_shared_host_link_is_crossed_by_every_flow():
+    """An emulation on one machine: with a host link of H bytes/s every flow shares, a flat
+    all-to-all of B per rank over P ranks takes P (P-1) B/P / H when the host is the bottleneck."""
+    from planner.sim.a2a import phase_timings
+
+    c = two_by_two()
+    net = build_network(c, 2, host_bytes_s=1e6)  # 1 MB/s: far below every link
+    _, phases = phase_timings(net, "flat", 4e6, 0.0)
+    assert phases[0].fluid_s == pytest.approx(4 * 3 * 1e6 / 1e6)
+    _, halo = phase_timings(net, "halo", 4e6, 0.0)
+    # HALO moves more bytes in total (Phase III forwards), so on a CPU-bound host it is slower
+    assert max(p.end_s for p in halo) > phases[0].end_s
