@@ -107,3 +107,19 @@ def test_quantize_rounding_directions():
 def test_options_validated(kwargs, match):
     with pytest.raises(SpecError, match=match):
         SolverOptions(**kwargs)
+
+
+def test_cbc_size_guard_keeps_the_warm_start(monkeypatch):
+    """A model past CBC_MAX_TERMS is not sent to CBC; the IPs keep their warm start."""
+    from planner.ip import solvers
+    from planner.ip.expert_ip import solve_experts
+
+    monkeypatch.setattr(solvers, "CBC_MAX_TERMS", 10)
+    sol = solve(partition_model(8, 5), SolverOptions(backend="cbc"))
+    assert sol.report.status == "NOT_SOLVED" and "use --solver cpsat" in sol.report.message
+    load = [7.0, 7.0, 1.0, 5.0, 9.0, 8.0]  # optimum {9,8,1} / {7,7,5} = 19; LPT gets 20
+    placed = solve_experts(load, 2, SolverOptions(backend="cbc"))
+    assert placed.report.status == "FEASIBLE" and "use --solver cpsat" in placed.report.message
+    assert placed.max_rank_load == pytest.approx(20.0)
+    assert placed.report.bound == pytest.approx(18.5) and placed.report.gap > 0
+    assert solve_experts(load, 2, SolverOptions()).max_rank_load == pytest.approx(19.0)
