@@ -177,6 +177,33 @@ TRACE_MODEL_FAULTS = [
 # Faults that only `piper migrate --ep 4` sees: 6 experts do not split over 4 ranks.
 TRACE_EP_FAULTS = [Fault("experts-not-divisible", _trace(_rows(experts=6)), "--ep")]
 
+METRIC_KEYS = ("step", "loss", "step_time_s", "tokens_per_s", "peak_memory_bytes", "dispatch_s",
+               "combine_s", "bytes_intra_node", "bytes_inter_node")  # fmt: skip
+
+
+def _metrics(change: Callable[[dict], object] | None = None, text: str | None = None):
+    def make(d: Path) -> str:
+        p = d / "metrics.jsonl"
+        if text is None:
+            rows = [{k: float(i + 1) for k in METRIC_KEYS} | {"step": i} for i in range(3)]
+            rows = [mutated(r, change) for r in rows] if change else rows
+            p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        else:
+            p.write_text(text)
+        return str(p)
+
+    return make
+
+
+METRICS_FAULTS = [
+    Fault("missing-key", _metrics(lambda r: r.pop("step_time_s")), "step_time_s"),
+    Fault("wrong-type", _metrics(lambda r: r.update(step_time_s="fast")), "step_time_s"),
+    Fault("negative-time", _metrics(lambda r: r.update(step_time_s=-1.0)), "step_time_s"),
+    Fault("not-json", _metrics(text='{"step": 0,\n'), "line 1"),
+    Fault("empty", _metrics(text=""), "steps"),
+    Fault("no-such-file", lambda d: str(d / "nope.jsonl"), "nope.jsonl"),
+]
+
 
 def _plan_json(change: Callable[[dict], object] | None = None, text: str | None = None):
     def make(d: Path) -> str:
@@ -275,6 +302,8 @@ def _commands(kind: str, value: str, out: Path) -> dict[str, list[str]]:
         if kind == "trace" and has_command("migrate"):
             cmds["migrate"] = ["migrate", "--trace", value, "--ep", "4", "--out", o]
         return cmds
+    if kind == "metrics":
+        return {"calibrate": ["calibrate", str(out.parent / "plan.json"), value, "--out", o]}
     if kind == "trace-ep":
         return {"migrate": ["migrate", "--trace", value, "--ep", "4", "--out", o]}
     assert kind == "plan"
@@ -297,6 +326,7 @@ CASES = [
         ("trace-model", TRACE_MODEL_FAULTS),
         ("trace-ep", TRACE_EP_FAULTS),
         ("plan", PLAN_FAULTS),
+        ("metrics", METRICS_FAULTS),
     )
     for fault in faults
     for cmd in _commands(kind, "X", Path("/o"))
@@ -316,7 +346,13 @@ def assert_clean_rejection(cmd: str, result, value: str, fault: Fault) -> None:
 
 
 # Faults whose fix belongs to a file another engineer owns and is not in yet (see the report).
-KNOWN_BUGS: dict[str, str] = {}  # allocation-binary-plan fixed in planner/allocation.py (C1)
+# allocation-binary-plan: fixed in planner/allocation.py (C1)
+KNOWN_BUGS: dict[str, str] = {
+    "metrics-wrong-type-calibrate": "planner/calibrate.py (F) reads metrics.jsonl values "
+    "without a type check: ValueError traceback on a non-numeric step_time_s",
+    "metrics-negative-time-calibrate": "planner/calibrate.py (F) accepts negative "
+    "step_time_s in metrics.jsonl and reports a calibration from it",
+}
 
 
 def _case(kind: str, fault: Fault, cmd: str):
@@ -335,6 +371,7 @@ def test_bad_input_is_one_clean_line(kind, fault, cmd, tmp_path, good_plan_json)
     inputs.mkdir()
     value = fault.make(inputs)
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0, "step_time_s": 1.0}\n')
+    (tmp_path / "plan.json").write_text(good_plan_json)
     out = tmp_path / "out"
     argv = _commands(kind, value, out)[cmd]
     result = run_piper(argv)
