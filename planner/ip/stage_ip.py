@@ -111,80 +111,50 @@ def stage_solution_dp(inputs: StageCostInputs) -> StageSolution:
 # ----------------------------------------------------------------------------- model
 
 
+@dataclass(frozen=True)
+class _Vars:
+    """Solver variables: ge[s][i] = layer i is in stage >= s (s = 1..S-1; row 0 unused),
+    rec[(i, s)] = layer i is recomputed in stage s, bottleneck = the slowest stage's time."""
+
+    ge: list[list[int]]
+    rec: dict[tuple[int, int], int]
+    bottleneck: int
+    num_s: int
+
+    def in_stage(self, i: int, s: int) -> tuple[list[tuple[int, int]], int]:
+        """x[i,s] = ge[s][i] - ge[s+1][i] as (terms, constant); ge[0] = 1, ge[S] = 0."""
+        terms = []
+        if s > 0:
+            terms.append((1, self.ge[s][i]))
+        if s + 1 < self.num_s:
+            terms.append((-1, self.ge[s + 1][i]))
+        return terms, int(s == 0)
+
+
 def _build_model(data: StageData, hint: Split):
     """Data -> Variables -> Constraints -> Objective of the stage IP; returns (model, decode)."""
     num_l, num_s = data.num_layers, data.pp
     weight = num_l + 1  # one time unit outweighs any number of recomputed layers
     model = LinearModel("stage_ip", objective_unit=data.time_unit_s / weight)
 
-    # Variables: ge[s][i] = layer i is in stage >= s (s = 1..S-1); stage 0 / S are constants.
+    # Variables (see _Vars); the hint is feasible, so T is at most its bottleneck.
     ge = [[-1] * num_l] + [
         [model.bool_var(f"layer{i}_in_stage_ge{s}") for i in range(num_l)] for s in range(1, num_s)
     ]
-    recomputable = [data.recompute_allowed and data.dact_q[i] > 0 for i in range(num_l)]
     rec = {
         (i, s): model.bool_var(f"layer{i}_recompute_in_stage{s}")
         for s in range(num_s)
         for i in range(num_l)
-        if recomputable[i]
+        if data.recompute_allowed and data.dact_q[i] > 0
     }
-    # the hint is feasible, so the optimum is no slower than its bottleneck
-    bottleneck = model.num_var(0, data.bottleneck(hint), "bottleneck_time")
+    v = _Vars(ge, rec, model.num_var(0, data.bottleneck(hint), "bottleneck_time"), num_s)
 
-    def in_stage(i: int, s: int) -> list[tuple[int, int]]:
-        """x[i,s] = ge[s][i] - ge[s+1][i] as terms (constants folded by the callers)."""
-        terms = []
-        if s > 0:
-            terms.append((1, ge[s][i]))
-        if s + 1 < num_s:
-            terms.append((-1, ge[s + 1][i]))
-        return terms
-
-    def in_stage_const(s: int) -> int:
-        return 1 if s == 0 else 0  # x[i,0] = 1 - ge[1][i]
-
-    # C1: stages are contiguous: once a layer is in stage >= s, every later layer is too.
-    for s in range(1, num_s):
-        for i in range(num_l - 1):
-            model.add([(1, ge[s][i]), (-1, ge[s][i + 1])], "<=", 0, f"C1_s{s}_l{i}")
-    # C2: stages are ordered and non-empty: if layer i+1 is in stage >= s+1, layer i is in >= s.
-    for s in range(1, num_s):
-        if s + 1 < num_s:
-            for i in range(num_l - 1):
-                model.add([(1, ge[s + 1][i + 1]), (-1, ge[s][i])], "<=", 0, f"C2_s{s}_l{i}")
-    # C3: layer 0 is in stage 0 and the last layer in the last stage.
-    for s in range(1, num_s):
-        model.add([(1, ge[s][0])], "==", 0, f"C3_first_s{s}")
-    if num_s > 1:
-        model.add([(1, ge[num_s - 1][num_l - 1])], "==", 1, "C3_last")
-    # C4: a layer is recomputed only in the stage that holds it.
-    for (i, s), r in rec.items():
-        model.add([(1, r)] + [(-c, v) for c, v in in_stage(i, s)], "<=", in_stage_const(s))
-    # C5: stage memory = state + in_flight(s) x kept activations + extras <= usable memory.
-    for s in range(num_s):
-        k = data.in_flight[s]
-        terms, const = [], data.extra_mem_q(s)
-        for i in range(num_l):
-            per = data.state_q[i] + k * data.act_q[i]
-            terms += [(per * c, v) for c, v in in_stage(i, s)]
-            const += per * in_stage_const(s)
-            if (i, s) in rec:
-                terms.append((-k * data.dact_q[i], rec[(i, s)]))
-        model.add(terms, "<=", data.cap_q - const, f"C5_memory_s{s}")
-    # C6: every stage's time (forward + backward, recompute included) is at most the bottleneck.
-    for s in range(num_s):
-        terms, const = [(-1, bottleneck)], data.extra_time_q(s)
-        for i in range(num_l):
-            terms += [(data.time_q[i] * c, v) for c, v in in_stage(i, s)]
-            const += data.time_q[i] * in_stage_const(s)
-            if (i, s) in rec:
-                terms.append((data.dtime_q[i], rec[(i, s)]))
-        model.add(terms, "<=", -const, f"C6_time_s{s}")
+    _order_constraints(model, data, v)
+    _resource_constraints(model, data, v)
 
     # Objective: bottleneck time, then (tie-break) the number of recomputed layers.
-    model.minimize([(weight, bottleneck)] + [(1, r) for r in rec.values()])
-
-    _hint(model, data, hint, ge, rec, bottleneck)
+    model.minimize([(weight, v.bottleneck)] + [(1, r) for r in rec.values()])
+    _hint(model, data, hint, ge, rec, v.bottleneck)
 
     def decode(values: tuple[int, ...]) -> Split:
         starts = [0] + [next(i for i in range(num_l) if values[ge[s][i]]) for s in range(1, num_s)]
@@ -192,6 +162,54 @@ def _build_model(data: StageData, hint: Split):
         return Split(tuple(starts), recomputed)
 
     return model, decode
+
+
+def _order_constraints(model: LinearModel, data: StageData, v: _Vars) -> None:
+    """C1-C4: contiguous, ordered, non-empty stages; recompute only where the layer is."""
+    num_l, num_s, ge = data.num_layers, data.pp, v.ge
+    # C1: stages are contiguous: once a layer is in stage >= s, every later layer is too.
+    for s in range(1, num_s):
+        for i in range(num_l - 1):
+            model.add([(1, ge[s][i]), (-1, ge[s][i + 1])], "<=", 0, f"C1_s{s}_l{i}")
+    # C2: stages are ordered and non-empty: if layer i+1 is in stage >= s+1, layer i is in >= s.
+    for s in range(1, num_s - 1):
+        for i in range(num_l - 1):
+            model.add([(1, ge[s + 1][i + 1]), (-1, ge[s][i])], "<=", 0, f"C2_s{s}_l{i}")
+    # C3: layer 0 is in stage 0 and the last layer in the last stage.
+    for s in range(1, num_s):
+        model.add([(1, ge[s][0])], "==", 0, f"C3_first_s{s}")
+    if num_s > 1:
+        model.add([(1, ge[num_s - 1][num_l - 1])], "==", 1, "C3_last")
+    # C4: a layer is recomputed only in the stage that holds it.
+    for (i, s), r in v.rec.items():
+        terms, const = v.in_stage(i, s)
+        model.add([(1, r)] + [(-c, x) for c, x in terms], "<=", const, f"C4_l{i}_s{s}")
+
+
+def _resource_constraints(model: LinearModel, data: StageData, v: _Vars) -> None:
+    """C5 memory and C6 time of every stage."""
+    # C5: stage memory = state + in_flight(s) x kept activations + extras <= usable memory.
+    for s in range(data.pp):
+        k = data.in_flight[s]
+        terms, total = [], data.extra_mem_q(s)
+        for i in range(data.num_layers):
+            per = data.state_q[i] + k * data.act_q[i]
+            x_terms, x_const = v.in_stage(i, s)
+            terms += [(per * c, x) for c, x in x_terms]
+            total += per * x_const
+            if (i, s) in v.rec:
+                terms.append((-k * data.dact_q[i], v.rec[(i, s)]))
+        model.add(terms, "<=", data.cap_q - total, f"C5_memory_s{s}")
+    # C6: every stage's time (forward + backward, recompute included) is at most the bottleneck.
+    for s in range(data.pp):
+        terms, total = [(-1, v.bottleneck)], data.extra_time_q(s)
+        for i in range(data.num_layers):
+            x_terms, x_const = v.in_stage(i, s)
+            terms += [(data.time_q[i] * c, x) for c, x in x_terms]
+            total += data.time_q[i] * x_const
+            if (i, s) in v.rec:
+                terms.append((data.dtime_q[i], v.rec[(i, s)]))
+        model.add(terms, "<=", -total, f"C6_time_s{s}")
 
 
 def _hint(model, data: StageData, split: Split, ge, rec, bottleneck) -> None:
