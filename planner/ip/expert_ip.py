@@ -245,6 +245,25 @@ def _build_model(data: _Data):
         }
     zmax = model.num_var(data.lower_bound_q(), sum(data.load_q), "max_rank_load")
 
+    _placement_constraints(model, data, x, y, z, copies)
+    load_terms = _load_constraints(model, data, x, y, zmax, copies)
+    _symmetry_constraints(model, data, x, load_terms)
+    # C11: pairs (e, e2) count as co-located on node n only if both are on n (see _pair_terms).
+    together, pair_vars = _pair_terms(model, data, x, data.ranks_of_node())
+
+    # Objective: hottest rank + traffic_weight x (placement-dependent part of) crossings.
+    model.minimize([(1, zmax)] + together)
+    _hint(model, data, x, y, z, zmax, pair_vars)
+
+    def decode(values) -> dict[int, list[int]]:
+        return {r: [e for e in range(num_e) if values[x[e][r]]] for r in range(ep)}
+
+    return model, x, decode
+
+
+def _placement_constraints(model, data: _Data, x, y, z, copies) -> None:
+    """C7 (each expert placed once, or on exactly c distinct ranks) and C8 (equal slots)."""
+    num_e, ep = data.num_e, data.ep
     # C7: every expert is placed once, or (replicas) on exactly c distinct ranks for one c.
     for e in range(num_e):
         if not data.redundant_slots:
@@ -258,37 +277,36 @@ def _build_model(data: _Data):
     # C8: every rank fills exactly its slots.
     for r in range(ep):
         model.add([(1, x[e][r]) for e in range(num_e)], "==", data.slots, f"C8_slots_r{r}")
-    # C9: each rank's expected tokens (an expert's tokens split evenly over replicas) <= zmax.
+
+
+def _load_constraints(model, data: _Data, x, y, zmax, copies) -> dict[int, list]:
+    """C9: each rank's expected tokens (split evenly over replicas) <= zmax; returns the
+    load terms per rank."""
     load_terms = {}
-    for r in range(ep):
+    for r in range(data.ep):
         if data.redundant_slots:
-            terms = [(-(-data.load_q[e] // c), y[(e, r, c)]) for e in range(num_e) for c in copies]
+            terms = [
+                (-(-data.load_q[e] // c), y[(e, r, c)]) for e in range(data.num_e) for c in copies
+            ]
         else:
-            terms = [(data.load_q[e], x[e][r]) for e in range(num_e)]
+            terms = [(data.load_q[e], x[e][r]) for e in range(data.num_e)]
         load_terms[r] = terms
         model.add(terms + [(-1, zmax)], "<=", 0, f"C9_load_r{r}")
-    # C10: symmetry breaking among interchangeable ranks. Without replicas: ordered by their
-    # smallest expert, the j-th rank holds only experts >= j. With replicas: loads descend.
+    return load_terms
+
+
+def _symmetry_constraints(model, data: _Data, x, load_terms) -> None:
+    """C10: symmetry breaking among interchangeable ranks. Without replicas: ordered by their
+    smallest expert, the j-th rank holds only experts >= j. With replicas: loads descend."""
     for ranks in data.symmetry_classes():
         for j, r in enumerate(ranks):
             if not data.redundant_slots:
-                for e in range(min(j, num_e)):
+                for e in range(min(j, data.num_e)):
                     model.add([(1, x[e][r])], "==", 0, f"C10_sym_e{e}_r{r}")
             elif j > 0:
-                load_prev = [(c, v) for c, v in load_terms[ranks[j - 1]]]
-                load_this = [(-c, v) for c, v in load_terms[r]]
-                model.add(load_prev + load_this, ">=", 0, f"C10_order_r{r}")
-    # C11: pairs (e, e2) count as co-located on node n only if both are on n (see _pair_terms).
-    together, pair_vars = _pair_terms(model, data, x, data.ranks_of_node())
-
-    # Objective: hottest rank + traffic_weight x (placement-dependent part of) crossings.
-    model.minimize([(1, zmax)] + together)
-    _hint(model, data, x, y, z, zmax, pair_vars)
-
-    def decode(values) -> dict[int, list[int]]:
-        return {r: [e for e in range(num_e) if values[x[e][r]]] for r in range(ep)}
-
-    return model, x, decode
+                prev = [(c, v) for c, v in load_terms[ranks[j - 1]]]
+                this = [(-c, v) for c, v in load_terms[r]]
+                model.add(prev + this, ">=", 0, f"C10_order_r{r}")
 
 
 def _pair_terms(model, data, x, classes):
