@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from planner.ip.expert_swap import improve_by_swaps
 from planner.ip.solvers import LinearModel, SolveReport, SolverOptions, quantize, solve, unit_for
 from planner.specs import SpecError
 
@@ -79,10 +80,11 @@ def solve_experts(
             options.backend, "OPTIMAL", 0.0, 0.0, 0.0, 0.0, "greedy placement meets the lower bound"
         )
         return _result(data, _canonical(data, greedy), report)
-    model, x, decode = _build_model(data)
+    start = _warm_start(data)
+    model, x, decode = _build_model(data, start)
     sol = solve(model, options)
     if not sol.report.has_solution:  # time limit hit before the solver kept the hint
-        placement = data.greedy()
+        placement = start
         bound = data.lower_bound_q() * data.unit
         report = SolveReport(
             options.backend,
@@ -218,7 +220,7 @@ def _pairs(coact, num_e: int) -> tuple[tuple[int, int, float], ...]:
     )
 
 
-def _build_model(data: _Data):
+def _build_model(data: _Data, start: dict[int, list[int]]):
     """Data -> Variables -> Constraints -> Objective; returns (model, x, decode)."""
     num_e, ep = data.num_e, data.ep
     offset = 0.0  # constant part of the crossings, so objective/bound are in tokens
@@ -253,7 +255,7 @@ def _build_model(data: _Data):
 
     # Objective: hottest rank + traffic_weight x (placement-dependent part of) crossings.
     model.minimize([(1, zmax)] + together)
-    _hint(model, data, x, y, z, zmax, pair_vars)
+    _hint(model, data, start, x, y, z, zmax, pair_vars)
 
     def decode(values) -> dict[int, list[int]]:
         return {r: [e for e in range(num_e) if values[x[e][r]]] for r in range(ep)}
@@ -341,8 +343,18 @@ def _strong_pairs(data: _Data) -> list[tuple[int, int, float]]:
     return sorted(keep)
 
 
-def _hint(model, data: _Data, x, y, z, zmax, pair_vars) -> None:
-    held = _symmetric_first(data, data.greedy())
+def _warm_start(data: _Data) -> dict[int, list[int]]:
+    """LPT, then (traffic on) swaps between nodes that lower the objective."""
+    held = data.greedy()
+    if not data.traffic_active:
+        return held
+    factor = data.traffic_weight * (1 - 1 / data.num_nodes)
+    weights = {(e, f): quantize(factor * t, data.unit) for e, f, t in _strong_pairs(data)}
+    return improve_by_swaps(held, data.load_q, data.node_of_rank, weights)
+
+
+def _hint(model, data: _Data, start, x, y, z, zmax, pair_vars) -> None:
+    held = _symmetric_first(data, start)
     count = {e: sum(e in v for v in held.values()) for e in range(data.num_e)}
     rank_of = {e: r for r in held for e in held[r]}
     for (e, e2, n), v in pair_vars.items():

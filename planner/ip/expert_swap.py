@@ -1,0 +1,88 @@
+"""Traffic-aware warm start for the expert IP: swap experts between nodes while it pays.
+
+Starting from the LPT placement, try swapping two experts held by ranks on different nodes
+(slot counts stay equal) and keep a swap when it strictly lowers the expert IP's objective in
+its integer units: hottest rank's load minus the co-located pair weights (FORMULATION.md 2).
+Deterministic: candidates in index order, first improvement taken, a fixed evaluation budget.
+
+Shape letters: E = experts, R = ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_EVALS = 60_000  # swap evaluations before the search stops (about a second)
+
+
+def improve_by_swaps(
+    held: dict[int, list[int]],
+    load_q: Sequence[int],
+    node_of_rank: Sequence[int],
+    pair_weight: dict[tuple[int, int], int],
+    max_evals: int = MAX_EVALS,
+) -> dict[int, list[int]]:
+    """Local search on `held` (rank -> experts, one replica each).
+
+    Args:
+        held: the starting placement; not modified.
+        load_q: E integer loads.
+        node_of_rank: R node ids.
+        pair_weight: (e, e2) with e < e2 -> integer saving when both sit on one node.
+        max_evals: budget of swap evaluations.
+    Returns:
+        A placement with objective <= the start's.
+    """
+    rank_of = {e: r for r, experts in held.items() for e in experts}
+    loads = {r: sum(load_q[e] for e in experts) for r, experts in held.items()}
+    nbr: dict[int, list[tuple[int, int]]] = {e: [] for e in rank_of}
+    for (e, f), w in pair_weight.items():
+        nbr[e].append((f, w))
+        nbr[f].append((e, w))
+    top = _top3(loads)
+    evals, improved = 0, True
+    while improved and evals < max_evals:
+        improved = False
+        for e in sorted(rank_of):
+            for f in sorted(rank_of):
+                a, b = rank_of[e], rank_of[f]
+                if f <= e or node_of_rank[a] == node_of_rank[b]:
+                    continue
+                evals += 1
+                if _gain(e, f, a, b, loads, top, load_q, rank_of, node_of_rank, nbr) > 0:
+                    loads[a] += load_q[f] - load_q[e]
+                    loads[b] += load_q[e] - load_q[f]
+                    rank_of[e], rank_of[f] = b, a
+                    top = _top3(loads)
+                    improved = True
+                if evals >= max_evals:
+                    break
+            if evals >= max_evals:
+                break
+    out: dict[int, list[int]] = {r: [] for r in held}
+    for e in sorted(rank_of):
+        out[rank_of[e]].append(e)
+    return out
+
+
+def _top3(loads: dict[int, int]) -> list[tuple[int, int]]:
+    """The three hottest (load, rank), hottest first."""
+    return sorted(((v, r) for r, v in loads.items()), key=lambda t: (-t[0], t[1]))[:3]
+
+
+def _gain(e, f, a, b, loads, top, load_q, rank_of, node_of_rank, nbr) -> int:
+    """Objective decrease (integer units) of swapping expert e (rank a) with f (rank b)."""
+    delta = load_q[f] - load_q[e]
+    new_a, new_b = loads[a] + delta, loads[b] - delta
+    old_max = top[0][0]
+    others = next((v for v, r in top if r not in (a, b)), 0)
+    new_max = max(others, new_a, new_b)
+    na, nb = node_of_rank[a], node_of_rank[b]
+    together = 0
+    for x, old_node, new_node, partner in ((e, na, nb, f), (f, nb, na, e)):
+        for g, w in nbr[x]:
+            if g == partner:
+                continue  # the pair (e, f) stays split across the two nodes
+            node_g = node_of_rank[rank_of[g]]
+            together += w * ((node_g == new_node) - (node_g == old_node))
+    return (old_max - new_max) + together
