@@ -416,3 +416,39 @@ def test_real_process_exit_code_and_stderr(tmp_path):
     ]
     assert result.stdout == ""
     assert not out.exists()
+
+
+ESTIMATE = ["estimate", "--model", BASE_MODEL, "--cluster", BASE_CLUSTER, "--pp", "1", "--dp", "4"]
+PLAN = ["plan", "--model", BASE_MODEL, "--cluster", BASE_CLUSTER]
+FLAG_FAULTS = [
+    (PLAN, ["--gpus", "0"], "--gpus"),
+    (PLAN, ["--gpus", "4", "--seq-len", "0"], "seq_len"),
+    (PLAN, ["--gpus", "4", "--global-batch", "-8"], "global_batch"),
+    (PLAN, ["--gpus", "4", "--time-limit-s", "0"], "--time-limit-s"),
+    (PLAN, ["--gpus", "4", "--threads", "0"], "--threads"),
+    (PLAN, ["--gpus", "4", "--pp", "0"], "--pp"),
+    (PLAN, ["--gpus", "4", "--ep", "3"], "--ep"),
+    (PLAN, ["--gpus", "4", "--micro-batch", "0"], "--micro-batch"),
+    (PLAN, ["--gpus", "9999"], "9999"),
+    (ESTIMATE, ["--micro-batch", "0"], "--micro-batch"),
+    (ESTIMATE, ["--tp", "0"], "--tp"),
+    (ESTIMATE, ["--global-batch", "0"], "--global-batch"),
+    (ESTIMATE, ["--ep", "3"], "ep"),
+    (ESTIMATE, ["--gpus", "3"], "--gpus"),
+    (ESTIMATE, ["--routing-skew", "0.5"], "routing_skew"),
+    (ESTIMATE, ["--dtype", "fp8"], "peak_tflops"),  # cpu-gloo has no fp8 peak
+]
+
+
+@pytest.mark.parametrize(
+    ("base", "flags", "field"), FLAG_FAULTS, ids=[" ".join(f[1]) for f in FLAG_FAULTS]
+)
+def test_bad_flag_is_one_clean_line(base, flags, field, tmp_path):
+    out = tmp_path / "out"
+    result = run_piper([*base, *flags, "--out", str(out)])
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.code == 2, (result.code, result.stderr)
+    assert len(result.err_lines) == 1, result.stderr
+    assert result.err_lines[0].startswith(f"piper {base[0]}: error: ")
+    assert field in result.err_lines[0], result.err_lines[0]
+    assert not out.exists()

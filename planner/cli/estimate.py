@@ -45,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _microbatches(args: argparse.Namespace) -> tuple[int, int]:
     """(num_microbatches, global_batch) from the flags; a mismatch is one error line."""
+    for flag in ("pp", "dp", "tp", "ep", "micro_batch"):
+        if getattr(args, flag) < 1:
+            name = flag.replace("_", "-")
+            raise SpecError(f"--{name} must be >= 1, got {getattr(args, flag)}")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise SpecError(f"--global-batch must be >= 1, got {args.global_batch}")
     per_step = args.dp * args.micro_batch
     if args.num_microbatches is not None:
         m = args.num_microbatches
