@@ -239,8 +239,8 @@ def test_swaps_bring_coactivated_experts_together():
     out = improve_by_swaps(held, [5, 5, 5, 5], [0, 1], {(0, 1): 10, (2, 3): 1})
     assert out == {0: [2, 3], 1: [0, 1]}
     assert held == {0: [0, 2], 1: [1, 3]}  # input untouched
-    # a swap that would raise the hottest rank by more than it saves is refused
-    out = improve_by_swaps({0: [0, 2], 1: [1, 3]}, [9, 1, 1, 9], [0, 1], {(0, 1): 3})
+    # co-locating 0 and 1 (9 + 9) would raise the hottest rank by 8 to save 3: refused
+    out = improve_by_swaps({0: [0, 2], 1: [1, 3]}, [9, 9, 1, 1], [0, 1], {(0, 1): 3})
     assert out == {0: [0, 2], 1: [1, 3]}
 
 
