@@ -105,7 +105,8 @@ class _HaloExchange(WeightedReduction):
     def _to_device(self, device: torch.device) -> None:
         """Moves the index tensors next to the data (planning above ran on the CPU)."""
         self.device = device
-        for name in ("order_P", "token_sorted_P", "regroup_N", "tokens_per_local_expert_L"):
+        names = ("order_P", "token_sorted_P", "regroup_N", "out_pos_N", "tokens_per_local_expert_L")
+        for name in names:
             setattr(self, name, getattr(self, name).to(device))
         for name in ("rows_to_node", "unique_tokens", "pack_index"):
             setattr(self, name, [t.to(device) for t in getattr(self, name)])
@@ -129,6 +130,10 @@ class _HaloExchange(WeightedReduction):
         counts_SL = counts_SE[:, rank_of_expert_E == me]
         self.regroup_N = block_transpose_index(counts_SL)
         self.tokens_per_local_expert_L = counts_SL.sum(dim=0)
+        # Output position of each received row, rows stored source-major (inverse of regroup).
+        self.out_pos_N = torch.empty_like(self.regroup_N)
+        self.out_pos_N[self.regroup_N] = torch.arange(self.regroup_N.numel())
+        self.from_src_seg = _segments([self.pairs_SS[s][me] for s in range(size)])
 
     def _choose_paths(self, row_bytes: int) -> None:
         """Peers of Phase I, remote nodes of Phase II and the gateways' sources (or direct)."""
@@ -202,6 +207,8 @@ class _HaloExchange(WeightedReduction):
 
     @staticmethod
     def _cat(parts: list[Tensor], like: Tensor) -> Tensor:
+        if len(parts) == 1:
+            return parts[0]
         return torch.cat(parts) if parts else like.new_empty((0, *like.shape[1:]))
 
     # ---- forward: sources -> experts -------------------------------------------------------
@@ -271,20 +278,23 @@ class _HaloExchange(WeightedReduction):
 
             def own_pieces() -> dict[int, Tensor]:
                 self._wait(works_own)
-                return {s: self._piece(torch.cat([fwd[s], own[s]]), s, me, unique) for s in fwd}
+                if not unique:  # my rows are exactly the second part of each message
+                    return own
+                return {s: self._gather_two(fwd[s], own[s], self._own_index(s)) for s in fwd}
 
             def piece(src: int, dst: int) -> Tensor:
                 return self._piece(fwd[src], src, dst, unique)
 
             relayed = self._phase_iii(piece, like, extra, own_pieces)
         self._wait(works_i)
-        pieces = []
-        for src in range(self.owner.size):
+        out_ND = like.new_empty((self.regroup_N.numel(), *like.shape[1:]))
+        for src, (a, b) in enumerate(self.from_src_seg):
             if src == me:
-                pieces.append(rows_at(slice(*self.seg_of_dest[me])))
+                rows = rows_at(slice(*self.seg_of_dest[me]))
             else:
-                pieces.append(from_peer[src] if src in from_peer else relayed[src])
-        return torch.cat(pieces)[self.regroup_N]
+                rows = from_peer[src] if src in from_peer else relayed[src]
+            out_ND[self.out_pos_N[a:b]] = rows
+        return out_ND
 
     def _phase_iii(self, piece, like, extra=None, own_pieces=None) -> dict[int, Tensor]:
         """Gateway forwards pair rows to the other ranks of its node; returns rows relayed to
@@ -319,6 +329,20 @@ class _HaloExchange(WeightedReduction):
         a, b = self._seg_at_gateway(src, dst)
         return message[self.gateway_index[src][a:b]] if unique else message[a:b]
 
+    def _own_index(self, src: int) -> Tensor:
+        """Positions, in src's unique-token message, of the rows for my own experts."""
+        a, b = self._seg_at_gateway(src, self.me)
+        return self.gateway_index[src][a:b]
+
+    @staticmethod
+    def _gather_two(first: Tensor, second: Tensor, index: Tensor) -> Tensor:
+        """cat([first, second])[index] without building the concatenation."""
+        out = first.new_empty((index.numel(), *first.shape[1:]))
+        in_first = index < first.shape[0]
+        out[in_first] = first[index[in_first]]
+        out[~in_first] = second[index[~in_first] - first.shape[0]]
+        return out
+
     # ---- reverse: experts -> sources -------------------------------------------------------
 
     def reverse(self, y_ND: Tensor) -> Tensor:
@@ -327,22 +351,26 @@ class _HaloExchange(WeightedReduction):
             by_src_ND = torch.empty_like(y_ND)
             by_src_ND[self.regroup_N] = y_ND
             sorted_PD = self._all_to_all(by_src_ND, forward=False)
-        else:
-            local, from_node = self._reverse(y_ND)
-            sorted_PD = y_ND.new_empty((self.order_P.numel(), *y_ND.shape[1:]))
-            for peer, rows in local.items():
-                sorted_PD[slice(*self.seg_of_dest[peer])] = rows
-            for b in self.remote_nodes:
-                sorted_PD[self.rows_to_node[b]] = from_node[b]
-        y_PD = torch.empty_like(sorted_PD)
-        y_PD[self.order_P] = sorted_PD
+            y_PD = torch.empty_like(sorted_PD)
+            y_PD[self.order_P] = sorted_PD
+            return y_PD
+        local, from_fwd, from_own = self._reverse(y_ND)
+        y_PD = y_ND.new_empty((self.order_P.numel(), *y_ND.shape[1:]))
+        for peer, rows in local.items():
+            y_PD[self.order_P[slice(*self.seg_of_dest[peer])]] = rows
+        for b in self.remote_nodes:  # member order: forwarded ranks' rows, then the gateway's
+            pos_P = self.order_P[self.rows_to_node[b]]
+            first = from_fwd[b].shape[0]
+            y_PD[pos_P[:first]] = from_fwd[b]
+            y_PD[pos_P[first:]] = from_own[b]
         return y_PD
 
     def _reverse(self, y_ND: Tensor, weight_P: Tensor | None = None):
         """Reverse I, III and the gateways' own rows at once, then reverse II.
 
-        Returns (pair rows from my node's ranks, by rank; per remote node its pair rows in
-        member order, or, with weight_P, one gate-weighted sum per unique token).
+        Returns (pair rows from my node's ranks, by rank; per remote node the rows its gateway
+        forwarded (with weight_P: one gate-weighted sum per unique token); per remote node the
+        gateway's own rows (none with weight_P)); both in member order.
         """
         me, size, weighted = self.me, self.owner.size, weight_P is not None
         by_src_ND = torch.empty_like(y_ND)
@@ -383,9 +411,7 @@ class _HaloExchange(WeightedReduction):
                 rows_RD = self._gateway_sum(s, rows_RD, weights[s])
             self._send(ops_ii, rows_RD, s, _TAG_II)
         self._wait(self._post(ops_ii) + works_early)
-        if not weighted:
-            from_fwd = {b: torch.cat([from_fwd[b], from_own[b]]) for b in self.remote_nodes}
-        return local, from_fwd
+        return local, from_fwd, from_own
 
     def _regather(self, at_gateway: dict[int, Tensor], like: Tensor) -> dict[int, Tensor]:
         """As a gateway: each remote source's rows from the other ranks of my node, in that

@@ -30,7 +30,7 @@ class WeightedReduction:
     def reverse_weighted(self, y_ND: Tensor, weight_TK: Tensor) -> Tensor:
         """y_TD = sum_k weight_TK[t, k] * (expert output of (t, k)); gateways pre-sum per node."""
         weight_P = weight_TK.reshape(-1)[self.order_P].to(y_ND.dtype)
-        local, from_node = self._reverse(y_ND, weight_P)
+        local, from_node, _ = self._reverse(y_ND, weight_P)
         ranks = sorted(local)
         positions = [torch.arange(*self.seg_of_dest[r], device=self.device) for r in ranks]
         local_pos = self._cat(positions, self.order_P)
