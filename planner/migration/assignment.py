@@ -16,8 +16,9 @@ moving an expert back home is free again.
 Method (bounded local search, exact pricing): starting from a placement, repeatedly take
 the `sources` hottest ranks and apply the swap, of one slot of such a rank h with a slot of
 any other rank, that most improves scale_s * (decrease of M) - (change of move seconds),
-among swaps that lower h's load; stop when none does or after `max_swaps`. Every prefix of
-the swap sequence is a candidate; the best J wins. Cost per swap: O(sources * S * R * S).
+among swaps that lower h's load; stop when none does, after `patience` swaps in a row
+without a new best J, or after `max_swaps`. Every prefix of the swap sequence is a
+candidate; the best J wins. Cost per swap: O(sources * S * R * S).
 
 Shape letters: R ranks, S slots per rank, E experts (index E stands for an empty slot).
 """
@@ -60,14 +61,17 @@ def smooth_max(load_R: np.ndarray, sigma: float) -> float:
     return top + sigma * float(np.log(np.exp((load_R - top) / sigma).sum()))
 
 
-def _delta_m(load_R, h, rb_F, new_h, new_r, sigma):
-    """Decrease of M when ranks h and rb_F take loads new_h and new_r."""
+def _delta_m(load_R, h_H, rb_F, new_h, new_r, sigma):
+    """Decrease of M when source ranks h_H and partners rb_F take loads new_h and new_r.
+
+    Arrays are (H, S, F): source rank, its slot, partner slot (flat over R x S).
+    """
     if sigma <= 0:  # plain maximum: credit the relief of h itself, so ties still progress
-        return load_R[h] - np.maximum(new_h, new_r)
+        return load_R[h_H][:, None, None] - np.maximum(new_h, new_r)
     top = float(load_R.max())
     z_R = np.exp((load_R - top) / sigma)
     z = z_R.sum()
-    rest = np.maximum(z - z_R[h] - z_R[rb_F], 0.0)[None, :]
+    rest = np.maximum(z - z_R[h_H][:, None, None] - z_R[rb_F][None, None, :], 0.0)
     # invalid swaps may overshoot far above `top`; they are masked later, keep exp finite
     up_h = np.minimum((new_h - top) / sigma, 700.0)
     up_r = np.minimum((new_r - top) / sigma, 700.0)
@@ -75,29 +79,32 @@ def _delta_m(load_R, h, rb_F, new_h, new_r, sigma):
     return sigma * (np.log(z) - np.log(new_z))
 
 
-def _best_swap(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, h):
-    """(score, slot on h, flat slot elsewhere) of the best swap relieving rank h."""
+def _best_swap(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, h_H):
+    """(score, source rank, its slot, partner flat slot) of the best swap relieving one of
+    the source ranks h_H. Arrays are (H, S, F) as in _delta_m."""
     num_r, num_s = ids_RS.shape
     empty = w_X.shape[0] - 1
-    ea_S, eb_F = ids_RS[h], ids_RS.ravel()
+    ea_HS, eb_F = ids_RS[h_H], ids_RS.ravel()
     rb_F = np.repeat(np.arange(num_r), num_s)
-    wa, wb = w_X[ea_S][:, None], w_X[eb_F][None, :]
-    new_h, new_r = load_R[h] - wa + wb, load_R[rb_F][None, :] + wa - wb
-    relief = load_R[h] - np.maximum(new_h, new_r)
+    wa, wb = w_X[ea_HS][:, :, None], w_X[eb_F][None, None, :]
+    lh = load_R[h_H][:, None, None]
+    new_h, new_r = lh - wa + wb, load_R[rb_F][None, None, :] + wa - wb
+    relief = lh - np.maximum(new_h, new_r)
+    cost_a = cost_XR[ea_HS]  # (H, S, R)
     dcost = (
-        cost_XR[ea_S][:, rb_F]
-        - cost_XR[ea_S, h][:, None]
-        + cost_XR[eb_F, h][None, :]
-        - cost_XR[eb_F, rb_F][None, :]
+        cost_a[:, :, rb_F]
+        - np.take_along_axis(cost_a, h_H[:, None, None], axis=2)
+        + cost_XR[eb_F][:, h_H].T[:, None, :]
+        - cost_XR[eb_F, rb_F][None, None, :]
     )
-    valid = (rb_F != h)[None, :] & (ea_S[:, None] != eb_F[None, :])
+    valid = (rb_F[None, :] != h_H[:, None])[:, None, :] & (ea_HS[:, :, None] != eb_F)
     # a rank never holds two replicas of one expert
-    valid &= ~(held_XR[ea_S][:, rb_F] & (ea_S != empty)[:, None])
-    valid &= ~(held_XR[eb_F, h] & (eb_F != empty))[None, :]
-    gain = _delta_m(load_R, h, rb_F, new_h, new_r, sigma)
+    valid &= ~(held_XR[ea_HS][:, :, rb_F] & (ea_HS != empty)[:, :, None])
+    valid &= ~(held_XR[eb_F][:, h_H].T & (eb_F != empty))[:, None, :]
+    gain = _delta_m(load_R, h_H, rb_F, new_h, new_r, sigma)
     score = np.where(valid & (relief > _TOL), scale_s * gain - dcost, -np.inf)
-    flat = int(np.argmax(score))
-    return float(score.flat[flat]), flat // score.shape[1], flat % score.shape[1]
+    hi, sa, fb = np.unravel_index(int(np.argmax(score)), score.shape)
+    return float(score[hi, sa, fb]), int(h_H[hi]), int(sa), int(fb)
 
 
 def priced_local_search(
@@ -109,6 +116,7 @@ def priced_local_search(
     start_cost_s: float = 0.0,
     sigma: float = 0.0,
     sources: int = 1,
+    patience: int = 4,
 ) -> SearchResult:
     """Minimize scale_s * max rank load + move seconds by swaps from `slots_RS`.
 
@@ -121,6 +129,7 @@ def priced_local_search(
         start_cost_s: move seconds already spent to reach `slots_RS`.
         sigma: forecast error of a rank load, tokens (0 = plain maximum).
         sources: how many of the hottest ranks may give up an expert in one swap.
+        patience: stop after this many swaps in a row without a new best objective.
     """
     num_r, num_s = slots_RS.shape
     w_X, cost_XR, held_XR, ids_RS = _extended(slots_RS, load_E, cost_ER)
@@ -129,14 +138,9 @@ def priced_local_search(
     start = scale_s * smooth_max(load_R, sigma) + cost_s
     best, best_ids, best_swaps = start, ids_RS.copy(), 0
     for it in range(max_swaps):
-        hot_R = np.argsort(-load_R, kind="stable")[: max(1, sources)]
-        found = [
-            _best_swap(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, int(h)) for h in hot_R
-        ]
-        pick = int(np.argmax([f[0] for f in found]))
-        score, sa, fb = found[pick]
-        h = int(hot_R[pick])
-        if score == -np.inf:
+        hot_H = np.argsort(-load_R, kind="stable")[: max(1, sources)]
+        score, h, sa, fb = _best_swap(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, hot_H)
+        if score == -np.inf or it - best_swaps >= patience:
             break
         rb, sb = divmod(fb, num_s)
         ea, eb = int(ids_RS[h, sa]), int(ids_RS[rb, sb])

@@ -54,7 +54,7 @@ class MigrationOptions:
     # Forecast error of a rank load, in units of its measured RMS error on the last interval;
     # 0 = optimize the plain maximum of the forecast.
     noise_scale: float = 1.0
-    sources: int = 1  # hottest ranks that may give up an expert in one swap
+    sources: int = 8  # hottest ranks that may give up an expert in one swap
 
 
 @dataclass(frozen=True)
