@@ -126,7 +126,8 @@ def test_written_files_are_readable_by_others(tmp_path):
 
 # ---- a real `piper plan` interrupted during its search ---------------------------------------
 
-LONG_PLAN = ["--model", "mixtral-8x7b", "--cluster", "frontier", "--gpus", "256"]
+# a search of a few seconds (16 candidates solved in batches of 4 after ~3 s of screening)
+LONG_PLAN = ["--model", "qwen3-235b-a22b", "--cluster", "h100", "--gpus", "256"]
 
 
 def interrupt_when_searching(argv: list[str], cwd: Path, timeout_s: float = 150.0):
