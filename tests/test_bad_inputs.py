@@ -452,3 +452,17 @@ def test_bad_flag_is_one_clean_line(base, flags, field, tmp_path):
     assert result.err_lines[0].startswith(f"piper {base[0]}: error: ")
     assert field in result.err_lines[0], result.err_lines[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["out-is-a-file", "out-under-a-file"])
+def test_out_path_that_is_a_file_is_one_clean_line(below, tmp_path):
+    blocker = tmp_path / "results"
+    blocker.write_text("not a directory\n")
+    out = blocker / "run" if below else blocker
+    result = run_piper([*PLAN, "--gpus", "4", "--seq-len", "256", "--out", str(out)])
+    assert result.code == 2, result.stderr
+    assert result.err_lines == [
+        f"piper plan: error: {blocker}: is a file, not a directory; choose another path"
+    ]
+    assert blocker.read_text() == "not a directory\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]  # no temporary left

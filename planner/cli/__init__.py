@@ -79,6 +79,8 @@ def _os_error_line(exc: OSError) -> str:
         return f"{path}: is a directory; pass the file inside it"
     if isinstance(exc, FileNotFoundError):
         return f"{path}: no such file or directory; check the path"
+    if isinstance(exc, NotADirectoryError | FileExistsError):
+        return f"{path}: is a file, not a directory; choose another path"
     if isinstance(exc, PermissionError):
         return f"{path}: permission denied; check the file's permissions"
     return f"{path}: {exc.strerror or exc}"

@@ -121,7 +121,19 @@ def write_files(out_dir: str | Path, files: dict[str, str | bytes]) -> list[Path
         The written paths, sorted by name.
     """
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(out))
     umask = _umask()
+    try:
+        _write_set(out, files, umask)
+    except OSError as exc:  # name the output directory, not a hidden temporary
+        if exc.filename is None or ".tmp" not in str(exc.filename):
+            raise
+        raise type(exc)(exc.errno, exc.strerror, str(out)) from None
+    return [out / name for name in sorted(files)]
+
+
+def _write_set(out: Path, files: dict[str, str | bytes], umask: int) -> None:
     with signals_deferred():
         if out.is_dir():
             _replace_in_place(out, files, umask)
@@ -132,4 +144,3 @@ def write_files(out_dir: str | Path, files: dict[str, str | bytes]) -> list[Path
                 if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not out.is_dir():
                     raise
                 _replace_in_place(out, files, umask)  # created meanwhile: merge into it
-    return [out / name for name in sorted(files)]
