@@ -23,6 +23,9 @@ from planner.paths import CLUSTERS_DIR
 from planner.specs import ClusterSpec, DeviceSpec, EfficiencyTable, LevelSpec, SpecError
 
 _OPTIONAL_FLOATS = ("framework_overhead_gib", "gemm_efficiency", "attention_efficiency")
+_TOP_KEYS = ("name", "device", "gpus_per_node", "num_nodes", "nics_per_node", "nic_gbps",
+             "levels", "tables", "topology", "source", *_OPTIONAL_FLOATS)  # fmt: skip
+_LEVEL_KEYS = ("name", "devices", "bw_gbps", "latency_us", "taper", "kind")
 _KINDS = {
     int: "an integer",
     float: "a number",
@@ -58,12 +61,35 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     if not path.is_file():
         raise SpecError(f"cluster file {path}: not found; give a preset name or a YAML path")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except UnicodeDecodeError:
+        raise SpecError(f"cluster file {path}: not a text file; a cluster is YAML") from None
     except yaml.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" at line {line + 1}" if line is not None else ""
-        raise SpecError(f"cluster file {path}: invalid YAML{where}; fix the syntax") from exc
+        problem = getattr(exc, "problem", None)
+        what = f" ({problem})" if problem else ""
+        raise SpecError(f"cluster file {path}: invalid YAML{where}{what}; fix it") from None
     return cluster_from_dict(data, source=str(path))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key given twice in one mapping (a silent typo trap)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key '{key}'", key_node.start_mark
+            )
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
 def check_dtype(cluster: ClusterSpec, dtype: str, where: str) -> None:
@@ -83,6 +109,7 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> ClusterSpec:
     if not isinstance(data, dict):
         raise SpecError(f"cluster file {source}: top level must be a mapping of cluster fields")
     reader = _Reader(source)
+    reader.no_typos(data, _TOP_KEYS, "")
     device = _parse_device(reader, reader.get(data, "device", dict))
     cluster = ClusterSpec(
         name=reader.get(data, "name", str),
@@ -182,6 +209,15 @@ class _Reader:
             raise self.fail(field, "must not be empty")
         return value
 
+    def no_typos(self, d: dict, known: tuple[str, ...], where: str) -> None:
+        """Reject a key that is a near miss of a known one (extra metadata keys are kept)."""
+        for key in d:
+            if key in known:
+                continue
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.8)
+            if close:
+                raise self.fail(f"{where}{key}", f"is not a field; did you mean '{close[0]}'?")
+
     def positive(self, d: dict, key: str, where: str = "") -> float:
         value = d.get(key)
         if key not in d:
@@ -200,6 +236,7 @@ class _Reader:
 
 
 def _parse_device(r: _Reader, d: dict) -> DeviceSpec:
+    r.no_typos(d, ("name", "memory_gib", "peak_tflops", "hbm_gbps"), "device.")
     peak = r.get(d, "peak_tflops", dict, "device.", nonempty=True)
     if "bf16" not in peak:  # the default training dtype; every accelerator Piper targets has it
         raise r.fail("device.peak_tflops", f"has no bf16 entry ({', '.join(map(str, peak))}); "
@@ -217,6 +254,7 @@ def _parse_level(r: _Reader, lv: Any, i: int) -> LevelSpec:
     where = f"levels[{i}]."
     if not isinstance(lv, dict):
         raise r.fail(f"levels[{i}]", "must be a mapping {name, devices, bw_gbps, latency_us}")
+    r.no_typos(lv, _LEVEL_KEYS, where)
     taper = r.positive(lv, "taper", where) if "taper" in lv else 1.0
     if taper > 1.0:
         raise r.fail(f"{where}taper", f"is a bandwidth fraction and must be <= 1, got {taper}")

@@ -118,6 +118,22 @@ CLUSTER_FAULTS = [
         "tables[0].y",
     ),
     Fault("tables-not-list", _cluster(lambda c: c.update(tables="gemm")), "tables"),
+    Fault(
+        "typo-in-optional-key",
+        _cluster(lambda c: c.update(framwork_overhead_gib=c.pop("framework_overhead_gib"))),
+        "framework_overhead_gib",
+    ),
+    Fault(
+        "overhead-over-memory",
+        _cluster(lambda c: c.update(framework_overhead_gib=c["device"]["memory_gib"])),
+        "framework_overhead_gib",
+    ),
+    Fault(
+        "duplicate-key",
+        _text_file("cluster.yaml", yaml.safe_dump(base_cluster_dict()) + "num_nodes: 8\n"),
+        "duplicate key 'num_nodes'",
+    ),
+    Fault("binary", _text_file("cluster.yaml", b"\xff\xfe\x00\x01"), "text"),
     Fault("not-yaml", _text_file("cluster.yaml", "name: [unclosed\n"), "YAML"),
     Fault("empty", _text_file("cluster.yaml", ""), "mapping"),
     Fault("unknown-preset", _name("frontir"), "frontier"),
