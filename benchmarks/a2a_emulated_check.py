@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         help="loopback TCP GB/s per rank (piper profile's p2p_node on this host)",
     )
     ap.add_argument("--fit-topk", type=int, default=2, help="points used to fit")
+    ap.add_argument(
+        "--halo-direct-below",
+        type=float,
+        default=256 * 2**10,
+        help="runtime HALO's direct-path threshold (bytes per node-pair message; 0 = never)",
+    )
     ap.add_argument("--out", default=str(ROOT / "results" / "a2a"))
     ap.add_argument("--no-files", action="store_true")
     args = ap.parse_args(argv)
@@ -62,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     points = [m for m in data["measurements"] if m["routing"] == "uniform"]
     is_fit = {id(p): p["topk"] == args.fit_topk for p in points}
     calib = [p for p in points if is_fit[id(p)]]
-    o_us, host = fit_parameters(calib, args.loopback_gbps)
+    direct = args.halo_direct_below
+    o_us, host = fit_parameters(calib, args.loopback_gbps, direct)
     rows, within, held_out = [], 0, 0
     csv = [
         "nodes,ranks_per_node,rate_mbit,topk,tokens_per_rank,algo,measured_s,predicted_s,"
@@ -79,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             q["algo"],
         ),
     ):
-        pred = predict_dispatch_combine_s(p, o_us, args.loopback_gbps, host_gbps=host)
+        pred = predict_dispatch_combine_s(p, o_us, args.loopback_gbps, 50.0, host, direct)
         err = (pred - p["median_s"]) / p["median_s"]
         fit = is_fit[id(p)]
         if not fit:
@@ -100,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Fitted on the top-{args.fit_topk} points: per-message overhead {o_us:.0f} us, host "
         f"CPU {host:.3g} GB/s of payload shared by all ranks; loopback {args.loopback_gbps} "
-        f"GB/s per rank. Machine: {data.get('cpus', '?')} CPUs, load average "
-        f"{data.get('load_avg_1min_at_end', '?')} at the end of the run.",
+        f"GB/s per rank; HALO direct below {direct:.0f} B per node pair. Machine: "
+        f"{data.get('cpus', '?')} CPUs, load average {data.get('load_avg_1min_at_end', '?')} "
+        "at the end of the run.",
         "",
         "| nodes x g | Mbit/s | k | tokens | algo | measured ms | simulated ms | error |",
         "|---|---:|---:|---:|---|---:|---:|---:|",

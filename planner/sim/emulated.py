@@ -53,6 +53,7 @@ def predict_dispatch_combine_s(
     loopback_gbps: float,
     latency_us: float = 50.0,
     host_gbps: float = 0.0,
+    direct_below_bytes: float = 0.0,
     experts_per_rank: int = 8,
     elem_bytes: int = 4,
 ) -> float:
@@ -64,20 +65,27 @@ def predict_dispatch_combine_s(
         overhead_us: per-message software cost (gloo over TCP plus the dispatcher's Python).
         host_gbps: > 0 adds the machine's CPUs as one link every flow crosses (GB/s of
             payload the host can push through its TCP stacks; all emulated nodes share it).
+        direct_below_bytes: the runtime's HALO sends straight to the final ranks (one flat
+            round, no dedup) when a rank's message to one remote node, B / N, is smaller.
     """
     cluster = emulated_cluster(
         point["nodes"], point["ranks_per_node"], point["rate_mbit"], loopback_gbps, latency_us
     )
     net = build_network(cluster, point["nodes"], host_bytes_s=host_gbps * 1e9)
     nbytes = point["tokens_per_rank"] * point["topk"] * point["dim"] * elem_bytes
+    algo = point["algo"]
+    if algo != "flat" and nbytes / point["nodes"] < direct_below_bytes:
+        algo = "flat"
     ratio = 1.0
-    if point["algo"] == "halo-dedup":
+    if algo == "halo-dedup":
         ratio = dedup_ratio(experts_per_rank * net.ranks, net.domains, point["topk"])
-    _, phases = phase_timings(net, point["algo"], nbytes, overhead_us * 1e-6, ratio)
+    _, phases = phase_timings(net, algo, nbytes, overhead_us * 1e-6, ratio)
     return 2.0 * max(ph.end_s for ph in phases)
 
 
-def fit_parameters(points: list[dict], loopback_gbps: float) -> tuple[float, float]:
+def fit_parameters(
+    points: list[dict], loopback_gbps: float, direct_below_bytes: float = 0.0
+) -> tuple[float, float]:
     """(overhead_us, host_gbps) minimizing the squared log error on `points` (grid search:
     overhead 1 us .. 100 ms and host 0.01 .. 100 GB/s, 10 steps per decade)."""
     overheads = [10 ** (k / 10) for k in range(0, 51)]
@@ -85,7 +93,10 @@ def fit_parameters(points: list[dict], loopback_gbps: float) -> tuple[float, flo
 
     def loss(o: float, h: float) -> float:
         return sum(
-            math.log(predict_dispatch_combine_s(p, o, loopback_gbps, host_gbps=h) / p["median_s"])
+            math.log(
+                predict_dispatch_combine_s(p, o, loopback_gbps, 50.0, h, direct_below_bytes)
+                / p["median_s"]
+            )
             ** 2
             for p in points
         )
