@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
+from planner.ip.solvers import SolverOptions
 from planner.migration.policies import POLICIES, MigrationOptions
 from planner.migration.run import replay_all
 from planner.migration.trace import load_trace
@@ -44,7 +46,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="policy whose placements.csv / migrations.csv are written (default piper)",
     )
     p.add_argument("--move-margin", type=float, help="imbalance each moved expert must buy")
-    p.add_argument("--seed", type=int, default=0, help="accepted for symmetry; replay is exact")
+    p.add_argument(
+        "--solver",
+        choices=("local", "cpsat", "cbc"),
+        default="local",
+        help="Piper's search: local (default, fast) or the integer program on cpsat / cbc",
+    )
+    p.add_argument("--time-limit-s", type=float, default=5.0, help="per IP solve (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="solver seed (--solver cpsat|cbc)")
     p.add_argument("--out", default="results/migrate", help="output folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -71,7 +80,12 @@ def run(args: argparse.Namespace) -> int:
     if args.move_margin is not None:
         if args.move_margin < 0:
             raise SpecError(f"--move-margin must be >= 0, got {args.move_margin}")
-        opts = MigrationOptions(move_margin=args.move_margin)
+        opts = replace(opts, move_margin=args.move_margin)
+    if args.solver != "local":
+        if args.redundant_slots:
+            raise SpecError("--solver cpsat|cbc does not model replicas; drop --redundant-slots")
+        solver = SolverOptions(args.solver, args.time_limit_s, threads=1, seed=args.seed)
+        opts = replace(opts, solver=solver)
     runs = replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, opts)
     chosen = runs[args.policy]
     files: dict[str, str | bytes] = {

@@ -17,13 +17,16 @@ Shape letters: T past intervals, E experts, R ranks, S slots per rank.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
+from planner.ip.solvers import SolverOptions
 from planner.migration.assignment import priced_local_search, smooth_max
+from planner.migration.exact import solve_assignment
 from planner.migration.forecast import ForecastOptions, forecast_loads
 from planner.migration.placement import (
     holders,
@@ -32,6 +35,8 @@ from planner.migration.placement import (
     replica_counts,
 )
 from planner.migration.replicate import adjust_replicas, pack, replica_counts_for
+
+log = logging.getLogger(__name__)
 
 PolicyName = Literal["none", "swap", "repack", "piper"]
 POLICIES: tuple[PolicyName, ...] = ("none", "swap", "repack", "piper")
@@ -55,6 +60,9 @@ class MigrationOptions:
     # 0 = optimize the plain maximum of the forecast.
     noise_scale: float = 1.0
     sources: int = 8  # hottest ranks that may give up an expert in one swap
+    # None = the local search; set = also solve the integer program (exact.py) on the
+    # plain maximum, hinted by the local search (no replicas).
+    solver: SolverOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +169,25 @@ def piper(
         total_s = scale_s * smooth_max(rank_loads(found.slots_RS, load_E), temp) + move_s
         if total_s < best_s - 1e-12:
             best_RS, best_s = found.slots_RS, total_s
+    if opts.solver is not None and ranks * slots == num_e:
+        return _exact(current_RS, best_RS, load_E, cost_ER, scale_s, costs, opts)
     return best_RS.copy()
+
+
+def _exact(current_RS, hint_RS, load_E, cost_ER, scale_s, costs, opts) -> np.ndarray:
+    """The integer program on the plain maximum; keep the current placement unless it pays."""
+    found_RS, report = solve_assignment(hint_RS, load_E, cost_ER, scale_s, opts.solver)
+    log.info(
+        "migration IP: %s objective %.6g bound %.6g gap %.3g in %.3f s",
+        report.status, report.objective, report.bound, report.gap, report.wall_s,
+    )  # fmt: skip
+    num_e = len(load_E)
+    moved_s = float(cost_ER[holders(found_RS, num_e) & ~holders(current_RS, num_e)].sum())
+    found_s = scale_s * float(rank_loads(found_RS, load_E).max()) + moved_s
+    stay_s = scale_s * float(rank_loads(current_RS, load_E).max())
+    if found_s < stay_s - opts.min_gain * costs.balanced_s - 1e-12:
+        return found_RS
+    return current_RS.copy()
 
 
 PolicyFn = Callable[[np.ndarray, np.ndarray, LayerCosts, MigrationOptions], np.ndarray]

@@ -136,3 +136,19 @@ def test_piper_with_spare_slots_adds_replicas_of_hot_experts():
     held = holders(got, 4)
     assert held[0].all()  # the hot expert now lives on both ranks
     assert (got >= 0).sum(axis=1).max() <= 3
+
+
+@pytest.mark.parametrize("backend", ["cpsat", "cbc"])
+def test_integer_program_matches_brute_force(backend):
+    from planner.ip.solvers import SolverOptions
+    from planner.migration.exact import solve_assignment
+
+    load_E = np.array([17.0, 3.0, 11.0, 29.0, 5.0, 8.0])
+    start = initial_slots(np.arange(6) // 2, 3)
+    got, report = solve_assignment(start, load_E, np.zeros((6, 3)), 1.0, SolverOptions(backend))
+    assert report.status == "OPTIMAL"
+    assert rank_loads(got, load_E).max() == _brute_force_max(load_E, 3)
+    # with moves priced, the program keeps the placement when no move pays
+    costly = np.where(np.eye(3, dtype=bool)[np.arange(6) // 2], 0.0, 100.0)
+    kept, _ = solve_assignment(start, load_E, costly, 1.0 / 24.0, SolverOptions(backend))
+    assert np.array_equal(rank_of_expert(kept, 6), np.arange(6) // 2)
