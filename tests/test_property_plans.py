@@ -137,8 +137,18 @@ def test_random_valid_inputs_plan_or_explain(cfg, cdict, data):
         seq_len=data.draw(st.sampled_from([128, 512, 2048]), label="seq_len"),
         global_batch=data.draw(st.sampled_from([8, 16, 64]), label="global_batch"),
     )
+    loads = None
+    if data.draw(st.booleans(), label="trace"):  # unequal loads: the expert IP places experts
+        loads = {
+            layer: tuple(float(x) for x in data.draw(
+                st.lists(st.integers(0, 1000), min_size=model.num_experts,
+                         max_size=model.num_experts), label=f"load_E[{layer}]"))
+            for layer in model.moe_layers
+        }  # fmt: skip
     try:
-        result = plan(model, cluster, training, gpus, None, SolverOptions("cpsat", 5.0, 1, 0))
+        result = plan(
+            model, cluster, training, gpus, None, SolverOptions("cpsat", 5.0, 1, 0), None, loads
+        )
     except SpecError as exc:
         event(f"SpecError {str(exc)[:30]}")
         assert str(exc) and "\n" not in str(exc)
