@@ -63,7 +63,8 @@ PLAN_CASES = {
     # MLA, a dense first layer, shared experts; the search explores pp, tp, ep and micro-batch.
     "deepseek-v2-lite-h100-16": ["--model", "deepseek-v2-lite", "--cluster", "h100",
                                  "--gpus", "16"],
-    # Unequal expert loads from a trace: the expert IP (not the closed form) places experts.
+    # Unequal expert loads from a trace: the expert IP (not the closed form) places experts;
+    # a fragmented allocation: the rank IP places ranks.
     "tiny-moe-trace-cpu-8": ["--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", "8",
                              "--seq-len", "256", "--global-batch", "32", "--ep", "4"],
 }  # fmt: skip
@@ -74,6 +75,12 @@ def test_plan_is_byte_identical_across_runs_and_threads(case, tmp_path):
     args = list(PLAN_CASES[case])
     if "trace" in case:
         args += ["--trace", str(write_skewed_trace(tmp_path / "trace.csv", "tiny-moe"))]
+        alloc = tmp_path / "alloc.yaml"  # fragmented: the rank IP chooses among switches
+        alloc.write_text(
+            "- {hostname: a1, switch: s1}\n- {hostname: b7, switch: s2}\n"
+            "- {hostname: a2, switch: s1}\n- {hostname: c3, switch: s3, group: g1}\n"
+        )
+        args += ["--allocation", str(alloc)]
     # the larger search runs twice (threads 1 and 2), the small one three times
     threads = (1, 2) if "trace" not in case else (1, 1, 2)
     runs = [plan_outputs(tmp_path, f"run{i}", args, t) for i, t in enumerate(threads)]
