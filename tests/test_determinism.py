@@ -40,7 +40,12 @@ def plan_outputs(tmp_path: Path, name: str, args: list[str], threads: int) -> di
     assert result.code == 0, result.stderr
     files = snapshot(out)
     assert files is not None and "plan.json" in files and TIMINGS in files
+    json.loads(files["plan.json"], parse_constant=_not_json)  # strict JSON: no NaN/Infinity
     return files
+
+
+def _not_json(name: str) -> None:
+    raise AssertionError(f"plan.json holds {name}, which is not JSON")
 
 
 def assert_identical_but_timings(runs: list[dict[str, bytes]]) -> None:

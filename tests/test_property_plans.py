@@ -11,6 +11,7 @@ numbers 0..N-1 and puts each on a distinct device of the nodes used.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -123,6 +124,12 @@ def check_plan(p, model, cluster, gpus: int) -> None:
     assert max(r.node for r in p.ranks) < cluster.num_nodes
     assert {r.stage for r in p.ranks} == set(range(par.pp))
     assert all(r.ep < par.ep and r.dp < par.dp and r.tp < par.tp for r in p.ranks)
+    # plan.json is strict JSON (no NaN/Infinity, which jq and other tools reject)
+    json.loads(p.to_json(), parse_constant=_reject_constant)
+
+
+def _reject_constant(name: str) -> None:
+    raise AssertionError(f"plan.json holds {name}, which is not JSON")
 
 
 @SETTINGS
