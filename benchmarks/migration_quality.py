@@ -40,7 +40,8 @@ def run_config(cfg, args) -> dict[str, np.ndarray]:
         )  # fmt: skip
         trace = synth_trace(synth)
         setup = migrate_setup(trace, ranks, model_name=model, cluster_name="frontier")
-        runs = replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, MigrationOptions())
+        opts = MigrationOptions(move_margin=args.move_margin)
+        runs = replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, opts)
         for name, run in runs.items():
             per_seed[name].append([getattr(run, m) for m in METRICS])
     return {name: np.array(rows) for name, rows in per_seed.items()}
@@ -86,6 +87,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32768, help="tokens per interval and layer")
     p.add_argument("--skew", type=float, default=SynthOptions.skew)
     p.add_argument("--drift", type=float, default=SynthOptions.drift)
+    p.add_argument("--move-margin", type=float, default=MigrationOptions.move_margin)
+    p.add_argument("--only", type=int, help="run only configuration 0, 1 or 2")
     p.add_argument("--quick", action="store_true", help="first configuration, one seed")
     args = p.parse_args()
     if args.quick:
@@ -93,9 +96,12 @@ def main() -> None:
     start = time.perf_counter()
     print(f"synthetic traces: {args.layers} layers x {args.intervals} intervals, {args.tokens} "
           f"tokens, skew {args.skew}, drift {args.drift}, seeds 0..{args.seeds - 1}; "
-          f"defaults of MigrationOptions")  # fmt: skip
+          f"move margin {args.move_margin}, other MigrationOptions defaults")  # fmt: skip
     met = []
-    for cfg in CONFIGS[:1] if args.quick else CONFIGS:
+    configs = CONFIGS[:1] if args.quick else CONFIGS
+    if args.only is not None:
+        configs = CONFIGS[args.only : args.only + 1]
+    for cfg in configs:
         met += report(cfg, run_config(cfg, args))
     print(f"\n{sum(met)}/{len(met)} criteria met; {time.perf_counter() - start:.0f} s")
 
