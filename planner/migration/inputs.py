@@ -108,28 +108,17 @@ def _plan_start(plan: Plan, trace: Trace, ranks: int) -> np.ndarray:
     return np.stack(rows)
 
 
-def migrate_setup(
+def _model_and_cluster(
     trace: Trace,
-    ranks: int,
-    plan_path: str | None = None,
-    model_name: str | None = None,
-    cluster_name: str | None = None,
-    steps_per_interval: int = 100,
-    tokens_per_rank_step: int | None = None,
-    redundant_slots: int = 0,
-) -> MigrateSetup:
-    """Resolve model, cluster, rank devices, start placement and prices for a replay."""
+    plan: Plan | None,
+    plan_path: str | None,
+    model_name: str | None,
+    cluster_name: str | None,
+) -> tuple[ModelSpec, ClusterSpec]:
+    """--model / --cluster, else the plan's, else the defaults (module docstring)."""
     from planner.clusters import load_cluster
     from planner.models import model_from_config
 
-    check_divisible(trace, ranks)
-    if redundant_slots < 0:
-        raise SpecError(f"--redundant-slots must be >= 0, got {redundant_slots}")
-    plan = load_plan(plan_path) if plan_path else None
-    if plan is not None and plan.parallel.ep != ranks:
-        raise SpecError(
-            f"{plan_path}: the plan has ep={plan.parallel.ep}; pass --ep {plan.parallel.ep}"
-        )
     if plan is not None and not model_name:
         cfg = plan.model.get("config")
         if not isinstance(cfg, dict):
@@ -146,6 +135,29 @@ def migrate_setup(
         cluster = load_cluster(str(plan.cluster.get("source") or plan.cluster.get("name")))
     else:
         cluster = load_cluster(cluster_name or DEFAULT_CLUSTER)
+    return model, cluster
+
+
+def migrate_setup(
+    trace: Trace,
+    ranks: int,
+    plan_path: str | None = None,
+    model_name: str | None = None,
+    cluster_name: str | None = None,
+    steps_per_interval: int = 100,
+    tokens_per_rank_step: int | None = None,
+    redundant_slots: int = 0,
+) -> MigrateSetup:
+    """Resolve model, cluster, rank devices, start placement and prices for a replay."""
+    check_divisible(trace, ranks)
+    if redundant_slots < 0:
+        raise SpecError(f"--redundant-slots must be >= 0, got {redundant_slots}")
+    plan = load_plan(plan_path) if plan_path else None
+    if plan is not None and plan.parallel.ep != ranks:
+        raise SpecError(
+            f"{plan_path}: the plan has ep={plan.parallel.ep}; pass --ep {plan.parallel.ep}"
+        )
+    model, cluster = _model_and_cluster(trace, plan, plan_path, model_name, cluster_name)
     if ranks > cluster.total_gpus:
         raise SpecError(f"--ep {ranks} exceeds the {cluster.total_gpus} devices of {cluster.name}")
     training = _training(plan) if plan is not None else TrainingSpec()
