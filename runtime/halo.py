@@ -33,143 +33,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.dispatch import Exchange, ExchangeDispatcher, block_transpose_index, sort_pairs
+from runtime.dispatch import Exchange, ExchangeDispatcher
+from runtime.halo_plan import HaloPlan, segments
 from runtime.halo_weighted import WeightedReduction
 
 _TAG_I, _TAG_II, _TAG_II_OWN, _TAG_II_INDEX, _TAG_III = 11, 12, 13, 14, 15
-DEFAULT_DIRECT_BELOW_BYTES = 256 * 1024  # below: latency-bound, one direct round wins
+# Below this many bytes per node-pair message, one direct round beats two hops (the crossover
+# measured on the emulated network of benchmarks/halo_emulated.py; see runtime/HALO.md).
+DEFAULT_DIRECT_BELOW_BYTES = 1 << 20
 
 
-def _segments(counts: list[int]) -> list[tuple[int, int]]:
-    """(start, stop) of consecutive blocks with the given sizes."""
-    out, start = [], 0
-    for count in counts:
-        out.append((start, start + count))
-        start += count
-    return out
-
-
-class _HaloExchange(WeightedReduction):
+class _HaloExchange(HaloPlan, WeightedReduction):
     """The three-phase exchange for one routing decision (see module docstring).
 
     Every Phase II message from a source to a node's gateway is split in two: first the rows
     the gateway forwards, then the rows for the gateway itself, so Phase III starts while the
     second part is still on the wire (and, in reverse, the gateway's own rows go back first).
     """
-
-    def __init__(
-        self, owner: Halo, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int, device
-    ) -> None:
-        topo, size, me = owner.topo, owner.size, owner.rank
-        self.owner, self.topo, self.me, self.my_node = owner, topo, me, topo.node_of[me]
-        self.num_tokens, self.topk = expert_TK.shape
-        self.order_P, counts_E, counts_S = sort_pairs(expert_TK, rank_of_expert_E, size)
-        self.seg_of_dest = _segments(counts_S.tolist())
-        self.token_sorted_P = self.order_P // self.topk
-        self._pack_plan()
-        unique_N = torch.tensor([u.numel() for u in self.unique_tokens], dtype=torch.long)
-        forwarded_N = torch.tensor(self.forwarded_unique, dtype=torch.long)
-        self._gather_counts(torch.cat([counts_E, unique_N, forwarded_N]), rank_of_expert_E)
-        self._choose_paths(row_bytes)
-        self.gateway_index: dict[int, Tensor] = {}  # src -> pack index (dedup, as a gateway)
-        self.saved: dict = {}  # weighted combine: what its backward needs
-        self._to_device(device)
-
-    def _member_order(self, src: int, node: int) -> list[int]:
-        """Ranks of `node` in the order src packs their rows: its gateway there last."""
-        gw = self.topo.gateway(src, node)
-        return [m for m in self.topo.members_of_node[node] if m != gw] + [gw]
-
-    def _pack_plan(self) -> None:
-        """Per node: sorted-pair positions in member order, its unique tokens (those the
-        gateway forwards first) and each pair's position among them."""
-        self.rows_to_node, self.unique_tokens, self.pack_index = [], [], []
-        self.forwarded_unique: list[int] = []
-        empty = torch.zeros(0, dtype=torch.long)
-        for node in range(self.topo.num_nodes):
-            order = self._member_order(self.me, node)
-            fwd = torch.cat([torch.arange(*self.seg_of_dest[r]) for r in order[:-1]] + [empty])
-            own = torch.arange(*self.seg_of_dest[order[-1]])
-            tokens_fwd = torch.unique(self.token_sorted_P[fwd])
-            tokens_own = torch.unique(self.token_sorted_P[own])
-            tokens_own = tokens_own[~torch.isin(tokens_own, tokens_fwd)]
-            uniq = torch.cat([tokens_fwd, tokens_own])
-            position_T = torch.full((self.num_tokens,), -1, dtype=torch.long)
-            position_T[uniq] = torch.arange(uniq.numel())
-            rows = torch.cat([fwd, own])
-            self.rows_to_node.append(rows)
-            self.unique_tokens.append(uniq)
-            self.pack_index.append(position_T[self.token_sorted_P[rows]])
-            self.forwarded_unique.append(tokens_fwd.numel())
-
-    def _to_device(self, device: torch.device) -> None:
-        """Moves the index tensors next to the data (planning above ran on the CPU)."""
-        self.device = device
-        names = ("order_P", "token_sorted_P", "regroup_N", "out_pos_N", "tokens_per_local_expert_L")
-        for name in names:
-            setattr(self, name, getattr(self, name).to(device))
-        for name in ("rows_to_node", "unique_tokens", "pack_index"):
-            setattr(self, name, [t.to(device) for t in getattr(self, name)])
-
-    def _gather_counts(self, mine: Tensor, rank_of_expert_E: Tensor) -> None:
-        """Shares per-expert and per-node counts with every rank; derives the traffic matrix."""
-        topo, size, me, owner = self.topo, self.owner.size, self.me, self.owner
-        # An all-gather as one all_to_all round (gloo's all_gather is a ring of S - 1 steps).
-        table = owner.meta(torch.empty(size * mine.numel(), dtype=torch.long))
-        dist.all_to_all_single(table, owner.meta(mine.repeat(size)), group=owner.group)
-        for peer in range(size):
-            owner.stats.add_bytes(topo, me, peer, 8 * mine.numel())
-        num_experts, num_nodes = rank_of_expert_E.numel(), topo.num_nodes
-        table = table.cpu().reshape(size, mine.numel())
-        counts_SE = table[:, :num_experts]
-        self.unique_SN = table[:, num_experts : num_experts + num_nodes].tolist()
-        self.forwarded_unique_SN = table[:, num_experts + num_nodes :].tolist()
-        pairs_SS = torch.zeros(size, size, dtype=torch.long)
-        pairs_SS.index_add_(1, rank_of_expert_E, counts_SE)
-        self.pairs_SS = pairs_SS.tolist()
-        counts_SL = counts_SE[:, rank_of_expert_E == me]
-        self.regroup_N = block_transpose_index(counts_SL)
-        self.tokens_per_local_expert_L = counts_SL.sum(dim=0)
-        # Output position of each received row, rows stored source-major (inverse of regroup).
-        self.out_pos_N = torch.empty_like(self.regroup_N)
-        self.out_pos_N[self.regroup_N] = torch.arange(self.regroup_N.numel())
-        self.from_src_seg = _segments([self.pairs_SS[s][me] for s in range(size)])
-
-    def _choose_paths(self, row_bytes: int) -> None:
-        """Peers of Phase I, remote nodes of Phase II and the gateways' sources (or direct)."""
-        topo, size, node = self.topo, self.owner.size, self.my_node
-        node_pair_bytes = [
-            row_bytes * self._pairs_to_node(s, b)
-            for s in range(size)
-            for b in range(topo.num_nodes)
-            if b != topo.node_of[s]
-        ]
-        self.direct = max(node_pair_bytes, default=0) < self.owner.direct_below_bytes
-        self.dedup = self.owner.dedup and not self.direct
-        local = range(size) if self.direct else topo.members_of_node[node]
-        self.node_peers = [r for r in local if r != self.me]
-        self.remote_nodes = [] if self.direct else [b for b in range(topo.num_nodes) if b != node]
-        # srcs_via[gw]: remote sources whose Phase II rows for my node go to gateway gw.
-        self.srcs_via = {gw: [] for gw in topo.members_of_node[node]}
-        for src in range(size):
-            if not self.direct and topo.node_of[src] != node:
-                self.srcs_via[topo.gateway(src, node)].append(src)
-
-    # ---- sizes and p2p helpers -------------------------------------------------------------
-
-    def _pairs_to_node(self, src: int, node: int) -> int:
-        return sum(self.pairs_SS[src][r] for r in self.topo.members_of_node[node])
-
-    def _forwarded_rows(self, src: int, node: int, unique: bool) -> int:
-        """Rows of src's Phase II message to `node` that its gateway forwards (sent first)."""
-        if unique:
-            return self.forwarded_unique_SN[src][node]
-        return sum(self.pairs_SS[src][r] for r in self._member_order(src, node)[:-1])
-
-    def _seg_at_gateway(self, src: int, dst: int) -> tuple[int, int]:
-        """Pair positions of src -> dst inside src's message to my node (member order)."""
-        order = self._member_order(src, self.my_node)
-        return _segments([self.pairs_SS[src][r] for r in order])[order.index(dst)]
 
     def _all_to_all(self, rows_RD: Tensor, forward: bool) -> Tensor:
         """Direct path: every row straight to its rank in one all_to_all_single round."""
@@ -239,32 +119,9 @@ class _HaloExchange(WeightedReduction):
         """
         if self.direct:
             return self._all_to_all(rows_at(slice(None)), forward=True)[self.regroup_N]
-        me, node = self.me, self.my_node
-        ops_i: list = []
-        from_peer: dict[int, Tensor] = {}
-        for peer in self.node_peers:  # Phase I
-            self._send(ops_i, rows_at(slice(*self.seg_of_dest[peer])), peer, _TAG_I)
-            from_peer[peer] = self._recv(ops_i, self.pairs_SS[peer][me], like, peer, _TAG_I)
-        ops_fwd: list = []
-        ops_own: list = []
-        for b in self.remote_nodes:  # Phase II: per remote node, forwarded rows first
-            gw = self.topo.gateway(me, b)
-            message = pack(b) if pack else rows_at(self.rows_to_node[b])
-            first = self._forwarded_rows(me, b, pack is not None)
-            if send_index:
-                self._send(ops_fwd, self.pack_index[b], gw, _TAG_II_INDEX)
-            self._send(ops_fwd, message[:first], gw, _TAG_II)
-            self._send(ops_own, message[first:], gw, _TAG_II_OWN)
-        fwd, own = {}, {}
-        for src in self.srcs_via[me]:
-            pairs = self._pairs_to_node(src, node)
-            total = self.unique_SN[src][node] if pack else pairs
-            first = self._forwarded_rows(src, node, pack is not None)
-            if send_index:
-                index_like = torch.zeros(0, dtype=torch.long, device=self.device)
-                self.gateway_index[src] = self._recv(ops_fwd, pairs, index_like, src, _TAG_II_INDEX)
-            fwd[src] = self._recv(ops_fwd, first, like, src, _TAG_II)
-            own[src] = self._recv(ops_own, total - first, like, src, _TAG_II_OWN)
+        me = self.me
+        ops_i, from_peer = self._phase_i(rows_at, like)
+        ops_fwd, ops_own, fwd, own = self._phase_ii(rows_at, like, pack, send_index)
         works_i, works_fwd, works_own = map(self._post, (ops_i, ops_fwd, ops_own))
         self._wait(works_fwd)
         unique = pack is not None
@@ -296,6 +153,41 @@ class _HaloExchange(WeightedReduction):
             out_ND[self.out_pos_N[a:b]] = rows
         return out_ND
 
+    def _phase_i(self, rows_at, like) -> tuple[list, dict[int, Tensor]]:
+        """Ops and receive buffers of Phase I: rows for the other ranks of my node."""
+        ops: list = []
+        from_peer: dict[int, Tensor] = {}
+        for peer in self.node_peers:
+            self._send(ops, rows_at(slice(*self.seg_of_dest[peer])), peer, _TAG_I)
+            from_peer[peer] = self._recv(ops, self.pairs_SS[peer][self.me], like, peer, _TAG_I)
+        return ops, from_peer
+
+    def _phase_ii(self, rows_at, like, pack, send_index: bool):
+        """Ops and buffers of Phase II, as two batches: each message's forwarded rows (and
+        the dedup pack index), then its rows for the gateway itself."""
+        me, node, unique = self.me, self.my_node, pack is not None
+        ops_fwd: list = []
+        ops_own: list = []
+        for b in self.remote_nodes:  # as a source: one message per remote node
+            gw = self.topo.gateway(me, b)
+            message = pack(b) if unique else rows_at(self.rows_to_node[b])
+            first = self._forwarded_rows(me, b, unique)
+            if send_index:
+                self._send(ops_fwd, self.pack_index[b], gw, _TAG_II_INDEX)
+            self._send(ops_fwd, message[:first], gw, _TAG_II)
+            self._send(ops_own, message[first:], gw, _TAG_II_OWN)
+        fwd, own = {}, {}
+        index_like = torch.zeros(0, dtype=torch.long, device=self.device)
+        for src in self.srcs_via[me]:  # as a gateway
+            pairs = self._pairs_to_node(src, node)
+            total = self.unique_SN[src][node] if unique else pairs
+            first = self._forwarded_rows(src, node, unique)
+            if send_index:
+                self.gateway_index[src] = self._recv(ops_fwd, pairs, index_like, src, _TAG_II_INDEX)
+            fwd[src] = self._recv(ops_fwd, first, like, src, _TAG_II)
+            own[src] = self._recv(ops_own, total - first, like, src, _TAG_II_OWN)
+        return ops_fwd, ops_own, fwd, own
+
     def _phase_iii(self, piece, like, extra=None, own_pieces=None) -> dict[int, Tensor]:
         """Gateway forwards pair rows to the other ranks of its node; returns rows relayed to
         me, by source. piece(src, dst): src's rows for dst; own_pieces(): each src's rows for
@@ -320,7 +212,7 @@ class _HaloExchange(WeightedReduction):
         relayed: dict[int, Tensor] = {}
         for gw in members:
             counts = [self.pairs_SS[s][me] for s in self.srcs_via[gw]]
-            for s, (a, b) in zip(self.srcs_via[gw], _segments(counts), strict=True):
+            for s, (a, b) in zip(self.srcs_via[gw], segments(counts), strict=True):
                 relayed[s] = bufs[gw][a:b]
         return relayed
 
@@ -375,7 +267,7 @@ class _HaloExchange(WeightedReduction):
         me, size, weighted = self.me, self.owner.size, weight_P is not None
         by_src_ND = torch.empty_like(y_ND)
         by_src_ND[self.regroup_N] = y_ND
-        seg = _segments([self.pairs_SS[s][me] for s in range(size)])
+        seg = segments([self.pairs_SS[s][me] for s in range(size)])
         ops_early: list = []
         local = {me: by_src_ND[slice(*seg[me])]}
         for peer in self.node_peers:  # reverse Phase I
@@ -417,7 +309,7 @@ class _HaloExchange(WeightedReduction):
         """As a gateway: each remote source's rows from the other ranks of my node, in that
         source's member order (my own rows, last in that order, are not included)."""
         me, node, srcs = self.me, self.my_node, self.srcs_via[self.me]
-        per_dst = {d: _segments([self.pairs_SS[s][d] for s in srcs]) for d in at_gateway}
+        per_dst = {d: segments([self.pairs_SS[s][d] for s in srcs]) for d in at_gateway}
         return {
             src: self._cat(
                 [

@@ -1,0 +1,147 @@
+"""Routing plan of one HALO exchange: which rows go where, in which order, how many.
+
+Built on every rank of the EP group from its own routing and one exchange of counts, so all
+ranks agree on every message size before any payload moves. runtime/halo.py moves the rows.
+
+Per (source rank, remote node), the source's pairs for that node are ordered by "member
+order": the node's ranks ascending, except the source's gateway there, which comes last, so
+the gateway can forward the first part of the message before the rest has arrived. With
+dedup, the message holds unique tokens: those any non-gateway rank needs first.
+
+Shape letters as in runtime/dispatch.py (T, K, E, L, N, P = T * K, S ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from runtime.dispatch import block_transpose_index, sort_pairs
+
+
+def segments(counts: list[int]) -> list[tuple[int, int]]:
+    """(start, stop) of consecutive blocks with the given sizes."""
+    out, start = [], 0
+    for count in counts:
+        out.append((start, start + count))
+        start += count
+    return out
+
+
+class HaloPlan:
+    """Sizes and index tensors of one routing decision (base of the HALO exchange)."""
+
+    def __init__(
+        self, owner, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int, device
+    ) -> None:
+        topo, size, me = owner.topo, owner.size, owner.rank
+        self.owner, self.topo, self.me, self.my_node = owner, topo, me, topo.node_of[me]
+        self.num_tokens, self.topk = expert_TK.shape
+        self.order_P, counts_E, counts_S = sort_pairs(expert_TK, rank_of_expert_E, size)
+        self.seg_of_dest = segments(counts_S.tolist())
+        self.token_sorted_P = self.order_P // self.topk
+        self._pack_plan()
+        unique_N = torch.tensor([u.numel() for u in self.unique_tokens], dtype=torch.long)
+        forwarded_N = torch.tensor(self.forwarded_unique, dtype=torch.long)
+        self._gather_counts(torch.cat([counts_E, unique_N, forwarded_N]), rank_of_expert_E)
+        self._choose_paths(row_bytes)
+        self.gateway_index: dict[int, Tensor] = {}  # src -> pack index (dedup, as a gateway)
+        self.saved: dict = {}  # weighted combine: what its backward needs
+        self._to_device(device)
+
+    def _member_order(self, src: int, node: int) -> list[int]:
+        """Ranks of `node` in the order src packs their rows: its gateway there last."""
+        gw = self.topo.gateway(src, node)
+        return [m for m in self.topo.members_of_node[node] if m != gw] + [gw]
+
+    def _pack_plan(self) -> None:
+        """Per node: sorted-pair positions in member order, its unique tokens (those the
+        gateway forwards first) and each pair's position among them."""
+        self.rows_to_node, self.unique_tokens, self.pack_index = [], [], []
+        self.forwarded_unique: list[int] = []
+        empty = torch.zeros(0, dtype=torch.long)
+        for node in range(self.topo.num_nodes):
+            order = self._member_order(self.me, node)
+            fwd = torch.cat([torch.arange(*self.seg_of_dest[r]) for r in order[:-1]] + [empty])
+            own = torch.arange(*self.seg_of_dest[order[-1]])
+            tokens_fwd = torch.unique(self.token_sorted_P[fwd])
+            tokens_own = torch.unique(self.token_sorted_P[own])
+            tokens_own = tokens_own[~torch.isin(tokens_own, tokens_fwd)]
+            uniq = torch.cat([tokens_fwd, tokens_own])
+            position_T = torch.full((self.num_tokens,), -1, dtype=torch.long)
+            position_T[uniq] = torch.arange(uniq.numel())
+            rows = torch.cat([fwd, own])
+            self.rows_to_node.append(rows)
+            self.unique_tokens.append(uniq)
+            self.pack_index.append(position_T[self.token_sorted_P[rows]])
+            self.forwarded_unique.append(tokens_fwd.numel())
+
+    def _to_device(self, device: torch.device) -> None:
+        """Moves the index tensors next to the data (planning above ran on the CPU)."""
+        self.device = device
+        names = ("order_P", "token_sorted_P", "regroup_N", "out_pos_N", "tokens_per_local_expert_L")
+        for name in names:
+            setattr(self, name, getattr(self, name).to(device))
+        for name in ("rows_to_node", "unique_tokens", "pack_index"):
+            setattr(self, name, [t.to(device) for t in getattr(self, name)])
+
+    def _gather_counts(self, mine: Tensor, rank_of_expert_E: Tensor) -> None:
+        """Shares per-expert and per-node counts with every rank; derives the traffic matrix."""
+        topo, size, me, owner = self.topo, self.owner.size, self.me, self.owner
+        # An all-gather as one all_to_all round (gloo's all_gather is a ring of S - 1 steps).
+        table = owner.meta(torch.empty(size * mine.numel(), dtype=torch.long))
+        dist.all_to_all_single(table, owner.meta(mine.repeat(size)), group=owner.group)
+        for peer in range(size):
+            owner.stats.add_bytes(topo, me, peer, 8 * mine.numel())
+        num_experts, num_nodes = rank_of_expert_E.numel(), topo.num_nodes
+        table = table.cpu().reshape(size, mine.numel())
+        counts_SE = table[:, :num_experts]
+        self.unique_SN = table[:, num_experts : num_experts + num_nodes].tolist()
+        self.forwarded_unique_SN = table[:, num_experts + num_nodes :].tolist()
+        pairs_SS = torch.zeros(size, size, dtype=torch.long)
+        pairs_SS.index_add_(1, rank_of_expert_E, counts_SE)
+        self.pairs_SS = pairs_SS.tolist()
+        counts_SL = counts_SE[:, rank_of_expert_E == me]
+        self.regroup_N = block_transpose_index(counts_SL)
+        self.tokens_per_local_expert_L = counts_SL.sum(dim=0)
+        # Output position of each received row, rows stored source-major (inverse of regroup).
+        self.out_pos_N = torch.empty_like(self.regroup_N)
+        self.out_pos_N[self.regroup_N] = torch.arange(self.regroup_N.numel())
+        self.from_src_seg = segments([self.pairs_SS[s][me] for s in range(size)])
+
+    def _choose_paths(self, row_bytes: int) -> None:
+        """Peers of Phase I, remote nodes of Phase II and the gateways' sources (or direct)."""
+        topo, size, node = self.topo, self.owner.size, self.my_node
+        node_pair_bytes = [
+            row_bytes * self._pairs_to_node(s, b)
+            for s in range(size)
+            for b in range(topo.num_nodes)
+            if b != topo.node_of[s]
+        ]
+        self.direct = max(node_pair_bytes, default=0) < self.owner.direct_below_bytes
+        self.dedup = self.owner.dedup and not self.direct
+        local = range(size) if self.direct else topo.members_of_node[node]
+        self.node_peers = [r for r in local if r != self.me]
+        self.remote_nodes = [] if self.direct else [b for b in range(topo.num_nodes) if b != node]
+        # srcs_via[gw]: remote sources whose Phase II rows for my node go to gateway gw.
+        self.srcs_via = {gw: [] for gw in topo.members_of_node[node]}
+        for src in range(size):
+            if not self.direct and topo.node_of[src] != node:
+                self.srcs_via[topo.gateway(src, node)].append(src)
+
+    # ---- sizes and p2p helpers -------------------------------------------------------------
+
+    def _pairs_to_node(self, src: int, node: int) -> int:
+        return sum(self.pairs_SS[src][r] for r in self.topo.members_of_node[node])
+
+    def _forwarded_rows(self, src: int, node: int, unique: bool) -> int:
+        """Rows of src's Phase II message to `node` that its gateway forwards (sent first)."""
+        if unique:
+            return self.forwarded_unique_SN[src][node]
+        return sum(self.pairs_SS[src][r] for r in self._member_order(src, node)[:-1])
+
+    def _seg_at_gateway(self, src: int, dst: int) -> tuple[int, int]:
+        """Pair positions of src -> dst inside src's message to my node (member order)."""
+        order = self._member_order(src, self.my_node)
+        return segments([self.pairs_SS[src][r] for r in order])[order.index(dst)]
