@@ -73,6 +73,7 @@ class Measurement:
     bytes_inter_node: int = 0  # all ranks, one dispatch + combine
     bytes_intra_node: int = 0
     load_avg_1min: float = 0.0  # of the machine running all nodes: mean of start and end
+    path: str = "flat"  # HALO: "3-phase", or "direct" below its direct_below_bytes
 
 
 def sweep(quick: bool) -> list[Network]:
@@ -119,6 +120,7 @@ def _measure(net: Network, dispatchers: dict, topk: int, tokens: int) -> list[Me
     x_TD, expert_TK, gate_TK, rank_of_expert_E = _route(net, dist.get_rank(), topk, tokens)
     times: dict[str, list[float]] = {algo: [] for algo in dispatchers}
     sent: dict[str, list[int]] = {}
+    paths: dict[str, str] = {}
     for rep in range(net.reps + 1):  # the first repetition warms up
         for algo, dispatcher in dispatchers.items():
             dispatcher.stats.reset()
@@ -126,6 +128,8 @@ def _measure(net: Network, dispatchers: dict, topk: int, tokens: int) -> list[Me
             start = time.perf_counter()
             out_ND, _, handle = dispatcher.dispatch(x_TD, expert_TK, rank_of_expert_E)
             dispatcher.combine(out_ND, handle, gate_TK)
+            direct = getattr(handle.exchange, "direct", None)
+            paths[algo] = "flat" if direct is None else ("direct" if direct else "3-phase")
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if rep:
@@ -250,6 +254,7 @@ def ratios(results: list[Measurement]) -> list[dict]:
                 "inter_node_bytes_flat": flat.bytes_inter_node,
                 "inter_node_bytes_halo": halo.bytes_inter_node,
                 "inter_node_bytes_halo_dedup": dedup.bytes_inter_node,
+                "halo_path": halo.path,
             }
         )
     return rows
@@ -264,7 +269,7 @@ def headline(rows: list[dict]) -> dict | None:
 
 def print_table(rows: list[dict]) -> None:
     head = "nodes x g  Mbit/s  routing       k  tokens   flat ms   halo ms  dedup ms  "
-    print(head + "flat/halo  flat/dedup  inter MB flat/halo/dedup")
+    print(head + "flat/halo  flat/dedup  inter MB flat/halo/dedup  HALO path")
     for r in rows:
         print(
             f"{r['nodes']:>5} x {r['ranks_per_node']}  {r['rate_mbit']:>6}  {r['routing']:<12}"
@@ -272,7 +277,7 @@ def print_table(rows: list[dict]) -> None:
             f"  {1e3 * r['halo_s']:>8.1f}  {1e3 * r['halo_dedup_s']:>8.1f}"
             f"  {r['flat_over_halo']:>9.2f}  {r['flat_over_halo_dedup']:>10.2f}"
             f"  {r['inter_node_bytes_flat'] / 1e6:.2f}/{r['inter_node_bytes_halo'] / 1e6:.2f}"
-            f"/{r['inter_node_bytes_halo_dedup'] / 1e6:.2f}"
+            f"/{r['inter_node_bytes_halo_dedup'] / 1e6:.2f}  {r['halo_path']}"
         )
 
 
