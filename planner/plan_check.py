@@ -53,9 +53,13 @@ class _Checker:
         return value
 
     def number(self, d: dict[str, Any], key: str, where: str) -> float:
-        value = self.get(d, key, where, (int, float))
+        return self.nonnegative(self.get(d, key, where, (int, float)), f"{where}{key}")
+
+    def nonnegative(self, value: Any, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(field, f"has the wrong type ({type(value).__name__} {value!r})")
         if math.isnan(value) or value < 0:
-            raise self.fail(f"{where}{key}", f"must be a number >= 0, got {value}")
+            raise self.fail(field, f"must be a number >= 0, got {value}")
         return float(value)
 
     def items(self, d: dict[str, Any], key: str) -> list[dict[str, Any]]:
@@ -104,6 +108,8 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
     _check_predicted(c, d["predicted"], sizes["pp"])
     for key in ("backend", "status"):
         c.get(d["solver"], key, "solver.", str)
+    for key in ("objective", "bound", "gap"):
+        c.get(d["solver"], key, "solver.", (int, float))
 
 
 def _check_sizes(c: _Checker, s: dict[str, int]) -> None:
@@ -163,5 +169,8 @@ def _check_predicted(c: _Checker, pred: dict[str, Any], pp: int) -> None:
     memory = c.get(pred, "memory_gib_per_stage", "predicted.", list)
     if len(memory) != pp:
         raise c.fail("predicted.memory_gib_per_stage", f"has {len(memory)} values, pp = {pp}")
+    for i, gib in enumerate(memory):
+        c.nonnegative(gib, f"predicted.memory_gib_per_stage[{i}]")
     if "comm_s" in pred:
-        c.get(pred, "comm_s", "predicted.", dict)
+        for name, seconds in c.get(pred, "comm_s", "predicted.", dict).items():
+            c.nonnegative(seconds, f"predicted.comm_s.{name}")

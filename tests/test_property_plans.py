@@ -11,6 +11,7 @@ numbers 0..N-1 and puts each on a distinct device of the nodes used.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import tempfile
@@ -26,6 +27,7 @@ from planner.ip.search import plan
 from planner.ip.solvers import SolverOptions
 from planner.migration.trace import check_divisible, load_trace
 from planner.models import model_from_config
+from planner.plan import plan_from_dict
 from planner.specs import SpecError, TrainingSpec
 
 SETTINGS = settings(
@@ -327,3 +329,39 @@ def test_no_fit_with_nothing_usable_is_explained_not_a_crash():
     training = TrainingSpec(seq_len=4096, global_batch=8)
     result = plan(model, cluster, training, 1, None, SolverOptions("cpsat", 5.0, 1, 0))
     assert result.plan is None and "fits in memory" in result.message
+
+
+@functools.lru_cache(maxsize=1)
+def _good_plan_dict() -> dict:
+    from planner.clusters import load_cluster
+    from planner.models import load_model
+
+    result = plan(load_model("tiny-moe"), load_cluster("cpu-gloo"),
+                  TrainingSpec(seq_len=256, global_batch=16), 8, {"pp": 2, "ep": 2},
+                  SolverOptions("cpsat", 5.0, 1, 0))  # fmt: skip
+    assert result.plan is not None, result.message
+    return json.loads(result.plan.to_json())
+
+
+@FAST
+@given(data=st.data())
+def test_corrupted_plan_json_is_a_spec_error_or_still_valid(data):
+    good = _good_plan_dict()
+    paths = [p for p in _paths(good) if p[0] not in ("extra", "model", "cluster", "training")]
+    path = data.draw(st.sampled_from(paths), label="field")
+    value = data.draw(st.one_of(BAD_VALUES, st.just(_DELETE), st.integers(-3, 40)), label="value")
+    bad = _set(good, path, value)
+    try:
+        p = plan_from_dict(bad, "bad/plan.json")
+    except SpecError as exc:
+        assert "\n" not in str(exc) and "bad/plan.json" in str(exc)
+        return
+    # accepted: the sizes still agree with each other
+    par = p.parallel
+    assert min(par.pp, par.dp, par.tp, par.ep, par.micro_batch, par.num_microbatches) >= 1
+    assert len(p.stages) == par.pp and len(p.ranks) in (0, par.pp * par.dp * par.tp)
+    assert all(0 <= r < par.ep for e in p.experts for r in e.rank_of_expert)
+    numbers = [*p.predicted.memory_gib_per_stage, *(s for _, s in p.predicted.comm_s)]
+    numbers += [p.predicted.step_time_s, p.predicted.mfu, p.predicted.usable_memory_gib]
+    assert all(isinstance(x, int | float) and not isinstance(x, bool) for x in numbers)
+    assert all(isinstance(x, int | float) for x in (p.solver.objective, p.solver.gap))
