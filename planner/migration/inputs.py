@@ -81,7 +81,7 @@ def _plan_devices(plan: Plan, cluster: ClusterSpec, layer: int, ranks: int) -> t
     stage = next((s.stage for s in plan.stages if layer in s.layers), 0)
     devices: dict[int, int] = {}
     for row in sorted(plan.ranks, key=lambda r: r.rank):
-        if row.stage == stage and row.tp == 0 and row.ep not in devices:
+        if row.stage == stage and row.ep not in devices:  # ep folds over dp*tp
             devices[row.ep] = row.node * cluster.gpus_per_node + row.local_rank
     if sorted(devices) != list(range(ranks)):
         raise SpecError(
@@ -116,7 +116,7 @@ def _model_and_cluster(
     cluster_name: str | None,
 ) -> tuple[ModelSpec, ClusterSpec]:
     """--model / --cluster, else the plan's, else the defaults (module docstring)."""
-    from planner.clusters import load_cluster
+    from planner.clusters import cluster_from_dict, load_cluster
     from planner.models import model_from_config
 
     if plan is not None and not model_name:
@@ -132,7 +132,12 @@ def _model_and_cluster(
     else:
         model = pick_model(trace.num_experts, model_name)
     if plan is not None and not cluster_name:
-        cluster = load_cluster(str(plan.cluster.get("source") or plan.cluster.get("name")))
+        # `piper plan` embeds the whole cluster profile, so moves are priced on the very
+        # cluster the plan was made for; a hand-written plan may name a preset instead.
+        if "levels" in plan.cluster:
+            cluster = cluster_from_dict(dict(plan.cluster), str(plan_path))
+        else:
+            cluster = load_cluster(str(plan.cluster.get("name") or plan.cluster.get("source")))
     else:
         cluster = load_cluster(cluster_name or DEFAULT_CLUSTER)
     return model, cluster

@@ -125,3 +125,22 @@ def test_two_runs_are_byte_identical(tmp_path):
         assert main(["migrate", "--trace", trace, "--ep", "2", "--out", str(out)]) == 0
         outs.append({p.name: p.read_bytes() for p in out.iterdir() if p.name != "timings.json"})
     assert outs[0] == outs[1] and "imbalance.png" in outs[0]
+
+
+def test_plan_from_piper_plan_with_ep_folded_over_tp(tmp_path):
+    """A real `piper plan` output (tp=2, ep=8 folded over dp*tp) prices moves on its cluster."""
+    plan_dir = tmp_path / "plan"
+    sizes = ["--gpus", "8", "--pp", "1", "--tp", "2", "--ep", "8"]
+    shape = ["--seq-len", "128", "--global-batch", "16"]
+    args = ["plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", *sizes, *shape]
+    assert main([*args, "--out", str(plan_dir)]) == 0
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    out = tmp_path / "out"
+    args = ["migrate", "--trace", _trace(tmp_path), "--ep", "8"]
+    args += ["--plan", str(plan_dir / "plan.json"), "--policy", "repack"]
+    assert main([*args, "--out", str(out), "--no-plots"]) == 0
+    start = {p["layer"]: p["rank_of_expert"] for p in plan["experts"]}
+    for layer, ranks in start.items():
+        rows = [r for r in _read(out / "placements.csv") if r["interval"] == "0"]
+        got = [int(r["rank"]) for r in rows if int(r["layer"]) == layer]
+        assert got == ranks
