@@ -185,6 +185,13 @@ def _check_args(args: argparse.Namespace) -> None:
             raise SpecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.migrate_every < 0 or args.router_bias_rate < 0:
         raise SpecError("--migrate-every and --router-bias-rate must be >= 0")
+    for name in ("nproc", "ranks_per_node"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = name.replace("_", "-")
+            raise SpecError(f"--{flag} must be >= 1, got {value}; leave it out for the default")
+    if not args.lr > 0:
+        raise SpecError(f"--lr must be a positive learning rate, got {args.lr}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,6 +68,9 @@ def test_changed_cluster_is_refused_and_force_passes_the_check(tmp_path, capsys)
         (["--nproc", "3"], 1, "use --nproc 2"),
         ([], 2, "tp=1"),
         (["--scale", "1.5"], 1, "--scale"),
+        (["--nproc", "0"], 1, "--nproc must be >= 1"),
+        (["--ranks-per-node", "0"], 1, "--ranks-per-node must be >= 1"),
+        (["--lr", "-1"], 1, "--lr must be a positive"),
     ],
 )
 def test_bad_runs_exit_2_with_one_line(tmp_path, capsys, args, tp, msg):
