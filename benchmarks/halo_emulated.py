@@ -151,7 +151,8 @@ def _measure(net: Network, dispatchers: dict, topk: int, tokens: int) -> list[Me
             statistics.median(times[algo]),
             times[algo],
             *sent[algo],
-        )  # fmt: skip
+            path=paths[algo],
+        )
         for algo in dispatchers
     ]
 
