@@ -80,9 +80,18 @@ def load_metrics(path: str | Path) -> list[dict[str, Any]]:
             raise SpecError(
                 f"{p} line {n}: not JSON; metrics.jsonl has one object per line"
             ) from None
+        if not isinstance(d, dict):
+            raise SpecError(f"{p} line {n}: not a JSON object; re-run 'piper run'")
         missing = [k for k in REQUIRED_KEYS if k not in d]
         if missing:
             raise SpecError(f"{p} line {n}: missing '{missing[0]}'; re-run 'piper run'")
+        for key in REQUIRED_KEYS:
+            value = d[key]
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise SpecError(
+                    f"{p} line {n}: '{key}' must be a non-negative number, got {value!r}; "
+                    "re-run 'piper run'"
+                )
         rows.append(d)
     if not rows:
         raise SpecError(f"{p}: no steps; run at least one step with 'piper run'")
