@@ -17,7 +17,8 @@ network once per (token, node) (backward likewise: one gradient row per (token, 
 out, the gate gradients come back as scalars).
 
 Sizes are known everywhere before any payload moves: one exchange of each rank's per-expert
-row counts (and per-node unique-token counts) gives every rank the full traffic matrix. When
+row counts gives every rank the full traffic matrix (dedup adds one small exchange of per-node
+unique-token counts). When
 the largest node-to-node message is below `direct_below_bytes` (latency-bound sizes), every
 rank decides the same way to send rows straight to their final ranks in one round, like the
 flat all-to-all, since two hops then cost more than they save.

@@ -41,11 +41,17 @@ class HaloPlan:
         self.order_P, counts_E, counts_S = sort_pairs(expert_TK, rank_of_expert_E, size)
         self.seg_of_dest = segments(counts_S.tolist())
         self.token_sorted_P = self.order_P // self.topk
-        self._pack_plan()
-        unique_N = torch.tensor([u.numel() for u in self.unique_tokens], dtype=torch.long)
-        forwarded_N = torch.tensor(self.forwarded_unique, dtype=torch.long)
-        self._gather_counts(torch.cat([counts_E, unique_N, forwarded_N]), rank_of_expert_E)
+        table_SE = self._all_gather(counts_E)
+        self._traffic(table_SE, rank_of_expert_E)
         self._choose_paths(row_bytes)
+        self._pack_plan()
+        if self.dedup:  # a second small round: unique-token counts per node
+            unique_N = torch.tensor([u.numel() for u in self.unique_tokens], dtype=torch.long)
+            forwarded_N = torch.tensor(self.forwarded_unique, dtype=torch.long)
+            table = self._all_gather(torch.cat([unique_N, forwarded_N]))
+            num_nodes = self.topo.num_nodes
+            self.unique_SN = table[:, :num_nodes].tolist()
+            self.forwarded_unique_SN = table[:, num_nodes:].tolist()
         self.gateway_index: dict[int, Tensor] = {}  # src -> pack index (dedup, as a gateway)
         self.saved: dict = {}  # weighted combine: what its backward needs
         self._to_device(device)
@@ -56,23 +62,33 @@ class HaloPlan:
         return [m for m in self.topo.members_of_node[node] if m != gw] + [gw]
 
     def _pack_plan(self) -> None:
-        """Per node: sorted-pair positions in member order, its unique tokens (those the
-        gateway forwards first) and each pair's position among them."""
+        """Per remote node: sorted-pair positions in member order; with dedup also its unique
+        tokens (those the gateway forwards first) and each pair's position among them."""
         self.rows_to_node, self.unique_tokens, self.pack_index = [], [], []
         self.forwarded_unique: list[int] = []
         empty = torch.zeros(0, dtype=torch.long)
         for node in range(self.topo.num_nodes):
+            if node not in self.remote_nodes:
+                for plan in (self.rows_to_node, self.unique_tokens, self.pack_index):
+                    plan.append(empty)
+                self.forwarded_unique.append(0)
+                continue
             order = self._member_order(self.me, node)
             fwd = torch.cat([torch.arange(*self.seg_of_dest[r]) for r in order[:-1]] + [empty])
             own = torch.arange(*self.seg_of_dest[order[-1]])
+            rows = torch.cat([fwd, own])
+            self.rows_to_node.append(rows)
+            if not self.dedup:
+                self.unique_tokens.append(empty)
+                self.pack_index.append(empty)
+                self.forwarded_unique.append(0)
+                continue
             tokens_fwd = torch.unique(self.token_sorted_P[fwd])
             tokens_own = torch.unique(self.token_sorted_P[own])
             tokens_own = tokens_own[~torch.isin(tokens_own, tokens_fwd)]
             uniq = torch.cat([tokens_fwd, tokens_own])
             position_T = torch.full((self.num_tokens,), -1, dtype=torch.long)
             position_T[uniq] = torch.arange(uniq.numel())
-            rows = torch.cat([fwd, own])
-            self.rows_to_node.append(rows)
             self.unique_tokens.append(uniq)
             self.pack_index.append(position_T[self.token_sorted_P[rows]])
             self.forwarded_unique.append(tokens_fwd.numel())
@@ -86,19 +102,19 @@ class HaloPlan:
         for name in ("rows_to_node", "unique_tokens", "pack_index"):
             setattr(self, name, [t.to(device) for t in getattr(self, name)])
 
-    def _gather_counts(self, mine: Tensor, rank_of_expert_E: Tensor) -> None:
-        """Shares per-expert and per-node counts with every rank; derives the traffic matrix."""
-        topo, size, me, owner = self.topo, self.owner.size, self.me, self.owner
-        # An all-gather as one all_to_all round (gloo's all_gather is a ring of S - 1 steps).
+    def _all_gather(self, mine: Tensor) -> Tensor:
+        """Every rank's `mine` (int64 [C]) as a table [S, C], in one all_to_all round
+        (gloo's all_gather is a ring of S - 1 steps)."""
+        owner, size = self.owner, self.owner.size
         table = owner.meta(torch.empty(size * mine.numel(), dtype=torch.long))
         dist.all_to_all_single(table, owner.meta(mine.repeat(size)), group=owner.group)
         for peer in range(size):
-            owner.stats.add_bytes(topo, me, peer, 8 * mine.numel())
-        num_experts, num_nodes = rank_of_expert_E.numel(), topo.num_nodes
-        table = table.cpu().reshape(size, mine.numel())
-        counts_SE = table[:, :num_experts]
-        self.unique_SN = table[:, num_experts : num_experts + num_nodes].tolist()
-        self.forwarded_unique_SN = table[:, num_experts + num_nodes :].tolist()
+            owner.stats.add_bytes(self.topo, self.me, peer, 8 * mine.numel())
+        return table.cpu().reshape(size, mine.numel())
+
+    def _traffic(self, counts_SE: Tensor, rank_of_expert_E: Tensor) -> None:
+        """Pairs between every two ranks, and how my received rows regroup by expert."""
+        size, me = self.owner.size, self.me
         pairs_SS = torch.zeros(size, size, dtype=torch.long)
         pairs_SS.index_add_(1, rank_of_expert_E, counts_SE)
         self.pairs_SS = pairs_SS.tolist()

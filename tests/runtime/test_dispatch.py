@@ -165,18 +165,19 @@ def test_byte_counters_match_hand_count(run_distributed):
             2 * row * (intra_rows + intra_back) + 8,
             2 * row * (inter_rows + inter_back) + 16,
         )
-        # HALO: all-gather of 4 expert counts + 2 x 2 node counts (unique tokens, forwarded
-        # unique tokens) to each of 3 peers; Phase I direct; Phase II the same inter-node rows,
-        # then Phase III relays inside the node.
-        meta = 8 * (4 + 2 * 2)
+        # HALO: all-gather of 4 expert counts to each of 3 peers (dedup: then 2 x 2 node
+        # counts: unique tokens, forwarded unique tokens); Phase I direct; Phase II the same
+        # inter-node rows, then Phase III relays inside the node.
+        meta, meta_dedup = 8 * 4, 8 * (4 + 2 * 2)
         rail_peer = (rank + 2) % 4  # the one remote source whose gateway I am
         relayed_by_me = _expected_rows(rail_peer)[0][peer_same]
         halo_intra = row * (intra_rows + relayed_by_me) + meta
         assert res["halo"]["dispatch"] == (halo_intra, row * inter_rows + 2 * meta)
         # Dedup: one row per (token, remote node) plus an int64 index per pair.
         other = 1 - node
-        dedup_inter = row * unique_to_node[other] + 8 * inter_rows + 2 * meta
-        assert res["dedup"]["dispatch"] == (halo_intra, dedup_inter)
+        dedup_intra = halo_intra - meta + meta_dedup
+        dedup_inter = row * unique_to_node[other] + 8 * inter_rows + 2 * meta_dedup
+        assert res["dedup"]["dispatch"] == (dedup_intra, dedup_inter)
         saved_rows += inter_rows - unique_to_node[other]
         # Below the threshold every row goes straight to its rank: no relay, no dedup.
         direct = (row * intra_rows + meta, row * inter_rows + 2 * meta)
