@@ -211,8 +211,11 @@ def no_fit_message(ctx: SearchContext, rows: Sequence[CandidateRow]) -> str:
         ratio = closest.memory_need_gib / usable if usable > 0 else math.inf
         if closest.parallel.micro_batch > 1:
             tips.append("a smaller --micro-batch")
-        more = ctx.space.gpus * max(2, 2 ** math.ceil(math.log2(max(ratio, 1.0))))
-        tips.append(f"more GPUs (try --gpus {more})")
+        if math.isfinite(ratio):
+            more = ctx.space.gpus * max(2, 2 ** math.ceil(math.log2(max(ratio, 1.0))))
+            tips.append(f"more GPUs (try --gpus {more})")
+        else:  # overhead + recompute workspace leave nothing: more GPUs cannot help
+            tips.append("a device with more memory or a smaller framework_overhead_gib")
         closest_text = (
             f"closest is {describe(closest.parallel)} needing {closest.memory_need_gib:.1f} GiB "
             f"> {usable:.1f} GiB usable"
