@@ -17,7 +17,6 @@ import math
 import tempfile
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
