@@ -13,9 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _planner_modules() -> list[str]:
-    return sorted(
-        m.name for m in pkgutil.walk_packages(planner.__path__, prefix="planner.")
-    )
+    return sorted(m.name for m in pkgutil.walk_packages(planner.__path__, prefix="planner."))
 
 
 def test_planner_modules_exist():
