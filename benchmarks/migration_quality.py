@@ -40,7 +40,7 @@ def run_config(cfg, args) -> dict[str, np.ndarray]:
         )  # fmt: skip
         trace = synth_trace(synth)
         setup = migrate_setup(trace, ranks, model_name=model, cluster_name="frontier")
-        opts = MigrationOptions(move_margin=args.move_margin)
+        opts = MigrationOptions(move_margin=args.move_margin, margin_sigmas=args.margin_sigmas)
         runs = replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, opts)
         for name, run in runs.items():
             per_seed[name].append([getattr(run, m) for m in METRICS])
@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--skew", type=float, default=SynthOptions.skew)
     p.add_argument("--drift", type=float, default=SynthOptions.drift)
     p.add_argument("--move-margin", type=float, default=MigrationOptions.move_margin)
+    p.add_argument("--margin-sigmas", type=float, default=MigrationOptions.margin_sigmas)
     p.add_argument("--only", type=int, help="run only configuration 0, 1 or 2")
     p.add_argument("--quick", action="store_true", help="first configuration, one seed")
     args = p.parse_args()
@@ -96,7 +97,8 @@ def main() -> None:
     start = time.perf_counter()
     print(f"synthetic traces: {args.layers} layers x {args.intervals} intervals, {args.tokens} "
           f"tokens, skew {args.skew}, drift {args.drift}, seeds 0..{args.seeds - 1}; "
-          f"move margin {args.move_margin}, other MigrationOptions defaults")  # fmt: skip
+          f"move margin {args.move_margin} + {args.margin_sigmas} counting sigma per move, "
+          f"other MigrationOptions defaults")  # fmt: skip
     met = []
     configs = CONFIGS[:1] if args.quick else CONFIGS
     if args.only is not None:

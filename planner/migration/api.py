@@ -42,7 +42,7 @@ class MigrationDecision:
 
 def uniform_costs(layers: int, ranks: int) -> MoveCosts:
     """Prices when the caller has none: free moves, 1 s of balanced expert compute per
-    interval; only MigrationOptions.move_margin then limits the moves."""
+    interval; only the margins (MigrationOptions.move_margin, margin_sigmas) then limit moves."""
     return MoveCosts(
         expert_bytes_L=np.zeros(layers, dtype=np.int64),
         move_s_LRR=np.zeros((layers, ranks, ranks)),

@@ -52,10 +52,13 @@ class MigrationOptions:
     # Extra predicted imbalance reduction (in units of max/mean) a migration must deliver on
     # top of paying for its moves: a hysteresis against forecast noise.
     min_gain: float = 0.0
-    # Predicted imbalance reduction each moved expert must buy on top of its transfer time:
-    # a gain smaller than the forecast's error is noise, and chasing it moves experts for
-    # nothing (see MIGRATION.md for the measurement behind the default).
-    move_margin: float = 0.002
+    # Fixed predicted imbalance reduction (units of max/mean) each moved expert must buy on
+    # top of its transfer time (a floor; the uncertainty margin below is added to it).
+    move_margin: float = 0.0
+    # Each moved expert must also buy this many standard errors of its own load's counting
+    # noise, sqrt(forecast tokens): the realized gain of a move differs from the predicted
+    # one by about that much, so a smaller predicted gain is noise (see MIGRATION.md).
+    margin_sigmas: float = 0.9
     # Forecast error of a rank load, in units of its measured RMS error on the last interval;
     # 0 = optimize the plain maximum of the forecast.
     noise_scale: float = 1.0
@@ -155,9 +158,12 @@ def piper(
     scale_s = costs.balanced_s / mean
     cost_ER = placement_cost_ER(current_RS, num_e, costs.move_s_RR)
     held_ER = holders(current_RS, num_e)
-    cost_ER = cost_ER + np.where(held_ER, 0.0, opts.move_margin * costs.balanced_s)
-    # temperature that makes sigma*log(sum exp) match E[max] of R Gaussian errors
     sigma = opts.noise_scale * rank_error(current_RS, history_TE, opts.forecast)
+    # per moved expert: fixed floor + k standard errors of one expert's forecast load
+    margin_s = opts.move_margin * costs.balanced_s
+    margin_s += opts.margin_sigmas * scale_s * np.sqrt(float(load_E.sum()) / num_e)
+    cost_ER = cost_ER + np.where(held_ER, 0.0, margin_s)
+    # temperature that makes sigma*log(sum exp) match E[max] of R Gaussian errors
     temp = sigma * np.sqrt(2.0 / np.log(ranks)) if ranks > 1 else 0.0
     search = dict(
         scale_s=scale_s, max_swaps=opts.max_swaps or num_e, sigma=temp, sources=opts.sources

@@ -28,7 +28,7 @@ from planner.migration.replicate import pack, replica_counts_for
 LOADS = np.array([[10, 8, 1, 3]])  # one past interval; experts 0,1 on rank 0 and 2,3 on rank 1
 START = initial_slots(np.array([0, 0, 1, 1]), 2)
 FREE = LayerCosts(np.zeros((2, 2)), 1.0)
-EXACT = MigrationOptions(move_margin=0.0, noise_scale=0.0)
+EXACT = MigrationOptions(move_margin=0.0, margin_sigmas=0.0, noise_scale=0.0)
 
 
 def _sets(slots_RS):
@@ -92,10 +92,23 @@ def test_piper_margin_blocks_small_gains():
     # 22 / 18 -> 20 / 20 by swapping 12 and 10: saves 2 / 20 = 0.1 of the balanced second,
     # bought with two moves: a margin of 0.04 per move lets it through, 0.06 does not
     loads = np.array([[12, 10, 10, 8]])
-    allowed = MigrationOptions(move_margin=0.04, noise_scale=0.0)
+    allowed = MigrationOptions(move_margin=0.04, margin_sigmas=0.0, noise_scale=0.0)
     assert rank_loads(piper(START, loads, FREE, allowed), loads[0].astype(float)).max() == 20
-    blocked = MigrationOptions(move_margin=0.06, noise_scale=0.0)
+    blocked = MigrationOptions(move_margin=0.06, margin_sigmas=0.0, noise_scale=0.0)
     assert np.array_equal(piper(START, loads, FREE, blocked), START)
+
+
+def test_piper_counting_noise_margin():
+    # same swap, gain 2 tokens of 20 mean rank load = 0.1 s; each moved expert must buy k
+    # standard errors of a mean expert's count, k sqrt(40 / 4) tokens = k sqrt(10) / 20 s:
+    # two moves cost 0.3162 k s, so k = 0.30 lets it through and k = 0.33 does not
+    loads = np.array([[12, 10, 10, 8]])
+    allowed = MigrationOptions(move_margin=0.0, margin_sigmas=0.30, noise_scale=0.0)
+    assert rank_loads(piper(START, loads, FREE, allowed), loads[0].astype(float)).max() == 20
+    blocked = MigrationOptions(move_margin=0.0, margin_sigmas=0.33, noise_scale=0.0)
+    assert np.array_equal(piper(START, loads, FREE, blocked), START)
+    # the margin is in tokens: 100x the tokens shrink it 10x relative to the gain
+    assert rank_loads(piper(START, 100 * loads, FREE, blocked), 100.0 * loads[0]).max() == 2000
 
 
 def test_piper_prefers_the_cheaper_link():
