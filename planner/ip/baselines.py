@@ -20,6 +20,7 @@ from planner.ip import bounds
 from planner.ip.backend import EstimateView
 from planner.ip.candidates import SearchContext, training_for
 from planner.parallel import ParallelConfig, divisors
+from planner.resources.cost import even_split
 from planner.resources.units import StageCostInputs
 
 
@@ -56,7 +57,7 @@ TITLES = {
 
 def _even_score(inputs: StageCostInputs, par: ParallelConfig) -> float | None:
     """1F1B step of an even split with all-or-nothing recompute; None if it does not fit."""
-    split = bounds.even_split(len(inputs.units), par.pp)
+    split = even_split(len(inputs.units), par.pp)
     mem, time = bounds.split_cost(inputs, split, par.recompute != "none")
     if max(mem) > inputs.usable_memory_bytes:
         return None
@@ -68,7 +69,7 @@ def _finish(ctx: SearchContext, name: str, best: _Scored | None, note: str) -> B
         return Baseline(name, TITLES[name], None, ctx.training.zero, None, note)
     training = replace(training_for(ctx.training, best.par), zero=best.zero)
     n = len(ctx.model.layers)
-    layers = bounds.even_split(n, best.par.pp)
+    layers = even_split(n, best.par.pp)
     rc = layers if best.par.recompute != "none" else tuple(() for _ in layers)
     est = ctx.backend.estimate(ctx.model, ctx.cluster, training, best.par, layers, rc)
     note = "needs ZeRO to fit" if best.zero and not ctx.training.zero else ""

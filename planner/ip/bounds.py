@@ -126,17 +126,6 @@ def step_time_lower_bound_s(inputs: StageCostInputs) -> float:
     return (inputs.num_microbatches + inputs.pp - 1) * bottleneck_time_lower_bound_s(inputs)
 
 
-def even_split(num_layers: int, pp: int) -> tuple[tuple[int, ...], ...]:
-    """Layers split as evenly as possible; the first `num_layers % pp` stages get one more."""
-    base, extra = divmod(num_layers, pp)
-    out, start = [], 0
-    for s in range(pp):
-        size = base + (1 if s < extra else 0)
-        out.append(tuple(range(start, start + size)))
-        start += size
-    return tuple(out)
-
-
 def split_cost(
     inputs: StageCostInputs, stage_layers: tuple[tuple[int, ...], ...], recompute: bool
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:

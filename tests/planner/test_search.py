@@ -23,6 +23,7 @@ from planner.ip.enumerate import enumerate_layouts, make_space
 from planner.ip.search import plan
 from planner.ip.solvers import LinearModel, SolverOptions, solve
 from planner.ip.wiring import RealBackend
+from planner.resources.cost import even_split
 from planner.resources.units import StageCostInputs, StageExtras, UnitCost
 from planner.specs import SpecError
 
@@ -111,8 +112,8 @@ def test_bounds_equal_the_relaxed_brute_force_and_never_exceed_the_real_one(seed
 
 
 def test_even_split_sizes():
-    assert bounds.even_split(7, 3) == ((0, 1, 2), (3, 4), (5, 6))
-    assert bounds.even_split(4, 4) == ((0,), (1,), (2,), (3,))
+    assert even_split(7, 3) == ((0, 1, 2), (3, 4), (5, 6))
+    assert even_split(4, 4) == ((0,), (1,), (2,), (3,))
 
 
 # ----------------------------------------------------------------------------- search
