@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.params import attention_matmul_params
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec
 
 FLOPS_FORMULA = (
@@ -38,20 +39,6 @@ class FlopsPerToken:
     @property
     def total(self) -> float:
         return self.matmul_flops + self.attention_flops
-
-
-def attention_matmul_params(att: AttentionSpec, d: int) -> int:
-    """Projection weights of one attention block (no biases, norms or sinks)."""
-    if att.kind == "mla":
-        qk_head = att.qk_nope_head_dim + att.qk_rope_head_dim
-        q = (d * att.q_lora_rank + att.q_lora_rank * att.num_heads * qk_head
-             if att.q_lora_rank else d * att.num_heads * qk_head)  # fmt: skip
-        kv = d * (att.kv_lora_rank + att.qk_rope_head_dim) + att.kv_lora_rank * att.num_heads * (
-            att.qk_nope_head_dim + att.v_head_dim
-        )
-        return q + kv + att.num_heads * att.v_head_dim * d
-    q_out, kv_out = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
-    return 2 * d * q_out + 2 * d * kv_out
 
 
 def layer_matmul_params(layer: LayerSpec, d: int) -> int:

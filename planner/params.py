@@ -49,25 +49,29 @@ class LayerParams:
         return self.non_expert + self.expert * self.top_k
 
 
-def attention_params(att: AttentionSpec, d: int) -> int:
-    """Weights of one attention block (projections, biases, MLA norms, sinks, qk-norms)."""
+def attention_matmul_params(att: AttentionSpec, d: int) -> int:
+    """Projection weights of one attention block (no biases, norms or sinks)."""
     if att.kind == "mla":
         qk_head = att.qk_nope_head_dim + att.qk_rope_head_dim
         if att.q_lora_rank:
-            q = d * att.q_lora_rank + att.q_lora_rank + att.q_lora_rank * att.num_heads * qk_head
+            q = d * att.q_lora_rank + att.q_lora_rank * att.num_heads * qk_head
         else:
             q = d * att.num_heads * qk_head
-        kv_down = d * (att.kv_lora_rank + att.qk_rope_head_dim) + att.kv_lora_rank
+        kv_down = d * (att.kv_lora_rank + att.qk_rope_head_dim)
         kv_up = att.kv_lora_rank * att.num_heads * (att.qk_nope_head_dim + att.v_head_dim)
-        o = att.num_heads * att.v_head_dim * d
-        return q + kv_down + kv_up + o + (d if att.o_bias else 0)
-    q_out = att.num_heads * att.head_dim
-    kv_out = att.num_kv_heads * att.head_dim
-    n = d * q_out + 2 * d * kv_out + q_out * d
+        return q + kv_down + kv_up + att.num_heads * att.v_head_dim * d
+    q_out, kv_out = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+    return 2 * d * q_out + 2 * d * kv_out
+
+
+def attention_params(att: AttentionSpec, d: int) -> int:
+    """Weights of one attention block (projections, biases, MLA norms, sinks, qk-norms)."""
+    n = attention_matmul_params(att, d) + (d if att.o_bias else 0)
+    if att.kind == "mla":  # RMSNorms on the q and kv low-rank latents
+        return n + att.q_lora_rank + att.kv_lora_rank
+    q_out, kv_out = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
     if att.bias:
         n += q_out + 2 * kv_out
-    if att.o_bias:
-        n += d
     if att.sinks:
         n += att.num_heads
     if att.qk_norm:
