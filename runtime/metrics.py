@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from planner.migration.trace import COLUMNS as TRACE_COLUMNS
+
 METRIC_KEYS = (
     "step",
     "loss",
@@ -34,7 +36,7 @@ METRIC_KEYS = (
     "bytes_intra_node",
     "bytes_inter_node",
 )
-TRACE_HEADER = "interval,layer,expert,tokens"
+TRACE_HEADER = ",".join(TRACE_COLUMNS)  # the planner's trace format, read by piper migrate
 
 
 @dataclass
