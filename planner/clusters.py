@@ -4,8 +4,10 @@ A cluster YAML (see profiles/clusters/*.yaml) has the keys of `ClusterSpec`: `na
 `device` {name, memory_gib, peak_tflops {dtype: TFLOPS}, hbm_gbps}, `gpus_per_node`,
 `num_nodes`, `nics_per_node`, `nic_gbps`, `levels` (innermost first, each {name, devices,
 bw_gbps, latency_us, taper, kind}) and optional `framework_overhead_gib`,
-`gemm_efficiency`, `attention_efficiency`, `topology`, `source` and `tables` (measured
-efficiency tables {name, x, y}, written by `piper profile`).
+`gemm_efficiency`, `attention_efficiency`, `msg_overhead_us` (per-message software cost of
+the all-to-all, >= 0, default 1.0; shared by the analytic model and `piper a2a-sim`),
+`topology`, `source` and `tables` (measured efficiency tables {name, x, y}, written by
+`piper profile`).
 
 Every validation failure raises SpecError with one line naming the file, the field and the fix.
 """
@@ -23,8 +25,10 @@ from planner.paths import CLUSTERS_DIR
 from planner.specs import ClusterSpec, DeviceSpec, EfficiencyTable, LevelSpec, SpecError
 
 _OPTIONAL_FLOATS = ("framework_overhead_gib", "gemm_efficiency", "attention_efficiency")
+_NON_NEGATIVE_FLOATS = ("msg_overhead_us",)
 _TOP_KEYS = ("name", "device", "gpus_per_node", "num_nodes", "nics_per_node", "nic_gbps",
-             "levels", "tables", "topology", "source", *_OPTIONAL_FLOATS)  # fmt: skip
+             "levels", "tables", "topology", "source", *_OPTIONAL_FLOATS,
+             *_NON_NEGATIVE_FLOATS)  # fmt: skip
 _LEVEL_KEYS = ("name", "devices", "bw_gbps", "latency_us", "taper", "kind")
 _KINDS = {
     int: "an integer",
@@ -129,6 +133,7 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> ClusterSpec:
         topology=str(data.get("topology", "")),
         source=str(data.get("source", "")),
         **{k: reader.positive(data, k) for k in _OPTIONAL_FLOATS if k in data},
+        **{k: reader.non_negative(data, k) for k in _NON_NEGATIVE_FLOATS if k in data},
     )
     _check_levels(cluster, source)
     overhead, memory = cluster.framework_overhead_gib, cluster.device.memory_gib
@@ -163,6 +168,7 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
         "framework_overhead_gib": cluster.framework_overhead_gib,
         "gemm_efficiency": cluster.gemm_efficiency,
         "attention_efficiency": cluster.attention_efficiency,
+        "msg_overhead_us": cluster.msg_overhead_us,
         "levels": [
             {
                 "name": lv.name,
@@ -226,6 +232,14 @@ class _Reader:
             raise self.fail(f"{where}{key}", f"must be a number, got {value!r}")
         if not math.isfinite(value) or value <= 0:
             raise self.fail(f"{where}{key}", f"must be positive, got {value}")
+        return float(value)
+
+    def non_negative(self, d: dict, key: str, where: str = "") -> float:
+        value = d.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(f"{where}{key}", f"must be a number >= 0, got {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise self.fail(f"{where}{key}", f"must be a number >= 0, got {value}")
         return float(value)
 
     def positive_int(self, d: dict, key: str, where: str = "") -> int:

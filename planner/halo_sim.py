@@ -16,7 +16,9 @@ from planner.sim.network import SimNetwork, build_network, nic_balance
 from planner.sim.routing import dedup_ratio
 from planner.specs import ClusterSpec, SpecError
 
-DEFAULT_OVERHEAD_US = 1.0  # per-message posting cost of a GPU collective library (order 1 us)
+# per-message posting cost of a GPU collective library (order 1 us); the default of
+# ClusterSpec.msg_overhead_us, which simulate_all_to_all uses when overhead_us is None
+DEFAULT_OVERHEAD_US = ClusterSpec.msg_overhead_us
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def simulate_all_to_all(
     algo: str = "flat",
     topk: int = 8,
     experts: int | None = None,
-    overhead_us: float = DEFAULT_OVERHEAD_US,
+    overhead_us: float | None = None,
 ) -> SimResult:
     """Simulate one all-to-all over `nodes` consecutive nodes of `cluster`.
 
@@ -115,7 +117,8 @@ def simulate_all_to_all(
         topk: experts per token; only HALO-dedup's routing model uses it.
         experts: routed experts spread evenly over the ranks (default: one per rank, more
             when top-k exceeds the ranks); only HALO-dedup's routing model uses it.
-        overhead_us: per-message software cost at the sender (microseconds).
+        overhead_us: per-message software cost at the sender (microseconds); None: the
+            cluster's msg_overhead_us (the same parameter the analytic model uses).
 
     Returns:
         SimResult with time_s and the per-phase, per-link and per-level breakdown.
@@ -124,6 +127,8 @@ def simulate_all_to_all(
         raise SpecError(f"--algo {algo}: choose one of {', '.join(ALGOS)}")
     if bytes_per_rank <= 0:
         raise SpecError(f"--bytes-per-rank {bytes_per_rank}: must be positive")
+    if overhead_us is None:
+        overhead_us = cluster.msg_overhead_us
     if overhead_us < 0:
         raise SpecError(f"--overhead-us {overhead_us}: must be >= 0")
     net = build_network(cluster, nodes)

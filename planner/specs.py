@@ -172,6 +172,7 @@ class ClusterSpec:
     framework_overhead_gib: float = 4.0  # CUDA context, allocator fragmentation, workspaces
     gemm_efficiency: float = 0.7  # fraction of peak for large GEMMs when no table is measured
     attention_efficiency: float = 0.5
+    msg_overhead_us: float = 1.0  # per-message software (posting) cost of the collective library
     tables: tuple[EfficiencyTable, ...] = ()
     topology: str = ""  # "dragonfly", "fat-tree", "nvl72", ...
     source: str = ""

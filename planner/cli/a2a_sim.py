@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 
-from planner.halo_sim import DEFAULT_OVERHEAD_US, SimResult, simulate_all_to_all
+from planner.halo_sim import SimResult, simulate_all_to_all
 from planner.sim.a2a import ALGOS
 from planner.specs import SpecError
 
@@ -38,7 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--topk", type=int, default=8, help="experts per token (dedup model)")
     p.add_argument("--experts", type=int, default=None, help="routed experts (default: ranks)")
     p.add_argument("--algo", default="all", choices=[*ALGOS, "all"])
-    p.add_argument("--overhead-us", type=float, default=DEFAULT_OVERHEAD_US)
+    p.add_argument(
+        "--overhead-us",
+        type=float,
+        default=None,
+        help="per-message software cost in us (default: the cluster's msg_overhead_us)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

@@ -3,10 +3,17 @@
 Formulas are derived in planner/RESOURCE_MODEL.md (section "Communication"). Conventions:
 bytes are bytes (elements x 2 for bf16), bandwidths GB/s = 1e9 B/s per device per direction,
 `LevelSpec.bw_gbps` is the per-device bandwidth of traffic that crosses that level, thinned by
-its `taper`, and `latency_us` is charged once per message that crosses the level (messages
-leave a device one after another, so the per-message cost adds up: this is what makes a flat
-all-to-all over many nodes slow and what HALO's packing removes). Levels outside the local
-domain (see local_domain_devices) share the device's NIC share, so their loads add up.
+its `taper`. Levels outside the local domain (see local_domain_devices) share the device's
+NIC share, so their loads add up.
+
+All-to-all: the closed form of the flow-level simulator's per-message model (planner/sim/a2a.py,
+planner/SIMULATOR.md). A phase in which a rank sends m messages costs
+    T = latency + max(m x o, o + t_bw)
+with o = `ClusterSpec.msg_overhead_us` (the sender posts its messages one after another, o
+each, while the posted data drains), latency = the largest `latency_us` of the levels the
+phase crosses (paid once: the messages are in flight together) and t_bw = the busiest link's
+bytes / bandwidth (_bandwidth_s). HALO posts Phase II before Phase I, and Phase III starts
+when Phase II has arrived and all Phase I and II messages are posted.
 
 A group of n devices is laid out as n consecutive, aligned devices (the rank IP may do
 better or worse on a real allocation; planner.topology gives the level it spans).
@@ -59,59 +66,96 @@ def local_domain_devices(cluster: ClusterSpec) -> int:
     return fast[-1] if fast else 1
 
 
-def _crossing_time_s(
-    cluster: ClusterSpec, bytes_per_rank: float, parts: list[Crossing], msg_scale: float = 1.0
-) -> float:
-    """Time for a rank's traffic split over levels by `parts`.
+def _nic_share_gbps(cluster: ClusterSpec) -> float:
+    """GB/s of one NIC available to each device on the busiest NIC (GPU-NIC affinity: device j
+    of a node uses NIC j x nics // gpus, as in planner.sim.network)."""
+    per_nic = [0] * max(cluster.nics_per_node, 1)
+    for j in range(cluster.gpus_per_node):
+        per_nic[j * cluster.nics_per_node // cluster.gpus_per_node] += 1
+    return cluster.nic_gbps / max(per_nic)
+
+
+def _bandwidth_s(cluster: ClusterSpec, bytes_per_rank: float, parts: list[Crossing]) -> float:
+    """Transfer time (bytes only) of a rank's traffic split over levels by `parts`.
 
     Levels inside the local domain (NVLink, Infinity Fabric) are separate links that work in
     parallel: each costs its bytes / bandwidth. Levels outside it all start at the device's
     NIC, so traffic to farther levels also loads the nearer ones: network level j carries
-    the bytes of every level >= j, at its bandwidth x taper. Every message crossing a level
-    costs that level's latency once (messages leave one after another); `msg_scale` scales
-    message counts (HALO sends one packed message per remote domain).
+    the bytes of every level >= j, at its bandwidth x taper, and the NIC carries them all.
     """
     local = local_domain_devices(cluster)
-    inner = [c for c in parts if c.level.devices <= local]
-    net = [c for c in parts if c.level.devices > local]
     times = [
         bytes_per_rank * c.fraction / (c.level.bw_gbps * c.level.taper * 1e9)
-        + c.peers * msg_scale * c.level.latency_us * 1e-6
-        for c in inner
+        for c in parts
+        if c.level.devices <= local
     ]
+    net = [c for c in parts if c.level.devices > local]
     if net:
-        latency = sum(c.peers * msg_scale * c.level.latency_us * 1e-6 for c in net)
-        carried = [
+        total = sum(c.fraction for c in net)
+        times.append(bytes_per_rank * total / (_nic_share_gbps(cluster) * 1e9))
+        times += [
             bytes_per_rank
             * sum(o.fraction for o in net[j:])
             / (c.level.bw_gbps * c.level.taper * 1e9)
             for j, c in enumerate(net)
         ]
-        times.append(max(carried) + latency)
     return max(times, default=0.0)
+
+
+def _latency_s(parts: list[Crossing]) -> float:
+    """The latency of the slowest level crossed: messages in flight overlap their latencies."""
+    return max((c.level.latency_us for c in parts), default=0.0) * 1e-6
+
+
+def _phase_s(
+    cluster: ClusterSpec,
+    messages: float,
+    transfer_s: float,
+    latency_s: float,
+    posted_before: float = 0.0,
+) -> float:
+    """One phase of `messages` per rank, posted after `posted_before` earlier ones:
+    latency + max((posted_before + messages) x o, o + transfer)."""
+    o = cluster.msg_overhead_us * 1e-6
+    return latency_s + max((posted_before + messages) * o, o + transfer_s)
 
 
 def flat_all_to_all_s(cluster: ClusterSpec, group_devices: int, bytes_per_rank: float) -> float:
     """Analytic flat (NCCL/RCCL-style) all-to-all: every rank sends bytes_per_rank / n to
-    each of the n ranks directly."""
-    return _crossing_time_s(cluster, bytes_per_rank, crossings(cluster, group_devices))
+    each of the n - 1 other ranks directly, one message each:
+    latency + max((n - 1) o, o + t_bw)."""
+    parts = crossings(cluster, group_devices)
+    if not parts:
+        return 0.0
+    t_bw = _bandwidth_s(cluster, bytes_per_rank, parts)
+    return _phase_s(cluster, group_devices - 1, t_bw, _latency_s(parts))
 
 
 def halo_all_to_all_s(cluster: ClusterSpec, group_devices: int, bytes_per_rank: float) -> float:
-    """Analytic HALO: Phase I (intra-domain all-to-all of the G/n local share) runs beside
-    Phase II (remote rows packed per destination domain, one message per remote domain to the
-    rail peer) followed by Phase III (redistribution of the received rows inside the domain).
-    t = max(t_I, t_II + t_III). Equal to flat when the group fits in one local domain."""
+    """Analytic HALO over Q = n / g local domains of g devices. Phase II (remote rows packed
+    per destination domain: Q - 1 messages to the rail peers, the network bytes of flat) is
+    posted first, then Phase I (the intra-domain all-to-all of the g / n local share, g - 1
+    messages), which runs beside it on the local links; Phase III (the rail peer forwards the
+    received (1 - g / n) share to its g - 1 local peers) starts at max(end of II, time all
+    I + II messages are posted). t = max(t_I, t_III). Equal to flat inside one domain."""
     n = group_devices
     g = local_domain_devices(cluster)
     if n <= g:
         return flat_all_to_all_s(cluster, n, bytes_per_rank)
+    o = cluster.msg_overhead_us * 1e-6
     local_share = g / n
-    t_1 = flat_all_to_all_s(cluster, g, bytes_per_rank * local_share)
+    inner = crossings(cluster, g)
     remote = [c for c in crossings(cluster, n) if c.level.devices > g]
-    t_2 = _crossing_time_s(cluster, bytes_per_rank, remote, msg_scale=1.0 / g)
-    t_3 = flat_all_to_all_s(cluster, g, bytes_per_rank * (1.0 - local_share))
-    return max(t_1, t_2 + t_3)
+    m_1, m_2 = g - 1, n / g - 1
+    lat_1 = _latency_s(inner)
+    t_2 = _phase_s(cluster, m_2, _bandwidth_s(cluster, bytes_per_rank, remote), _latency_s(remote))
+    t_1 = _phase_s(
+        cluster, m_1, _bandwidth_s(cluster, bytes_per_rank * local_share, inner), lat_1, m_2
+    )
+    start_3 = max(t_2, (m_1 + m_2) * o)
+    bw_3 = _bandwidth_s(cluster, bytes_per_rank * (1.0 - local_share), inner)
+    t_3 = start_3 + _phase_s(cluster, m_1, bw_3, lat_1)
+    return max(t_1, t_3)
 
 
 def all_to_all_time_s(

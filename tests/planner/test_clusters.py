@@ -103,6 +103,24 @@ def test_invalid_files_name_the_file_and_field(tmp_path, edit, field):
     assert "\n" not in msg and path in msg and f"'{field}'" in msg
 
 
+def test_msg_overhead_us_is_an_optional_non_negative_float(tmp_path):
+    data = _base()
+    data.pop("msg_overhead_us")
+    assert load_cluster(_write(tmp_path, data)).msg_overhead_us == 1.0  # presets may omit it
+    data["msg_overhead_us"] = 0
+    assert load_cluster(_write(tmp_path, data)).msg_overhead_us == 0.0
+    data["msg_overhead_us"] = 2.5
+    c = load_cluster(_write(tmp_path, data))
+    assert c.msg_overhead_us == 2.5 and cluster_to_dict(c)["msg_overhead_us"] == 2.5
+    for bad in (-1, "fast", True):
+        data["msg_overhead_us"] = bad
+        path = _write(tmp_path, data)
+        with pytest.raises(SpecError, match=">= 0") as err:
+            load_cluster(path)
+        msg = str(err.value)
+        assert "\n" not in msg and path in msg and "'msg_overhead_us'" in msg
+
+
 def test_unknown_preset_suggests_close_names():
     with pytest.raises(SpecError, match="did you mean h100") as err:
         load_cluster("h10")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from resource_specs import make_cluster, make_model
 
@@ -14,27 +16,48 @@ from planner.specs import EfficiencyTable, SpecError, TrainingSpec
 
 def test_crossings_and_flat_all_to_all_by_hand():
     cl = make_cluster(gpus_per_node=4, nodes=4)  # node 100 GB/s 1 us; NIC 25 GB/s 10 us
+    assert cl.msg_overhead_us == 1.0  # the default per-message posting cost o
     parts = comm.crossings(cl, 8)
     assert [(c.level.name, c.fraction, c.peers) for c in parts] == [
         ("node", 3 / 8, 3),
         ("system", 4 / 8, 4),
     ]
     B = 1e6
-    node = B * 3 / 8 / 100e9 + 3 * 1e-6
-    nic = B * 4 / 8 / 25e9 + 4 * 10e-6
-    assert comm.all_to_all_time_s(cl, 8, B, "flat") == pytest.approx(max(node, nic))
+    node = B * 3 / 8 / 100e9  # 3.75 us on the node links, in parallel with
+    nic = B * 4 / 8 / 25e9  # 20 us through the NIC share
+    # latency of the slowest level crossed + max(m o, o + t_bw) with m = 7 messages
+    want = 10e-6 + max(7 * 1e-6, 1e-6 + max(node, nic))
+    assert comm.all_to_all_time_s(cl, 8, B, "flat") == pytest.approx(want)
+    assert want == pytest.approx(31e-6)
+
+
+def test_latency_bound_all_to_all_by_hand():
+    """16 ranks on 4 nodes, tiny messages: posting binds, T = latency + m o."""
+    cl = make_cluster(gpus_per_node=4, nodes=4)
+    B = 16.0
+    # flat: 15 messages of 1 us each, then the 10 us network latency
+    assert comm.all_to_all_time_s(cl, 16, B, "flat") == pytest.approx(10e-6 + 15e-6)
+    # HALO: Phase II posts 3 messages (ends at 10 + 3 us), Phase I 3 more (ends at 1 + 6 us);
+    # Phase III starts at max(13, 6) us and posts 3 messages inside the node (1 us latency)
+    assert comm.all_to_all_time_s(cl, 16, B, "halo") == pytest.approx(13e-6 + 1e-6 + 3e-6)
+    # the overhead is the cluster's msg_overhead_us: without it only the latency is left
+    free = dataclasses.replace(cl, msg_overhead_us=0.0)
+    assert comm.all_to_all_time_s(free, 16, B, "flat") == pytest.approx(10e-6, rel=1e-3)
 
 
 def test_halo_by_hand_and_equal_to_flat_inside_a_node():
     cl = make_cluster(gpus_per_node=4, nodes=4)
     B = 1e6
     assert comm.all_to_all_time_s(cl, 4, B, "halo") == comm.all_to_all_time_s(cl, 4, B, "flat")
-    # 16 ranks on 4 nodes: Phase I = intra-node a2a of 1/4 of the bytes; Phase II = 3/4 of the
-    # bytes over the NIC in 3 packed messages; Phase III = redistribute those 3/4 in the node.
-    t1 = B / 4 * 3 / 4 / 100e9 + 3e-6
-    t2 = B * 12 / 16 / 25e9 + 3 * 10e-6
-    t3 = B * 3 / 4 * 3 / 4 / 100e9 + 3e-6
-    assert comm.all_to_all_time_s(cl, 16, B, "halo") == pytest.approx(max(t1, t2 + t3))
+    # 16 ranks on 4 nodes: Phase II = 3/4 of the bytes over the NIC in 3 packed messages,
+    # posted first; Phase I = intra-node a2a of 1/4 of the bytes, its 3 messages posted after
+    # Phase II's; Phase III = redistribute the received 3/4 in the node once Phase II arrived.
+    o = 1e-6
+    t2 = 10e-6 + max(3 * o, o + B * 12 / 16 / 25e9)  # 41 us
+    t1 = 1e-6 + max(6 * o, o + B / 4 * 3 / 4 / 100e9)  # 7 us
+    t3 = max(t2, 6 * o) + 1e-6 + max(3 * o, o + B * 3 / 4 * 3 / 4 / 100e9)
+    assert comm.all_to_all_time_s(cl, 16, B, "halo") == pytest.approx(max(t1, t3))
+    assert max(t1, t3) == pytest.approx(48.625e-6)
     # small messages: HALO sends 3 instead of 12 messages per rank over the network
     assert comm.all_to_all_time_s(cl, 16, 1e4, "halo") < comm.all_to_all_time_s(cl, 16, 1e4, "flat")
 
@@ -44,14 +67,12 @@ def test_nic_levels_share_the_nic_and_taper_thins_global_links():
     B = 1e9  # large: bandwidth-bound
     inside_group = comm.all_to_all_time_s(fr, 1024, B, "flat")
     # 1016 of 1024 peers are off-node; all their bytes leave through the 12.5 GB/s NIC share;
-    # 24 peers one switch away (3.5 us per message), 992 in the rest of the group (4 us)
-    latency = 24 * 3.5e-6 + 992 * 4e-6
-    assert inside_group == pytest.approx(B * 1016 / 1024 / 12.5e9 + latency)
+    # the farthest level crossed is the group (4 us); the 1023 posts (1 ms) hide behind it
+    assert inside_group == pytest.approx(4e-6 + 1e-6 + B * 1016 / 1024 / 12.5e9)
     eight_groups = comm.all_to_all_time_s(fr, 8192, B, "flat")
     # 7/8 of the bytes cross the global links at 0.57 x 12.5 GB/s, which binds before the NIC
-    # (0.875 / 0.57 > 1); 7168 more messages at 4.5 us
-    latency += 7168 * 4.5e-6
-    assert eight_groups == pytest.approx(B * 7 / 8 / (0.57 * 12.5e9) + latency)
+    # (0.875 / 0.57 > 1); the system level's 4.5 us latency
+    assert eight_groups == pytest.approx(4.5e-6 + 1e-6 + B * 7 / 8 / (0.57 * 12.5e9))
 
 
 def test_unknown_algorithm_is_a_spec_error():
@@ -69,10 +90,11 @@ def test_a2a_lower_bound_by_hand_and_respected_by_the_model():
     par = ParallelConfig(pp=1, dp=ep, ep=ep, micro_batch=b_group // ep)
     cost = layer_cost(model, 0, h100, TrainingSpec(seq_len=s), par)
     a2a = dict(cost.comm_s)["a2a_leaf"]
-    # only the bytes for other nodes must cross the NIC: (1 - 8/64) of them; the model adds
-    # one 3 us message latency per off-node peer (56) to each of the four all-to-alls
+    # only the bytes for other nodes must cross the NIC: (1 - 8/64) of them; each of the four
+    # all-to-alls adds the leaf latency (3 us) and one 1 us posting overhead (its 63 posts
+    # hide behind the transfer)
     floor = bound * (1 - 8 / ep)
-    assert a2a == pytest.approx(floor + 4 * 56 * 3e-6)
+    assert a2a == pytest.approx(floor + 4 * (3e-6 + 1e-6))
     assert a2a >= floor
 
 
