@@ -123,6 +123,17 @@ class TokenDispatcher(Protocol):
         """
 
 
+def take_rows(src: Tensor, index: Tensor) -> Tensor:
+    """src[index] along dim 0. index_select is several times faster than advanced indexing
+    on CPU (one contiguous row copy per index), which matters when dispatch shares cores."""
+    return src.index_select(0, index)
+
+
+def put_rows(dst: Tensor, index: Tensor, rows: Tensor) -> None:
+    """dst[index] = rows along dim 0 (index without repeats)."""
+    dst.index_copy_(0, index, rows)
+
+
 def default_ranks_per_node() -> int | None:
     """Node size from torchrun's LOCAL_WORLD_SIZE, or None when it is not set."""
     value = os.environ.get("LOCAL_WORLD_SIZE")
@@ -326,19 +337,19 @@ class _FlatExchange:
         return recv_ND
 
     def forward_tokens(self, x_TD: Tensor) -> Tensor:
-        recv = self._exchange(x_TD[self.order_P // self.topk], self.send_splits, self.recv_splits)
-        return recv[self.regroup_N]
+        rows = take_rows(x_TD, self.order_P // self.topk)
+        return take_rows(self._exchange(rows, self.send_splits, self.recv_splits), self.regroup_N)
 
     def forward_pairs(self, x_PD: Tensor) -> Tensor:
-        recv = self._exchange(x_PD[self.order_P], self.send_splits, self.recv_splits)
-        return recv[self.regroup_N]
+        rows = take_rows(x_PD, self.order_P)
+        return take_rows(self._exchange(rows, self.send_splits, self.recv_splits), self.regroup_N)
 
     def reverse(self, y_ND: Tensor) -> Tensor:
         back = torch.empty_like(y_ND)
-        back[self.regroup_N] = y_ND
+        put_rows(back, self.regroup_N, y_ND)
         sorted_PD = self._exchange(back, self.recv_splits, self.send_splits)
         y_PD = torch.empty_like(sorted_PD)
-        y_PD[self.order_P] = sorted_PD
+        put_rows(y_PD, self.order_P, sorted_PD)
         return y_PD
 
 

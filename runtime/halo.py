@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.dispatch import Exchange, ExchangeDispatcher
+from runtime.dispatch import Exchange, ExchangeDispatcher, put_rows, take_rows
 from runtime.halo_plan import HaloPlan, segments
 from runtime.halo_weighted import WeightedReduction
 
@@ -98,17 +98,17 @@ class _HaloExchange(HaloPlan, WeightedReduction):
         """Dispatch: token rows (one per (token, node) across nodes with dedup)."""
         tok = self.token_sorted_P
         if not self.dedup:
-            return self._forward(lambda pos: x_TD[tok[pos]], x_TD)
+            return self._forward(lambda pos: take_rows(x_TD, tok[pos]), x_TD)
         return self._forward(
-            lambda pos: x_TD[tok[pos]],
+            lambda pos: take_rows(x_TD, tok[pos]),
             x_TD,
-            pack=lambda b: x_TD[self.unique_tokens[b]],
+            pack=lambda b: take_rows(x_TD, self.unique_tokens[b]),
             send_index=True,
         )
 
     def forward_pairs(self, x_PD: Tensor) -> Tensor:
         """Backward of combine: one row per (token, choice)."""
-        return self._forward(lambda pos: x_PD[self.order_P[pos]], x_PD)
+        return self._forward(lambda pos: take_rows(x_PD, self.order_P[pos]), x_PD)
 
     def _forward(self, rows_at, like, pack=None, send_index=False, expand=None, extra=None):
         """Phases I + II, then III; returns rows grouped by (local expert, source).
@@ -119,7 +119,7 @@ class _HaloExchange(HaloPlan, WeightedReduction):
         extra(ops): adds ops to the Phase III batch.
         """
         if self.direct:
-            return self._all_to_all(rows_at(slice(None)), forward=True)[self.regroup_N]
+            return take_rows(self._all_to_all(rows_at(slice(None)), forward=True), self.regroup_N)
         me = self.me
         ops_i, from_peer = self._phase_i(rows_at, like)
         ops_fwd, ops_own, fwd, own = self._phase_ii(rows_at, like, pack, send_index)
@@ -151,7 +151,7 @@ class _HaloExchange(HaloPlan, WeightedReduction):
                 rows = rows_at(slice(*self.seg_of_dest[me]))
             else:
                 rows = from_peer[src] if src in from_peer else relayed[src]
-            out_ND[self.out_pos_N[a:b]] = rows
+            put_rows(out_ND, self.out_pos_N[a:b], rows)
         return out_ND
 
     def _phase_i(self, rows_at, like) -> tuple[list, dict[int, Tensor]]:
@@ -220,7 +220,7 @@ class _HaloExchange(HaloPlan, WeightedReduction):
     def _piece(self, message: Tensor, src: int, dst: int, unique: bool) -> Tensor:
         """Rows of src's Phase II message to my node for rank dst (copies tokens if unique)."""
         a, b = self._seg_at_gateway(src, dst)
-        return message[self.gateway_index[src][a:b]] if unique else message[a:b]
+        return take_rows(message, self.gateway_index[src][a:b]) if unique else message[a:b]
 
     def _own_index(self, src: int) -> Tensor:
         """Positions, in src's unique-token message, of the rows for my own experts."""
@@ -231,9 +231,11 @@ class _HaloExchange(HaloPlan, WeightedReduction):
     def _gather_two(first: Tensor, second: Tensor, index: Tensor) -> Tensor:
         """cat([first, second])[index] without building the concatenation."""
         out = first.new_empty((index.numel(), *first.shape[1:]))
-        in_first = index < first.shape[0]
-        out[in_first] = first[index[in_first]]
-        out[~in_first] = second[index[~in_first] - first.shape[0]]
+        in_first = (index < first.shape[0]).nonzero().squeeze(1)
+        in_second = (index >= first.shape[0]).nonzero().squeeze(1)
+        put_rows(out, in_first, take_rows(first, index.index_select(0, in_first)))
+        rows = index.index_select(0, in_second) - first.shape[0]
+        put_rows(out, in_second, take_rows(second, rows))
         return out
 
     # ---- reverse: experts -> sources -------------------------------------------------------
@@ -242,20 +244,20 @@ class _HaloExchange(HaloPlan, WeightedReduction):
         """Combine (unweighted) / backward of dispatch: rows [P, D] in (token, choice) order."""
         if self.direct:
             by_src_ND = torch.empty_like(y_ND)
-            by_src_ND[self.regroup_N] = y_ND
+            put_rows(by_src_ND, self.regroup_N, y_ND)
             sorted_PD = self._all_to_all(by_src_ND, forward=False)
             y_PD = torch.empty_like(sorted_PD)
-            y_PD[self.order_P] = sorted_PD
+            put_rows(y_PD, self.order_P, sorted_PD)
             return y_PD
         local, from_fwd, from_own = self._reverse(y_ND)
         y_PD = y_ND.new_empty((self.order_P.numel(), *y_ND.shape[1:]))
         for peer, rows in local.items():
-            y_PD[self.order_P[slice(*self.seg_of_dest[peer])]] = rows
+            put_rows(y_PD, self.order_P[slice(*self.seg_of_dest[peer])], rows)
         for b in self.remote_nodes:  # member order: forwarded ranks' rows, then the gateway's
             pos_P = self.order_P[self.rows_to_node[b]]
             first = from_fwd[b].shape[0]
-            y_PD[pos_P[:first]] = from_fwd[b]
-            y_PD[pos_P[first:]] = from_own[b]
+            put_rows(y_PD, pos_P[:first], from_fwd[b])
+            put_rows(y_PD, pos_P[first:], from_own[b])
         return y_PD
 
     def _reverse(self, y_ND: Tensor, weight_P: Tensor | None = None):
@@ -267,7 +269,7 @@ class _HaloExchange(HaloPlan, WeightedReduction):
         """
         me, size, weighted = self.me, self.owner.size, weight_P is not None
         by_src_ND = torch.empty_like(y_ND)
-        by_src_ND[self.regroup_N] = y_ND
+        put_rows(by_src_ND, self.regroup_N, y_ND)
         seg = segments([self.pairs_SS[s][me] for s in range(size)])
         ops_early: list = []
         local = {me: by_src_ND[slice(*seg[me])]}

@@ -135,7 +135,10 @@ class HaloPlan:
             for b in range(topo.num_nodes)
             if b != topo.node_of[s]
         ]
-        self.direct = max(node_pair_bytes, default=0) < self.owner.direct_below_bytes
+        threshold = self.owner.direct_below_bytes
+        self.direct = threshold > 0 and (
+            max(node_pair_bytes, default=0) < threshold or not self._relay_pays()
+        )
         self.dedup = self.owner.dedup and not self.direct
         local = range(size) if self.direct else topo.members_of_node[node]
         self.node_peers = [r for r in local if r != self.me]
@@ -145,6 +148,16 @@ class HaloPlan:
         for src in range(size):
             if not self.direct and topo.node_of[src] != node:
                 self.srcs_via[topo.gateway(src, node)].append(src)
+
+    def _relay_pays(self) -> bool:
+        """Whether the three phases can beat one direct round at all: dedup sends fewer rows
+        across nodes; without it the bytes crossing nodes are the same, and the relay saves
+        messages only with more than two nodes (a rank posts 2 (g - 1) + (Q - 1) messages
+        instead of Q g - 1, (Q - 2)(g - 1) fewer), so two nodes gain nothing for the hop."""
+        if self.owner.dedup:
+            return True
+        most = max((len(m) for m in self.topo.members_of_node), default=1)
+        return self.topo.num_nodes > 2 and most > 1
 
     # ---- sizes and p2p helpers -------------------------------------------------------------
 

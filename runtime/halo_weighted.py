@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from runtime.dispatch import put_rows, take_rows
+
 _TAG_GATE = 16
 
 
@@ -29,14 +31,15 @@ class WeightedReduction:
 
     def reverse_weighted(self, y_ND: Tensor, weight_TK: Tensor) -> Tensor:
         """y_TD = sum_k weight_TK[t, k] * (expert output of (t, k)); gateways pre-sum per node."""
-        weight_P = weight_TK.reshape(-1)[self.order_P].to(y_ND.dtype)
+        weight_P = take_rows(weight_TK.reshape(-1), self.order_P).to(y_ND.dtype)
         local, from_node, _ = self._reverse(y_ND, weight_P)
         ranks = sorted(local)
         positions = [torch.arange(*self.seg_of_dest[r], device=self.device) for r in ranks]
         local_pos = self._cat(positions, self.order_P)
         local_rows = self._cat([local[r] for r in ranks], y_ND)
         y_TD = y_ND.new_zeros((self.num_tokens, y_ND.shape[1]))
-        y_TD.index_add_(0, self.token_sorted_P[local_pos], local_rows * weight_P[local_pos, None])
+        local_weighted = local_rows * take_rows(weight_P, local_pos)[:, None]
+        y_TD.index_add_(0, take_rows(self.token_sorted_P, local_pos), local_weighted)
         for b in self.remote_nodes:
             y_TD.index_add_(0, self.unique_tokens[b], from_node[b])
         self.saved.update(weight_P=weight_P, local_pos=local_pos, local_rows=local_rows)
@@ -46,7 +49,7 @@ class WeightedReduction:
         """Sources send the gates of their pairs to each remote gateway; returns mine by src."""
         for b in self.remote_nodes:
             gw = self.topo.gateway(self.me, b)
-            self._send(ops, weight_P[self.rows_to_node[b]], gw, _TAG_GATE)
+            self._send(ops, take_rows(weight_P, self.rows_to_node[b]), gw, _TAG_GATE)
         return {
             src: self._recv(ops, self._pairs_to_node(src, self.my_node), weight_P, src, _TAG_GATE)
             for src in self.srcs_via[self.me]
@@ -67,7 +70,7 @@ class WeightedReduction:
         from_node: dict[int, Tensor] = {}
 
         def expand(src: int, pack: Tensor) -> Tensor:
-            grad_RD = pack[self.gateway_index[src]]
+            grad_RD = take_rows(pack, self.gateway_index[src])
             grad_weight[src] = (grad_RD * rows_by_src[src]).sum(dim=1)
             return grad_RD * saved["gateway_weight"][src][:, None]
 
@@ -79,17 +82,18 @@ class WeightedReduction:
                 from_node[b] = self._recv(ops, rows, weight_P, gw, _TAG_GATE)
 
         grad_ND = self._forward(
-            lambda pos: grad_TD[tok[pos]] * weight_P[pos, None],
+            lambda pos: take_rows(grad_TD, tok[pos]) * weight_P[pos, None],
             grad_TD,
-            pack=lambda b: grad_TD[self.unique_tokens[b]],
+            pack=lambda b: take_rows(grad_TD, self.unique_tokens[b]),
             expand=expand,
             extra=extra,
         )
         grad_weight_sorted_P = weight_P.new_empty(weight_P.shape)
         local_pos = saved["local_pos"]
-        grad_weight_sorted_P[local_pos] = (grad_TD[tok[local_pos]] * saved["local_rows"]).sum(1)
+        local_grad = take_rows(grad_TD, take_rows(tok, local_pos)) * saved["local_rows"]
+        put_rows(grad_weight_sorted_P, local_pos, local_grad.sum(1))
         for b in self.remote_nodes:
-            grad_weight_sorted_P[self.rows_to_node[b]] = from_node[b]
+            put_rows(grad_weight_sorted_P, self.rows_to_node[b], from_node[b])
         grad_weight_P = torch.empty_like(grad_weight_sorted_P)
-        grad_weight_P[self.order_P] = grad_weight_sorted_P
+        put_rows(grad_weight_P, self.order_P, grad_weight_sorted_P)
         return grad_ND, grad_weight_P.reshape(self.num_tokens, self.topk)

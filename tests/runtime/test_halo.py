@@ -183,3 +183,37 @@ def test_halo_equals_flat_on_4_ranks(run_distributed):
 def test_halo_equals_flat_on_8_ranks(run_distributed):
     checked = run_distributed(_check_cases, 8, _cases_8(), timeout_s=90)
     assert sum(checked) == sum(len(c.members) for c in _cases_8())
+
+
+def _paths(rank: int, world_size: int) -> dict[str, bool]:
+    """Which dispatchers take the direct path on 2 x 4, 4 x 2 and 8 x 1 nodes (large rows)."""
+    x_TD = torch.randn(64, 8)
+    expert_TK = torch.rand(64, 16).topk(4, dim=1).indices
+    rank_of_expert_E = torch.arange(16) // 2
+    out = {}
+    for rpn in (4, 2, 1):
+        for name, dispatcher in {
+            "halo": Halo(None, rpn, direct_below_bytes=1),
+            "dedup": Halo(None, rpn, dedup=True, direct_below_bytes=1),
+            "halo-always": Halo(None, rpn, direct_below_bytes=0),
+            "halo-small": Halo(None, rpn, direct_below_bytes=1 << 20),
+        }.items():
+            _, _, handle = dispatcher.dispatch(x_TD, expert_TK, rank_of_expert_E)
+            out[f"{name}@{world_size // rpn}x{rpn}"] = handle.exchange.direct
+    return out
+
+
+@pytest.mark.slow
+def test_halo_takes_three_phases_only_where_the_relay_can_pay(run_distributed):
+    paths = run_distributed(_paths, 8, timeout_s=60)
+    assert all(p == paths[0] for p in paths)  # every rank decides the same
+    direct = paths[0]
+    # two nodes without dedup: same bytes across nodes, same messages -> direct
+    assert direct["halo@2x4"] and not direct["dedup@2x4"]
+    # four nodes of two: (Q - 2)(g - 1) = 2 messages fewer per rank -> three phases
+    assert not direct["halo@4x2"] and not direct["dedup@4x2"]
+    # one rank per node: nothing to relay through
+    assert direct["halo@8x1"]
+    # direct_below_bytes=0 forces the three phases; rows of 32 B stay below 1 MiB -> direct
+    assert not any(direct[f"halo-always@{s}"] for s in ("2x4", "4x2", "8x1"))
+    assert all(direct[f"halo-small@{s}"] for s in ("2x4", "4x2", "8x1"))
