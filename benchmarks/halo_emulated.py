@@ -7,7 +7,7 @@ D, float32) to the top-k of E experts; experts sit contiguously on ranks (expert
 e // (E / world)), so a node holds a contiguous block of experts. Every measurement is the
 median over repetitions of the slowest rank's time for one dispatch + combine (forward).
 
-  sudo python3 benchmarks/halo_emulated.py            # full sweep (a few minutes)
+  sudo python3 benchmarks/halo_emulated.py            # full sweep (about 10 minutes)
   sudo python3 benchmarks/halo_emulated.py --quick    # 2 nodes x 2 ranks, seconds
   sudo python3 benchmarks/halo_emulated.py --json     # one JSON object with everything
   sudo python3 benchmarks/halo_emulated.py --cleanup  # remove leftover namespaces
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,7 +73,8 @@ class Measurement:
     bytes_inter_node: int = 0  # all ranks, one dispatch + combine
     bytes_intra_node: int = 0
     load_avg_1min: float = 0.0  # of the machine running all nodes: mean of start and end
-    path: str = "flat"  # HALO: "3-phase", or "direct" below its direct_below_bytes
+    path: str = "flat"  # HALO: "3-phase", or "direct" (small messages, or nothing to gain)
+    cpu_s: float = 0.0  # median over repetitions of the CPU seconds all ranks spent
 
 
 def sweep(quick: bool) -> list[Network]:
@@ -119,21 +120,25 @@ def _measure(net: Network, dispatchers: dict, topk: int, tokens: int) -> list[Me
 
     x_TD, expert_TK, gate_TK, rank_of_expert_E = _route(net, dist.get_rank(), topk, tokens)
     times: dict[str, list[float]] = {algo: [] for algo in dispatchers}
+    cpu: dict[str, list[float]] = {algo: [] for algo in dispatchers}
     sent: dict[str, list[int]] = {}
     paths: dict[str, str] = {}
     for rep in range(net.reps + 1):  # the first repetition warms up
         for algo, dispatcher in dispatchers.items():
             dispatcher.stats.reset()
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             out_ND, _, handle = dispatcher.dispatch(x_TD, expert_TK, rank_of_expert_E)
             dispatcher.combine(out_ND, handle, gate_TK)
             direct = getattr(handle.exchange, "direct", None)
             paths[algo] = "flat" if direct is None else ("direct" if direct else "3-phase")
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            cpu_s = torch.tensor([time.process_time() - cpu_start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(cpu_s)  # process CPU time (gloo's threads included), all ranks
             if rep:
                 times[algo].append(float(elapsed))
+                cpu[algo].append(float(cpu_s))
             stats = dispatcher.stats
             counts = torch.tensor([stats.bytes_inter_node, stats.bytes_intra_node])
             dist.all_reduce(counts)
@@ -152,6 +157,7 @@ def _measure(net: Network, dispatchers: dict, topk: int, tokens: int) -> list[Me
             times[algo],
             *sent[algo],
             path=paths[algo],
+            cpu_s=statistics.median(cpu[algo]),
         )
         for algo in dispatchers
     ]
@@ -273,7 +279,8 @@ def print_table(rows: list[dict]) -> None:
     print(head + "flat/halo  flat/dedup  inter MB flat/halo/dedup  HALO path")
     for r in rows:
         print(
-            f"{r['nodes']:>5} x {r['ranks_per_node']}  {r['rate_mbit']:>6}  {r['routing']:<12}"
+            f"{r['nodes']:>5} x {r['ranks_per_node']}  {r['rate_mbit'] or 'none':>6}"
+            f"  {r['routing']:<12}"
             f" {r['topk']:>2}  {r['tokens_per_rank']:>6}  {1e3 * r['flat_s']:>8.1f}"
             f"  {1e3 * r['halo_s']:>8.1f}  {1e3 * r['halo_dedup_s']:>8.1f}"
             f"  {r['flat_over_halo']:>9.2f}  {r['flat_over_halo_dedup']:>10.2f}"
@@ -295,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 nodes x 2 ranks, small sizes")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--cleanup", action="store_true", help="remove namespaces and exit")
+    parser.add_argument(
+        "--no-host-profile",
+        action="store_true",
+        help="skip the unthrottled twin of each network (the host's CPU cost per workload)",
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per network")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -318,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Measurement] = []
     for net in sweep(args.quick):
         results += run_network(net, args.timeout_s)
+        if not (args.quick or args.no_host_profile):  # same workloads, links not limited
+            results += run_network(replace(net, rate_mbit=0), args.timeout_s)
     rows = ratios(results)
     top = headline(rows)
     if args.json:

@@ -78,7 +78,8 @@ def setup(num_nodes: int, rate_mbit: int, mtu: int = 9000) -> EmulatedNet:
 
     Args:
       num_nodes: emulated nodes (1..64).
-      rate_mbit: per-direction link rate of every node (Mbit/s).
+      rate_mbit: per-direction link rate of every node (Mbit/s); 0 = no limit (the links
+        then cost only the host's CPU: used to profile the host).
       mtu: link MTU in bytes (9000: jumbo frames, as HPC fabrics use; fewer packets also
         keep the emulation's CPU cost per byte down).
 
@@ -110,8 +111,9 @@ def setup(num_nodes: int, rate_mbit: int, mtu: int = 9000) -> EmulatedNet:
         _in_ns(ns, "ip", "link", "set", "eth0", "up")
         _in_ns(switch, "ip", "link", "set", port, "master", "br0")
         _in_ns(switch, "ip", "link", "set", port, "up")
-        _tbf(ns, "eth0", rate_mbit)
-        _tbf(switch, port, rate_mbit)
+        if rate_mbit > 0:
+            _tbf(ns, "eth0", rate_mbit)
+            _tbf(switch, port, rate_mbit)
     log.info("emulated network: %d nodes at %d Mbit/s", num_nodes, rate_mbit)
     return net
 

@@ -17,11 +17,12 @@ network once per (token, node) (backward likewise: one gradient row per (token, 
 out, the gate gradients come back as scalars).
 
 Sizes are known everywhere before any payload moves: one exchange of each rank's per-expert
-row counts gives every rank the full traffic matrix (dedup adds one small exchange of per-node
-unique-token counts). When
-the largest node-to-node message is below `direct_below_bytes` (latency-bound sizes), every
-rank decides the same way to send rows straight to their final ranks in one round, like the
-flat all-to-all, since two hops then cost more than they save.
+row counts (with dedup also its unique-token counts per node, in the same round) gives every
+rank the full traffic matrix. When the largest node-to-node message is below
+`direct_below_bytes` (latency-bound sizes), or when the relay cannot pay (no dedup and at most
+two nodes, or one rank per node: same bytes across nodes, no fewer messages), every rank
+decides the same way to send rows straight to their final ranks in one round, like the flat
+all-to-all.
 
 Shape letters as in runtime/dispatch.py (T, K, D, E, L, N, P = T * K, S ranks); R rows.
 """
@@ -119,7 +120,7 @@ class _HaloExchange(HaloPlan, WeightedReduction):
         extra(ops): adds ops to the Phase III batch.
         """
         if self.direct:
-            return take_rows(self._all_to_all(rows_at(slice(None)), forward=True), self.regroup_N)
+            return self.regroup.to_expert_major(self._all_to_all(rows_at(slice(None)), True))
         me = self.me
         ops_i, from_peer = self._phase_i(rows_at, like)
         ops_fwd, ops_own, fwd, own = self._phase_ii(rows_at, like, pack, send_index)
@@ -145,14 +146,13 @@ class _HaloExchange(HaloPlan, WeightedReduction):
 
             relayed = self._phase_iii(piece, like, extra, own_pieces)
         self._wait(works_i)
-        out_ND = like.new_empty((self.regroup_N.numel(), *like.shape[1:]))
-        for src, (a, b) in enumerate(self.from_src_seg):
-            if src == me:
-                rows = rows_at(slice(*self.seg_of_dest[me]))
-            else:
-                rows = from_peer[src] if src in from_peer else relayed[src]
-            put_rows(out_ND, self.out_pos_N[a:b], rows)
-        return out_ND
+        by_src = [
+            rows_at(slice(*self.seg_of_dest[me]))
+            if src == me
+            else (from_peer[src] if src in from_peer else relayed[src])
+            for src in range(self.owner.size)
+        ]
+        return self.regroup.to_expert_major(by_src)
 
     def _phase_i(self, rows_at, like) -> tuple[list, dict[int, Tensor]]:
         """Ops and receive buffers of Phase I: rows for the other ranks of my node."""
@@ -243,8 +243,7 @@ class _HaloExchange(HaloPlan, WeightedReduction):
     def reverse(self, y_ND: Tensor) -> Tensor:
         """Combine (unweighted) / backward of dispatch: rows [P, D] in (token, choice) order."""
         if self.direct:
-            by_src_ND = torch.empty_like(y_ND)
-            put_rows(by_src_ND, self.regroup_N, y_ND)
+            by_src_ND = self.regroup.to_source_major(y_ND)
             sorted_PD = self._all_to_all(by_src_ND, forward=False)
             y_PD = torch.empty_like(sorted_PD)
             put_rows(y_PD, self.order_P, sorted_PD)
@@ -268,8 +267,7 @@ class _HaloExchange(HaloPlan, WeightedReduction):
         gateway's own rows (none with weight_P)); both in member order.
         """
         me, size, weighted = self.me, self.owner.size, weight_P is not None
-        by_src_ND = torch.empty_like(y_ND)
-        put_rows(by_src_ND, self.regroup_N, y_ND)
+        by_src_ND = self.regroup.to_source_major(y_ND)
         seg = segments([self.pairs_SS[s][me] for s in range(size)])
         ops_early: list = []
         local = {me: by_src_ND[slice(*seg[me])]}
@@ -300,17 +298,20 @@ class _HaloExchange(HaloPlan, WeightedReduction):
         works_early = self._post(ops_early)
         self._wait(self._post(ops_iii))
         ops_ii: list = []
-        for s, rows_RD in self._regather(at_gateway, y_ND).items():  # reverse Phase II
+        own = {s: by_src_ND[slice(*seg[s])] for s in self.srcs_via[me]} if weighted else {}
+        for s, rows_RD in self._regather(at_gateway, y_ND, own).items():  # reverse Phase II
             if weighted:
-                rows_RD = torch.cat([rows_RD, by_src_ND[slice(*seg[s])]])
                 rows_RD = self._gateway_sum(s, rows_RD, weights[s])
             self._send(ops_ii, rows_RD, s, _TAG_II)
         self._wait(self._post(ops_ii) + works_early)
         return local, from_fwd, from_own
 
-    def _regather(self, at_gateway: dict[int, Tensor], like: Tensor) -> dict[int, Tensor]:
+    def _regather(
+        self, at_gateway: dict[int, Tensor], like: Tensor, own: dict[int, Tensor]
+    ) -> dict[int, Tensor]:
         """As a gateway: each remote source's rows from the other ranks of my node, in that
-        source's member order (my own rows, last in that order, are not included)."""
+        source's member order, followed by my own rows for it when `own` has them (my rows
+        come last in that order)."""
         me, node, srcs = self.me, self.my_node, self.srcs_via[self.me]
         per_dst = {d: segments([self.pairs_SS[s][d] for s in srcs]) for d in at_gateway}
         return {
@@ -319,7 +320,8 @@ class _HaloExchange(HaloPlan, WeightedReduction):
                     at_gateway[dst][slice(*per_dst[dst][i])]
                     for dst in self._member_order(src, node)
                     if dst != me
-                ],
+                ]
+                + ([own[src]] if src in own else []),
                 like,
             )
             for i, src in enumerate(srcs)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.dispatch import block_transpose_index, sort_pairs
+from runtime.dispatch import BlockTranspose, sort_pairs
 
 
 def segments(counts: list[int]) -> list[tuple[int, int]]:
@@ -41,17 +41,20 @@ class HaloPlan:
         self.order_P, counts_E, counts_S = sort_pairs(expert_TK, rank_of_expert_E, size)
         self.seg_of_dest = segments(counts_S.tolist())
         self.token_sorted_P = self.order_P // self.topk
-        table_SE = self._all_gather(counts_E)
-        self._traffic(table_SE, rank_of_expert_E)
+        # The pack plan needs only my routing, so the unique-token counts per node (dedup)
+        # travel in the same round as the per-expert counts: one metadata round per dispatch.
+        self._pack_plan(owner.dedup)
+        mine = [counts_E]
+        if owner.dedup:
+            mine.append(torch.tensor([u.numel() for u in self.unique_tokens], dtype=torch.long))
+            mine.append(torch.tensor(self.forwarded_unique, dtype=torch.long))
+        table = self._all_gather(torch.cat(mine))
+        num_experts, num_nodes = counts_E.numel(), self.topo.num_nodes
+        self._traffic(table[:, :num_experts], rank_of_expert_E)
         self._choose_paths(row_bytes)
-        self._pack_plan()
-        if self.dedup:  # a second small round: unique-token counts per node
-            unique_N = torch.tensor([u.numel() for u in self.unique_tokens], dtype=torch.long)
-            forwarded_N = torch.tensor(self.forwarded_unique, dtype=torch.long)
-            table = self._all_gather(torch.cat([unique_N, forwarded_N]))
-            num_nodes = self.topo.num_nodes
-            self.unique_SN = table[:, :num_nodes].tolist()
-            self.forwarded_unique_SN = table[:, num_nodes:].tolist()
+        if self.dedup:
+            self.unique_SN = table[:, num_experts : num_experts + num_nodes].tolist()
+            self.forwarded_unique_SN = table[:, num_experts + num_nodes :].tolist()
         self.gateway_index: dict[int, Tensor] = {}  # src -> pack index (dedup, as a gateway)
         self.saved: dict = {}  # weighted combine: what its backward needs
         self._to_device(device)
@@ -61,14 +64,14 @@ class HaloPlan:
         gw = self.topo.gateway(src, node)
         return [m for m in self.topo.members_of_node[node] if m != gw] + [gw]
 
-    def _pack_plan(self) -> None:
-        """Per remote node: sorted-pair positions in member order; with dedup also its unique
+    def _pack_plan(self, dedup: bool) -> None:
+        """Per other node: sorted-pair positions in member order; with dedup also its unique
         tokens (those the gateway forwards first) and each pair's position among them."""
         self.rows_to_node, self.unique_tokens, self.pack_index = [], [], []
         self.forwarded_unique: list[int] = []
         empty = torch.zeros(0, dtype=torch.long)
         for node in range(self.topo.num_nodes):
-            if node not in self.remote_nodes:
+            if node == self.my_node:
                 for plan in (self.rows_to_node, self.unique_tokens, self.pack_index):
                     plan.append(empty)
                 self.forwarded_unique.append(0)
@@ -78,7 +81,7 @@ class HaloPlan:
             own = torch.arange(*self.seg_of_dest[order[-1]])
             rows = torch.cat([fwd, own])
             self.rows_to_node.append(rows)
-            if not self.dedup:
+            if not dedup:
                 self.unique_tokens.append(empty)
                 self.pack_index.append(empty)
                 self.forwarded_unique.append(0)
@@ -96,7 +99,7 @@ class HaloPlan:
     def _to_device(self, device: torch.device) -> None:
         """Moves the index tensors next to the data (planning above ran on the CPU)."""
         self.device = device
-        names = ("order_P", "token_sorted_P", "regroup_N", "out_pos_N", "tokens_per_local_expert_L")
+        names = ("order_P", "token_sorted_P", "tokens_per_local_expert_L")
         for name in names:
             setattr(self, name, getattr(self, name).to(device))
         for name in ("rows_to_node", "unique_tokens", "pack_index"):
@@ -119,12 +122,8 @@ class HaloPlan:
         pairs_SS.index_add_(1, rank_of_expert_E, counts_SE)
         self.pairs_SS = pairs_SS.tolist()
         counts_SL = counts_SE[:, rank_of_expert_E == me]
-        self.regroup_N = block_transpose_index(counts_SL)
+        self.regroup = BlockTranspose(counts_SL)  # received rows: (source, expert) blocks
         self.tokens_per_local_expert_L = counts_SL.sum(dim=0)
-        # Output position of each received row, rows stored source-major (inverse of regroup).
-        self.out_pos_N = torch.empty_like(self.regroup_N)
-        self.out_pos_N[self.regroup_N] = torch.arange(self.regroup_N.numel())
-        self.from_src_seg = segments([self.pairs_SS[s][me] for s in range(size)])
 
     def _choose_paths(self, row_bytes: int) -> None:
         """Peers of Phase I, remote nodes of Phase II and the gateways' sources (or direct)."""

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from runtime.dispatch import (
+    BlockTranspose,
     DispatchStats,
     FlatAllToAll,
-    block_transpose_index,
     default_ranks_per_node,
     sort_pairs,
 )
@@ -71,21 +71,28 @@ def test_sort_pairs_orders_by_destination_then_expert_then_token():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_block_transpose_index_matches_brute_force(seed):
+def test_block_transpose_matches_brute_force_both_ways(seed):
     gen = torch.Generator().manual_seed(seed)
     counts_SL = torch.randint(0, 4, (3, 4), generator=gen)
-    # Buffer holds labels (s, l, i) s-major; brute force builds the l-major order.
+    # Rows carry labels (s, l, i) s-major; brute force builds the l-major order.
     labels = [
         (s, loc, i) for s in range(3) for loc in range(4) for i in range(int(counts_SL[s, loc]))
     ]
     expected = sorted(labels, key=lambda x: (x[1], x[0], x[2]))
-    index = block_transpose_index(counts_SL)
-    assert [labels[i] for i in index.tolist()] == expected
+    rows = torch.tensor(labels, dtype=torch.float64).reshape(-1, 3)
+    regroup = BlockTranspose(counts_SL)
+    by_expert = regroup.to_expert_major(rows)
+    assert [tuple(int(v) for v in r) for r in by_expert.tolist()] == expected
+    per_src = list(rows.split(counts_SL.sum(dim=1).tolist()))
+    assert torch.equal(regroup.to_expert_major(per_src), by_expert)
+    assert torch.equal(regroup.to_source_major(by_expert), rows)
 
 
-def test_block_transpose_index_empty():
-    assert block_transpose_index(torch.zeros(2, 0, dtype=torch.long)).numel() == 0
-    assert block_transpose_index(torch.zeros(0, 3, dtype=torch.long)).numel() == 0
+def test_block_transpose_empty():
+    for shape in ((2, 0), (0, 3)):
+        regroup = BlockTranspose(torch.zeros(shape, dtype=torch.long))
+        assert regroup.to_expert_major(torch.zeros(0, 5)).shape == (0, 5)
+        assert regroup.to_source_major(torch.zeros(0, 5)).shape == (0, 5)
 
 
 def test_stats_reset_and_classification():
@@ -165,9 +172,9 @@ def test_byte_counters_match_hand_count(run_distributed):
             2 * row * (intra_rows + intra_back) + 8,
             2 * row * (inter_rows + inter_back) + 16,
         )
-        # HALO: all-gather of 4 expert counts to each of 3 peers (dedup: then 2 x 2 node
-        # counts: unique tokens, forwarded unique tokens); Phase I direct; Phase II the same
-        # inter-node rows, then Phase III relays inside the node.
+        # HALO: all-gather of 4 expert counts to each of 3 peers (dedup: in the same round
+        # 2 x 2 node counts: unique tokens, forwarded unique tokens); Phase I direct; Phase II
+        # the same inter-node rows, then Phase III relays inside the node.
         meta, meta_dedup = 8 * 4, 8 * (4 + 2 * 2)
         rail_peer = (rank + 2) % 4  # the one remote source whose gateway I am
         relayed_by_me = _expected_rows(rail_peer)[0][peer_same]
@@ -179,8 +186,9 @@ def test_byte_counters_match_hand_count(run_distributed):
         dedup_inter = row * unique_to_node[other] + 8 * inter_rows + 2 * meta_dedup
         assert res["dedup"]["dispatch"] == (dedup_intra, dedup_inter)
         saved_rows += inter_rows - unique_to_node[other]
-        # Below the threshold every row goes straight to its rank: no relay, no dedup.
-        direct = (row * intra_rows + meta, row * inter_rows + 2 * meta)
+        # Below the threshold every row goes straight to its rank: no relay, no dedup (the
+        # unique-token counts still travel in the single metadata round).
+        direct = (row * intra_rows + meta_dedup, row * inter_rows + 2 * meta_dedup)
         assert res["small-direct"]["dispatch"] == direct
         assert all(res[name]["times"] == (True, True) for name in res)
     assert saved_rows > 0  # the routing repeats some tokens per remote node
