@@ -297,13 +297,15 @@ class _HaloExchange(HaloPlan, WeightedReduction):
                 self._send(ops_early, by_src_ND[slice(*seg[s])], s, _TAG_II_OWN)
         works_early = self._post(ops_early)
         self._wait(self._post(ops_iii))
-        ops_ii: list = []
+        works_ii: list = []
         own = {s: by_src_ND[slice(*seg[s])] for s in self.srcs_via[me]} if weighted else {}
         for s, rows_RD in self._regather(at_gateway, y_ND, own).items():  # reverse Phase II
             if weighted:
                 rows_RD = self._gateway_sum(s, rows_RD, weights[s])
+            ops_ii: list = []  # each source's rows leave as soon as they are ready
             self._send(ops_ii, rows_RD, s, _TAG_II)
-        self._wait(self._post(ops_ii) + works_early)
+            works_ii += self._post(ops_ii)
+        self._wait(works_ii + works_early)
         return local, from_fwd, from_own
 
     def _regather(
