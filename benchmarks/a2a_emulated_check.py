@@ -1,11 +1,15 @@
 """Does the simulator predict the emulated network? Measured (halo_emulated.py) vs simulated.
 
-Reads the JSON of `benchmarks/halo_emulated.py --json` (or runs it with --run; needs root),
-models each emulated network with planner.sim.emulated, fits two parameters on the top-k = 2
-uniform-routing points: the per-message software overhead (gloo over TCP + the dispatcher's
-Python) and the host's CPU throughput that every emulated byte shares (all "nodes" run on
-one machine), and predicts every other uniform-routing point (other k, 200 Mbit/s, 2 x 4).
-Prints measured vs predicted per point, the error, and how many held-out points are within
+Reads the JSON of `benchmarks/halo_emulated.py --json` (or runs it with --run; needs root) and
+predicts every rate-limited, uniform-routing measurement with two models of the emulation,
+each fitted on the top-k = 2 points and checked on all others (other k, 200 Mbit/s, 2 x 4):
+- host-profile model (primary): the flow-level simulation of the rate-limited links, plus a
+  share alpha of the host time, the same workload measured with the links unthrottled (the
+  sweep's host profile: every emulated node runs on this one machine, so its CPUs are part
+  of the system being predicted); one parameter, alpha;
+- host-link model: the host's CPUs as one more link every flow crosses plus a per-message
+  overhead; two parameters.
+Prints measured vs predicted per point, the errors, and how many held-out points are within
 25%; writes results/a2a/emulated_check.{md,csv}.
 
   python3 benchmarks/a2a_emulated_check.py --emulated-json emulated.json
@@ -24,7 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.outputs.files import write_files  # noqa: E402
-from planner.sim.emulated import fit_parameters, predict_dispatch_combine_s  # noqa: E402
+from planner.sim.emulated import (  # noqa: E402
+    fit_alpha,
+    fit_parameters,
+    predict_dispatch_combine_s,
+    predict_with_host_profile,
+)
 
 
 def load_points(args: argparse.Namespace) -> dict:
@@ -40,6 +49,18 @@ def load_points(args: argparse.Namespace) -> dict:
     return json.loads(Path(args.emulated_json).read_text())
 
 
+KEY = ("nodes", "ranks_per_node", "routing", "topk", "tokens_per_rank", "algo")
+
+
+def host_profile(measurements: list[dict]) -> dict[tuple, float]:
+    """Median seconds of each workload with the links unthrottled (rate_mbit 0)."""
+    out: dict[tuple, float] = {}
+    for m in measurements:
+        if m["rate_mbit"] == 0:
+            out.setdefault(tuple(m[k] for k in KEY), m["median_s"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--emulated-json", help="output of halo_emulated.py --json")
@@ -50,14 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         "--loopback-gbps",
         type=float,
         default=2.0,
-        help="loopback TCP GB/s per rank (piper profile's p2p_node on this host)",
+        help="host-link model: loopback TCP GB/s per rank (piper profile's p2p_node here)",
     )
     ap.add_argument("--fit-topk", type=int, default=2, help="points used to fit")
     ap.add_argument(
         "--halo-direct-below",
         type=float,
-        default=256 * 2**10,
-        help="runtime HALO's direct-path threshold (bytes per node-pair message; 0 = never)",
+        default=float(1 << 20),
+        help="runtime HALO's direct-path threshold for points without a recorded path "
+        "(bytes per node-pair message; 0 = never)",
     )
     ap.add_argument("--out", default=str(ROOT / "results" / "a2a"))
     ap.add_argument("--no-files", action="store_true")
@@ -65,57 +87,88 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.run or args.emulated_json):
         ap.error("give --emulated-json FILE or --run")
     data = load_points(args)
-    points = [m for m in data["measurements"] if m["routing"] == "uniform"]
+    host = host_profile(data["measurements"])
+    points = [m for m in data["measurements"] if m["routing"] == "uniform" and m["rate_mbit"] > 0]
+    if not points:
+        raise SystemExit("no rate-limited uniform-routing measurements in the input")
     is_fit = {id(p): p["topk"] == args.fit_topk for p in points}
     calib = [p for p in points if is_fit[id(p)]]
     direct = args.halo_direct_below
-    o_us, host = fit_parameters(calib, args.loopback_gbps, direct)
-    rows, within, held_out = [], 0, 0
-    csv = [
-        "nodes,ranks_per_node,rate_mbit,topk,tokens_per_rank,algo,measured_s,predicted_s,"
-        "error_pct,used_for_fit"
+    o_us, host_gbps = fit_parameters(calib, args.loopback_gbps, direct)
+    profiled = [
+        (p, host[tuple(p[k] for k in KEY)]) for p in calib if tuple(p[k] for k in KEY) in host
     ]
+    alpha = fit_alpha(profiled) if profiled else None
+    rows, csv = (
+        [],
+        [
+            "nodes,ranks_per_node,rate_mbit,topk,tokens_per_rank,algo,path,measured_s,host_s,"
+            "predicted_host_profile_s,predicted_host_link_s,used_for_fit"
+        ],
+    )
+    within = {"profile": 0, "link": 0}
+    held_out = {"profile": 0, "link": 0}
     for p in sorted(
         points,
-        key=lambda q: (
-            q["nodes"],
-            q["ranks_per_node"],
-            q["rate_mbit"],
-            q["topk"],
-            q["tokens_per_rank"],
-            q["algo"],
+        key=lambda q: tuple(
+            q[k]
+            for k in ("nodes", "ranks_per_node", "rate_mbit", "topk", "tokens_per_rank", "algo")
         ),
     ):
-        pred = predict_dispatch_combine_s(p, o_us, args.loopback_gbps, 50.0, host, direct)
-        err = (pred - p["median_s"]) / p["median_s"]
+        key = tuple(p[k] for k in KEY)
         fit = is_fit[id(p)]
+        pred_link = predict_dispatch_combine_s(p, o_us, args.loopback_gbps, 50.0, host_gbps, direct)
+        err_link = (pred_link - p["median_s"]) / p["median_s"]
+        host_s = host.get(key)
+        pred_prof = None
+        if host_s is not None and alpha is not None:
+            pred_prof = predict_with_host_profile(p, host_s, alpha)
+        err_prof = None if pred_prof is None else (pred_prof - p["median_s"]) / p["median_s"]
         if not fit:
-            held_out += 1
-            within += abs(err) <= 0.25
+            held_out["link"] += 1
+            within["link"] += abs(err_link) <= 0.25
+            if err_prof is not None:
+                held_out["profile"] += 1
+                within["profile"] += abs(err_prof) <= 0.25
+        prof_cells = (
+            f"{pred_prof * 1e3:.1f} | {100 * err_prof:+.0f}%" if pred_prof is not None else "- | -"
+        )
         rows.append(
             f"| {p['nodes']}x{p['ranks_per_node']} | {p['rate_mbit']} | {p['topk']} | "
-            f"{p['tokens_per_rank']} | {p['algo']} | {p['median_s'] * 1e3:.1f} | "
-            f"{pred * 1e3:.1f} | {100 * err:+.0f}% |{' fit' if fit else ''}"
+            f"{p['tokens_per_rank']} | {p['algo']} | {p.get('path', '')} | "
+            f"{p['median_s'] * 1e3:.1f} | "
+            + (f"{host_s * 1e3:.1f}" if host_s is not None else "-")
+            + f" | {prof_cells} | {pred_link * 1e3:.1f} | {100 * err_link:+.0f}% |"
+            + (" fit" if fit else "")
         )
         csv.append(
             f"{p['nodes']},{p['ranks_per_node']},{p['rate_mbit']},{p['topk']},"
-            f"{p['tokens_per_rank']},{p['algo']},{p['median_s']:.6g},{pred:.6g},"
-            f"{100 * err:.1f},{int(fit)}"
+            f"{p['tokens_per_rank']},{p['algo']},{p.get('path', '')},{p['median_s']:.6g},"
+            + (f"{host_s:.6g}" if host_s is not None else "")
+            + ","
+            + (f"{pred_prof:.6g}" if pred_prof is not None else "")
+            + f",{pred_link:.6g},{int(fit)}"
         )
+    alpha_text = f"{alpha:.2f}" if alpha is not None else "n/a (no host profile in the input)"
     lines = [
         "# Simulator vs emulated network (benchmarks/halo_emulated.py)",
         "",
-        f"Fitted on the top-{args.fit_topk} points: per-message overhead {o_us:.0f} us, host "
-        f"CPU {host:.3g} GB/s of payload shared by all ranks; loopback {args.loopback_gbps} "
-        f"GB/s per rank; HALO direct below {direct:.0f} B per node pair. Machine: "
-        f"{data.get('cpus', '?')} CPUs, load average {data.get('load_avg_1min_at_end', '?')} "
-        "at the end of the run.",
+        f"Machine: {data.get('cpus', '?')} CPUs, load average "
+        f"{data.get('load_avg_1min_at_end', '?')} at the end of the run. Fitted on the "
+        f"top-{args.fit_topk} points, predicted on every other uniform-routing point:",
         "",
-        "| nodes x g | Mbit/s | k | tokens | algo | measured ms | simulated ms | error |",
-        "|---|---:|---:|---:|---|---:|---:|---:|",
+        f"- **host-profile model**: simulated link time + alpha x host time (the same workload "
+        f"measured with the links unthrottled); alpha = {alpha_text}. "
+        f"**{within['profile']} of {held_out['profile']} held-out points within 25%.**",
+        f"- host-link model: the host's CPUs as one link every flow crosses, {host_gbps:.3g} "
+        f"GB/s of payload, plus {o_us:.0f} us per message; loopback {args.loopback_gbps} GB/s "
+        f"per rank. {within['link']} of {held_out['link']} held-out points within 25%.",
+        "",
+        "| nodes x g | Mbit/s | k | tokens | algo | HALO path | measured ms | host ms | "
+        "host-profile ms | error | host-link ms | error |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
-        f"{within} of {held_out} held-out points within 25%.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -35,6 +35,8 @@ from runtime.halo import DEFAULT_DIRECT_BELOW_BYTES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ("flat", "halo", "halo-dedup")
+# HALO held to its three phases at every size: what the path choice avoids (for reference)
+FORCED = "halo-3phase"
 PORT = 29611
 KEY_FIELDS = ("nodes", "ranks_per_node", "rate_mbit", "routing", "topk", "tokens_per_rank")
 HEADLINE = {"nodes": 4, "ranks_per_node": 2, "rate_mbit": 1000, "topk": 8}
@@ -51,7 +53,7 @@ class Network:
     tokens: tuple[int, ...]  # tokens per rank, small to bandwidth-bound
     dim: int = 256
     experts_per_rank: int = 8
-    reps: int = 5
+    reps: int = 7
     routing: str = "uniform"  # uniform | node-limited (each token's experts on <= 2 nodes)
     direct_below_bytes: int = DEFAULT_DIRECT_BELOW_BYTES
 
@@ -75,6 +77,8 @@ class Measurement:
     load_avg_1min: float = 0.0  # of the machine running all nodes: mean of start and end
     path: str = "flat"  # HALO: "3-phase", or "direct" (small messages, or nothing to gain)
     cpu_s: float = 0.0  # median over repetitions of the CPU seconds all ranks spent
+    halo_message_us: float = 0.0  # the HaloCost HALO chose its path with (probed at start)
+    halo_intra_gbps: float = 0.0
 
 
 def sweep(quick: bool) -> list[Network]:
@@ -112,18 +116,20 @@ def _route(net: Network, rank: int, topk: int, tokens: int):
     return x_TD, expert_TK, gate_TK, rank_of_expert_E
 
 
-def _measure(net: Network, dispatchers: dict, topk: int, tokens: int) -> list[Measurement]:
+def _measure(net: Network, dispatchers: dict, cost, topk: int, tokens: int) -> list[Measurement]:
     """Times every algorithm on one workload; repetitions interleave the algorithms so that
     load on the (shared) CPUs drifts over all of them alike."""
     import torch
     import torch.distributed as dist
 
     x_TD, expert_TK, gate_TK, rank_of_expert_E = _route(net, dist.get_rank(), topk, tokens)
+    # small sizes are quick and noisy: more repetitions there
+    reps = net.reps if tokens * topk * net.dim * 4 >= 8 << 20 else 3 * net.reps
     times: dict[str, list[float]] = {algo: [] for algo in dispatchers}
     cpu: dict[str, list[float]] = {algo: [] for algo in dispatchers}
     sent: dict[str, list[int]] = {}
     paths: dict[str, str] = {}
-    for rep in range(net.reps + 1):  # the first repetition warms up
+    for rep in range(reps + 1):  # the first repetition warms up
         for algo, dispatcher in dispatchers.items():
             dispatcher.stats.reset()
             dist.barrier()
@@ -158,9 +164,48 @@ def _measure(net: Network, dispatchers: dict, topk: int, tokens: int) -> list[Me
             *sent[algo],
             path=paths[algo],
             cpu_s=statistics.median(cpu[algo]),
+            halo_message_us=cost.message_s * 1e6,
+            halo_intra_gbps=cost.intra_gbps,
         )
         for algo in dispatchers
     ]
+
+
+def probe_cost(net: Network):
+    """The HaloCost of this emulated network, as a runtime would take it from its cluster
+    profile: the node link is the configured rate; the per-message cost (a round of tiny
+    messages to every rank / its messages) and the loopback bandwidth (node peers exchanging
+    4 MiB at once) are measured here, the slowest rank's median of 5, so all ranks agree."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.halo_plan import HaloCost
+
+    world, rank, rpn = dist.get_world_size(), dist.get_rank(), net.ranks_per_node
+    tiny, out = torch.zeros(world), torch.zeros(world)
+    big = torch.zeros(1 << 20)  # 4 MiB of float32
+    peer = rank + 1 if rank % rpn + 1 < rpn else rank - rank % rpn  # next rank on my node
+    src = rank - 1 if rank % rpn else rank + rpn - 1
+    rounds, copies = [], []
+    for _ in range(6):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_to_all_single(out, tiny)
+        rounds.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        if rpn > 1:
+            recv = torch.empty_like(big)
+            ops = [dist.P2POp(dist.isend, big, peer), dist.P2POp(dist.irecv, recv, src)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        copies.append(time.perf_counter() - start)
+    probe = torch.tensor([statistics.median(rounds[1:]), statistics.median(copies[1:])])
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    round_s, copy_s = probe.tolist()
+    link_gbps = net.rate_mbit / 8000.0 if net.rate_mbit > 0 else 1e3
+    intra_gbps = big.numel() * 4 / max(copy_s, 1e-9) / 1e9 if rpn > 1 else 1e3
+    return HaloCost(round_s / max(world - 1, 1), intra_gbps, link_gbps)
 
 
 def worker(net: Network) -> None:
@@ -174,15 +219,18 @@ def worker(net: Network) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
     rpn = net.ranks_per_node
+    cost = probe_cost(net)
+    opts = {"direct_below_bytes": net.direct_below_bytes, "cost": cost}
     dispatchers = {
         "flat": FlatAllToAll(None, rpn),
-        "halo": Halo(None, rpn, direct_below_bytes=net.direct_below_bytes),
-        "halo-dedup": Halo(None, rpn, dedup=True, direct_below_bytes=net.direct_below_bytes),
+        "halo": Halo(None, rpn, **opts),
+        "halo-dedup": Halo(None, rpn, dedup=True, **opts),
+        FORCED: Halo(None, rpn, direct_below_bytes=0),
     }
     with torch.no_grad():
         for topk in net.topks:
             for tokens in net.tokens:
-                for m in _measure(net, dispatchers, topk, tokens):
+                for m in _measure(net, dispatchers, cost, topk, tokens):
                     print(f"done {m.algo} k={topk} T={tokens}", file=sys.stderr, flush=True)
                     if dist.get_rank() == 0:
                         print("RESULT " + json.dumps(asdict(m)), flush=True)
@@ -250,6 +298,7 @@ def ratios(results: list[Measurement]) -> list[dict]:
     rows = []
     for key, algos in by_key.items():
         flat, halo, dedup = (algos[a] for a in ALGOS)
+        forced = algos.get(FORCED)
         rows.append(
             {
                 **dict(zip(KEY_FIELDS, key, strict=True)),
@@ -262,6 +311,9 @@ def ratios(results: list[Measurement]) -> list[dict]:
                 "inter_node_bytes_halo": halo.bytes_inter_node,
                 "inter_node_bytes_halo_dedup": dedup.bytes_inter_node,
                 "halo_path": halo.path,
+                "halo_dedup_path": dedup.path,
+                "halo_3phase_s": forced.median_s if forced else None,
+                "flat_over_halo_3phase": flat.median_s / forced.median_s if forced else None,
             }
         )
     return rows
@@ -276,16 +328,19 @@ def headline(rows: list[dict]) -> dict | None:
 
 def print_table(rows: list[dict]) -> None:
     head = "nodes x g  Mbit/s  routing       k  tokens   flat ms   halo ms  dedup ms  "
-    print(head + "flat/halo  flat/dedup  inter MB flat/halo/dedup  HALO path")
+    print(head + "flat/halo  flat/dedup  flat/3-phase  inter MB flat/halo/dedup  path halo/dedup")
     for r in rows:
+        forced = r.get("flat_over_halo_3phase")
         print(
             f"{r['nodes']:>5} x {r['ranks_per_node']}  {r['rate_mbit'] or 'none':>6}"
             f"  {r['routing']:<12}"
             f" {r['topk']:>2}  {r['tokens_per_rank']:>6}  {1e3 * r['flat_s']:>8.1f}"
             f"  {1e3 * r['halo_s']:>8.1f}  {1e3 * r['halo_dedup_s']:>8.1f}"
             f"  {r['flat_over_halo']:>9.2f}  {r['flat_over_halo_dedup']:>10.2f}"
-            f"  {r['inter_node_bytes_flat'] / 1e6:.2f}/{r['inter_node_bytes_halo'] / 1e6:.2f}"
-            f"/{r['inter_node_bytes_halo_dedup'] / 1e6:.2f}  {r['halo_path']}"
+            + (f"  {forced:>12.2f}" if forced else f"  {'-':>12}")
+            + f"  {r['inter_node_bytes_flat'] / 1e6:.2f}/{r['inter_node_bytes_halo'] / 1e6:.2f}"
+            f"/{r['inter_node_bytes_halo_dedup'] / 1e6:.2f}"
+            f"  {r['halo_path']}/{r.get('halo_dedup_path', '')}"
         )
 
 

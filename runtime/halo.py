@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from runtime.dispatch import Exchange, ExchangeDispatcher, put_rows, take_rows
-from runtime.halo_plan import HaloPlan, segments
+from runtime.halo_plan import HaloCost, HaloPlan, segments
 from runtime.halo_weighted import WeightedReduction
 
 _TAG_I, _TAG_II, _TAG_II_OWN, _TAG_II_INDEX, _TAG_III = 11, 12, 13, 14, 15
@@ -340,7 +340,12 @@ class Halo(ExchangeDispatcher):
       dedup: send a token once per remote node even when several of its experts live there
         (and, in a gate-weighted combine, return one pre-summed row per (token, node)).
       direct_below_bytes: when the largest node-to-node message of a dispatch is smaller, send
-        rows straight to their final ranks in one round (latency-bound sizes); 0 = never.
+        rows straight to their final ranks in one round (latency-bound sizes); 0 = never
+        (always three phases, whatever `cost` says).
+      cost: a HaloCost (message cost and bandwidths of this cluster): above the threshold,
+        take the three phases only when it estimates them faster than one direct round on
+        this exchange's traffic. None: take them unless they cannot pay at all (no dedup on
+        two nodes, or one rank per node).
     """
 
     def __init__(
@@ -349,10 +354,12 @@ class Halo(ExchangeDispatcher):
         ranks_per_node: int | None = None,
         dedup: bool = False,
         direct_below_bytes: int = DEFAULT_DIRECT_BELOW_BYTES,
+        cost: HaloCost | None = None,
     ) -> None:
         super().__init__(group, ranks_per_node)
         self.dedup = dedup
         self.direct_below_bytes = direct_below_bytes
+        self.cost = cost
 
     def _exchange(
         self, expert_TK: Tensor, rank_of_expert_E: Tensor, row_bytes: int, device: torch.device

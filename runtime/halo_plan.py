@@ -13,6 +13,8 @@ Shape letters as in runtime/dispatch.py (T, K, E, L, N, P = T * K, S ranks).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -27,6 +29,80 @@ def segments(counts: list[int]) -> list[tuple[int, int]]:
         out.append((start, start + count))
         start += count
     return out
+
+
+@dataclass(frozen=True)
+class HaloCost:
+    """Alpha-beta costs with which HALO chooses between one direct round and three phases.
+
+    Attributes:
+      message_s: cost of one message at the sender (software + latency), seconds.
+      intra_gbps: one rank's send (and receive) bandwidth to ranks of its node, GB/s.
+      node_link_gbps: one node's link to the network, per direction, GB/s (shared by its
+        ranks).
+
+    Both estimates take the exact traffic matrix of the exchange (every rank knows it): the
+    busiest rank's messages x message_s, plus the slowest of its intra-node bytes and the
+    busiest node link; the three phases add the gateways' relays after Phase II. Dedup counts
+    unique rows across nodes.
+    """
+
+    message_s: float
+    intra_gbps: float
+    node_link_gbps: float
+
+    def direct_s(self, plan: HaloPlan, row_bytes: int) -> float:
+        """One all-to-all round, every row straight to its rank."""
+        topo, size, pairs = plan.topo, plan.owner.size, plan.pairs_SS
+        msgs = max(sum(1 for d in range(size) if d != s and pairs[s][d]) for s in range(size))
+        intra = max(
+            sum(pairs[s][d] for d in topo.members_of_node[topo.node_of[s]] if d != s)
+            for s in range(size)
+        )
+        link = max(self._node_rows(plan, n, unique=False) for n in range(topo.num_nodes))
+        return msgs * self.message_s + max(
+            intra * row_bytes / (self.intra_gbps * 1e9),
+            link * row_bytes / (self.node_link_gbps * 1e9),
+        )
+
+    def three_phase_s(self, plan: HaloPlan, row_bytes: int) -> float:
+        """Phase I beside Phase II, then the gateways' Phase III relays."""
+        topo, size, pairs = plan.topo, plan.owner.size, plan.pairs_SS
+        worst_msgs, worst_intra, worst_relay = 0, 0, 0
+        for s in range(size):
+            node = topo.node_of[s]
+            members = [d for d in topo.members_of_node[node] if d != s]
+            srcs = [
+                r for r in range(size) if topo.node_of[r] != node and topo.gateway(r, node) == s
+            ]
+            relay = [sum(pairs[r][d] for r in srcs) for d in members]
+            remote = [b for b in range(topo.num_nodes) if b != node and plan._pairs_to_node(s, b)]
+            phase_i = sum(1 for d in members if pairs[s][d])
+            worst_msgs = max(worst_msgs, phase_i + len(remote) + sum(1 for r in relay if r))
+            worst_intra = max(worst_intra, sum(pairs[s][d] for d in members))
+            worst_relay = max(worst_relay, sum(relay))
+        link = max(self._node_rows(plan, n, unique=plan.owner.dedup) for n in range(topo.num_nodes))
+        intra_s = 1.0 / (self.intra_gbps * 1e9)
+        return worst_msgs * self.message_s + max(
+            worst_intra * row_bytes * intra_s,
+            link * row_bytes / (self.node_link_gbps * 1e9) + worst_relay * row_bytes * intra_s,
+        )
+
+    @staticmethod
+    def _node_rows(plan: HaloPlan, node: int, unique: bool) -> int:
+        """Rows node `node` sends to, or receives from, other nodes (the larger)."""
+        topo, size = plan.topo, plan.owner.size
+        out = inn = 0
+        for s in range(size):
+            for b in range(topo.num_nodes):
+                if b == topo.node_of[s] or node not in (b, topo.node_of[s]):
+                    continue
+                rows = plan.unique_SN[s][b] if unique else plan._pairs_to_node(s, b)
+                if topo.node_of[s] == node:
+                    out += rows
+                else:
+                    inn += rows
+        return max(out, inn)
 
 
 class HaloPlan:
@@ -51,10 +127,10 @@ class HaloPlan:
         table = self._all_gather(torch.cat(mine))
         num_experts, num_nodes = counts_E.numel(), self.topo.num_nodes
         self._traffic(table[:, :num_experts], rank_of_expert_E)
-        self._choose_paths(row_bytes)
-        if self.dedup:
+        if owner.dedup:
             self.unique_SN = table[:, num_experts : num_experts + num_nodes].tolist()
             self.forwarded_unique_SN = table[:, num_experts + num_nodes :].tolist()
+        self._choose_paths(row_bytes)
         self.gateway_index: dict[int, Tensor] = {}  # src -> pack index (dedup, as a gateway)
         self.saved: dict = {}  # weighted combine: what its backward needs
         self._to_device(device)
@@ -136,7 +212,7 @@ class HaloPlan:
         ]
         threshold = self.owner.direct_below_bytes
         self.direct = threshold > 0 and (
-            max(node_pair_bytes, default=0) < threshold or not self._relay_pays()
+            max(node_pair_bytes, default=0) < threshold or not self._relay_pays(row_bytes)
         )
         self.dedup = self.owner.dedup and not self.direct
         local = range(size) if self.direct else topo.members_of_node[node]
@@ -148,11 +224,17 @@ class HaloPlan:
             if not self.direct and topo.node_of[src] != node:
                 self.srcs_via[topo.gateway(src, node)].append(src)
 
-    def _relay_pays(self) -> bool:
-        """Whether the three phases can beat one direct round at all: dedup sends fewer rows
-        across nodes; without it the bytes crossing nodes are the same, and the relay saves
-        messages only with more than two nodes (a rank posts 2 (g - 1) + (Q - 1) messages
-        instead of Q g - 1, (Q - 2)(g - 1) fewer), so two nodes gain nothing for the hop."""
+    def _relay_pays(self, row_bytes: int) -> bool:
+        """Whether the three phases should beat one direct round.
+
+        With a HaloCost (owner.cost), by its estimate of both on this exchange's exact
+        traffic. Without one, structurally: dedup sends fewer rows across nodes; without it
+        the bytes crossing nodes are the same, and the relay saves messages only with more
+        than two nodes (a rank posts 2 (g - 1) + (Q - 1) messages instead of Q g - 1,
+        (Q - 2)(g - 1) fewer), so two nodes gain nothing for the hop."""
+        cost = getattr(self.owner, "cost", None)
+        if cost is not None:
+            return cost.three_phase_s(self, row_bytes) < cost.direct_s(self, row_bytes)
         if self.owner.dedup:
             return True
         most = max((len(m) for m in self.topo.members_of_node), default=1)

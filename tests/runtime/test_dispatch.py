@@ -192,3 +192,25 @@ def test_byte_counters_match_hand_count(run_distributed):
         assert res["small-direct"]["dispatch"] == direct
         assert all(res[name]["times"] == (True, True) for name in res)
     assert saved_rows > 0  # the routing repeats some tokens per remote node
+
+
+def test_halo_cost_estimates_by_hand():
+    from types import SimpleNamespace
+
+    from runtime.halo_plan import HaloCost, HaloPlan
+
+    topo = group_topology([0, 1, 2, 3], 2)  # nodes {0, 1} and {2, 3}
+    plan = SimpleNamespace(
+        topo=topo,
+        owner=SimpleNamespace(size=4, dedup=False),
+        pairs_SS=[[10] * 4 for _ in range(4)],  # 10 rows from every rank to every rank
+        unique_SN=[[0, 12] if s < 2 else [12, 0] for s in range(4)],  # 20 pairs -> 12 rows
+    )
+    plan._pairs_to_node = lambda s, b: HaloPlan._pairs_to_node(plan, s, b)
+    cost = HaloCost(message_s=1e-3, intra_gbps=1.0, node_link_gbps=0.1)
+    # direct: 3 messages; 10 rows to my node peer; a node sends 2 x 20 rows across = 40 kB
+    assert cost.direct_s(plan, 1000) == pytest.approx(3e-3 + 40e3 / 1e8)
+    # three phases: Phase I 1 + Phase II 1 + Phase III 1 message; relay 10 rows after II
+    assert cost.three_phase_s(plan, 1000) == pytest.approx(3e-3 + 40e3 / 1e8 + 10e3 / 1e9)
+    plan.owner.dedup = True  # 12 unique rows per (source, node): the link carries 24 kB
+    assert cost.three_phase_s(plan, 1000) == pytest.approx(3e-3 + 24e3 / 1e8 + 10e3 / 1e9)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from runtime.dispatch import FlatAllToAll
 from runtime.halo import Halo
+from runtime.halo_plan import HaloCost
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,9 @@ def _paths(rank: int, world_size: int) -> dict[str, bool]:
             "dedup": Halo(None, rpn, dedup=True, direct_below_bytes=1),
             "halo-always": Halo(None, rpn, direct_below_bytes=0),
             "halo-small": Halo(None, rpn, direct_below_bytes=1 << 20),
+            # messages dear: the relay's savings win; relays dear: one direct round wins
+            "costed-msgs": Halo(None, rpn, direct_below_bytes=1, cost=HaloCost(1.0, 1e3, 1e3)),
+            "costed-relay": Halo(None, rpn, direct_below_bytes=1, cost=HaloCost(0.0, 1e-3, 1e3)),
         }.items():
             _, _, handle = dispatcher.dispatch(x_TD, expert_TK, rank_of_expert_E)
             out[f"{name}@{world_size // rpn}x{rpn}"] = handle.exchange.direct
@@ -217,3 +221,6 @@ def test_halo_takes_three_phases_only_where_the_relay_can_pay(run_distributed):
     # direct_below_bytes=0 forces the three phases; rows of 32 B stay below 1 MiB -> direct
     assert not any(direct[f"halo-always@{s}"] for s in ("2x4", "4x2", "8x1"))
     assert all(direct[f"halo-small@{s}"] for s in ("2x4", "4x2", "8x1"))
+    # with a HaloCost the estimate decides: 4 x 2 saves 2 messages per rank, 2 x 4 none
+    assert not direct["costed-msgs@4x2"] and direct["costed-msgs@2x4"]
+    assert all(direct[f"costed-relay@{s}"] for s in ("2x4", "4x2", "8x1"))
