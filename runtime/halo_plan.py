@@ -119,7 +119,8 @@ class HaloPlan:
         self.token_sorted_P = self.order_P // self.topk
         # The pack plan needs only my routing, so the unique-token counts per node (dedup)
         # travel in the same round as the per-expert counts: one metadata round per dispatch.
-        self._pack_plan(owner.dedup)
+        if owner.dedup:
+            self._pack_plan(dedup=True)
         mine = [counts_E]
         if owner.dedup:
             mine.append(torch.tensor([u.numel() for u in self.unique_tokens], dtype=torch.long))
@@ -131,6 +132,10 @@ class HaloPlan:
             self.unique_SN = table[:, num_experts : num_experts + num_nodes].tolist()
             self.forwarded_unique_SN = table[:, num_experts + num_nodes :].tolist()
         self._choose_paths(row_bytes)
+        if self.direct:  # only the three phases use the pack plan
+            self._no_pack_plan()
+        elif not owner.dedup:
+            self._pack_plan(dedup=False)
         self.gateway_index: dict[int, Tensor] = {}  # src -> pack index (dedup, as a gateway)
         self.saved: dict = {}  # weighted combine: what its backward needs
         self._to_device(device)
@@ -139,6 +144,10 @@ class HaloPlan:
         """Ranks of `node` in the order src packs their rows: its gateway there last."""
         gw = self.topo.gateway(src, node)
         return [m for m in self.topo.members_of_node[node] if m != gw] + [gw]
+
+    def _no_pack_plan(self) -> None:
+        self.rows_to_node, self.unique_tokens, self.pack_index = [], [], []
+        self.forwarded_unique = []
 
     def _pack_plan(self, dedup: bool) -> None:
         """Per other node: sorted-pair positions in member order; with dedup also its unique

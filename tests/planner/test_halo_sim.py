@@ -335,6 +335,27 @@ def test_emulated_network_model_by_hand():
     assert got == pytest.approx(want, rel=1e-6)
 
 
+def test_host_profile_model_by_hand_and_alpha_recovered():
+    """Link time of the headline point (4 x 2, 1000 Mbit/s, top-8, 2048 tokens) by hand, plus
+    alpha x host time; fit_alpha recovers the alpha that generated the 'measurements'."""
+    from planner.sim.emulated import fit_alpha, predict_with_host_profile
+
+    point = dict(nodes=4, ranks_per_node=2, rate_mbit=1000, topk=8, tokens_per_rank=2048,
+                 dim=256, algo="flat")  # fmt: skip
+    nbytes = 2048 * 8 * 256 * 4
+    link = 2 * (2 * nbytes * 6 / 8) / 125e6 + 2 * 50e-6  # + one 50 us latency per exchange
+    assert predict_with_host_profile(point, 0.3, 0.5) == pytest.approx(link + 0.15, rel=1e-6)
+    # a HALO point that took the direct path is simulated as the flat exchange
+    direct = {**point, "algo": "halo", "path": "direct"}
+    assert predict_with_host_profile(direct, 0.3, 0.5) == pytest.approx(link + 0.15, rel=1e-6)
+    points = []
+    for tokens, host in ((256, 0.04), (1024, 0.12), (2048, 0.27)):
+        p = {**point, "tokens_per_rank": tokens}
+        p["median_s"] = predict_with_host_profile(p, host, 0.62)
+        points.append((p, host))
+    assert fit_alpha(points) == pytest.approx(0.62)
+
+
 def test_cli_json_has_time_and_breakdown(capsys):
     from planner.cli import main
     from planner.cli.a2a_sim import parse_bytes
