@@ -286,27 +286,51 @@ class _HaloExchange(HaloPlan, WeightedReduction):
         from_own, from_fwd, weights = {}, {}, {}
         for b in self.remote_nodes:
             gw = self.topo.gateway(me, b)
-            own_rows = 0 if weighted else self.pairs_SS[me][gw]
-            rows = self.unique_SN[me][b] if weighted else self._pairs_to_node(me, b) - own_rows
+            if weighted:  # one summed row per unique token, the gateway-only tokens' first
+                buf = y_ND.new_empty((self.unique_SN[me][b], *y_ND.shape[1:]))
+                first = self.forwarded_unique_SN[me][b]
+                self._recv_into(ops_early, buf[first:], gw, _TAG_II_OWN)
+                self._recv_into(ops_early, buf[:first], gw, _TAG_II)
+                from_fwd[b], from_own[b] = buf, buf[:0]
+                continue
+            own_rows = self.pairs_SS[me][gw]
+            rows = self._pairs_to_node(me, b) - own_rows
             from_fwd[b] = self._recv(ops_early, rows, y_ND, gw, _TAG_II)
             from_own[b] = self._recv(ops_early, own_rows, y_ND, gw, _TAG_II_OWN)
+        works_w: list = []
         if weighted:
-            weights = self._exchange_weights(ops_iii, weight_P)
+            ops_w: list = []
+            weights = self._exchange_weights(ops_w, weight_P)
+            works_w = self._post(ops_w)
         else:  # as a gateway, my own rows for each source go back at once
             for s in self.srcs_via[me]:
                 self._send(ops_early, by_src_ND[slice(*seg[s])], s, _TAG_II_OWN)
         works_early = self._post(ops_early)
-        self._wait(self._post(ops_iii))
+        works_iii = self._post(ops_iii)
         works_ii: list = []
         own = {s: by_src_ND[slice(*seg[s])] for s in self.srcs_via[me]} if weighted else {}
+        partial: dict[int, Tensor] = {}
+        if weighted:  # sum my own rows first: tokens only my experts saw can leave at once
+            self._wait(works_w)
+            for s in self.srcs_via[me]:
+                partial[s] = self._gateway_own_sum(s, own[s], weights[s])
+                ops_own: list = []
+                self._send(ops_own, partial[s][self._gateway_first(s) :], s, _TAG_II_OWN)
+                works_ii += self._post(ops_own)
+        self._wait(works_iii)
         for s, rows_RD in self._regather(at_gateway, y_ND, own).items():  # reverse Phase II
             if weighted:
-                rows_RD = self._gateway_sum(s, rows_RD, weights[s])
+                rows_RD = self._gateway_sum(s, rows_RD, weights[s], partial[s])
+                rows_RD = rows_RD[: self._gateway_first(s)]
             ops_ii: list = []  # each source's rows leave as soon as they are ready
             self._send(ops_ii, rows_RD, s, _TAG_II)
             works_ii += self._post(ops_ii)
         self._wait(works_ii + works_early)
         return local, from_fwd, from_own
+
+    def _recv_into(self, ops: list, buf: Tensor, peer: int, tag: int) -> None:
+        if buf.shape[0]:
+            ops.append(dist.P2POp(dist.irecv, buf, self.topo.global_ranks[peer], tag=tag))
 
     def _regather(
         self, at_gateway: dict[int, Tensor], like: Tensor, own: dict[int, Tensor]

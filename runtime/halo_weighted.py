@@ -55,12 +55,27 @@ class WeightedReduction:
             for src in self.srcs_via[self.me]
         }
 
-    def _gateway_sum(self, src: int, rows_RD: Tensor, weight_R: Tensor) -> Tensor:
-        """As a gateway: one weighted-sum row per unique token of src (saved for backward)."""
+    def _gateway_first(self, src: int) -> int:
+        """Unique tokens of src's message to my node that other ranks of my node also need
+        (they come first; the rest, only the gateway's experts saw)."""
+        return self.forwarded_unique_SN[src][self.my_node]
+
+    def _gateway_own_sum(self, src: int, own_RD: Tensor, weight_R: Tensor) -> Tensor:
+        """As a gateway: per unique token of src, the weighted sum of my own experts' rows
+        (the last pairs in src's member order). Rows from _gateway_first(src) on are final."""
+        partial = own_RD.new_zeros((self.unique_SN[src][self.my_node], own_RD.shape[1]))
+        n = own_RD.shape[0]
+        index = self.gateway_index[src][weight_R.shape[0] - n :]
+        return partial.index_add_(0, index, own_RD * weight_R[weight_R.shape[0] - n :, None])
+
+    def _gateway_sum(self, src: int, rows_RD: Tensor, weight_R: Tensor, partial: Tensor) -> Tensor:
+        """As a gateway: adds the other ranks' rows (src's pairs in member order, mine last,
+        already in `partial`) for one weighted-sum row per unique token; saved for backward."""
         self.saved.setdefault("gateway_rows", {})[src] = rows_RD
         self.saved.setdefault("gateway_weight", {})[src] = weight_R
-        partial = rows_RD.new_zeros((self.unique_SN[src][self.my_node], rows_RD.shape[1]))
-        return partial.index_add_(0, self.gateway_index[src], rows_RD * weight_R[:, None])
+        others = rows_RD.shape[0] - self.pairs_SS[src][self.me]
+        index = self.gateway_index[src][:others]
+        return partial.index_add_(0, index, rows_RD[:others] * weight_R[:others, None])
 
     def backward_weighted(self, grad_TD: Tensor) -> tuple[Tensor, Tensor]:
         """Gradients of reverse_weighted: (grad of expert rows [N, D], grad of gates [T, K])."""
