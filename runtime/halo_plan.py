@@ -206,6 +206,12 @@ class HaloPlan:
         pairs_SS = torch.zeros(size, size, dtype=torch.long)
         pairs_SS.index_add_(1, rank_of_expert_E, counts_SE)
         self.pairs_SS = pairs_SS.tolist()
+        # rows each source sends to each other node (its own node's column zeroed)
+        node_of_S = torch.tensor(self.topo.node_of, dtype=torch.long)
+        to_node_SQ = torch.zeros(size, self.topo.num_nodes, dtype=torch.long)
+        to_node_SQ.index_add_(1, node_of_S, pairs_SS)
+        to_node_SQ[torch.arange(size), node_of_S] = 0
+        self.largest_node_pair_rows = int(to_node_SQ.max()) if to_node_SQ.numel() else 0
         counts_SL = counts_SE[:, rank_of_expert_E == me]
         self.regroup = BlockTranspose(counts_SL)  # received rows: (source, expert) blocks
         self.tokens_per_local_expert_L = counts_SL.sum(dim=0)
@@ -213,15 +219,9 @@ class HaloPlan:
     def _choose_paths(self, row_bytes: int) -> None:
         """Peers of Phase I, remote nodes of Phase II and the gateways' sources (or direct)."""
         topo, size, node = self.topo, self.owner.size, self.my_node
-        node_pair_bytes = [
-            row_bytes * self._pairs_to_node(s, b)
-            for s in range(size)
-            for b in range(topo.num_nodes)
-            if b != topo.node_of[s]
-        ]
         threshold = self.owner.direct_below_bytes
         self.direct = threshold > 0 and (
-            max(node_pair_bytes, default=0) < threshold or not self._relay_pays(row_bytes)
+            row_bytes * self.largest_node_pair_rows < threshold or not self._relay_pays(row_bytes)
         )
         self.dedup = self.owner.dedup and not self.direct
         local = range(size) if self.direct else topo.members_of_node[node]
