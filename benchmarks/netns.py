@@ -102,6 +102,9 @@ def setup(num_nodes: int, rate_mbit: int, mtu: int = 9000) -> EmulatedNet:
         # A fabric has no TCP slow start: keep each connection's window across idle gaps
         # between exchanges (this sysctl is per namespace; the host's is untouched).
         _in_ns(ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0")
+        # Reno, not the host's default (BBR here): BBR paces every flow with timers, which
+        # costs the CPUs all emulated nodes share; a fabric does no such pacing in software.
+        _in_ns(ns, "sysctl", "-q", "-w", "net.ipv4.tcp_congestion_control=reno")
         # Create the pair inside the node namespace, then move the switch end out.
         _in_ns(ns, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", port)
         _in_ns(ns, "ip", "link", "set", "eth0", "mtu", str(mtu))
