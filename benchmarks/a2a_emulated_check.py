@@ -49,6 +49,11 @@ def load_points(args: argparse.Namespace) -> dict:
     return json.loads(Path(args.emulated_json).read_text())
 
 
+def _load(data: dict) -> str:
+    load = data.get("load_avg_1min_at_end")
+    return f"{load:.1f}" if isinstance(load, (int, float)) else "?"
+
+
 KEY = ("nodes", "ranks_per_node", "routing", "topk", "tokens_per_rank", "algo")
 
 
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "# Simulator vs emulated network (benchmarks/halo_emulated.py)",
         "",
         f"Machine: {data.get('cpus', '?')} CPUs, load average "
-        f"{data.get('load_avg_1min_at_end', '?')} at the end of the run. Fitted on the "
+        f"{_load(data)} at the end of the run. Fitted on the "
         f"top-{args.fit_topk} points, predicted on every other uniform-routing point:",
         "",
         f"- **host-profile model**: simulated link time + alpha x host time (the same workload "
