@@ -221,7 +221,9 @@ def test_sigint_during_migrate_leaves_previous_results_or_a_complete_set(tmp_pat
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert "Traceback" not in stderr, stderr
-    assert proc.returncode in (0, 130), (proc.returncode, stderr)
+    # -SIGINT: the replay had finished and the signal landed while the interpreter shut down
+    # (its handlers are back to the default then); the outputs must be the complete new set
+    assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, stderr)
     assert tmp_leftovers(tmp_path) == []
     after = snapshot(out)
     if proc.returncode == 130:
