@@ -53,13 +53,11 @@ class HaloCost:
 
     def direct_s(self, plan: HaloPlan, row_bytes: int) -> float:
         """One all-to-all round, every row straight to its rank."""
-        topo, size, pairs = plan.topo, plan.owner.size, plan.pairs_SS
-        msgs = max(sum(1 for d in range(size) if d != s and pairs[s][d]) for s in range(size))
-        intra = max(
-            sum(pairs[s][d] for d in topo.members_of_node[topo.node_of[s]] if d != s)
-            for s in range(size)
-        )
-        link = max(self._node_rows(plan, n, unique=False) for n in range(topo.num_nodes))
+        pairs, same, _ = _tensors(plan)
+        off_diag = ~torch.eye(pairs.shape[0], dtype=torch.bool)
+        msgs = int(((pairs > 0) & off_diag).sum(dim=1).max())
+        intra = int((pairs * (same & off_diag)).sum(dim=1).max())
+        link = _busiest_node_link(plan, plan.to_node_SQ)
         return msgs * self.message_s + max(
             intra * row_bytes / (self.intra_gbps * 1e9),
             link * row_bytes / (self.node_link_gbps * 1e9),
@@ -67,42 +65,58 @@ class HaloCost:
 
     def three_phase_s(self, plan: HaloPlan, row_bytes: int) -> float:
         """Phase I beside Phase II, then the gateways' Phase III relays."""
-        topo, size, pairs = plan.topo, plan.owner.size, plan.pairs_SS
-        worst_msgs, worst_intra, worst_relay = 0, 0, 0
-        for s in range(size):
-            node = topo.node_of[s]
-            members = [d for d in topo.members_of_node[node] if d != s]
-            srcs = [
-                r for r in range(size) if topo.node_of[r] != node and topo.gateway(r, node) == s
-            ]
-            relay = [sum(pairs[r][d] for r in srcs) for d in members]
-            remote = [b for b in range(topo.num_nodes) if b != node and plan._pairs_to_node(s, b)]
-            phase_i = sum(1 for d in members if pairs[s][d])
-            worst_msgs = max(worst_msgs, phase_i + len(remote) + sum(1 for r in relay if r))
-            worst_intra = max(worst_intra, sum(pairs[s][d] for d in members))
-            worst_relay = max(worst_relay, sum(relay))
-        link = max(self._node_rows(plan, n, unique=plan.owner.dedup) for n in range(topo.num_nodes))
+        pairs, same, gateway_SS = _tensors(plan)
+        size = pairs.shape[0]
+        off_diag = ~torch.eye(size, dtype=torch.bool)
+        phase_i = ((pairs > 0) & same & off_diag).sum(dim=1)
+        phase_ii = (plan.to_node_SQ > 0).sum(dim=1)
+        # relay_SD[g, d]: rows gateway g forwards to d, from the sources that reach d's node
+        # through g (other nodes' ranks; not d's own rows when d is the gateway itself)
+        relayed = ~same & (gateway_SS != torch.arange(size)[None, :])
+        relay_SD = torch.zeros(size, size, dtype=torch.long)
+        relay_SD.index_put_(
+            (gateway_SS[relayed], torch.nonzero(relayed)[:, 1]), pairs[relayed], accumulate=True
+        )
+        msgs = int((phase_i + phase_ii + (relay_SD > 0).sum(dim=1)).max())
+        intra = int((pairs * (same & off_diag)).sum(dim=1).max())
+        relay = int(relay_SD.sum(dim=1).max())
+        to_node = plan.to_node_SQ
+        if plan.owner.dedup:
+            to_node = torch.tensor(plan.unique_SN, dtype=torch.long) * (plan.to_node_SQ > 0)
+        link = _busiest_node_link(plan, to_node)
         intra_s = 1.0 / (self.intra_gbps * 1e9)
-        return worst_msgs * self.message_s + max(
-            worst_intra * row_bytes * intra_s,
-            link * row_bytes / (self.node_link_gbps * 1e9) + worst_relay * row_bytes * intra_s,
+        return msgs * self.message_s + max(
+            intra * row_bytes * intra_s,
+            link * row_bytes / (self.node_link_gbps * 1e9) + relay * row_bytes * intra_s,
         )
 
-    @staticmethod
-    def _node_rows(plan: HaloPlan, node: int, unique: bool) -> int:
-        """Rows node `node` sends to, or receives from, other nodes (the larger)."""
-        topo, size = plan.topo, plan.owner.size
-        out = inn = 0
-        for s in range(size):
-            for b in range(topo.num_nodes):
-                if b == topo.node_of[s] or node not in (b, topo.node_of[s]):
-                    continue
-                rows = plan.unique_SN[s][b] if unique else plan._pairs_to_node(s, b)
-                if topo.node_of[s] == node:
-                    out += rows
-                else:
-                    inn += rows
-        return max(out, inn)
+
+def _tensors(plan: HaloPlan) -> tuple[Tensor, Tensor, Tensor]:
+    """pairs [S, S]; same-node mask [S, S]; gateway_SS[s, d]: the rank on d's node that
+    receives s's Phase II rows for that node."""
+    topo = plan.topo
+    node_S = torch.tensor(topo.node_of, dtype=torch.long)
+    local_S = torch.tensor(topo.local_of, dtype=torch.long)
+    count_Q = torch.tensor([len(m) for m in topo.members_of_node], dtype=torch.long)
+    width = int(count_Q.max())
+    member_QJ = torch.full((topo.num_nodes, width), -1, dtype=torch.long)
+    for q, members in enumerate(topo.members_of_node):
+        member_QJ[q, : len(members)] = torch.tensor(members, dtype=torch.long)
+    dst_node = node_S[None, :].expand(len(node_S), -1)
+    slot = local_S[:, None] % count_Q[dst_node]
+    gateway_SS = member_QJ[dst_node, slot]
+    same = node_S[:, None] == node_S[None, :]
+    return torch.tensor(plan.pairs_SS, dtype=torch.long), same, gateway_SS
+
+
+def _busiest_node_link(plan: HaloPlan, to_node_SQ: Tensor) -> int:
+    """Rows the busiest node sends to, or receives from, other nodes (own-node column 0)."""
+    node_S = torch.tensor(plan.topo.node_of, dtype=torch.long)
+    sent_Q = torch.zeros(plan.topo.num_nodes, dtype=torch.long).index_add_(
+        0, node_S, to_node_SQ.sum(dim=1)
+    )
+    received_Q = to_node_SQ.sum(dim=0)
+    return int(torch.maximum(sent_Q, received_Q).max()) if sent_Q.numel() else 0
 
 
 class HaloPlan:
@@ -211,6 +225,7 @@ class HaloPlan:
         to_node_SQ = torch.zeros(size, self.topo.num_nodes, dtype=torch.long)
         to_node_SQ.index_add_(1, node_of_S, pairs_SS)
         to_node_SQ[torch.arange(size), node_of_S] = 0
+        self.to_node_SQ = to_node_SQ
         self.largest_node_pair_rows = int(to_node_SQ.max()) if to_node_SQ.numel() else 0
         counts_SL = counts_SE[:, rank_of_expert_E == me]
         self.regroup = BlockTranspose(counts_SL)  # received rows: (source, expert) blocks
