@@ -133,10 +133,9 @@ class HaloPlan:
         self.token_sorted_P = self.order_P // self.topk
         # The pack plan needs only my routing, so the unique-token counts per node (dedup)
         # travel in the same round as the per-expert counts: one metadata round per dispatch.
-        if owner.dedup:
-            self._pack_plan(dedup=True)
         mine = [counts_E]
         if owner.dedup:
+            self._pack_plan(dedup=True)
             mine.append(torch.tensor([u.numel() for u in self.unique_tokens], dtype=torch.long))
             mine.append(torch.tensor(self.forwarded_unique, dtype=torch.long))
         table = self._all_gather(torch.cat(mine))
