@@ -25,6 +25,7 @@ import torch.distributed as dist
 from runtime.data import sample_batch
 from runtime.dispatch import FlatAllToAll
 from runtime.halo import Halo
+from runtime.halo_plan import HaloCost
 from runtime.mesh import Mesh, build_mesh
 from runtime.metrics import (
     ByteCounter,
@@ -69,6 +70,8 @@ def make_dispatcher(spec: RunSpec, mesh: Mesh, kind: str | None = None):
     options = {"dedup": kind == "halo-dedup"}
     if spec.halo_direct_below_bytes >= 0:
         options["direct_below_bytes"] = spec.halo_direct_below_bytes
+    if spec.halo_cost:  # the plan's cluster: three phases only where they should pay
+        options["cost"] = HaloCost(*spec.halo_cost)
     return Halo(mesh.ep_group, spec.ranks_per_node, **options)
 
 

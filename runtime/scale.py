@@ -59,6 +59,8 @@ class RunSpec:
     trace_every: int = 1  # steps summed into one trace.csv interval
     router_bias_rate: float = 0.0  # aux-loss-free bias update per step (0 = off)
     halo_direct_below_bytes: int = -1  # HALO's direct-send threshold; -1 = its default
+    # HaloCost from the plan's cluster: (message s, intra-node GB/s, node link GB/s); () = none
+    halo_cost: tuple[float, ...] = ()
 
     @property
     def world(self) -> int:
@@ -207,8 +209,22 @@ def run_spec_from_plan(
         source_layers=tuple(source),
         logical_of_physical=physical_order(plan),
         ranks_per_node=ranks_per_node or min(world, int(plan.cluster.get("gpus_per_node", world))),
-        **options,
+        **{"halo_cost": halo_cost_of(plan.cluster), **options},
     )
+
+
+def halo_cost_of(cluster: dict) -> tuple[float, ...]:
+    """HALO's path-choice costs from a plan's cluster: the per-message overhead, the slowest
+    level inside a node (per device) and the node's NICs together; () when fields are missing."""
+    try:
+        gpus = int(cluster["gpus_per_node"])
+        inside = [lv for lv in cluster["levels"] if int(lv["devices"]) <= gpus]
+        intra = min(float(lv["bw_gbps"]) * float(lv.get("taper", 1.0)) for lv in inside)
+        link = int(cluster["nics_per_node"]) * float(cluster["nic_gbps"])
+        message_s = float(cluster.get("msg_overhead_us", 1.0)) * 1e-6
+    except (KeyError, TypeError, ValueError):
+        return ()
+    return (message_s, intra, link)
 
 
 def default_placement(num_experts: int, ep: int) -> tuple[int, ...]:

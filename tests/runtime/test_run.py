@@ -105,6 +105,18 @@ def test_scale_keeps_structure():
     assert kept[0] == (2,) and all(ds.layers[i].kind == "moe" for s in kept for i in s)
 
 
+def test_halo_cost_comes_from_the_plans_cluster():
+    from planner.clusters import cluster_to_dict, load_cluster
+    from runtime.scale import halo_cost_of
+
+    frontier = cluster_to_dict(load_cluster("frontier"))
+    # 1 us per message; inside a node the slowest level is Infinity Fabric between packages
+    # (50 GB/s per GCD); 4 NICs x 25 GB/s leave a node
+    assert halo_cost_of(frontier) == (pytest.approx(1e-6), 50.0, 100.0)
+    assert halo_cost_of({**frontier, "msg_overhead_us": 4.0})[0] == pytest.approx(4e-6)
+    assert halo_cost_of({"name": "hand-made"}) == ()  # an old plan without the fields
+
+
 @pytest.mark.slow
 def test_piper_run_end_to_end_through_torchrun(tmp_path, capsys):
     """What a new user does: `piper plan` (2 CPU ranks, pp=2), then `piper run --scale`."""
