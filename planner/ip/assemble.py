@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -88,16 +89,24 @@ def _trivial(backend: str) -> SolveReport:
 
 
 def _merge(reports: Sequence[SolveReport], backend: str) -> SolveReport:
-    """Worst status, largest objective (hottest-rank load) and gap over the layers solved."""
+    """One report for the layers solved: worst status; the objective is the largest layer
+    objective (the step's hottest-rank load), its bound the largest layer bound (no layer can
+    do better than its own bound), and the gap is theirs, so objective, bound and gap agree.
+    (The largest per-layer gap can be larger: a layer far from its bound may still be below
+    the hottest layer's proven load.)"""
     if not reports:
         return _trivial(backend)
     order = ["OPTIMAL", "FEASIBLE", "NOT_SOLVED", "INFEASIBLE"]
+    objective = max(r.objective for r in reports)
+    bound = max(r.bound for r in reports)
     return SolveReport(
         reports[0].backend,
         max((r.status for r in reports), key=order.index),
-        max(r.objective for r in reports),
-        max(r.bound for r in reports),
-        max(r.gap for r in reports),
+        objective,
+        bound,
+        max(0.0, objective - bound) / max(abs(objective), 1e-12)
+        if math.isfinite(objective)
+        else math.inf,
         sum(r.wall_s for r in reports),
     )
 

@@ -269,3 +269,20 @@ def test_large_traffic_instance_beats_load_only_placement():
     assert aware.report.status in ("OPTIMAL", "FEASIBLE")
     assert aware.objective < plain_obj
     check_placement(aware, 256, 64)
+
+
+def test_merged_report_has_objective_bound_and_gap_that_agree():
+    from planner.ip.assemble import _merge
+    from planner.ip.solvers import SolveReport
+
+    hot = SolveReport("cpsat", "OPTIMAL", 10.0, 10.0, 0.0, 0.1)
+    loose = SolveReport("cpsat", "FEASIBLE", 8.0, 6.0, 0.25, 0.2)
+    merged = _merge([hot, loose], "cpsat")
+    # the hottest layer's load is proven (no layer can beat its bound 10): gap 0
+    assert (merged.status, merged.objective, merged.bound, merged.gap) == ("FEASIBLE", 10, 10, 0)
+    assert merged.wall_s == pytest.approx(0.3)
+    open_hot = SolveReport("cpsat", "FEASIBLE", 10.0, 8.0, 0.2, 0.1)
+    merged = _merge([open_hot, SolveReport("cpsat", "OPTIMAL", 9.0, 9.0, 0.0, 0.1)], "cpsat")
+    assert (merged.objective, merged.bound) == (10, 9) and merged.gap == pytest.approx(0.1)
+    failed = SolveReport("cpsat", "NOT_SOLVED", float("inf"), 0.0, float("inf"), 1.0)
+    assert _merge([hot, failed], "cpsat").gap == float("inf")
