@@ -13,6 +13,7 @@ Shape letters as in runtime/dispatch.py (T, K, E, L, N, P = T * K, S ranks).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from runtime.dispatch import BlockTranspose, sort_pairs
+from runtime.topo import GroupTopology
 
 
 def segments(counts: list[int]) -> list[tuple[int, int]]:
@@ -94,7 +96,14 @@ class HaloCost:
 def _tensors(plan: HaloPlan) -> tuple[Tensor, Tensor, Tensor]:
     """pairs [S, S]; same-node mask [S, S]; gateway_SS[s, d]: the rank on d's node that
     receives s's Phase II rows for that node."""
-    topo = plan.topo
+    _, same, gateway_SS = _topology_tensors(plan.topo)
+    return torch.tensor(plan.pairs_SS, dtype=torch.long), same, gateway_SS
+
+
+@functools.lru_cache(maxsize=64)
+def _topology_tensors(topo: GroupTopology) -> tuple[Tensor, Tensor, Tensor]:
+    """node of each rank [S]; same-node mask [S, S]; gateway_SS [S, S]. They depend on the
+    group only, so every dispatch of a dispatcher shares them."""
     node_S = torch.tensor(topo.node_of, dtype=torch.long)
     local_S = torch.tensor(topo.local_of, dtype=torch.long)
     count_Q = torch.tensor([len(m) for m in topo.members_of_node], dtype=torch.long)
@@ -106,12 +115,12 @@ def _tensors(plan: HaloPlan) -> tuple[Tensor, Tensor, Tensor]:
     slot = local_S[:, None] % count_Q[dst_node]
     gateway_SS = member_QJ[dst_node, slot]
     same = node_S[:, None] == node_S[None, :]
-    return torch.tensor(plan.pairs_SS, dtype=torch.long), same, gateway_SS
+    return node_S, same, gateway_SS
 
 
 def _busiest_node_link(plan: HaloPlan, to_node_SQ: Tensor) -> int:
     """Rows the busiest node sends to, or receives from, other nodes (own-node column 0)."""
-    node_S = torch.tensor(plan.topo.node_of, dtype=torch.long)
+    node_S = _topology_tensors(plan.topo)[0]
     sent_Q = torch.zeros(plan.topo.num_nodes, dtype=torch.long).index_add_(
         0, node_S, to_node_SQ.sum(dim=1)
     )
@@ -220,7 +229,7 @@ class HaloPlan:
         pairs_SS.index_add_(1, rank_of_expert_E, counts_SE)
         self.pairs_SS = pairs_SS.tolist()
         # rows each source sends to each other node (its own node's column zeroed)
-        node_of_S = torch.tensor(self.topo.node_of, dtype=torch.long)
+        node_of_S = _topology_tensors(self.topo)[0]
         to_node_SQ = torch.zeros(size, self.topo.num_nodes, dtype=torch.long)
         to_node_SQ.index_add_(1, node_of_S, pairs_SS)
         to_node_SQ[torch.arange(size), node_of_S] = 0
