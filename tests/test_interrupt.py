@@ -130,6 +130,41 @@ def test_written_files_are_readable_by_others(tmp_path):
 LONG_PLAN = ["--model", "qwen3-235b-a22b", "--cluster", "h100", "--gpus", "256"]
 
 
+class _InterruptOnDel:
+    """A finalizer that raises KeyboardInterrupt, as a Ctrl-C landing in a weakref callback does."""
+
+    def __del__(self) -> None:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_swallowed_by_a_finalizer_stops_the_write_without_a_traceback(tmp_path, capsys):
+    from planner.interrupts import held_interrupts
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.csv").write_text("old\n")
+    with held_interrupts():
+        _InterruptOnDel()  # freed at once; Python cannot raise from __del__
+        with pytest.raises(KeyboardInterrupt):
+            write_files(out, {"a.csv": "new\n", "b.csv": "new\n"})
+        write_files(out, {"c.csv": "later\n"})  # the interrupt was consumed: writing works again
+    assert (out / "a.csv").read_text() == "old\n" and not (out / "b.csv").exists()
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_outside_the_cli_a_finalizer_interrupt_is_reported_as_python_does(tmp_path):
+    seen = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda u: seen.append(type(u.exc_value))
+    try:
+        _InterruptOnDel()
+    finally:
+        sys.unraisablehook = previous
+    assert seen == [KeyboardInterrupt]
+    write_files(tmp_path / "out", {"a.csv": "x\n"})  # nothing pending: writes
+    assert (tmp_path / "out" / "a.csv").read_text() == "x\n"
+
+
 def interrupt_when_searching(argv: list[str], cwd: Path, timeout_s: float = 150.0):
     """Start `piper ARGV`, wait for its search progress line, send SIGINT; return
     (exit code, stdout, stderr, whether the progress line was seen before the signal).

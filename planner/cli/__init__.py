@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 
+from planner.interrupts import held_interrupts
 from planner.specs import SpecError
 
 # Subcommand modules, in the order `piper --help` lists them. A module that is not
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.subcommand
     try:
-        return int(args.func(args) or 0)
+        with held_interrupts():
+            return int(args.func(args) or 0)
     except SpecError as exc:
         print(f"piper {name}: error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from planner.interrupts import raise_pending
+
 _DEFERRED = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -77,6 +79,7 @@ def _write_tmp(path: Path, data: str | bytes, mode: int) -> str:
 def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Write one file through a temporary sibling and os.replace (atomic on POSIX)."""
     p = Path(path)
+    raise_pending()  # a Ctrl-C swallowed earlier stops the command before it writes
     with signals_deferred():
         tmp = _write_tmp(p, data, 0o666 & ~_umask())
         try:
@@ -124,6 +127,7 @@ def write_files(out_dir: str | Path, files: dict[str, str | bytes]) -> list[Path
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(out))
     umask = _umask()
+    raise_pending()  # a Ctrl-C swallowed earlier stops the command before it writes
     try:
         _write_set(out, files, umask)
     except OSError as exc:  # name the output directory, not a hidden temporary
