@@ -138,21 +138,30 @@ class _InterruptOnDel:
 
 
 def test_ctrl_c_swallowed_by_a_finalizer_stops_the_write_without_a_traceback(tmp_path, capsys):
-    from planner.interrupts import held_interrupts
+    from planner import interrupts
+    from planner.interrupts import hold_interrupts
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "a.csv").write_text("old\n")
-    with held_interrupts():
+    previous, installed = sys.unraisablehook, interrupts._installed
+    try:
+        hold_interrupts()
         _InterruptOnDel()  # freed at once; Python cannot raise from __del__
         with pytest.raises(KeyboardInterrupt):
             write_files(out, {"a.csv": "new\n", "b.csv": "new\n"})
         write_files(out, {"c.csv": "later\n"})  # the interrupt was consumed: writing works again
+        _InterruptOnDel()
+        hold_interrupts()  # a new command starts with nothing held
+        write_files(out, {"d.csv": "next\n"})
+    finally:
+        sys.unraisablehook, interrupts._installed = previous, installed
+    assert (out / "d.csv").exists()
     assert (out / "a.csv").read_text() == "old\n" and not (out / "b.csv").exists()
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_outside_the_cli_a_finalizer_interrupt_is_reported_as_python_does(tmp_path):
+def test_python_hands_a_finalizer_interrupt_to_the_unraisable_hook(tmp_path):
     seen = []
     previous = sys.unraisablehook
     sys.unraisablehook = lambda u: seen.append(type(u.exc_value))

@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-from planner.interrupts import held_interrupts
+from planner.interrupts import hold_interrupts
 from planner.specs import SpecError
 
 # Subcommand modules, in the order `piper --help` lists them. A module that is not
@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     name = args.subcommand
+    hold_interrupts()  # a Ctrl-C swallowed by a finalizer stops the command before it writes
     try:
-        with held_interrupts():
-            return int(args.func(args) or 0)
+        return int(args.func(args) or 0)
     except SpecError as exc:
         print(f"piper {name}: error: {exc}", file=sys.stderr)
         return 2
