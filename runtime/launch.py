@@ -46,6 +46,7 @@ from runtime.model import StageModule
 from runtime.moe import LocalDispatcher
 from runtime.pipeline import PipelineRunner, sync_gradients
 from runtime.scale import RunSpec
+from runtime.tensor_parallel import TPGroup
 
 log = logging.getLogger("runtime.launch")
 
@@ -75,9 +76,11 @@ def make_dispatcher(spec: RunSpec, mesh: Mesh, kind: str | None = None):
     return Halo(mesh.ep_group, spec.ranks_per_node, **options)
 
 
-def build_stage(spec: RunSpec, mesh: Mesh, device: torch.device) -> StageModule:
-    """This rank's StageModule with placements translated to EP group ranks."""
+def build_stage(spec: RunSpec, mesh: Mesh, device: torch.device, counter=None) -> StageModule:
+    """This rank's StageModule with placements translated to EP group ranks; with tp > 1 its
+    attention and dense MLPs are sharded over the TP group (TP bytes go to `counter`)."""
     s = mesh.me.stage
+    tp = TPGroup(mesh.tp_group, mesh.tp_ranks, mesh.me.tp_idx, counter) if spec.tp > 1 else None
     tables = {
         layer: tuple(mesh.ep_group_rank(r) for r in table) for layer, table in spec.placements
     }
@@ -89,6 +92,7 @@ def build_stage(spec: RunSpec, mesh: Mesh, device: torch.device) -> StageModule:
         placements=tables,
         ep_rank=mesh.ep_group_rank(mesh.me.ep_idx),
         seed=spec.seed,
+        tp=tp,
     )
     dispatcher = make_dispatcher(spec, mesh)
     for moe in module.moe_layers().values():
@@ -97,15 +101,15 @@ def build_stage(spec: RunSpec, mesh: Mesh, device: torch.device) -> StageModule:
 
 
 def _stage_tokens(module: StageModule, mesh: Mesh) -> torch.Tensor:
-    """Tokens per expert of this step [L, E], summed over the stage's dp ranks; resets."""
+    """Tokens per expert of this step [L, E], summed over the stage's ranks; resets."""
     moes = list(module.moe_layers().values())
     if not moes:
         return torch.zeros(0, 0, dtype=torch.long)
     tokens = torch.stack([m.tokens_E.clone() for m in moes])  # on the device (NCCL)
     for m in moes:
         m.tokens_E.zero_()
-    if len(mesh.dp_ranks) > 1:
-        dist.all_reduce(tokens, group=mesh.dp_group)
+    if len(mesh.stage_ranks) > 1:
+        dist.all_reduce(tokens, group=mesh.stage_group)
     return tokens.cpu()
 
 
@@ -151,8 +155,8 @@ class Trainer:
     def __init__(self, spec: RunSpec, rank: int, device: torch.device) -> None:
         self.spec, self.rank, self.device = spec, rank, device
         self.mesh = build_mesh(spec, rank)
-        self.module = build_stage(spec, self.mesh, device)
         self.counter = ByteCounter([c.node for c in self.mesh.coords], rank)
+        self.module = build_stage(spec, self.mesh, device, self.counter)
         self.runner = PipelineRunner(
             self.module,
             self.mesh,
@@ -165,7 +169,7 @@ class Trainer:
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=spec.lr)
         moes = list(self.module.moe_layers().values())
         self.dispatcher = moes[0].dispatcher if moes else LocalDispatcher()
-        self.leader = self.mesh.me.physical == self.mesh.dp_ranks[0]  # of its stage
+        self.leader = self.mesh.me.physical == self.mesh.stage_ranks[0]  # of its stage
         self.history: list = []  # per step: tokens [L][E] of this stage's MoE layers
 
     def step(self, step: int, fail_migration_at: int = -1) -> tuple[float | None, dict, list]:
@@ -348,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     if dist.get_world_size() != spec.world:
-        raise SystemExit(f"world size {dist.get_world_size()} != plan's pp*dp = {spec.world}")
+        raise SystemExit(f"world size {dist.get_world_size()} != plan's pp*dp*tp = {spec.world}")
     rank = dist.get_rank()
     t0 = time.perf_counter()
     result = train(spec, rank, device, plot=True)
@@ -359,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             "world": spec.world,
             "pp": spec.pp,
             "dp": spec.dp,
+            "tp": spec.tp,
             "ep": spec.ep,
             "edp": spec.edp,
             "steps": spec.steps,

@@ -1,8 +1,12 @@
-"""Process groups from the plan: pipeline, stage data-parallel, EP, expert-DP, node, rail.
+"""Process groups from the plan: pipeline, data-parallel, tensor-parallel, stage, EP,
+expert-DP, node, rail.
 
-Logical ranks follow the rank IP's convention (tp = 1): logical r = stage * dp + dp_idx,
-ep_idx = dp_idx % ep, edp_idx = dp_idx // ep. Process RANK p runs logical rank
-`spec.logical_of_physical[p]` and sits on emulated node p // ranks_per_node.
+Logical ranks follow the rank IP's (Megatron's) convention: logical r = stage * (dp * tp)
++ j with j = dp_idx * tp + tp_idx the rank's place in its stage block; ep_idx = j % ep and
+edp_idx = j // ep (EP groups are ep consecutive ranks of the block). Process RANK p runs
+logical rank `spec.logical_of_physical[p]` and sits on emulated node p // ranks_per_node.
+Groups: pp (same j, every stage), dp (same stage and tp_idx: dense gradients), tp (same
+stage and dp_idx), stage (the whole block: routing statistics, migration decisions), ep, edp.
 
 torch.distributed.new_group sorts its members, so a group's rank order can differ from the
 plan's order whenever the rank IP permuted devices; `Mesh` therefore keeps each group's
@@ -28,6 +32,7 @@ class RankCoord:
     logical: int
     stage: int
     dp_idx: int
+    tp_idx: int
     ep_idx: int
     edp_idx: int
     node: int
@@ -37,12 +42,11 @@ class RankCoord:
 def rank_coords(spec: RunSpec) -> tuple[RankCoord, ...]:
     """Coordinates of every process, indexed by physical rank (pure; no process group)."""
     coords = []
-    g = spec.ranks_per_node
+    g, ep = spec.ranks_per_node, spec.ep
     for p, logical in enumerate(spec.logical_of_physical):
-        stage, dp_idx = divmod(logical, spec.dp)
-        coords.append(
-            RankCoord(p, logical, stage, dp_idx, dp_idx % spec.ep, dp_idx // spec.ep, p // g, p % g)
-        )
+        stage, j = divmod(logical, spec.dp * spec.tp)
+        dp_idx, tp_idx = divmod(j, spec.tp)
+        coords.append(RankCoord(p, logical, stage, dp_idx, tp_idx, j % ep, j // ep, p // g, p % g))
     return tuple(coords)
 
 
@@ -56,6 +60,10 @@ class Mesh:
     pp_ranks: list[int]  # by stage
     dp_group: object
     dp_ranks: list[int]  # by dp_idx
+    tp_group: object
+    tp_ranks: list[int]  # by tp_idx
+    stage_group: object
+    stage_ranks: list[int]  # by place in the stage block (dp_idx * tp + tp_idx)
     ep_group: object
     ep_ranks: list[int]  # by ep_idx
     edp_group: object
@@ -87,17 +95,24 @@ def build_mesh(spec: RunSpec, rank: int) -> Mesh:
         if rank in members:
             mine[kind] = (group, members)
 
-    pp, dp, ep = spec.pp, spec.dp, spec.ep
-    for j in range(dp):
-        make("pp", [phys[s * dp + j] for s in range(pp)])
+    pp, dp, tp, ep = spec.pp, spec.dp, spec.tp, spec.ep
+    block = dp * tp
+    for j in range(block):
+        make("pp", [phys[s * block + j] for s in range(pp)])
     for s in range(pp):
-        make("dp", [phys[s * dp + j] for j in range(dp)])
+        for t in range(tp):
+            make("dp", [phys[s * block + d * tp + t] for d in range(dp)])
     for s in range(pp):
-        for q in range(dp // ep):
-            make("ep", [phys[s * dp + q * ep + i] for i in range(ep)])
+        for d in range(dp):
+            make("tp", [phys[s * block + d * tp + t] for t in range(tp)])
+    for s in range(pp):
+        make("stage", [phys[s * block + j] for j in range(block)])
+    for s in range(pp):
+        for q in range(block // ep):
+            make("ep", [phys[s * block + q * ep + i] for i in range(ep)])
     for s in range(pp):
         for i in range(ep):
-            make("edp", [phys[s * dp + q * ep + i] for q in range(dp // ep)])
+            make("edp", [phys[s * block + q * ep + i] for q in range(block // ep)])
     g, world = spec.ranks_per_node, len(coords)
     nodes = (world + g - 1) // g
     for n in range(nodes):
@@ -109,6 +124,8 @@ def build_mesh(spec: RunSpec, rank: int) -> Mesh:
         coords,
         *mine["pp"],
         *mine["dp"],
+        *mine["tp"],
+        *mine["stage"],
         *mine["ep"],
         *mine["edp"],
         mine["node"][0],

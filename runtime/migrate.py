@@ -111,14 +111,14 @@ def _adapt(decision) -> MigrationDecision:
 def decide(mesh: Mesh, policy: Callable, current_LE, history_TLE) -> MigrationDecision:
     """The stage leader runs the policy; every rank of the stage gets the same decision."""
     box = [None]
-    if mesh.me.physical == mesh.dp_ranks[0]:
+    if mesh.me.physical == mesh.stage_ranks[0]:
         try:
             box[0] = policy(current_LE, history_TLE, None, None)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait for this broadcast
             log.warning("migration policy failed (%s); using the greedy swap", exc)
             box[0] = greedy_next_placement(current_LE, history_TLE)
-    if len(mesh.dp_ranks) > 1:
-        dist.broadcast_object_list(box, src=mesh.dp_ranks[0], group=mesh.dp_group)
+    if len(mesh.stage_ranks) > 1:
+        dist.broadcast_object_list(box, src=mesh.stage_ranks[0], group=mesh.stage_group)
     return box[0]
 
 
@@ -225,8 +225,8 @@ def apply_migration(
         ok = ok and layer_ok
     device = next(iter(moes.values())).experts.w_in.device
     flag = torch.tensor([1 if ok else 0], device=device)
-    if len(mesh.dp_ranks) > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.dp_group)
+    if len(mesh.stage_ranks) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.stage_group)
     if int(flag) == 0:
         log.warning("migration aborted on stage %d: old placement kept", mesh.me.stage)
         return False

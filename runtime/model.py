@@ -22,6 +22,7 @@ from torch import nn
 
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec
 from runtime.moe import MoELayer, init_uniform_, seeded_generator
+from runtime.tensor_parallel import TPGroup, copy_to, shard_linear
 
 
 class RMSNorm(nn.Module):
@@ -56,23 +57,40 @@ def _linear(d_in: int, d_out: int, bias: bool, gen: torch.Generator) -> nn.Linea
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention (MHA when G == H; MLA approximated as GQA, see module doc)."""
+    """Causal GQA self-attention (MHA when G == H; MLA approximated as GQA, see module doc).
 
-    def __init__(self, d: int, spec: AttentionSpec, gen: torch.Generator) -> None:
+    With a TP group of size n, this rank holds H / n query heads and G / n key/value heads
+    (runtime/tensor_parallel.py); H and G must be multiples of n.
+    """
+
+    def __init__(
+        self, d: int, spec: AttentionSpec, gen: torch.Generator, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
-        self.h, self.g = spec.num_heads, spec.num_kv_heads
+        h, g = spec.num_heads, spec.num_kv_heads
         self.y = spec.head_dim or (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
-        if self.h % self.g:
-            raise ValueError(f"num_heads {self.h} not divisible by num_kv_heads {self.g}")
-        self.q = _linear(d, self.h * self.y, spec.bias, gen)
-        self.k = _linear(d, self.g * self.y, spec.bias, gen)
-        self.v = _linear(d, self.g * self.y, spec.bias, gen)
-        self.o = _linear(self.h * self.y, d, spec.o_bias, gen)
+        if h % g:
+            raise ValueError(f"num_heads {h} not divisible by num_kv_heads {g}")
+        n = tp.size if tp is not None else 1
+        if g % n:
+            raise ValueError(f"num_kv_heads {g} not divisible by tp={n}")
+        self.tp, self.h, self.g = tp, h // n, g // n  # heads on this rank
+        self.q = shard_linear(_linear(d, h * self.y, spec.bias, gen), tp, 0, h)
+        self.k = shard_linear(_linear(d, g * self.y, spec.bias, gen), tp, 0, g)
+        self.v = shard_linear(_linear(d, g * self.y, spec.bias, gen), tp, 0, g)
+        self.o = shard_linear(_linear(h * self.y, d, spec.o_bias, gen), tp, 1, h)
         self.q_norm = RMSNorm(self.y) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.y) if spec.qk_norm else None
 
+    def tp_partial_parameters(self) -> list[nn.Parameter]:
+        """Replicated weights that see only this rank's heads (their grads sum over TP)."""
+        if self.tp is None or self.tp.size == 1 or self.q_norm is None:
+            return []
+        return [*self.q_norm.parameters(), *self.k_norm.parameters()]
+
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         b, s, _ = x_BSD.shape
+        x_BSD = copy_to(x_BSD, self.tp)
         q = self.q(x_BSD).view(b, s, self.h, self.y)
         k = self.k(x_BSD).view(b, s, self.g, self.y)
         v = self.v(x_BSD).view(b, s, self.g, self.y)
@@ -88,18 +106,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Dense feed-forward: SwiGLU when gated, else GELU; optional sigmoid output gate."""
+    """Dense feed-forward: SwiGLU when gated, else GELU; optional sigmoid output gate.
 
-    def __init__(self, d: int, ffn: int, gated: bool, gen, sigmoid_gate: bool = False):
+    With a TP group, this rank holds ffn / n of the hidden width (column-parallel up and
+    gate, row-parallel down); the output gate reads the whole input and is replicated.
+    """
+
+    def __init__(
+        self, d: int, ffn: int, gated: bool, gen, sigmoid_gate=False, tp: TPGroup | None = None
+    ):
         super().__init__()
-        self.up = _linear(d, ffn, False, gen)
-        self.gate = _linear(d, ffn, False, gen) if gated else None
-        self.down = _linear(ffn, d, False, gen)
+        self.tp = tp
+        self.up = shard_linear(_linear(d, ffn, False, gen), tp, 0)
+        self.gate = shard_linear(_linear(d, ffn, False, gen), tp, 0) if gated else None
+        self.down = shard_linear(_linear(ffn, d, False, gen), tp, 1)
         self.out_gate = _linear(d, 1, False, gen) if sigmoid_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        h = F.silu(self.gate(x)) * h if self.gate is not None else F.gelu(h)
+        x_in = copy_to(x, self.tp)
+        h = self.up(x_in)
+        h = F.silu(self.gate(x_in)) * h if self.gate is not None else F.gelu(h)
         y = self.down(h)
         if self.out_gate is not None:
             y = torch.sigmoid(self.out_gate(x)) * y
@@ -109,22 +135,24 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One transformer layer: attention, then a dense MLP, an MoE, or both (Arctic)."""
 
-    def __init__(self, d: int, spec: LayerSpec, layer: int, seed: int, rank_of_expert_E, ep_rank):
+    def __init__(
+        self, d: int, spec: LayerSpec, layer: int, seed: int, rank_of_expert_E, ep_rank, tp=None
+    ):
         super().__init__()
         gen = seeded_generator(seed, layer, 0)
         self.attn_norm = RMSNorm(d)
-        self.attn = Attention(d, spec.attention, gen)
+        self.attn = Attention(d, spec.attention, gen, tp)
         self.ffn_norm = RMSNorm(d)
-        self.mlp = MLP(d, spec.dense_ffn, spec.dense_gated, gen) if spec.dense_ffn else None
+        self.mlp = MLP(d, spec.dense_ffn, spec.dense_gated, gen, tp=tp) if spec.dense_ffn else None
         self.moe = self.shared = None
         if spec.moe is not None:
             m = spec.moe
             if rank_of_expert_E is None:
                 rank_of_expert_E = [0] * m.num_experts
-            self.moe = MoELayer(d, m, rank_of_expert_E, ep_rank, seed, layer)
+            self.moe = MoELayer(d, m, rank_of_expert_E, ep_rank, seed, layer, tp)
             if m.num_shared_experts and m.shared_ffn:
                 width = m.num_shared_experts * m.shared_ffn
-                self.shared = MLP(d, width, m.gated, gen, sigmoid_gate=m.shared_gate)
+                self.shared = MLP(d, width, m.gated, gen, sigmoid_gate=m.shared_gate, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -146,6 +174,7 @@ class StageModule(nn.Module):
         model: the ModelSpec. layer_ids: contiguous layer indices of this stage.
         placements: layer index -> rank_of_expert_E for the MoE layers (default: all on 0).
         ep_rank: this rank's index in its EP group. seed: weight identity.
+        tp: this rank's tensor-parallel group (None: no TP).
     forward: token ids [B, S] (first stage) or hidden [B, S, D] -> hidden or logits [B, S, V].
     """
 
@@ -158,6 +187,7 @@ class StageModule(nn.Module):
         placements: dict[int, tuple[int, ...]] | None = None,
         ep_rank: int = 0,
         seed: int = 0,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         d, v = model.hidden_size, model.vocab_size
@@ -170,7 +200,8 @@ class StageModule(nn.Module):
                 gen = seeded_generator(seed, 10**6, 1)
                 self.embed.weight.copy_(torch.randn(v, d, generator=gen))
         self.blocks = nn.ModuleList(
-            Block(d, model.layers[i], i, seed, placements.get(i), ep_rank) for i in self.layer_ids
+            Block(d, model.layers[i], i, seed, placements.get(i), ep_rank, tp)
+            for i in self.layer_ids
         )
         self.norm = RMSNorm(d) if last else None
         self.head = _linear(d, v, False, seeded_generator(seed, 10**6, 2)) if last else None
@@ -193,6 +224,12 @@ class StageModule(nn.Module):
     def expert_parameters(self) -> list[nn.Parameter]:
         """Parameters sharded over EP (synchronized over the edp group)."""
         return [p for moe in self.moe_layers().values() for p in moe.experts.parameters()]
+
+    def tp_partial_parameters(self) -> list[nn.Parameter]:
+        """Replicated parameters whose grads are partial sums over the TP group: routers
+        (each TP rank routes its own token slice) and per-head norms (its own heads)."""
+        out = [p for m in self.moe_layers().values() for p in m.tp_partial_parameters()]
+        return out + [p for b in self.blocks for p in b.attn.tp_partial_parameters()]
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters replicated over the stage's data-parallel ranks."""

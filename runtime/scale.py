@@ -50,6 +50,7 @@ class RunSpec:
     source_layers: tuple[int, ...]
     logical_of_physical: tuple[int, ...]
     ranks_per_node: int
+    tp: int = 1
     steps: int = 30
     seed: int = 0
     lr: float = 3e-3
@@ -64,11 +65,11 @@ class RunSpec:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
     @property
     def edp(self) -> int:
-        return self.dp // self.ep
+        return self.dp * self.tp // self.ep
 
     @property
     def tokens_per_step(self) -> int:
@@ -84,14 +85,15 @@ def _width(x: int, factor: float) -> int:
     return max(8, int(round(x * factor / 8.0)) * 8)
 
 
-def scale_attention(att: AttentionSpec, factor: float) -> AttentionSpec:
-    """Shrink one attention block; MLA becomes GQA with the same head count (see module doc)."""
+def scale_attention(att: AttentionSpec, factor: float, tp: int = 1) -> AttentionSpec:
+    """Shrink one attention block; MLA becomes GQA with the same head count (see module doc).
+    Shrunk key/value heads stay a multiple of tp, so tensor parallelism can split them."""
     head_dim = att.head_dim or (att.qk_nope_head_dim + att.qk_rope_head_dim)
     kv = att.num_kv_heads if att.kind != "mla" else att.num_heads
     group = max(1, att.num_heads // max(1, kv))
     if factor < 1.0:
         head_dim = max(8, 2 * int(round(head_dim * factor / 2.0)))
-        kv = max(1, int(round(kv * factor)))
+        kv = tp * max(1, int(round(kv * factor / tp)))
     kind = "gqa" if att.kind == "mla" else att.kind
     return AttentionSpec(
         kind=kind,
@@ -104,7 +106,7 @@ def scale_attention(att: AttentionSpec, factor: float) -> AttentionSpec:
     )
 
 
-def scale_layer(layer: LayerSpec, factor: float) -> LayerSpec:
+def scale_layer(layer: LayerSpec, factor: float, tp: int = 1) -> LayerSpec:
     moe = layer.moe
     if moe is not None:
         moe = replace(
@@ -114,7 +116,7 @@ def scale_layer(layer: LayerSpec, factor: float) -> LayerSpec:
         )
     return replace(
         layer,
-        attention=scale_attention(layer.attention, factor),
+        attention=scale_attention(layer.attention, factor, tp),
         dense_ffn=_width(layer.dense_ffn, factor),
         moe=moe,
     )
@@ -139,10 +141,6 @@ def _plan_stages(plan: Plan, model: ModelSpec, scale: float) -> list[tuple[int, 
     par = plan.parallel
     if not 0.0 < scale <= 1.0:
         raise SpecError(f"--scale must be in (0, 1], got {scale}")
-    if par.tp != 1:
-        raise SpecError(
-            f"plan: parallel.tp={par.tp}; the runtime runs tp=1 plans only (re-plan with --tp 1)"
-        )
     if len(plan.stages) != par.pp:
         raise SpecError(
             f"plan: {len(plan.stages)} stages but parallel.pp={par.pp}; "
@@ -174,7 +172,8 @@ def run_spec_from_plan(
     """Build the RunSpec for `plan` (model = the plan's ModelSpec), shrunk by `scale`.
 
     options: steps, seed, lr, dispatcher, migrate_every, migrate_policy (RunSpec fields).
-    Raises SpecError for plans the runtime cannot execute (tp > 1, bad stages).
+    Raises SpecError for plans the runtime cannot execute (bad stages, widths that tp does
+    not divide).
     """
     par = plan.parallel
     kept = keep_layers(_plan_stages(plan, model, scale), model, scale)
@@ -184,7 +183,7 @@ def run_spec_from_plan(
         raise SpecError(f"model {model.name}: vocab_size {vocab} < 256 byte ids")
     run_model = replace(
         model,
-        layers=tuple(scale_layer(model.layers[i], scale) for i in source),
+        layers=tuple(scale_layer(model.layers[i], scale, par.tp) for i in source),
         vocab_size=vocab,
         hidden_size=_width(model.hidden_size, scale),
         num_mtp_layers=0,
@@ -195,7 +194,8 @@ def run_spec_from_plan(
     if scale < 1.0:
         seq_len = max(16, int(round(seq_len * scale)))
         num_mb = max(par.pp, int(round(num_mb * scale)))
-    world = par.pp * par.dp
+    _check_tp(run_model, par.tp)
+    world = par.pp * par.dp * par.tp
     return RunSpec(
         model=run_model,
         pp=par.pp,
@@ -209,8 +209,28 @@ def run_spec_from_plan(
         source_layers=tuple(source),
         logical_of_physical=physical_order(plan),
         ranks_per_node=ranks_per_node or min(world, int(plan.cluster.get("gpus_per_node", world))),
+        tp=par.tp,
         **{"halo_cost": halo_cost_of(plan.cluster), **options},
     )
+
+
+def _check_tp(model: ModelSpec, tp: int) -> None:
+    """Tensor parallelism splits heads and dense widths evenly: refuse what tp does not divide."""
+    if tp == 1:
+        return
+    for i, layer in enumerate(model.layers):
+        att = layer.attention
+        widths = {"num_kv_heads": att.num_kv_heads, "num_heads": att.num_heads}
+        if layer.dense_ffn:
+            widths["dense ffn"] = layer.dense_ffn
+        if layer.moe is not None and layer.moe.num_shared_experts and layer.moe.shared_ffn:
+            widths["shared experts' ffn"] = layer.moe.num_shared_experts * layer.moe.shared_ffn
+        for name, n in widths.items():
+            if n % tp:
+                raise SpecError(
+                    f"plan: parallel.tp={tp} does not divide layer {i}'s {name} ({n}); "
+                    "re-plan with a tp that divides it (--tp 1 always works)"
+                )
 
 
 def halo_cost_of(cluster: dict) -> tuple[float, ...]:
@@ -267,6 +287,7 @@ def hand_plan(
     seq_len: int = 64,
     gpus_per_node: int = 8,
     model_entry: dict | None = None,
+    tp: int = 1,
 ) -> Plan:
     """A plan written by hand (no solver): even stages, contiguous expert blocks, ranks in
     order. For tests and quick runs; `model_entry` is plan.model (name, source, config)."""
@@ -286,19 +307,23 @@ def hand_plan(
         ExpertPlacement(i, default_placement(model.layers[i].moe.num_experts, ep))
         for i in model.moe_layers
     )
+    block = dp * tp
     ranks = tuple(
-        RankPlan(r, r // gpus_per_node, r % gpus_per_node, r // dp, r % dp, 0, (r % dp) % ep)
-        for r in range(pp * dp)
-    )
+        RankPlan(
+            r, r // gpus_per_node, r % gpus_per_node, r // block, r % block // tp, r % tp,
+            r % block % ep,
+        )
+        for r in range(pp * block)
+    )  # fmt: skip
     return Plan(
         model=model_entry or {"name": model.name, "source": model.source, "config": {}},
         cluster={
             "name": "hand",
             "gpus_per_node": gpus_per_node,
-            "nodes": -(-pp * dp // gpus_per_node),
+            "nodes": -(-pp * block // gpus_per_node),
         },
         training={"seq_len": seq_len, "global_batch": dp * micro_batch * num_microbatches},
-        parallel=ParallelPlan(pp, dp, 1, ep, dp // ep, micro_batch, num_microbatches, "none"),
+        parallel=ParallelPlan(pp, dp, tp, ep, block // ep, micro_batch, num_microbatches, "none"),
         stages=stages,
         experts=experts,
         ranks=ranks,
@@ -348,6 +373,7 @@ def check_main(argv: list[str] | None = None) -> int:
         "world": spec.world,
         "pp": spec.pp,
         "dp": spec.dp,
+        "tp": spec.tp,
         "ep": spec.ep,
         "edp": spec.edp,
         "layers": spec.model.num_layers,

@@ -209,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     cmd = _launch_cmd(args, shape["world"], shape["ranks_per_node"], out)
     print(
         f"piper run: {shape['world']} processes (pp={shape['pp']} dp={shape['dp']} "
-        f"ep={shape['ep']} edp={shape['edp']}, {shape['ranks_per_node']} per node), "
+        f"tp={shape['tp']} ep={shape['ep']} edp={shape['edp']}, "
+        f"{shape['ranks_per_node']} per node), "
         f"{shape['layers']} layers d={shape['hidden_size']} seq={shape['seq_len']}",
         flush=True,
     )

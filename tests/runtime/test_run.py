@@ -66,7 +66,7 @@ def test_changed_cluster_is_refused_and_force_passes_the_check(tmp_path, capsys)
     "args, tp, msg",
     [
         (["--nproc", "3"], 1, "use --nproc 2"),
-        ([], 2, "tp=1"),
+        ([], 3, "tp=3 does not divide layer 0's num_kv_heads"),
         (["--scale", "1.5"], 1, "--scale"),
         (["--nproc", "0"], 1, "--nproc must be >= 1"),
         (["--ranks-per-node", "0"], 1, "--ranks-per-node must be >= 1"),
@@ -75,12 +75,12 @@ def test_changed_cluster_is_refused_and_force_passes_the_check(tmp_path, capsys)
 )
 def test_bad_runs_exit_2_with_one_line(tmp_path, capsys, args, tp, msg):
     changes = {}
-    if tp == 2:  # one data-parallel rank made of two tensor-parallel ranks
+    if tp == 3:  # one data-parallel rank of three tensor-parallel ranks: 3 splits no heads
         changes = {
-            "parallel": ParallelPlan(1, 1, 2, 1, 2, 2, 2, "none"),
-            "ranks": tuple(RankPlan(r, 0, r, 0, 0, r, 0) for r in range(2)),
+            "parallel": ParallelPlan(1, 1, 3, 1, 3, 2, 2, "none"),
+            "ranks": tuple(RankPlan(r, 0, r, 0, 0, r, 0) for r in range(3)),
         }
-    path, _ = _write_plan(tmp_path, pp=1 if tp == 2 else 2, dp=2 if tp == 2 else 1, **changes)
+    path, _ = _write_plan(tmp_path, pp=1 if tp == 3 else 2, **changes)
     assert main(["run", str(path), "--steps", "1", *args]) == 2
     assert msg in capsys.readouterr().err
 

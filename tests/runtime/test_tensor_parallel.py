@@ -1,0 +1,213 @@
+"""Tensor parallelism in the runtime: sharded layers, token slices, and whole runs with tp = 2
+that must train exactly like the single-device oracle (same model, same global batch)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny_plans import reference_losses, tiny_model, train_body
+
+from planner.specs import SpecError
+from runtime.data import load_corpus
+from runtime.mesh import rank_coords
+from runtime.metrics import validate_metrics, validate_trace
+from runtime.scale import hand_plan, run_spec_from_plan
+from runtime.tensor_parallel import chunk_sizes, shard_linear
+
+STEPS = 12
+
+
+class _FakeTP:  # the slicing helpers read only size and index
+    def __init__(self, size: int, index: int) -> None:
+        self.size, self.index = size, index
+
+
+def test_chunk_sizes_cover_every_token_once():
+    assert chunk_sizes(10, 4) == [3, 3, 2, 2]
+    assert chunk_sizes(3, 4) == [1, 1, 1, 0]
+    for rows in range(0, 40):
+        for parts in (1, 2, 3, 8):
+            sizes = chunk_sizes(rows, parts)
+            assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1
+
+
+def test_column_and_row_shards_rebuild_the_whole_layer():
+    torch.manual_seed(0)
+    col = torch.nn.Linear(6, 8, bias=True)
+    row = torch.nn.Linear(8, 6, bias=True)
+    x = torch.randn(5, 6)
+    shards = [(shard_linear(col, _FakeTP(2, i), 0, 4), _FakeTP(2, i)) for i in range(2)]
+    # column parallel: the shards' outputs side by side are the whole layer's output
+    assert torch.allclose(torch.cat([s(x) for s, _ in shards], dim=1), col(x), atol=1e-6)
+    # row parallel: the partial products over the input halves sum to the whole product
+    h = col(x)
+    parts = []
+    for i in range(2):
+        r = shard_linear(row, _FakeTP(2, i), 1)
+        assert r.weight.shape == (6, 4) and torch.equal(r.bias, row.bias)
+        parts.append(torch.nn.functional.linear(h[:, 4 * i : 4 * i + 4], r.weight))
+    assert torch.allclose(sum(parts) + row.bias, row(h), atol=1e-6)
+    with pytest.raises(ValueError, match="tp=2"):
+        shard_linear(torch.nn.Linear(6, 9), _FakeTP(2, 0), 0, 3)  # 3 heads over 2 ranks
+
+
+def _spec(pp, dp, tp, ep, g, model=None, **options):
+    model = model or tiny_model()
+    plan = hand_plan(
+        model, pp, dp, ep, micro_batch=2, num_microbatches=2, seq_len=32, gpus_per_node=g, tp=tp
+    )
+    return run_spec_from_plan(plan, model, 1.0, g, steps=STEPS, **options)
+
+
+def test_coordinates_with_tensor_parallelism():
+    spec = _spec(pp=2, dp=2, tp=2, ep=2, g=4)
+    assert spec.world == 8 and spec.edp == 2
+    coords = rank_coords(spec)
+    for c in coords:  # Megatron order: r = stage * (dp * tp) + dp_idx * tp + tp_idx
+        assert c.logical == c.stage * 4 + c.dp_idx * 2 + c.tp_idx
+        j = c.dp_idx * 2 + c.tp_idx
+        assert (c.ep_idx, c.edp_idx) == (j % 2, j // 2)
+    # an EP group is the two TP ranks of one data-parallel replica here
+    groups: dict = {}
+    for c in coords:
+        groups.setdefault((c.stage, c.edp_idx), []).append((c.dp_idx, c.tp_idx))
+    assert all(len({d for d, _ in g}) == 1 for g in groups.values())
+
+
+def test_widths_that_tp_does_not_divide_are_refused():
+    model = tiny_model()  # 4 heads, 2 kv heads
+    plan = hand_plan(model, 1, 1, 1, gpus_per_node=4, tp=4)
+    with pytest.raises(SpecError, match="tp=4 does not divide layer 0's num_kv_heads"):
+        run_spec_from_plan(plan, model, 1.0, 4)
+    # a shrunk model keeps its kv heads a multiple of tp
+    from planner.models import load_model
+
+    mixtral = load_model("mixtral-8x7b")  # 8 kv heads -> 1 at 1/8 scale, 2 with tp = 2
+    spec = run_spec_from_plan(hand_plan(mixtral, 4, 2, 4, tp=2), mixtral, 0.125, 4)
+    att = spec.model.layers[0].attention
+    assert (att.num_kv_heads, att.num_heads) == (2, 8) and spec.tp == 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _corpus():
+    load_corpus()  # loaded once in the parent; forked ranks inherit it
+
+
+def _featureful_model():
+    """tiny_model with every replicated-but-partial weight: q/k norms, biases, router bias,
+    a gated shared expert."""
+    base = tiny_model(layers=3)
+    layers = []
+    for layer in base.layers:
+        att = replace(layer.attention, bias=True, o_bias=True, qk_norm=True)
+        moe = layer.moe and replace(layer.moe, router_bias=True, shared_gate=True)
+        layers.append(replace(layer, attention=att, moe=moe))
+    return replace(base, layers=tuple(layers))
+
+
+def _check(spec, results):
+    files = results[0][1]
+    lines = validate_metrics(files["metrics.jsonl"])
+    losses = [d["loss"] for d in lines]
+    assert losses == pytest.approx(reference_losses(spec), rel=2e-3, abs=2e-3)
+    # TP traffic is counted, and every routed token is counted once over the stage
+    assert sum(v for k, v in lines[0]["bytes_by_kind"].items() if k.startswith("tp_")) > 0
+    rows = validate_trace(files["trace.csv"])
+    per_key: dict = {}
+    for interval, layer, _e, tokens in rows:
+        per_key[(interval, layer)] = per_key.get((interval, layer), 0) + tokens
+    assert set(per_key.values()) == {spec.tokens_per_step * spec.model.top_k}
+    return lines
+
+
+def _expert_grads(module) -> dict:
+    """(parameter name, expert id) -> gradient of that expert's slot."""
+    out = {}
+    for i, block in zip(module.layer_ids, module.blocks, strict=True):
+        if block.moe is None:
+            continue
+        experts = block.moe.experts
+        for pname, p in experts.named_parameters():
+            for slot, e in enumerate(experts.expert_ids):
+                out[(f"{i}.{pname}", e)] = p.grad[slot].numpy().copy()
+    return out
+
+
+def _grads_body(rank: int, world: int, spec):
+    """One step's gradients after the gradient sync (no optimizer step), by parameter name,
+    and the experts' by (name, expert id)."""
+    from runtime.data import sample_batch
+    from runtime.launch import Trainer
+    from runtime.pipeline import sync_gradients
+
+    tr = Trainer(spec, rank, torch.device("cpu"))
+    batch = spec.micro_batch * spec.num_microbatches
+    x, y = sample_batch(0, tr.mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
+    tr.runner.step(x, y)
+    sync_gradients(tr.module, tr.mesh, spec.dp, tr.counter)
+    named = tr.module.named_parameters()
+    grads = {n: p.grad.numpy().copy() for n, p in named if "experts." not in n}  # no shm fds
+    return tr.mesh.me.tp_idx, grads, _expert_grads(tr.module)
+
+
+def _reference_grads(spec):
+    from runtime.data import sample_batch
+    from runtime.model import StageModule, lm_loss
+
+    model = StageModule(spec.model, range(spec.model.num_layers), True, True, seed=spec.seed)
+    batch, m = spec.micro_batch * spec.num_microbatches, spec.num_microbatches
+    for j in range(spec.dp):
+        x, y = sample_batch(0, j, spec.dp, batch, spec.seq_len, spec.seed)
+        for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):
+            (lm_loss(model(xc), yc) / (spec.dp * m)).backward()
+    dense = {n: p.grad for n, p in model.named_parameters() if "experts." not in n}
+    return dense, _expert_grads(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [1, 2])
+def test_tp2_gradients_equal_the_single_device_gradients(run_distributed, dp):
+    """Every gradient after the sync: a TP shard equals its slice of the oracle's gradient,
+    a replicated weight (norms, router, biases, embedding, head) the whole of it, and each
+    expert (EP over the TP pair, replicated over dp) its own."""
+    spec = _spec(pp=1, dp=dp, tp=2, ep=2, g=2, model=_featureful_model())
+    ref, ref_experts = _reference_grads(spec)
+    sharded, experts_seen = 0, set()
+    for tp_idx, grads, expert_grads in run_distributed(_grads_body, spec.world, spec):
+        assert set(grads) == set(ref)
+        for name, g in grads.items():
+            g, want = torch.from_numpy(g), ref[name]
+            if g.shape != want.shape:  # a shard: the dimension that differs is split
+                dim = next(
+                    i for i, (a, b) in enumerate(zip(g.shape, want.shape, strict=True)) if a != b
+                )
+                want = want.chunk(spec.tp, dim)[tp_idx]
+                sharded += 1
+            assert torch.allclose(g, want, rtol=1e-4, atol=1e-6), name
+        for key, g in expert_grads.items():
+            assert torch.allclose(torch.from_numpy(g), torch.from_numpy(ref_experts[key]),
+                                  rtol=1e-4, atol=1e-6), key  # fmt: skip
+            experts_seen.add(key)
+    assert experts_seen == set(ref_experts)
+    # per layer q, k, v (weight and bias) and o's weight; up, gate, down of the dense MLP
+    # and of both shared experts; on every rank
+    assert sharded == spec.world * (3 * 7 + 3 + 2 * 3)
+
+
+@pytest.mark.slow
+def test_tp2_ep2_two_ranks_trains_like_the_oracle(run_distributed):
+    spec = _spec(pp=1, dp=1, tp=2, ep=2, g=2, model=_featureful_model())
+    _check(spec, run_distributed(train_body, spec.world, spec, timeout_s=240))
+
+
+@pytest.mark.slow
+def test_pp2_dp2_tp2_ep2_eight_ranks_trains_like_the_oracle(run_distributed):
+    # pipeline x data x tensor x expert: EP groups are TP pairs, experts replicated over dp
+    spec = _spec(pp=2, dp=2, tp=2, ep=2, g=4, dispatcher="flat")
+    lines = _check(spec, run_distributed(train_body, spec.world, spec, timeout_s=300))
+    # every TP rank sends its own copy of the activations between stages
+    act = spec.micro_batch * spec.seq_len * spec.model.hidden_size * 4
+    p2p = sum(v for k, v in lines[0]["bytes_by_kind"].items() if k.startswith("p2p"))
+    assert p2p == act * spec.num_microbatches * 2 * spec.dp * spec.tp * (spec.pp - 1)
