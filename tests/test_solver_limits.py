@@ -18,7 +18,9 @@ from planner.ip.expert_ip import solve_experts
 from planner.ip.solvers import SolverOptions
 
 LIMIT_S = 0.3
-SLACK_S = 2.0  # model building, presolve and a loaded CI machine
+# model building, presolve and a loaded CI machine. Without the limit both backends run this
+# instance for 20 s and more, so the slack still tells an honoured limit from an ignored one.
+SLACK_S = 5.0
 
 
 def hard_loads(seed: int = 2, experts: int = 64) -> tuple[float, ...]:
