@@ -93,6 +93,7 @@ def build_stage(spec: RunSpec, mesh: Mesh, device: torch.device, counter=None) -
         ep_rank=mesh.ep_group_rank(mesh.me.ep_idx),
         seed=spec.seed,
         tp=tp,
+        recompute={i: spec.recompute for i in spec.recompute_layers},
     )
     dispatcher = make_dispatcher(spec, mesh)
     for moe in module.moe_layers().values():
@@ -380,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             "migrate_every": spec.migrate_every,
             "trace_every": spec.trace_every,
             "router_bias_rate": spec.router_bias_rate,
+            "recompute": spec.recompute,
+            "recompute_layers": list(spec.recompute_layers),
         }
         files = dict(result.files)
         files["run.json"] = json.dumps(run_info, indent=2, sort_keys=True) + "\n"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec
 from runtime.moe import MoELayer, init_uniform_, seeded_generator
@@ -81,6 +82,7 @@ class Attention(nn.Module):
         self.o = shard_linear(_linear(h * self.y, d, spec.o_bias, gen), tp, 1, h)
         self.q_norm = RMSNorm(self.y) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.y) if spec.qk_norm else None
+        self.recompute_core = False  # selective recompute: scores recomputed in backward
 
     def tp_partial_parameters(self) -> list[nn.Parameter]:
         """Replicated weights that see only this rank's heads (their grads sum over TP)."""
@@ -101,8 +103,15 @@ class Attention(nn.Module):
         if self.g != self.h:
             k = k.repeat_interleave(self.h // self.g, dim=1)
             v = v.repeat_interleave(self.h // self.g, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(_core_attention, q, k, v, use_reentrant=False)
+        else:
+            out = _core_attention(q, k, v)
         return self.o(out.transpose(1, 2).reshape(b, s, self.h * self.y))
+
+
+def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -133,12 +142,26 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One transformer layer: attention, then a dense MLP, an MoE, or both (Arctic)."""
+    """One transformer layer: attention, then a dense MLP, an MoE, or both (Arctic).
+
+    recompute: "full" keeps only the layer input and reruns the whole layer (its all-to-alls
+    and TP collectives included) in backward; "selective" reruns only the core attention
+    (scores, softmax, values); "none" keeps every activation.
+    """
 
     def __init__(
-        self, d: int, spec: LayerSpec, layer: int, seed: int, rank_of_expert_E, ep_rank, tp=None
+        self,
+        d: int,
+        spec: LayerSpec,
+        layer: int,
+        seed: int,
+        rank_of_expert_E,
+        ep_rank,
+        tp=None,
+        recompute: str = "none",
     ):
         super().__init__()
+        self.recompute = recompute
         gen = seeded_generator(seed, layer, 0)
         self.attn_norm = RMSNorm(d)
         self.attn = Attention(d, spec.attention, gen, tp)
@@ -154,14 +177,30 @@ class Block(nn.Module):
                 width = m.num_shared_experts * m.shared_ffn
                 self.shared = MLP(d, width, m.gated, gen, sigmoid_gate=m.shared_gate, tp=tp)
 
+        self.attn.recompute_core = recompute == "selective"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute != "full" or not torch.is_grad_enabled():
+            return self._layer(x)
+        calls = []
+
+        def run(inp: torch.Tensor) -> torch.Tensor:
+            calls.append(1)  # the second call is the recomputation: its tokens are not new
+            return self._layer(inp, count_tokens=len(calls) == 1)
+
+        # no early stop: the recomputation runs the whole layer, its collectives included,
+        # the same on every rank of the EP and TP groups
+        with set_checkpoint_early_stop(False):
+            return checkpoint(run, x, use_reentrant=False)
+
+    def _layer(self, x: torch.Tensor, count_tokens: bool = True) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         h = self.ffn_norm(x)
         out = torch.zeros_like(x)
         if self.mlp is not None:
             out = out + self.mlp(h)
         if self.moe is not None:
-            out = out + self.moe(h)
+            out = out + self.moe(h, count_tokens)
         if self.shared is not None:
             out = out + self.shared(h)
         return x + out
@@ -175,6 +214,7 @@ class StageModule(nn.Module):
         placements: layer index -> rank_of_expert_E for the MoE layers (default: all on 0).
         ep_rank: this rank's index in its EP group. seed: weight identity.
         tp: this rank's tensor-parallel group (None: no TP).
+        recompute: layer index -> "full" or "selective" for the layers the plan recomputes.
     forward: token ids [B, S] (first stage) or hidden [B, S, D] -> hidden or logits [B, S, V].
     """
 
@@ -188,6 +228,7 @@ class StageModule(nn.Module):
         ep_rank: int = 0,
         seed: int = 0,
         tp: TPGroup | None = None,
+        recompute: dict[int, str] | None = None,
     ) -> None:
         super().__init__()
         d, v = model.hidden_size, model.vocab_size
@@ -200,9 +241,12 @@ class StageModule(nn.Module):
                 gen = seeded_generator(seed, 10**6, 1)
                 self.embed.weight.copy_(torch.randn(v, d, generator=gen))
         self.blocks = nn.ModuleList(
-            Block(d, model.layers[i], i, seed, placements.get(i), ep_rank, tp)
+            Block(
+                d, model.layers[i], i, seed, placements.get(i), ep_rank, tp,
+                (recompute or {}).get(i, "none"),
+            )
             for i in self.layer_ids
-        )
+        )  # fmt: skip
         self.norm = RMSNorm(d) if last else None
         self.head = _linear(d, v, False, seeded_generator(seed, 10**6, 2)) if last else None
 

@@ -184,11 +184,13 @@ class MoELayer(nn.Module):
             return []
         return list(self.router.parameters())
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, count_tokens: bool = True) -> torch.Tensor:
+        """count_tokens=False: a recomputation (activation checkpointing) of tokens already
+        counted in `tokens_E`."""
         shape = x_BSD.shape
         x_TD = split_tokens(x_BSD.reshape(-1, shape[-1]), self.tp)
         expert_TK, gate_TK = self.router(x_TD)
-        if self.counting:
+        if self.counting and count_tokens:
             self.tokens_E += torch.bincount(expert_TK.reshape(-1), minlength=len(self.tokens_E))
         x_ND, counts, handle = self.dispatcher.dispatch(x_TD, expert_TK, self.rank_of_expert_E)
         counts_X = counts.tolist() if torch.is_tensor(counts) else list(counts)

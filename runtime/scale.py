@@ -51,6 +51,8 @@ class RunSpec:
     logical_of_physical: tuple[int, ...]
     ranks_per_node: int
     tp: int = 1
+    recompute: str = "none"  # the plan's policy: none | selective | full
+    recompute_layers: tuple[int, ...] = ()  # run-model layers it applies to
     steps: int = 30
     seed: int = 0
     lr: float = 3e-3
@@ -195,6 +197,8 @@ def run_spec_from_plan(
         seq_len = max(16, int(round(seq_len * scale)))
         num_mb = max(par.pp, int(round(num_mb * scale)))
     _check_tp(run_model, par.tp)
+    recomputed = {i for s in plan.stages for i in s.recompute_layers}
+    recompute = par.recompute if recomputed and par.recompute != "none" else "none"
     world = par.pp * par.dp * par.tp
     return RunSpec(
         model=run_model,
@@ -210,6 +214,10 @@ def run_spec_from_plan(
         logical_of_physical=physical_order(plan),
         ranks_per_node=ranks_per_node or min(world, int(plan.cluster.get("gpus_per_node", world))),
         tp=par.tp,
+        recompute=recompute,
+        recompute_layers=tuple(i for i, src in enumerate(source) if src in recomputed)
+        if recompute != "none"
+        else (),
         **{"halo_cost": halo_cost_of(plan.cluster), **options},
     )
 
