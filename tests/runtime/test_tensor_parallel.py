@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 from tiny_plans import reference_losses, tiny_model, train_body
@@ -218,9 +217,7 @@ def test_pp2_dp2_tp2_ep2_eight_ranks_trains_like_the_oracle(run_distributed):
 def test_tp2_with_live_migration_keeps_every_expert_equal_to_the_oracle(run_distributed):
     """dp=2 x tp=2, ep=2 (EP over each TP pair, edp=2): rotate every 2 steps; the stage's
     decision is shared by all four ranks and the moved experts equal the oracle's."""
-    from tiny_plans import reference_run
-
-    from runtime.migrate import pack_views, slot_state_views
+    from tiny_plans import assert_experts_match_oracle, reference_run
 
     spec = _spec(pp=1, dp=2, tp=2, ep=2, g=2, migrate_every=2, migrate_policy="rotate")
     spec = replace(spec, steps=5)
@@ -229,10 +226,4 @@ def test_tp2_with_live_migration_keeps_every_expert_equal_to_the_oracle(run_dist
     lines = validate_metrics(results[0][1]["metrics.jsonl"])
     assert [d["loss"] for d in lines] == pytest.approx(ref_losses, rel=1e-4, abs=1e-4)
     assert [d["migrated_experts"] for d in lines] == [0, 24, 0, 24, 0]  # 3 MoE layers x 8
-    ref_moes, seen = ref_model.moe_layers(), set()
-    for rank_result in results:
-        for (layer, expert, edp), packed in rank_result[2].items():
-            want = pack_views(slot_state_views(ref_moes[layer], ref_opt, expert)).detach().numpy()
-            np.testing.assert_allclose(packed, want, rtol=1e-3, atol=1e-5)
-            seen.add((layer, expert, edp))
-    assert seen == {(layer, e, q) for layer in ref_moes for e in range(8) for q in range(2)}
+    assert_experts_match_oracle(results, ref_model, ref_opt, edp=2)

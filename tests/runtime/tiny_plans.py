@@ -87,3 +87,20 @@ def train_body(rank: int, world: int, spec: RunSpec, fail_at: int = -1):
     r = train(spec, rank, fail_migration_at=fail_at)
     state = {k: v.numpy().copy() for k, v in r.expert_state.items()}  # no shared-memory fds
     return r.losses, r.files, state, r.placements
+
+
+def assert_experts_match_oracle(results, ref_model, ref_opt, edp: int) -> None:
+    """Every expert's weights and Adam moments, on every expert-DP replica, wherever it now
+    lives (results: train_body's per-rank returns), equal the single-device oracle's."""
+    import numpy as np
+
+    from runtime.migrate import pack_views, slot_state_views
+
+    ref_moes, seen = ref_model.moe_layers(), set()
+    for rank_result in results:
+        for (layer, expert, replica), packed in rank_result[2].items():
+            want = pack_views(slot_state_views(ref_moes[layer], ref_opt, expert)).detach().numpy()
+            np.testing.assert_allclose(packed, want, rtol=1e-3, atol=1e-5)
+            seen.add((layer, expert, replica))
+    experts = len(next(iter(ref_moes.values())).experts.expert_ids)  # the oracle holds all
+    assert seen == {(layer, e, q) for layer in ref_moes for e in range(experts) for q in range(edp)}
