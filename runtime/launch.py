@@ -80,7 +80,10 @@ def build_stage(spec: RunSpec, mesh: Mesh, device: torch.device, counter=None) -
     """This rank's StageModule with placements translated to EP group ranks; with tp > 1 its
     attention and dense MLPs are sharded over the TP group (TP bytes go to `counter`)."""
     s = mesh.me.stage
-    tp = TPGroup(mesh.tp_group, mesh.tp_ranks, mesh.me.tp_idx, counter) if spec.tp > 1 else None
+    tp = None
+    if spec.tp > 1:
+        tokens = spec.micro_batch * spec.seq_len
+        tp = TPGroup(mesh.tp_group, mesh.tp_ranks, mesh.me.tp_idx, tokens, spec.seq_len, counter)
     tables = {
         layer: tuple(mesh.ep_group_rank(r) for r in table) for layer, table in spec.placements
     }

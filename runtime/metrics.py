@@ -55,12 +55,18 @@ class ByteCounter:
 
     def add_allreduce(self, kind: str, nbytes: int, members: list[int]) -> None:
         """Ring all-reduce model: each rank sends 2 (n - 1) / n * nbytes to its successor."""
+        self.add_ring(kind, nbytes, members, passes=2)
+
+    def add_ring(self, kind: str, nbytes: int, members: list[int], passes: int) -> None:
+        """Ring model of a collective over an nbytes buffer: each rank sends
+        passes * (n - 1) / n * nbytes to its successor (all-reduce 2; reduce-scatter and
+        all-gather 1, nbytes being the whole gathered buffer)."""
         n = len(members)
         if n <= 1:
             return
         ring = sorted(members)
         succ = ring[(ring.index(self.me) + 1) % n]
-        self.add(kind, 2 * (n - 1) * nbytes / n, succ)
+        self.add(kind, passes * (n - 1) * nbytes / n, succ)
 
     def reset(self) -> None:
         self.intra.clear()

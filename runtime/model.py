@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec
 from runtime.moe import MoELayer, init_uniform_, seeded_generator
-from runtime.tensor_parallel import TPGroup, copy_to, shard_linear
+from runtime.tensor_parallel import TPGroup, gather_tokens, shard_linear, sp_gather, split_tokens
 
 
 class RMSNorm(nn.Module):
@@ -61,7 +61,8 @@ class Attention(nn.Module):
     """Causal GQA self-attention (MHA when G == H; MLA approximated as GQA, see module doc).
 
     With a TP group of size n, this rank holds H / n query heads and G / n key/value heads
-    (runtime/tensor_parallel.py); H and G must be multiples of n.
+    (runtime/tensor_parallel.py; H and G must be multiples of n) and maps its token slice
+    [T / n, D] to its token slice, gathering the micro-batch for the attention itself.
     """
 
     def __init__(
@@ -84,15 +85,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.y) if spec.qk_norm else None
         self.recompute_core = False  # selective recompute: scores recomputed in backward
 
-    def tp_partial_parameters(self) -> list[nn.Parameter]:
-        """Replicated weights that see only this rank's heads (their grads sum over TP)."""
-        if self.tp is None or self.tp.size == 1 or self.q_norm is None:
-            return []
-        return [*self.q_norm.parameters(), *self.k_norm.parameters()]
-
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:  # my token slice [T / n, D] -> the micro-batch
+            s = self.tp.seq_len
+            x_BSD = sp_gather(x_BSD, self.tp).view(self.tp.tokens // s, s, -1)
         b, s, _ = x_BSD.shape
-        x_BSD = copy_to(x_BSD, self.tp)
         q = self.q(x_BSD).view(b, s, self.h, self.y)
         k = self.k(x_BSD).view(b, s, self.g, self.y)
         v = self.v(x_BSD).view(b, s, self.g, self.y)
@@ -118,7 +115,8 @@ class MLP(nn.Module):
     """Dense feed-forward: SwiGLU when gated, else GELU; optional sigmoid output gate.
 
     With a TP group, this rank holds ffn / n of the hidden width (column-parallel up and
-    gate, row-parallel down); the output gate reads the whole input and is replicated.
+    gate over the gathered micro-batch, row-parallel down back to the token slice); the
+    output gate is replicated and reads the token slice.
     """
 
     def __init__(
@@ -132,7 +130,7 @@ class MLP(nn.Module):
         self.out_gate = _linear(d, 1, False, gen) if sigmoid_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_in = copy_to(x, self.tp)
+        x_in = sp_gather(x, self.tp) if self.tp is not None else x
         h = self.up(x_in)
         h = F.silu(self.gate(x_in)) * h if self.gate is not None else F.gelu(h)
         y = self.down(h)
@@ -172,7 +170,7 @@ class Block(nn.Module):
             m = spec.moe
             if rank_of_expert_E is None:
                 rank_of_expert_E = [0] * m.num_experts
-            self.moe = MoELayer(d, m, rank_of_expert_E, ep_rank, seed, layer, tp)
+            self.moe = MoELayer(d, m, rank_of_expert_E, ep_rank, seed, layer)
             if m.num_shared_experts and m.shared_ffn:
                 width = m.num_shared_experts * m.shared_ffn
                 self.shared = MLP(d, width, m.gated, gen, sigmoid_gate=m.shared_gate, tp=tp)
@@ -235,6 +233,7 @@ class StageModule(nn.Module):
         placements = placements or {}
         self.layer_ids = list(layer_ids)
         self.first, self.last = first, last
+        self.tp = tp
         self.embed = nn.Embedding(v, d) if first else None
         if self.embed is not None:
             with torch.no_grad():
@@ -251,12 +250,20 @@ class StageModule(nn.Module):
         self.head = _linear(d, v, False, seeded_generator(seed, 10**6, 2)) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """With TP, hidden states between layers and stages are this rank's token slice
+        [T / n, D]; the head sees the whole micro-batch, so logits are [B, S, V] anyway."""
+        tp = self.tp
         if self.embed is not None:
             x = self.embed(x)
+            if tp is not None:
+                x = split_tokens(x.reshape(-1, x.shape[-1]), tp)
         for block in self.blocks:
             x = block(x)
         if self.head is not None:
-            x = self.head(self.norm(x))
+            x = self.norm(x)
+            if tp is not None:
+                x = gather_tokens(x, tp).view(tp.tokens // tp.seq_len, tp.seq_len, -1)
+            x = self.head(x)
         return x
 
     def moe_layers(self) -> dict[int, MoELayer]:
@@ -270,10 +277,17 @@ class StageModule(nn.Module):
         return [p for moe in self.moe_layers().values() for p in moe.experts.parameters()]
 
     def tp_partial_parameters(self) -> list[nn.Parameter]:
-        """Replicated parameters whose grads are partial sums over the TP group: routers
-        (each TP rank routes its own token slice) and per-head norms (its own heads)."""
-        out = [p for m in self.moe_layers().values() for p in m.tp_partial_parameters()]
-        return out + [p for b in self.blocks for p in b.attn.tp_partial_parameters()]
+        """Replicated parameters whose grads are partial sums over the TP group: all but the
+        sharded ones and the embedding and head (which see the whole micro-batch alike) -
+        norms, routers, row-parallel biases and gates see only this rank's tokens or heads."""
+        if self.tp is None:
+            return []
+        whole = {id(p) for m in (self.embed, self.head) if m is not None for p in m.parameters()}
+        return [
+            p
+            for p in self.dense_parameters()
+            if id(p) not in whole and not getattr(p, "tp_sharded", False)
+        ]
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters replicated over the stage's data-parallel ranks."""

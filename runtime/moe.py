@@ -19,7 +19,6 @@ from torch import nn
 
 from planner.specs import MoESpec
 from runtime.dispatch import DispatchStats
-from runtime.tensor_parallel import TPGroup, gather_tokens, split_tokens
 
 
 def seeded_generator(*key: int) -> torch.Generator:
@@ -147,8 +146,6 @@ class MoELayer(nn.Module):
     Args:
         d: hidden size. spec: the layer's MoESpec. rank_of_expert_E: EP rank of each expert.
         ep_rank: this rank's index in its EP group. seed, layer: weight identity.
-        tp: the tensor-parallel group; each of its ranks routes and dispatches its own slice
-        of the tokens, and the outputs are gathered back (runtime/tensor_parallel.py).
     The routing table can be swapped with `set_placement` (live migration).
     `tokens_E` accumulates tokens this rank routed to each expert since the last reset.
     """
@@ -161,10 +158,9 @@ class MoELayer(nn.Module):
         ep_rank: int,
         seed: int,
         layer: int,
-        tp: TPGroup | None = None,
     ):
         super().__init__()
-        self.spec, self.ep_rank, self.layer, self.tp = spec, ep_rank, layer, tp
+        self.spec, self.ep_rank, self.layer = spec, ep_rank, layer
         self.router = Router(d, spec, seed, layer)
         self.register_buffer("rank_of_expert_E", torch.tensor(list(rank_of_expert_E)), False)
         local = [e for e, r in enumerate(rank_of_expert_E) if r == ep_rank]
@@ -178,17 +174,11 @@ class MoELayer(nn.Module):
         self.rank_of_expert_E = torch.tensor(list(rank_of_expert_E))
         self.experts.expert_ids = [e for e, r in enumerate(rank_of_expert_E) if r == self.ep_rank]
 
-    def tp_partial_parameters(self) -> list[nn.Parameter]:
-        """The router sees only this rank's token slice: its grads sum over the TP group."""
-        if self.tp is None or self.tp.size == 1:
-            return []
-        return list(self.router.parameters())
-
     def forward(self, x_BSD: torch.Tensor, count_tokens: bool = True) -> torch.Tensor:
         """count_tokens=False: a recomputation (activation checkpointing) of tokens already
         counted in `tokens_E`."""
         shape = x_BSD.shape
-        x_TD = split_tokens(x_BSD.reshape(-1, shape[-1]), self.tp)
+        x_TD = x_BSD.reshape(-1, shape[-1])
         expert_TK, gate_TK = self.router(x_TD)
         if self.counting and count_tokens:
             self.tokens_E += torch.bincount(expert_TK.reshape(-1), minlength=len(self.tokens_E))
@@ -197,4 +187,4 @@ class MoELayer(nn.Module):
         y_ND = self.experts(x_ND, counts_X)
         # gate-weighted combine: HALO-dedup sums a token's experts on their node first
         y_TD = self.dispatcher.combine(y_ND, handle, gate_TK)
-        return gather_tokens(y_TD, self.tp, shape[:-1].numel()).reshape(shape)
+        return y_TD.reshape(shape)

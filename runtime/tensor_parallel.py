@@ -1,19 +1,26 @@
-"""Tensor parallelism (Megatron-style) for attention and the dense / shared-expert MLPs.
+"""Tensor parallelism with sequence parallelism (Megatron-style) for attention and the dense /
+shared-expert MLPs.
 
-Within a tensor-parallel (TP) group of `size` ranks, every rank holds the same activations
-between blocks. Attention splits its query and key/value heads over the group (column
-parallel q, k, v; row parallel o) and an MLP splits its hidden width (column parallel up and
-gate; row parallel down). Two autograd functions carry the collectives (Megatron's f and g):
-`copy_to` is the identity forward and an all-reduce of the gradient backward; `reduce_from`
-all-reduces the partial outputs forward and passes the gradient through backward.
+Within a tensor-parallel (TP) group of `size` ranks, the residual stream is split by
+tokens: each rank holds its own slice of the micro-batch's B * S tokens (`chunk_sizes`)
+between layers, through the norms, the MoE block and the pipeline sends. Attention and
+MLPs gather the whole micro-batch before their column-parallel matrices (q, k, v split by
+heads; up and gate by hidden width) and reduce-scatter the partial outputs of their
+row-parallel matrix (o; down) back to token slices. Each all-gather's backward is a
+reduce-scatter and the other way round (`sp_gather`, `sp_reduce_scatter`). This is the
+layout the planner's resource model assumes (T = b s / tp tokens per rank).
 
-The MoE block does not split its experts (expert TP = 1). Instead each TP rank routes and
-dispatches its own 1/size of the tokens (`split_tokens`: a slice forward, an all-gather of
-the gradient backward) and the results are all-gathered again (`gather_tokens`), so the
-expert-parallel group sees every token of the data-parallel replica exactly once.
+The MoE block does not split its experts (expert TP = 1): each rank routes and dispatches
+the tokens of its own slice, so the expert-parallel group (ep consecutive ranks of the
+dp * tp block) sees every token of its replicas exactly once.
 
-Weights are built whole from the layer's seeded generator and then sliced, so a TP run
-starts from the same model as a single-device run. Shape letters: T = tokens, D = hidden.
+The first stage embeds the whole micro-batch and keeps its slice (`split_tokens`); the last
+stage gathers the slices before the head (`gather_tokens`), so logits and loss are the same
+on every TP rank. Weights are built whole from the layer's seeded generator and then sliced
+(`shard_linear`), so a TP run starts from the same model as a single-device run. The
+replicated weights that see only this rank's tokens or heads (norms, routers, the row-
+parallel biases, the shared expert's gate) get partial gradients, summed over the group
+by the gradient sync. Shape letters: T = tokens, D = hidden.
 """
 
 from __future__ import annotations
@@ -27,42 +34,61 @@ from torch import nn
 
 @dataclass
 class TPGroup:
-    """This rank's tensor-parallel group: `ranks` are physical ranks in plan order."""
+    """This rank's tensor-parallel group: `ranks` are physical ranks in plan order.
+
+    tokens: B * S, the tokens of one micro-batch (what the slices split); seq_len: S.
+    """
 
     group: object
     ranks: list[int]
     index: int  # my position in `ranks` (the plan's tp_idx)
+    tokens: int
+    seq_len: int
     counter: object = None  # runtime.metrics.ByteCounter: TP bytes counted as kind "tp"
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
-    def group_rank(self, index: int) -> int:
+    @property
+    def sizes(self) -> list[int]:
+        return chunk_sizes(self.tokens, self.size)
+
+    @property
+    def start(self) -> int:
+        return sum(self.sizes[: self.index])
+
+    def _group_rank(self, index: int) -> int:
         """Rank inside the process group (sorted physical order) of plan position `index`."""
         return sorted(self.ranks).index(self.ranks[index])
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=self.group)
-        if self.counter is not None:
-            self.counter.add_allreduce("tp", x.numel() * x.element_size(), self.ranks)
-        return x
+    def _count(self, nbytes: int) -> None:
+        if self.counter is not None:  # ring model: (n - 1) / n of the whole buffer
+            self.counter.add_ring("tp", nbytes, self.ranks, passes=1)
 
-    def all_gather_rows(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Concatenate every rank's rows (rank i holds sizes[i] rows) in plan order."""
-        width = max(sizes)
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[my slice, ...] -> [all tokens, ...], slices in plan order."""
+        sizes, width = self.sizes, max(self.sizes)
         pad = x.new_zeros((width, *x.shape[1:]))
         pad[: x.shape[0]] = x
         parts = [torch.empty_like(pad) for _ in self.ranks]
         dist.all_gather(parts, pad, group=self.group)
-        if self.counter is not None:
-            nbytes = pad.numel() * pad.element_size()
-            for peer in self.ranks:
-                if peer != self.ranks[self.index]:
-                    self.counter.add("tp", nbytes, peer)
-        by_plan = [parts[self.group_rank(i)][: sizes[i]] for i in range(self.size)]
-        return torch.cat(by_plan)
+        self._count(pad.numel() * pad.element_size() * self.size)
+        return torch.cat([parts[self._group_rank(i)][: sizes[i]] for i in range(self.size)])
+
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[all tokens, ...] partial sums -> [my slice, ...] of the sum over the group."""
+        sizes, width = self.sizes, max(self.sizes)
+        buf = x.new_zeros((self.size * width, *x.shape[1:]))
+        offset = 0
+        for i, n in enumerate(sizes):  # slice i goes to the group rank of plan position i
+            at = self._group_rank(i) * width
+            buf[at : at + n] = x[offset : offset + n]
+            offset += n
+        out = x.new_empty((width, *x.shape[1:]))
+        dist.reduce_scatter_single(out, buf, group=self.group)
+        self._count(buf.numel() * buf.element_size())
+        return out[: sizes[self.index]]
 
 
 def chunk_sizes(rows: int, parts: int) -> list[int]:
@@ -70,75 +96,80 @@ def chunk_sizes(rows: int, parts: int) -> list[int]:
     return [rows // parts + (1 if i < rows % parts else 0) for i in range(parts)]
 
 
-class _CopyTo(torch.autograd.Function):
+class _SPGather(torch.autograd.Function):
+    """Token slices -> the whole micro-batch, before column-parallel matrices."""
+
     @staticmethod
-    def forward(ctx, x, tp):
+    def forward(ctx, x_TD, tp):
         ctx.tp = tp
-        return x
+        return tp.all_gather_rows(x_TD.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad):  # each rank's columns contributed a part of the gradient
+        return ctx.tp.reduce_scatter_rows(grad.contiguous()), None
+
+
+class _SPReduceScatter(torch.autograd.Function):
+    """Partial outputs of a row-parallel matrix -> this rank's token slice of their sum."""
+
+    @staticmethod
+    def forward(ctx, x_TD, tp):
+        ctx.tp = tp
+        return tp.reduce_scatter_rows(x_TD.contiguous())
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_reduce(grad), None
-
-
-class _ReduceFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        return tp.all_reduce(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+        return ctx.tp.all_gather_rows(grad.contiguous()), None
 
 
 class _SplitTokens(torch.autograd.Function):
+    """Whole micro-batch, the same on every rank -> my slice (after the embedding)."""
+
     @staticmethod
     def forward(ctx, x_TD, tp):
-        sizes = chunk_sizes(x_TD.shape[0], tp.size)
-        ctx.tp, ctx.sizes = tp, sizes
-        start = sum(sizes[: tp.index])
-        return x_TD[start : start + sizes[tp.index]].clone()
+        ctx.tp = tp
+        return x_TD[tp.start : tp.start + tp.sizes[tp.index]].clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_gather_rows(grad.contiguous(), ctx.sizes), None
+        return ctx.tp.all_gather_rows(grad.contiguous()), None
 
 
 class _GatherTokens(torch.autograd.Function):
+    """My slice -> the whole micro-batch, used the same on every rank (before the head)."""
+
     @staticmethod
-    def forward(ctx, x_TD, tp, rows):
-        sizes = chunk_sizes(rows, tp.size)
-        ctx.tp, ctx.sizes = tp, sizes
-        return tp.all_gather_rows(x_TD.contiguous(), sizes)
+    def forward(ctx, x_TD, tp):
+        ctx.tp = tp
+        return tp.all_gather_rows(x_TD.contiguous())
 
     @staticmethod
     def backward(ctx, grad):
-        start = sum(ctx.sizes[: ctx.tp.index])
-        return grad[start : start + ctx.sizes[ctx.tp.index]], None, None
+        tp = ctx.tp
+        return grad[tp.start : tp.start + tp.sizes[tp.index]], None
 
 
-def copy_to(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """Enter a column-parallel region (identity; the gradient is summed over the group)."""
-    return x if tp is None or tp.size == 1 else _CopyTo.apply(x, tp)
+def sp_gather(x_TD: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _SPGather.apply(x_TD, tp)
 
 
-def reduce_from(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """Leave a row-parallel region: sum the partial outputs over the group."""
-    return x if tp is None or tp.size == 1 else _ReduceFrom.apply(x, tp)
+def sp_reduce_scatter(x_TD: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _SPReduceScatter.apply(x_TD, tp)
 
 
 def split_tokens(x_TD: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """This rank's slice of the tokens (the gradient is all-gathered backward)."""
-    return x_TD if tp is None or tp.size == 1 else _SplitTokens.apply(x_TD, tp)
+    """This rank's slice of tokens that every rank holds alike (gradient all-gathered)."""
+    return x_TD if tp is None else _SplitTokens.apply(x_TD, tp)
 
 
-def gather_tokens(x_TD: torch.Tensor, tp: TPGroup | None, rows: int) -> torch.Tensor:
-    """Every rank's slice of `rows` tokens, in order (the inverse of split_tokens)."""
-    return x_TD if tp is None or tp.size == 1 else _GatherTokens.apply(x_TD, tp, rows)
+def gather_tokens(x_TD: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """Every rank's slice, in order, for a computation every rank repeats alike."""
+    return x_TD if tp is None else _GatherTokens.apply(x_TD, tp)
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over the group of x_shard @ w_shard^T, then the whole bias once."""
+    """A row-parallel matrix: this rank's input features -> its slice of the summed output,
+    plus the whole bias (replicated; its gradient is partial, like a norm's)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup) -> None:
         super().__init__()
@@ -147,19 +178,20 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from(nn.functional.linear(x, self.weight), self.tp)
+        y = nn.functional.linear(x, self.weight)
+        y = sp_reduce_scatter(y.reshape(-1, y.shape[-1]), self.tp)
         return y if self.bias is None else y + self.bias
 
 
 def shard_linear(lin: nn.Linear, tp: TPGroup | None, dim: int, groups: int = 0) -> nn.Module:
-    """This rank's shard of a whole nn.Linear (the whole layer when tp is None or 1).
+    """This rank's shard of a whole nn.Linear (the whole layer when tp is None).
 
-    dim 0 (column parallel): a Linear over this rank's output features (its input must come
-    through copy_to). dim 1 (row parallel): a RowParallelLinear over its input features,
-    which sums the partial outputs. `groups` (default: one per feature) is the number of
-    equal blocks (heads) that must stay whole on one rank.
+    dim 0 (column parallel): a Linear over this rank's output features (its input is the
+    gathered micro-batch). dim 1 (row parallel): a RowParallelLinear over its input features.
+    `groups` (default: one per feature) is the number of equal blocks (heads) that must stay
+    whole on one rank. Every sharded weight is marked `tp_sharded`.
     """
-    if tp is None or tp.size == 1:
+    if tp is None:
         return lin
     n = lin.weight.shape[dim]
     groups = groups or n
@@ -168,10 +200,14 @@ def shard_linear(lin: nn.Linear, tp: TPGroup | None, dim: int, groups: int = 0) 
     per = n // tp.size
     lo, hi = tp.index * per, (tp.index + 1) * per
     if dim == 1:
-        return RowParallelLinear(lin.weight[:, lo:hi], lin.bias, tp)
+        out = RowParallelLinear(lin.weight[:, lo:hi], lin.bias, tp)
+        out.weight.tp_sharded = True
+        return out
     out = nn.Linear(lin.in_features, per, bias=lin.bias is not None)
     with torch.no_grad():
         out.weight.copy_(lin.weight[lo:hi])
         if lin.bias is not None:
             out.bias.copy_(lin.bias[lo:hi])
+    for p in out.parameters():
+        p.tp_sharded = True
     return out
