@@ -237,6 +237,19 @@ def test_pp2_dp2_tp2_ep2_eight_ranks_trains_like_the_oracle(run_distributed):
     act = spec.micro_batch * spec.seq_len * spec.model.hidden_size * 4
     p2p = sum(v for k, v in lines[0]["bytes_by_kind"].items() if k.startswith("p2p"))
     assert p2p == act * spec.num_microbatches * 2 * spec.dp * (spec.pp - 1)
+    # TP collectives, by hand: per layer and micro-batch, attention and each MLP (dense or
+    # shared expert) gather before and reduce-scatter after, forward and backward (4 ring
+    # passes each); the first stage all-gathers the embedding's gradient slices, the last
+    # gathers the slices before the head (1 pass each). A pass sends (n-1)/n of [B S, D].
+    passes = 0
+    for layers in spec.stage_layers:
+        passes += 1
+        for i in layers:
+            layer = spec.model.layers[i]
+            passes += 4 + 4 * bool(layer.dense_ffn) + 4 * bool(layer.moe and layer.moe.shared_ffn)
+    per_pass = (spec.tp - 1) / spec.tp * act
+    tp_bytes = sum(v for k, v in lines[-1]["bytes_by_kind"].items() if k.startswith("tp_"))
+    assert tp_bytes == passes * spec.dp * spec.tp * spec.num_microbatches * per_pass
 
 
 @pytest.mark.slow
