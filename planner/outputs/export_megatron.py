@@ -185,6 +185,8 @@ def megatron_args(plan: Plan, model: ModelSpec) -> MegatronArgs:
     args = ["--tensor-model-parallel-size", str(p.tp), "--pipeline-model-parallel-size", str(p.pp),
             "--expert-model-parallel-size", str(p.ep), "--expert-tensor-parallel-size", "1",
             "--micro-batch-size", str(p.micro_batch), "--global-batch-size", str(gbs)]  # fmt: skip
+    if p.tp > 1:  # the resource model splits tokens over tp (and Megatron wants it with MoE)
+        args.append("--sequence-parallel")
     notes = []
     if training.get("global_batch") not in (None, gbs):
         notes.append(f"global batch is dp*micro_batch*num_microbatches = {gbs} as planned, not "

@@ -82,7 +82,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     for flag in ("group-query-attention", "swiglu", "untie-embeddings-and-output-weights",
                  "disable-bias-linear", "bf16", "fp16", "use-distributed-optimizer",
                  "moe-grouped-gemm", "multi-latent-attention", "qk-layernorm", "add-qkv-bias",
-                 "moe-router-enable-expert-bias"):  # fmt: skip
+                 "moe-router-enable-expert-bias", "sequence-parallel"):  # fmt: skip
         p.add_argument(f"--{flag}", action="store_true")
     return p
 
@@ -106,6 +106,7 @@ def test_megatron_flags_match_plan():
     assert ns.global_batch_size == p.dp * p.micro_batch * p.num_microbatches == 32
     assert (ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers) == (3, 1)
     assert ns.pipeline_model_parallel_layout is None
+    assert not ns.sequence_parallel  # tp = 1
     m = load_model("tiny-moe-deep")
     assert (ns.num_layers, ns.hidden_size, ns.seq_length) == (8, 64, 128)
     assert (ns.num_attention_heads, ns.num_query_groups, ns.group_query_attention) == (4, 2, True)
@@ -193,6 +194,14 @@ def test_torchtitan_without_zero_uses_hsdp_inside_expert_groups():
     assert (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"]) == (2, 1)
     rc = tomllib.loads(export_plan(make_plan(recompute={2: (5,)}), "torchtitan").text)
     assert rc["activation_checkpoint"]["mode"] == "full"
+
+
+def test_megatron_sequence_parallel_with_tensor_parallelism():
+    plan = make_plan()
+    par = replace(plan.parallel, dp=1, tp=2, edp=1)  # the planner's model splits tokens over tp
+    args = bash_array(export_plan(replace(plan, parallel=par), "megatron").text, "MEGATRON_ARGS")
+    ns, unknown = megatron_parser().parse_known_args(args)
+    assert unknown == [] and ns.tensor_model_parallel_size == 2 and ns.sequence_parallel
 
 
 @pytest.mark.parametrize(("dp", "tp", "ep", "shard"), [(4, 1, 2, 2), (1, 4, 4, 1), (2, 2, 2, 1)])
