@@ -116,9 +116,12 @@ def _layer_comm(
     dispatcher: Dispatcher,
 ) -> tuple[list[tuple[str, float]], tuple[str, ...]]:
     """Four all-to-alls per MoE layer (dispatch + combine, forward + backward), each rank
-    sending its T k d routed copies (x skew: the hot rank's share), and with tp > 1 four
-    all-reduce-equivalents of the b s d activation (attention and MLP, forward and backward;
-    the all-gather + reduce-scatter pairs of sequence parallelism move the same bytes)."""
+    sending its T k d routed copies (x skew: the hot rank's share), and with tp > 1 two
+    all-reduce-equivalents of the b s d activation (forward and backward; sequence
+    parallelism's all-gather + reduce-scatter pair moves the same bytes) for attention and
+    for each TP-sharded MLP: a dense MLP, and the shared experts. Routed experts are not
+    split by TP (sequence parallelism has already split their tokens), so an MoE block
+    without shared experts adds no TP collective."""
     a = act_bytes_per_element(training)
     rows = parallel.micro_batch * training.seq_len
     out: list[tuple[str, float]] = []
@@ -130,7 +133,10 @@ def _layer_comm(
         out.append((f"a2a_{level}", 4 * t))
     if parallel.tp > 1:
         t, level = comm.ring_allreduce_s(cluster, parallel.tp, 1, a * rows * model.hidden_size)
-        out.append((f"tp_{level}", 4 * t))
+        moe = layer.moe
+        shared = bool(moe and moe.num_shared_experts and moe.shared_ffn)
+        sharded = 1 + bool(layer.dense_ffn) + shared  # attention, dense MLP, shared experts
+        out.append((f"tp_{level}", 2 * sharded * t))
     return out, tables
 
 

@@ -119,3 +119,20 @@ def test_p2p_and_ring_by_hand():
     assert level == "system"
     assert t == pytest.approx(2 * 3 / 4 * 1e8 / 25e9 + 6 * 10e-6)
     assert comm.ring_allreduce_s(cl, 1, 1, 1e8) == (0.0, "")
+
+
+def test_tp_collectives_per_layer_count_the_sharded_blocks():
+    """Two all-reduce equivalents of b s d (forward + backward) for attention and for each
+    TP-sharded MLP; routed experts are not split by TP (sequence parallelism splits their
+    tokens), so an MoE layer without shared experts pays for attention only."""
+    cl = make_cluster(gpus_per_node=4, nodes=4)
+    base = make_model(layers=3, first_dense=1)
+    moe = base.layers[1].moe
+    shared = dataclasses.replace(moe, num_shared_experts=1, shared_ffn=64)
+    layers = (*base.layers[:2], dataclasses.replace(base.layers[2], moe=shared))
+    model = dataclasses.replace(base, layers=layers)
+    training = TrainingSpec(seq_len=128)
+    par = ParallelConfig(pp=1, dp=2, tp=2, ep=4, micro_batch=2)
+    one, level = comm.ring_allreduce_s(cl, 2, 1, 2 * 2 * 128 * 64)  # bf16 b s d
+    tp_s = [dict(layer_cost(model, i, cl, training, par).comm_s)[f"tp_{level}"] for i in range(3)]
+    assert tp_s == [pytest.approx(4 * one), pytest.approx(2 * one), pytest.approx(4 * one)]
