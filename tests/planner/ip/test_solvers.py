@@ -36,9 +36,10 @@ def test_knapsack_matches_enumeration(backend):
             if sum(w for w, b in zip(weights, bits, strict=True) if b) <= cap
         )
         sol = solve(knapsack(values, weights, cap, 0.25), SolverOptions(backend=backend))
-        assert sol.report.status == "OPTIMAL" and sol.report.gap == 0.0
-        assert sol.report.objective == pytest.approx(-best * 0.25 + 0.5)  # original units
-        assert sol.report.bound == sol.report.objective
+        rep = sol.report  # in every message: a rare CI failure here left no detail
+        assert rep.status == "OPTIMAL" and rep.gap == 0.0, rep
+        assert rep.objective == pytest.approx(-best * 0.25 + 0.5), (rep, best)  # original units
+        assert rep.bound == rep.objective, rep
         assert sum(w * sol.value(i) for i, w in enumerate(weights)) <= cap
 
 
