@@ -163,6 +163,7 @@ class Block(nn.Module):
         gen = seeded_generator(seed, layer, 0)
         self.attn_norm = RMSNorm(d)
         self.attn = Attention(d, spec.attention, gen, tp)
+        self.attn.recompute_core = recompute == "selective"
         self.ffn_norm = RMSNorm(d)
         self.mlp = MLP(d, spec.dense_ffn, spec.dense_gated, gen, tp=tp) if spec.dense_ffn else None
         self.moe = self.shared = None
@@ -174,8 +175,6 @@ class Block(nn.Module):
             if m.num_shared_experts and m.shared_ffn:
                 width = m.num_shared_experts * m.shared_ffn
                 self.shared = MLP(d, width, m.gated, gen, sigmoid_gate=m.shared_gate, tp=tp)
-
-        self.attn.recompute_core = recompute == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute != "full" or not torch.is_grad_enabled():
