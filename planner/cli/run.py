@@ -82,7 +82,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="run even if the model or cluster changed since planning",
+        help="run even if the model or cluster changed since planning, or the processes may "
+        "not fit in this machine's memory",
     )
     p.set_defaults(func=run)
 
@@ -133,6 +134,35 @@ def _check(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         last = (proc.stderr.strip().splitlines() or ["runtime check failed"])[-1]
         raise SpecError(f"{args.plan}: {last}")
     return json.loads(proc.stdout)
+
+
+# Host memory of one runtime process with a small (scaled) model: the torch import, gloo
+# buffers and the model; measured 0.33 GiB peak RSS per rank for tiny-moe on CPU.
+PROCESS_GIB = 0.35
+
+
+def _available_gib() -> float | None:
+    """MemAvailable from /proc/meminfo in GiB (None where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_memory(world: int) -> None:
+    """Refuse to start more processes on this machine than its memory holds."""
+    available = _available_gib()
+    need = world * PROCESS_GIB
+    if available is not None and need > available:
+        raise SpecError(
+            f"{world} processes need about {need:.1f} GiB on this machine ({PROCESS_GIB} GiB "
+            f"each, mostly torch) but {available:.1f} GiB is available; run them on several "
+            "machines (torchrun or srun with python -m runtime.launch, see RUNTIME.md), plan "
+            "for fewer GPUs, or pass --force to try anyway"
+        )
 
 
 def _summary(out: Path) -> str:
@@ -205,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
             "(inputs_sha256); re-run 'piper plan' or pass --force"
         )
     shape = _check(args, plan)
+    if not args.force:
+        _check_memory(shape["world"])
     out = Path(args.out) if args.out else Path(args.plan).resolve().parent / "run"
     cmd = _launch_cmd(args, shape["world"], shape["ranks_per_node"], out)
     print(

@@ -156,3 +156,36 @@ def test_piper_run_end_to_end_through_torchrun(tmp_path, capsys):
     run = json.loads((out / "run.json").read_text())
     assert (run["pp"], run["hidden_size"], run["seq_len"], run["backend"]) == (2, 32, 32, "gloo")
     assert "4 steps: loss" in capsys.readouterr().out
+
+
+def test_more_processes_than_memory_holds_are_refused(tmp_path, capsys, monkeypatch):
+    import planner.cli.run as run_cli
+
+    path, _ = _write_plan(tmp_path)  # 2 processes
+    monkeypatch.setattr(run_cli, "_available_gib", lambda: 0.5)
+    launched = []
+    monkeypatch.setattr(run_cli.subprocess, "run", _record_launch(launched, run_cli.subprocess.run))
+    assert main(["run", str(path), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "2 processes need about 0.7 GiB on this machine" in err
+    assert "but 0.5 GiB is available" in err and "--force" in err
+    assert launched == []  # torchrun never started
+
+
+def _record_launch(launched: list, real_run):
+    """subprocess.run that records torchrun launches and runs everything else."""
+
+    def fake(cmd, *args, **kwargs):
+        if "torch.distributed.run" in cmd:
+            launched.append(cmd)
+            raise AssertionError("torchrun must not start")
+        return real_run(cmd, *args, **kwargs)
+
+    return fake
+
+
+def test_available_memory_is_read_from_proc():
+    from planner.cli.run import _available_gib
+
+    gib = _available_gib()
+    assert gib is None or 0 < gib < 1 << 20
