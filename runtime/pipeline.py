@@ -138,7 +138,8 @@ def _allreduce_mean(
 def sync_gradients(module: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -> None:
     """Dense grads: mean over the dp ranks (same stage and tp_idx). Expert grads: sum over
     edp, / dp. With tp > 1, the replicated weights that saw only this rank's tokens or heads
-    (routers, per-head norms) are first summed over the TP group."""
+    (StageModule.tp_partial_parameters: norms, routers, row-parallel biases, gates) are
+    first summed over the TP group."""
     if len(mesh.tp_ranks) > 1:
         partial = module.tp_partial_parameters()
         _allreduce_mean(partial, mesh.tp_group, mesh.tp_ranks, 1, counter, "grad_tp")
