@@ -192,12 +192,15 @@ def _reference_grads(spec):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp", [1, 2])
-def test_tp2_gradients_equal_the_single_device_gradients(run_distributed, dp):
+@pytest.mark.parametrize(("dp", "recompute"), [(1, "none"), (2, "none"), (1, "full")])
+def test_tp2_gradients_equal_the_single_device_gradients(run_distributed, dp, recompute):
     """Every gradient after the sync: a TP shard equals its slice of the oracle's gradient,
     a replicated weight (norms, router, biases, embedding, head) the whole of it, and each
-    expert (EP over the TP pair, replicated over dp) its own."""
+    expert (EP over the TP pair, replicated over dp) its own; also with every layer
+    recomputed (its TP collectives and all-to-alls rerun inside the backward)."""
     spec = _spec(pp=1, dp=dp, tp=2, ep=2, g=2, model=_featureful_model())
+    if recompute != "none":
+        spec = replace(spec, recompute=recompute, recompute_layers=(0, 1, 2))
     ref, ref_experts = _reference_grads(spec)
     sharded, experts_seen = 0, set()
     for tp_idx, grads, expert_grads in run_distributed(_grads_body, spec.world, spec):
