@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
+from planner.resources import traffic
 from planner.resources.compute import model_flops_per_sequence
 from planner.resources.layer_cost import (
     Dispatcher,
@@ -295,3 +296,26 @@ def estimate_to_dict(est: Estimate) -> dict:
             for st in est.stages
         ],
     }
+
+
+def predicted_traffic(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    stage_layers: Sequence[Sequence[int]],
+    accounting: Accounting = "piper",
+) -> dict[str, float]:
+    """Bytes all ranks send in one optimizer step, by kind (planner.resources.traffic), for
+    this layout and layer split; the parameters each stage reduces come from the same layer
+    costs as `estimate` (so does the gradient time)."""
+    costs = layer_costs(model, cluster, training, parallel, "flat", accounting)
+    ends = (first_extras(model, training, parallel, accounting),
+            last_extras(model, cluster, training, parallel, accounting))  # fmt: skip
+    dense, expert = [], []
+    for i, layers in enumerate(stage_layers):
+        held = [costs[j] for j in layers]
+        held += ([ends[0]] if i == 0 else []) + ([ends[1]] if i == parallel.pp - 1 else [])
+        dense.append(sum(c.params_dense for c in held))
+        expert.append(sum(c.params_expert for c in held))
+    return traffic.step_traffic(model, training, parallel, stage_layers, dense, expert)

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from planner.parallel import ParallelConfig
-from planner.resources import comm
+from planner.resources import comm, traffic
 from planner.resources.compute import Work, head_work, layer_work
 from planner.resources.memory import (
     Accounting,
     ActBytes,
     StateBytes,
-    act_bytes_per_element,
     embedding_held,
     head_held,
     layer_activations,
@@ -115,28 +114,18 @@ def _layer_comm(
     parallel: ParallelConfig,
     dispatcher: Dispatcher,
 ) -> tuple[list[tuple[str, float]], tuple[str, ...]]:
-    """Four all-to-alls per MoE layer (dispatch + combine, forward + backward), each rank
-    sending its T k d routed copies (x skew: the hot rank's share), and with tp > 1 two
-    all-reduce-equivalents of the b s d activation (forward and backward; sequence
-    parallelism's all-gather + reduce-scatter pair moves the same bytes) for attention and
-    for each TP-sharded MLP: a dense MLP, and the shared experts. Routed experts are not
-    split by TP (sequence parallelism has already split their tokens), so an MoE block
-    without shared experts adds no TP collective."""
-    a = act_bytes_per_element(training)
-    rows = parallel.micro_batch * training.seq_len
+    """Four all-to-alls per MoE layer (dispatch + combine, forward + backward) and, with
+    tp > 1, the layer's TP all-reduce equivalents; volumes from planner.resources.traffic."""
     out: list[tuple[str, float]] = []
     tables: tuple[str, ...] = ()
-    if layer.moe is not None and parallel.ep > 1:
-        nbytes = a * rows / parallel.tp * layer.moe.top_k * model.hidden_size
-        nbytes *= training.routing_skew
+    nbytes = traffic.a2a_bytes(model, layer, training, parallel)
+    if nbytes > 0:
         t, level, tables = comm.a2a_time_s(cluster, parallel.ep, nbytes, dispatcher)
         out.append((f"a2a_{level}", 4 * t))
     if parallel.tp > 1:
-        t, level = comm.ring_allreduce_s(cluster, parallel.tp, 1, a * rows * model.hidden_size)
-        moe = layer.moe
-        shared = bool(moe and moe.num_shared_experts and moe.shared_ffn)
-        sharded = 1 + bool(layer.dense_ffn) + shared  # attention, dense MLP, shared experts
-        out.append((f"tp_{level}", 2 * sharded * t))
+        buf = traffic.tp_buffer_bytes(model, training, parallel)
+        t, level = comm.ring_allreduce_s(cluster, parallel.tp, 1, buf)
+        out.append((f"tp_{level}", traffic.tp_allreduces(layer) * t))
     return out, tables
 
 

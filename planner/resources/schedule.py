@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
-from planner.resources import comm
+from planner.resources import comm, traffic
 from planner.resources.compute import TRAIN_FACTOR
 from planner.resources.layer_cost import ExtrasCost, LayerCost
-from planner.resources.memory import StateBytes, act_bytes_per_element
+from planner.resources.memory import StateBytes
 from planner.specs import GIB, ClusterSpec, ModelSpec, TrainingSpec
 
 
@@ -93,7 +93,7 @@ def _grad_sync_s(
     """Gradient reduction of one stage at the end of the step: dense gradients over dp (ranks
     tp apart), expert gradients over edp (ranks ep apart). All-reduce, or with ZeRO a
     reduce-scatter of gradients + all-gather of updated weights: the same bytes (2 passes)."""
-    grad_b = training.bytes_per_param - 14  # 2 (paper's 16 B/param) or 4 (Megatron's 18)
+    grad_b = traffic.grad_bytes_per_param(training)
     dense = sum(costs[i].params_dense for i in layers) + sum(e.params_dense for e in extras)
     expert = sum(costs[i].params_expert for i in layers) + sum(e.params_expert for e in extras)
     out = []
@@ -113,8 +113,7 @@ def _p2p_s(
     a (b s / tp) d bytes each, between ranks dp*tp apart (the next stage's block)."""
     if parallel.pp == 1:
         return 0.0, "", ()
-    a = act_bytes_per_element(training)
-    nbytes = a * parallel.micro_batch * training.seq_len / parallel.tp * model.hidden_size
+    nbytes = traffic.p2p_bytes(model, training, parallel)
     t, level, tables = comm.p2p_time_s(cluster, (0, parallel.dp * parallel.tp), nbytes)
     return 2 * t, level, tables
 

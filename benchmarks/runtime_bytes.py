@@ -1,0 +1,90 @@
+"""The resource model's communication volumes against the bytes a real run sends.
+
+For a few layouts of tiny-moe on the cpu-gloo cluster (pipeline, data, tensor and expert
+parallel), plans with `piper plan` (sizes fixed), trains 2 steps with `piper run` (flat
+all-to-all) and prints, per kind, the bytes all ranks sent in the last step (metrics.jsonl)
+beside the bytes the planner's model moves for that step (planner.resources.cost.
+predicted_traffic, with the run's fp32 activations and gradients), and their ratio.
+
+Where they differ, by design: `tp` - the runtime also all-gathers the embedding's gradient
+slices and the slices before the head (one ring pass per stage end); `grad_dense` with
+tp > 1 - the runtime replicates the embedding, head and norms on every TP rank, the model
+splits the embedding and head over the vocabulary. Bytes are deterministic, so the ratios
+do not depend on the machine.
+
+Usage: python benchmarks/runtime_bytes.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from planner.calibrate import plan_inputs  # noqa: E402
+from planner.plan import load_plan  # noqa: E402
+from planner.resources.cost import predicted_traffic  # noqa: E402
+from planner.resources.traffic import KINDS  # noqa: E402
+
+# (gpus, pp, dp, tp, ep)
+LAYOUTS = ((8, 2, 4, 1, 2), (8, 2, 2, 2, 4), (8, 2, 2, 2, 2), (4, 4, 1, 1, 1))
+
+
+def _piper(*args: str) -> None:
+    code = "import sys; from planner.cli import main; sys.exit(main(sys.argv[1:]))"
+    subprocess.run([sys.executable, "-c", code, *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def measured(run_dir: Path) -> dict[str, int]:
+    """Bytes of the run's last step by kind (intra + inter node), summed over ranks."""
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["bytes_by_kind"]
+    return {k: last.get(f"{k}_intra", 0) + last.get(f"{k}_inter", 0) for k in KINDS}
+
+
+def predicted(plan_path: Path) -> dict[str, float]:
+    """The planner's bytes for one step of the plan, in the runtime's fp32 (4 B values)."""
+    plan = load_plan(plan_path)
+    model, cluster, training, parallel = plan_inputs(plan)
+    training = replace(training, dtype="fp32", bytes_per_param=18)  # fp32 activations, grads
+    return predicted_traffic(model, cluster, training, parallel, [s.layers for s in plan.stages])
+
+
+def run_layout(root: Path, gpus: int, pp: int, dp: int, tp: int, ep: int):
+    name = f"pp{pp}-dp{dp}-tp{tp}-ep{ep}"
+    plan_dir, run_dir = root / f"plan-{name}", root / f"run-{name}"
+    _piper("plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", str(gpus),
+           "--pp", str(pp), "--dp", str(dp), "--tp", str(tp), "--ep", str(ep),
+           "--micro-batch", "2", "--seq-len", "128", "--global-batch", str(4 * dp),
+           "--out", str(plan_dir))  # fmt: skip
+    _piper("run", str(plan_dir / "plan.json"), "--steps", "2", "--dispatcher", "flat",
+           "--ranks-per-node", "2", "--out", str(run_dir))  # fmt: skip
+    return name, predicted(plan_dir / "plan.json"), measured(run_dir)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    root = Path(args.out or tempfile.mkdtemp(prefix="piper-bytes-"))
+    print(f"tiny-moe on cpu-gloo, micro-batch 2 x seq 128, 2 steps; runs in {root}")
+    print(f"{'layout':<18} {'kind':<12} {'predicted':>13} {'measured':>13} {'meas/pred':>9}")
+    for layout in LAYOUTS:
+        name, pred, meas = run_layout(root, *layout)
+        for kind in KINDS:
+            if not pred[kind] and not meas[kind]:
+                continue
+            ratio = f"{meas[kind] / pred[kind]:9.3f}" if pred[kind] else f"{'-':>9}"
+            print(f"{name:<18} {kind:<12} {pred[kind]:>13,.0f} {meas[kind]:>13,} {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""benchmarks/runtime_bytes.py: the planner's communication volumes against a real run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import runtime_bytes as rb  # noqa: E402
+
+from planner.models import load_model  # noqa: E402
+from planner.parallel import ParallelConfig  # noqa: E402
+from planner.resources.traffic import step_traffic  # noqa: E402
+from planner.specs import TrainingSpec  # noqa: E402
+
+
+def test_step_traffic_by_hand():
+    model = load_model("tiny-moe")  # d 64, 4 layers: 1 dense, 3 MoE top-2 + a shared expert
+    training = TrainingSpec(seq_len=128, dtype="fp32", bytes_per_param=18)
+    par = ParallelConfig(pp=2, dp=2, tp=2, ep=2, micro_batch=2, num_microbatches=3)
+    layers = ((0, 1), (2, 3))
+    out = step_traffic(model, training, par, layers, [100.0, 200.0], [10.0, 20.0])
+    act = 4 * 2 * 128 * 64  # fp32 b s d of one micro-batch
+    ranks, m = 4, 3  # per stage
+    # p2p: forward + backward of a 1/tp slice per micro-batch, one boundary, every rank
+    assert out["p2p"] == 2 * m * 1 * ranks * act / 2
+    # tp: 2 all-reduces per sharded block (attention; the dense MLP of layer 0; the shared
+    # expert of layers 1-3), 2 passes of (n-1)/n each: 8 blocks over the 4 layers
+    assert out["tp"] == pytest.approx(ranks * m * 8 * 2 * (2 * 0.5 * act))
+    # dispatch: 4 all-to-alls per MoE layer, the remote half of T k d, T = b s / tp
+    assert out["dispatch"] == pytest.approx(ranks * m * 3 * 4 * 0.5 * (4 * 128 * 2 * 64))
+    # gradients: ring all-reduce of 4 B per parameter over dp = 2 and edp = 2
+    assert out["grad_dense"] == pytest.approx(ranks * (100 + 200) * 4 * 2 * 0.5)
+    assert out["grad_expert"] == pytest.approx(ranks * (10 + 20) * 4 * 2 * 0.5)
+
+
+@pytest.mark.slow
+def test_planner_bytes_match_a_real_run(tmp_path):
+    name, pred, meas = rb.run_layout(tmp_path, 4, 2, 1, 2, 2)  # pp x tp x ep, 4 processes
+    assert name == "pp2-dp1-tp2-ep2"
+    assert meas["p2p"] == pred["p2p"] > 0  # exact: activation slices between the stages
+    assert meas["dispatch"] == pytest.approx(pred["dispatch"], rel=0.05)  # routing varies
+    # TP: the model's per-layer collectives, plus one pass per stage end in the runtime (the
+    # embedding's gradient slices on the first stage, the slices before the head on the last)
+    per_pass = 0.5 * 4 * 2 * 128 * 64 * 2 * 2  # (n-1)/n of fp32 b s d, x m, x 2 ranks/stage
+    assert meas["tp"] == pytest.approx(pred["tp"] + 2 * per_pass)
+    # the runtime replicates embedding, head and norms on each TP rank: more dense gradients
+    assert meas["grad_dense"] >= pred["grad_dense"]
