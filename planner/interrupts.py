@@ -7,9 +7,10 @@ carries on as if nothing happened. `hold_interrupts()` replaces that report with
 a Ctrl-C is pending, and `raise_pending()` turns the note back into a KeyboardInterrupt at a
 safe point (before any output is written), so such a Ctrl-C still stops the command cleanly.
 
-The CLI installs the hook once per process and leaves it in place, so a Ctrl-C landing in a
-finalizer after the command returned (interpreter shutdown) is not printed either. Any other
-unraisable exception is passed on to the hook that was there before.
+The CLI installs the hook and leaves it in place (again only if something replaced it), so
+a Ctrl-C landing in a finalizer after the command returned (interpreter shutdown) is not
+printed either. Any other unraisable exception is passed on to the hook that was there
+before.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ import sys
 import threading
 
 _pending = threading.Event()
-_installed = False
+_hook = None  # the hook hold_interrupts installed last
 
 
 def hold_interrupts() -> None:
-    """Install the hook (once per process) and forget any Ctrl-C held from an earlier call."""
-    global _installed
+    """Install the hook (unless it is the current one) and forget any Ctrl-C held from an
+    earlier call."""
+    global _hook
     _pending.clear()
-    if _installed:
+    if _hook is not None and sys.unraisablehook is _hook:
         return
     previous = sys.unraisablehook
 
@@ -35,8 +37,7 @@ def hold_interrupts() -> None:
             return
         previous(unraisable)
 
-    sys.unraisablehook = hook
-    _installed = True
+    sys.unraisablehook = _hook = hook
 
 
 def raise_pending() -> None:
