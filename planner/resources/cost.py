@@ -32,7 +32,13 @@ from planner.resources.layer_cost import (
     layer_costs,
 )
 from planner.resources.memory import Accounting
-from planner.resources.schedule import StageEstimate, stage_estimate, step_time
+from planner.resources.schedule import (
+    StageEstimate,
+    held_params,
+    stage_estimate,
+    stage_extras,
+    step_time,
+)
 from planner.resources.units import StageCostInputs, StageExtras, UnitCost
 from planner.specs import GIB, ClusterSpec, ModelSpec, SpecError, TrainingSpec
 
@@ -180,7 +186,7 @@ def estimate(
     last = last_extras(model, cluster, training, parallel, accounting)
     stages = []
     for i, layers in enumerate(split):
-        extras = ([first] if i == 0 else []) + ([last] if i == pp - 1 else [])
+        extras = stage_extras(i, pp, (first, last))
         stages.append(stage_estimate(i, layers, recomputed, costs, extras, min(pp - i, m), cluster))
     return _assemble(model, cluster, training, parallel, stages, costs, [first, last])
 
@@ -312,10 +318,9 @@ def predicted_traffic(
     costs = layer_costs(model, cluster, training, parallel, "flat", accounting)
     ends = (first_extras(model, training, parallel, accounting),
             last_extras(model, cluster, training, parallel, accounting))  # fmt: skip
-    dense, expert = [], []
-    for i, layers in enumerate(stage_layers):
-        held = [costs[j] for j in layers]
-        held += ([ends[0]] if i == 0 else []) + ([ends[1]] if i == parallel.pp - 1 else [])
-        dense.append(sum(c.params_dense for c in held))
-        expert.append(sum(c.params_expert for c in held))
+    held = [
+        held_params(layers, costs, stage_extras(i, parallel.pp, ends))
+        for i, layers in enumerate(stage_layers)
+    ]
+    dense, expert = [d for d, _ in held], [e for _, e in held]
     return traffic.step_traffic(model, training, parallel, stage_layers, dense, expert)

@@ -82,6 +82,21 @@ def stage_estimate(
     )
 
 
+def stage_extras(stage: int, pp: int, ends: Sequence[ExtrasCost]) -> list[ExtrasCost]:
+    """The role work a stage carries: ends[0] (embedding) on the first, ends[1] (head) on
+    the last."""
+    return ([ends[0]] if stage == 0 else []) + ([ends[1]] if stage == pp - 1 else [])
+
+
+def held_params(
+    layers: Sequence[int], costs: tuple[LayerCost, ...], extras: Sequence[ExtrasCost]
+) -> tuple[float, float]:
+    """(dense, expert) parameters one rank of a stage holds, and reduces the gradients of."""
+    dense = sum(costs[i].params_dense for i in layers) + sum(e.params_dense for e in extras)
+    expert = sum(costs[i].params_expert for i in layers) + sum(e.params_expert for e in extras)
+    return dense, expert
+
+
 def _grad_sync_s(
     layers: tuple[int, ...],
     costs: tuple[LayerCost, ...],
@@ -94,8 +109,7 @@ def _grad_sync_s(
     tp apart), expert gradients over edp (ranks ep apart). All-reduce, or with ZeRO a
     reduce-scatter of gradients + all-gather of updated weights: the same bytes (2 passes)."""
     grad_b = traffic.grad_bytes_per_param(training)
-    dense = sum(costs[i].params_dense for i in layers) + sum(e.params_dense for e in extras)
-    expert = sum(costs[i].params_expert for i in layers) + sum(e.params_expert for e in extras)
+    dense, expert = held_params(layers, costs, extras)
     out = []
     t, level = comm.ring_allreduce_s(cluster, parallel.dp, parallel.tp, grad_b * dense)
     if level:
@@ -156,7 +170,7 @@ def _grad_sync_all(
     pp = parallel.pp
     exposed, by_name = 0.0, {}
     for st in stages:
-        extras = ([ends[0]] if st.stage == 0 else []) + ([ends[1]] if st.stage == pp - 1 else [])
+        extras = stage_extras(st.stage, pp, ends)
         sync = _grad_sync_s(st.layers, costs, extras, cluster, training, parallel)
         total = sum(s for _, s in sync)
         exposed = max(exposed, total - st.stage * slot * 2 / TRAIN_FACTOR)
