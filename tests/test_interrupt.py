@@ -270,8 +270,9 @@ def test_sigint_during_migrate_leaves_previous_results_or_a_complete_set(tmp_pat
     assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, stderr)
     assert tmp_leftovers(tmp_path) == []
     after = snapshot(out)
-    if proc.returncode == 130:
-        assert after == before, "an interrupted migrate changed the earlier results"
-    else:  # finished before the signal: the complete new set
-        assert {"placements.csv", "migrations.csv"} <= set(after)
-        assert after["placements.csv"].startswith(b"interval,layer,expert,rank")
+    if proc.returncode == 130 and after == before:
+        return  # stopped before it wrote: the earlier results are untouched
+    # finished before the signal, or the signal was held until the set was complete (then
+    # delivered: exit 130): the complete new set, never a mix
+    assert {"placements.csv", "migrations.csv"} <= set(after)
+    assert after["placements.csv"].startswith(b"interval,layer,expert,rank")
