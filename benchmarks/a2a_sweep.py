@@ -1,6 +1,6 @@
 """Simulated Frontier sweep: flat all-to-all vs HALO vs HALO-dedup, 2..512 nodes, KiB..MiB.
 
-Runs the flow-level simulator (planner/halo_sim.py) on the frontier preset and prints, side by
+Runs the flow-level simulator (planner/sim/halo.py) on the frontier preset and prints, side by
 side in one run:
   1. flat / HALO and flat / HALO-dedup time ratios at 8, 16, 64, 512 nodes per message size,
      beside the paper's reported range (about equal at <= 8 nodes; 1.2-9x at 16-512);
@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner.clusters import load_cluster  # noqa: E402
-from planner.halo_sim import SimResult, simulate_all_to_all  # noqa: E402
+from planner.inputs.clusters import load_cluster  # noqa: E402
+from planner.sim.halo import SimResult, simulate_all_to_all  # noqa: E402
 from planner.outputs.files import write_files  # noqa: E402
 from planner.resources.comm import all_to_all_time_s  # noqa: E402
 

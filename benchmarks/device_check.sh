@@ -2,7 +2,7 @@
 # Device check on ONE GPU (written for an H200; < 5 minutes). Writes everything under $OUT
 # (or ./device_out): the measured cluster profile, predicted vs measured GEMM/attention
 # throughput, a resource-model estimate on the measured profile, the runtime layer bench
-# (runtime/layer_bench.py, world size 1) when present, and the `gpu`-marked tests.
+# (runtime/bench/layer_bench.py, world size 1) when present, and the `gpu`-marked tests.
 #
 #   bash benchmarks/device_check.sh            # OUT=./device_out
 #   OUT=/some/dir bash benchmarks/device_check.sh
@@ -59,8 +59,8 @@ cat "$OUT/profile.out" >>"$LOG"
 # 2. Predicted (the preset's analytic efficiency) beside measured (the profile's tables).
 step predicted_vs_measured 60 python3 - "$OUT/$BASE-measured.yaml" "$BASE" "$MODEL" <<'PY'
 import sys
-from planner.clusters import load_cluster
-from planner.models import load_model
+from planner.inputs.clusters import load_cluster
+from planner.inputs.models import load_model
 from planner.resources.compute import gemm_time
 from planner.specs import TrainingSpec
 
@@ -92,12 +92,12 @@ step estimate_preset 60 "${PIPER[@]}" estimate --model "$MODEL" --cluster "$BASE
   --pp 1 --dp 8 --ep 8 --seq-len 4096 --micro-batch 1 --global-batch 64 --json
 
 # 4. Runtime layer bench (world size 1), predicted beside measured, when the runtime has it.
-if [ -f runtime/layer_bench.py ]; then
-  step layer_bench 120 python3 -m runtime.layer_bench --cluster "$OUT/$BASE-measured.yaml" \
+if [ -f runtime/bench/layer_bench.py ]; then
+  step layer_bench 120 python3 -m runtime.bench.layer_bench --cluster "$OUT/$BASE-measured.yaml" \
     --json --out "$OUT/layer_bench"
   cat "$OUT/layer_bench.out" | tee -a "$LOG"
 else
-  log "skip layer_bench: runtime/layer_bench.py not in this tree"
+  log "skip layer_bench: runtime/bench/layer_bench.py not in this tree"
 fi
 
 # 5. GPU-marked tests (skipped on CPU-only machines; here they must run).

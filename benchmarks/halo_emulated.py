@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import netns  # noqa: E402
 
-from runtime.halo import DEFAULT_DIRECT_BELOW_BYTES  # noqa: E402
+from runtime.dispatch.halo import DEFAULT_DIRECT_BELOW_BYTES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ("flat", "halo", "halo-dedup")
@@ -182,7 +182,7 @@ def probe_cost(net: Network):
     import torch
     import torch.distributed as dist
 
-    from runtime.halo_plan import HaloCost
+    from runtime.dispatch.halo_plan import HaloCost
 
     if net.cost:
         return HaloCost(*net.cost)
@@ -218,8 +218,8 @@ def worker(net: Network) -> None:
     import torch
     import torch.distributed as dist
 
-    from runtime.dispatch import FlatAllToAll
-    from runtime.halo import Halo
+    from runtime.dispatch.flat import FlatAllToAll
+    from runtime.dispatch.halo import Halo
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))

@@ -19,7 +19,7 @@ import time
 from planner.ip.expert_ip import solve_experts
 from planner.ip.solvers import SolverOptions
 from planner.ip.stage_ip import solve_stages, stage_memory_bytes, stage_solution_dp, stage_time_s
-from planner.resources.units import StageCostInputs, StageExtras, UnitCost
+from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
 
 GIB = 2**30
 OPTS = {b: SolverOptions(backend=b, time_limit_s=30, threads=1, seed=0) for b in ("cpsat", "cbc")}

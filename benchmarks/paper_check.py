@@ -1,7 +1,7 @@
 """Paper check: Piper's predicted TFLOPS/GCD on the Frontier profile vs the paper's measurements.
 
 Writes results/paper/paper_check.md and results/paper/paper_check.csv and prints the table.
-Nothing here is fitted to the paper's numbers: the predictions come from `plan()` with the
+Nothing here is fitted to the paper's numbers: the predictions come from `make_plan()` with the
 resource model's documented constants (planner/RESOURCE_MODEL.md) and the frontier preset.
 
 - Piper on the X-MoE family (Small/Medium/Large/Super on 8/32/80/512 GCDs; paper measured
@@ -27,11 +27,11 @@ import io
 import math
 import time
 
-from planner.clusters import load_cluster
-from planner.ip.candidates import describe
-from planner.ip.search import plan
+from planner.inputs.clusters import load_cluster
+from planner.search.branch_bound import describe
+from planner.search.make_plan import make_plan
 from planner.ip.solvers import SolverOptions
-from planner.models import load_model
+from planner.inputs.models import load_model
 from planner.outputs.files import write_files
 from planner.specs import SpecError, TrainingSpec
 
@@ -70,7 +70,7 @@ def _training(model: str) -> TrainingSpec:
 
 def _plan(model: str, gcds: int, fixed: dict | None = None):
     try:
-        return plan(load_model(model), CLUSTER, _training(model), gcds, fixed, OPTIONS)
+        return make_plan(load_model(model), CLUSTER, _training(model), gcds, fixed, OPTIONS)
     except SpecError as exc:  # no valid layout in a restricted space
         return str(exc)
 

@@ -1,6 +1,6 @@
 """Planning wall time of `piper plan` for DeepSeek-V3 on Frontier at growing GPU counts.
 
-Prints, per GPU count: wall time of the whole plan() (search + placement + baselines), the
+Prints, per GPU count: wall time of the whole make_plan() (search + placement + baselines), the
 candidates enumerated / solved / pruned, the chosen layout, the stage IP's status and gap
 (the winner is always solved by the stage IP), and the targets (1024 GPUs <= 10 s,
 16384 <= 60 s). With --compare-ip it also plans with the stage IP on every candidate
@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from planner.clusters import load_cluster
-from planner.ip.candidates import describe
-from planner.ip.search import plan
+from planner.inputs.clusters import load_cluster
+from planner.search.branch_bound import describe
+from planner.search.make_plan import make_plan
 from planner.ip.solvers import SolverOptions
-from planner.models import load_model
+from planner.inputs.models import load_model
 from planner.specs import TrainingSpec
 
 TARGET_S = {1024: 10.0, 16384: 60.0}
@@ -27,7 +27,7 @@ TARGET_S = {1024: 10.0, 16384: 60.0}
 
 def _one(model, cluster, gpus: int, score: str, options: SolverOptions):
     t0 = time.perf_counter()
-    result = plan(model, cluster, TrainingSpec(), gpus, None, options, score=score)
+    result = make_plan(model, cluster, TrainingSpec(), gpus, None, options, score=score)
     return result, time.perf_counter() - t0
 
 

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from planner.calibrate import plan_inputs  # noqa: E402
-from planner.plan import load_plan  # noqa: E402
+from planner.calibrate.compare import plan_inputs  # noqa: E402
+from planner.plan.schema import load_plan  # noqa: E402
 from planner.resources.cost import predicted_traffic  # noqa: E402
 from planner.resources.traffic import KINDS  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Input types crossing every planner boundary: the model, the cluster and the training setup.
 
 These are plain frozen dataclasses. Parsing (HF config.json, cluster YAML) lives in
-`planner.models` and `planner.clusters`; this module holds only the types and their
+`planner.inputs.models` and `planner.inputs.clusters`; this module holds only the types and their
 invariants, so every other module can depend on it without pulling in I/O.
 
 Shape letters used in names: L = transformer layers, E = routed experts.

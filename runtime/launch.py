@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from runtime.data import sample_batch
-from runtime.dispatch import FlatAllToAll
-from runtime.halo import Halo
-from runtime.halo_plan import HaloCost
-from runtime.mesh import Mesh, build_mesh
+from runtime.dispatch.flat import FlatAllToAll
+from runtime.dispatch.halo import Halo
+from runtime.dispatch.halo_plan import HaloCost
+from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.metrics import (
     ByteCounter,
     loss_plot_png,
@@ -42,11 +42,11 @@ from runtime.migrate import (
     resolve_policy,
     slot_state_views,
 )
-from runtime.model import StageModule
-from runtime.moe import LocalDispatcher
-from runtime.pipeline import PipelineRunner, sync_gradients
+from runtime.model.transformer import StageModule
+from runtime.model.moe import LocalDispatcher
+from runtime.parallel.pipeline import PipelineRunner, sync_gradients
 from runtime.scale import RunSpec
-from runtime.tensor_parallel import TPGroup
+from runtime.parallel.tensor_parallel import TPGroup
 
 log = logging.getLogger("runtime.launch")
 
@@ -305,8 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
     """Load the plan and its model and build the (scaled) RunSpec."""
-    from planner.models import model_from_config
-    from planner.plan import load_plan
+    from planner.inputs.models import model_from_config
+    from planner.plan.schema import load_plan
     from runtime.scale import run_spec_from_plan
 
     plan = load_plan(args.plan)

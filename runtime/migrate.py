@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from runtime.mesh import Mesh
+from runtime.parallel.mesh import Mesh
 from runtime.metrics import ByteCounter
-from runtime.moe import MoELayer
+from runtime.model.moe import MoELayer
 
 log = logging.getLogger(__name__)
 

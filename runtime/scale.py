@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from planner.plan import Plan
+from planner.plan.schema import Plan
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, SpecError
 
 Dispatcher = Literal["halo", "halo-dedup", "flat"]
@@ -299,7 +299,7 @@ def hand_plan(
 ) -> Plan:
     """A plan written by hand (no solver): even stages, contiguous expert blocks, ranks in
     order. For tests and quick runs; `model_entry` is plan.model (name, source, config)."""
-    from planner.plan import (
+    from planner.plan.schema import (
         ExpertPlacement,
         ParallelPlan,
         Predicted,
@@ -348,8 +348,8 @@ def check_main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from planner.models import model_from_config
-    from planner.plan import load_plan
+    from planner.inputs.models import model_from_config
+    from planner.plan.schema import load_plan
 
     p = argparse.ArgumentParser(prog="python -m runtime.scale")
     p.add_argument("plan")

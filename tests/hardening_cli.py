@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from planner.cli import build_parser, main
-from planner.paths import CLUSTERS_DIR, MODELS_DIR
+from planner.inputs.paths import CLUSTERS_DIR, MODELS_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_MODEL = "tiny-moe"

@@ -18,7 +18,7 @@ def _planner_modules() -> list[str]:
 
 def test_planner_modules_exist():
     mods = _planner_modules()
-    assert "planner.specs" in mods and "planner.plan" in mods
+    assert "planner.specs" in mods and "planner.plan.schema" in mods
 
 
 def test_importing_every_planner_module_does_not_import_torch():

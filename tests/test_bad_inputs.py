@@ -271,13 +271,13 @@ PLAN_FAULTS = [
 @pytest.fixture(scope="module")
 def good_plan_json() -> str:
     """plan.json text of a real plan for tiny-moe on 4 cpu-gloo ranks (tp=1, runnable)."""
-    from planner.clusters import load_cluster
-    from planner.ip.search import plan
+    from planner.inputs.clusters import load_cluster
+    from planner.search.make_plan import make_plan
     from planner.ip.solvers import SolverOptions
-    from planner.models import load_model
+    from planner.inputs.models import load_model
     from planner.specs import TrainingSpec
 
-    result = plan(
+    result = make_plan(
         load_model(BASE_MODEL),
         load_cluster(BASE_CLUSTER),
         TrainingSpec(seq_len=256, global_batch=16),
@@ -362,7 +362,7 @@ def assert_clean_rejection(cmd: str, result, value: str, fault: Fault) -> None:
 
 
 # Faults whose fix belongs to a file another engineer owns and is not in yet (see the report).
-# allocation-binary-plan: fixed in planner/allocation.py (C1)
+# allocation-binary-plan: fixed in planner/inputs/allocation.py (C1)
 KNOWN_BUGS: dict[str, str] = {}
 
 

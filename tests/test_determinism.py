@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hardening_cli import has_command, run_piper, snapshot
 
-from planner.models import load_model
+from planner.inputs.models import load_model
 
 TIMINGS = "timings.json"
 

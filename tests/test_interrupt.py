@@ -25,7 +25,7 @@ from hardening_cli import REPO, has_command, snapshot, tmp_leftovers
 
 from planner.outputs import files as files_mod
 from planner.outputs.files import write_files
-from planner.plan import load_plan
+from planner.plan.schema import load_plan
 
 
 def assert_consistent_set(out: Path) -> dict:
@@ -138,7 +138,7 @@ class _InterruptOnDel:
 
 
 def test_ctrl_c_swallowed_by_a_finalizer_stops_the_write_without_a_traceback(tmp_path, capsys):
-    from planner.interrupts import hold_interrupts
+    from planner.outputs.interrupts import hold_interrupts
 
     out = tmp_path / "out"
     out.mkdir()

@@ -20,13 +20,13 @@ from pathlib import Path
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from planner.allocation import parse_allocation
-from planner.clusters import cluster_from_dict
-from planner.ip.search import plan
+from planner.inputs.allocation import parse_allocation
+from planner.inputs.clusters import cluster_from_dict
+from planner.search.make_plan import make_plan
 from planner.ip.solvers import SolverOptions
 from planner.migration.trace import check_divisible, load_trace
-from planner.models import model_from_config
-from planner.plan import plan_from_dict
+from planner.inputs.models import model_from_config
+from planner.plan.schema import plan_from_dict
 from planner.specs import SpecError, TrainingSpec
 
 SETTINGS = settings(
@@ -154,7 +154,7 @@ def test_random_valid_inputs_plan_or_explain(cfg, cdict, data):
             for layer in model.moe_layers
         }  # fmt: skip
     try:
-        result = plan(
+        result = make_plan(
             model, cluster, training, gpus, None, SolverOptions("cpsat", 5.0, 1, 0), None, loads
         )
     except SpecError as exc:
@@ -180,7 +180,7 @@ def test_more_gpus_than_the_cluster_is_a_spec_error(cdict, extra):
     cluster = cluster_from_dict(cdict, "hypothesis")
     gpus = cluster.total_gpus + extra
     try:
-        result = plan(model, cluster, TrainingSpec(seq_len=128, global_batch=8), gpus, None,
+        result = make_plan(model, cluster, TrainingSpec(seq_len=128, global_batch=8), gpus, None,
                       SolverOptions("cpsat", 5.0, 1, 0))  # fmt: skip
     except SpecError as exc:
         assert str(gpus) in str(exc) or str(cluster.total_gpus) in str(exc), str(exc)
@@ -320,17 +320,17 @@ def test_no_fit_with_nothing_usable_is_explained_not_a_crash():
     model = model_from_config(cfg, "m", "test")
     cluster = cluster_from_dict(cdict, "test")
     training = TrainingSpec(seq_len=4096, global_batch=8)
-    result = plan(model, cluster, training, 1, None, SolverOptions("cpsat", 5.0, 1, 0))
+    result = make_plan(model, cluster, training, 1, None, SolverOptions("cpsat", 5.0, 1, 0))
     assert result.plan is None and "fits in memory" in result.message
     assert "a device with more memory" in result.message
 
 
 @functools.lru_cache(maxsize=1)
 def _good_plan_dict() -> dict:
-    from planner.clusters import load_cluster
-    from planner.models import load_model
+    from planner.inputs.clusters import load_cluster
+    from planner.inputs.models import load_model
 
-    result = plan(load_model("tiny-moe"), load_cluster("cpu-gloo"),
+    result = make_plan(load_model("tiny-moe"), load_cluster("cpu-gloo"),
                   TrainingSpec(seq_len=256, global_batch=16), 8, {"pp": 2, "ep": 2},
                   SolverOptions("cpsat", 5.0, 1, 0))  # fmt: skip
     assert result.plan is not None, result.message

@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-from planner.interrupts import hold_interrupts
+from planner.outputs.interrupts import hold_interrupts
 from planner.specs import SpecError
 
 # Subcommand modules, in the order `piper --help` lists them. A module that is not

@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 
-from planner.halo_sim import SimResult, simulate_all_to_all
+from planner.sim.halo import SimResult, simulate_all_to_all
 from planner.sim.a2a import ALGOS
 from planner.specs import SpecError
 
@@ -61,7 +61,7 @@ def _table(results: list[SimResult]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.clusters import load_cluster
+    from planner.inputs.clusters import load_cluster
 
     cluster = load_cluster(args.cluster)
     nbytes = parse_bytes(args.bytes_per_rank)

@@ -36,10 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from planner.calibrate import calibrate, fit_profile, load_metrics, plan_inputs
-    from planner.calibrate_report import calibration_csv, calibration_markdown, calibration_png
-    from planner.clusters import load_cluster
-    from planner.plan import load_plan
+    from planner.calibrate.compare import calibrate, fit_profile, load_metrics, plan_inputs
+    from planner.calibrate.report import calibration_csv, calibration_markdown, calibration_png
+    from planner.inputs.clusters import load_cluster
+    from planner.plan.schema import load_plan
 
     plan = load_plan(args.plan)
     metrics = load_metrics(args.metrics)

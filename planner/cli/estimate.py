@@ -73,8 +73,8 @@ def _inputs(
     args: argparse.Namespace,
 ) -> tuple[ModelSpec, ClusterSpec, TrainingSpec, ParallelConfig]:
     """Load the model and cluster and build the training setup and layout from the flags."""
-    from planner.clusters import check_dtype, load_cluster
-    from planner.models import load_model
+    from planner.inputs.clusters import check_dtype, load_cluster
+    from planner.inputs.models import load_model
 
     model, cluster = load_model(args.model), load_cluster(args.cluster)
     check_dtype(cluster, args.dtype, args.cluster)

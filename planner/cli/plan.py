@@ -112,8 +112,8 @@ class _Progress:
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec]:
-    from planner.clusters import load_cluster
-    from planner.models import load_model
+    from planner.inputs.clusters import load_cluster
+    from planner.inputs.models import load_model
 
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
@@ -128,7 +128,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.ip.search import plan
+    from planner.search.make_plan import make_plan
     from planner.ip.solvers import SolverOptions
     from planner.outputs.files import write_files
     from planner.outputs.reports import render_files, summary_dict, summary_text
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     options = SolverOptions(args.solver, args.time_limit_s, args.threads, args.seed)
     allocation = None
     if args.allocation:
-        from planner.allocation import load_allocation
+        from planner.inputs.allocation import load_allocation
 
         allocation = load_allocation(args.allocation)
         room = len(allocation) * cluster.gpus_per_node
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     fixed["micro_batch"] = args.micro_batch
     progress = _Progress()
     try:
-        result = plan(
+        result = make_plan(
             model,
             cluster,
             training,

@@ -1,8 +1,8 @@
 """`piper profile`: micro-benchmark this machine under torchrun and write a cluster profile.
 
-The benchmarks live in runtime/profile.py (torch); this module only launches them
+The benchmarks live in runtime/bench/profile.py (torch); this module only launches them
 (`python -m torch.distributed.run --standalone`) and converts the measurements with
-planner.profile_tables, so importing it never imports torch.
+planner.calibrate.profile_tables, so importing it never imports torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from planner.outputs.files import write_files
-from planner.paths import CLUSTERS_DIR
+from planner.inputs.paths import CLUSTERS_DIR
 from planner.specs import SpecError
 
 
@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "profile",
         help="measure GEMM/attention TFLOPS and p2p/all-to-all GB/s; write a cluster YAML",
-        description="Launch runtime/profile.py under torchrun and write a cluster profile "
+        description="Launch runtime/bench/profile.py under torchrun and write a cluster profile "
         "with measured tables (planner/PROFILING.md).",
     )
     p.add_argument(
@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 class ProfileFailed(RuntimeError):
-    """torchrun of runtime/profile.py exited non-zero; the message holds its stderr tail."""
+    """torchrun of runtime/bench/profile.py exited non-zero; the message holds its stderr tail."""
 
 
 def _launch(args: argparse.Namespace, raw_path: Path) -> None:
@@ -69,7 +69,7 @@ def _launch(args: argparse.Namespace, raw_path: Path) -> None:
         "--standalone",
         f"--nproc-per-node={args.nproc}",
         "-m",
-        "runtime.profile",
+        "runtime.bench.profile",
         "--raw-out",
         str(raw_path),
         "--device",
@@ -82,7 +82,7 @@ def _launch(args: argparse.Namespace, raw_path: Path) -> None:
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     if args.model:
-        from planner.models import load_model
+        from planner.inputs.models import load_model
 
         model = load_model(args.model)
         moe = model.first_moe
@@ -99,13 +99,13 @@ def _launch(args: argparse.Namespace, raw_path: Path) -> None:
         raise SpecError(f"piper profile: torchrun exceeded --timeout-s {args.timeout_s}") from None
     if proc.returncode != 0 or not raw_path.exists():
         lines = (proc.stderr or proc.stdout).strip().splitlines()
-        errors = [ln for ln in lines if ln.startswith("runtime.profile:") or "Error:" in ln]
+        errors = [ln for ln in lines if ln.startswith("runtime.bench.profile:") or "Error:" in ln]
         raise ProfileFailed("\n".join(errors[-3:] + lines[-12:]))
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.clusters import load_cluster
-    from planner.profile_tables import profile_to_cluster_dict, profile_yaml
+    from planner.inputs.clusters import load_cluster
+    from planner.calibrate.profile_tables import profile_to_cluster_dict, profile_yaml
 
     if args.nproc < 1:
         raise SpecError(f"--nproc {args.nproc}: must be at least 1")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from planner.plan import Plan, load_plan
+from planner.plan.schema import Plan, load_plan
 from planner.specs import SpecError
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,8 @@ def _canonical(obj: Any) -> str:
 
 def changed_inputs(plan: Plan) -> list[str]:
     """Inputs whose current file no longer matches what the plan recorded (inputs_sha256)."""
-    from planner.clusters import cluster_to_dict, list_cluster_presets, load_cluster
-    from planner.models import load_model, model_config
+    from planner.inputs.clusters import cluster_to_dict, list_cluster_presets, load_cluster
+    from planner.inputs.models import load_model, model_config
 
     changed = []
     source = str(plan.model.get("source", ""))

@@ -18,10 +18,10 @@ import logging
 import math
 from dataclasses import dataclass, replace
 
-from planner.allocation import Allocation, default_allocation
+from planner.inputs.allocation import Allocation, default_allocation
 from planner.ip.solvers import LinearModel, SolveReport, SolverOptions, solve
 from planner.parallel import ParallelConfig
-from planner.plan import RankPlan
+from planner.plan.schema import RankPlan
 from planner.specs import ClusterSpec, SpecError
 
 log = logging.getLogger(__name__)

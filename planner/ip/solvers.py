@@ -31,7 +31,7 @@ from planner.specs import SpecError
 
 log = logging.getLogger(__name__)
 
-Backend = Literal["cpsat", "cbc"]
+SolverName = Literal["cpsat", "cbc"]
 Status = Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "NOT_SOLVED"]
 Sense = Literal["<=", ">=", "=="]
 Terms = Iterable[tuple[int, int]]  # (integer coefficient, variable index)
@@ -45,7 +45,7 @@ CBC_MAX_TERMS = 100_000  # larger models overrun CBC's time limit in its root LP
 class SolverOptions:
     """How to solve: backend, wall-clock limit (s), solver threads and random seed."""
 
-    backend: Backend = "cpsat"
+    backend: SolverName = "cpsat"
     time_limit_s: float = 10.0
     threads: int = 1
     seed: int = 0
@@ -106,7 +106,7 @@ class _Var:
 
 
 class LinearModel:
-    """Backend-neutral integer linear model. Variables are ints (indices); terms (coef, var)."""
+    """Solver-neutral integer linear model. Variables are ints (indices); terms (coef, var)."""
 
     def __init__(self, name: str, objective_unit: float = 1.0, objective_offset: float = 0.0):
         self.name = name

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from planner.ip.solvers import quantize, unit_for
-from planner.resources.units import StageCostInputs, StageExtras
+from planner.resources.stage_inputs import StageCostInputs, StageExtras
 
 GIB = 2**30
 MAX_COMBOS = 4096  # recompute-count combinations enumerated per interval before going greedy

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from planner.ip import stage_dp
 from planner.ip.solvers import LinearModel, SolveReport, SolverOptions, solve
 from planner.ip.stage_dp import Split, StageData
-from planner.resources.units import StageCostInputs
+from planner.resources.stage_inputs import StageCostInputs
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import numpy as np
 from planner.migration.placement import default_rank_of_expert, initial_slots
 from planner.migration.pricing import MoveCosts, build_move_costs
 from planner.migration.trace import Trace, check_divisible
-from planner.plan import Plan, load_plan
+from planner.plan.schema import Plan, load_plan
 from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class MigrateSetup:
 
 def pick_model(num_experts: int, name: str | None) -> ModelSpec:
     """--model, or the first preset with the trace's expert count."""
-    from planner.models import list_model_presets, load_model
+    from planner.inputs.models import list_model_presets, load_model
 
     if name:
         model = load_model(name)
@@ -116,8 +116,8 @@ def _model_and_cluster(
     cluster_name: str | None,
 ) -> tuple[ModelSpec, ClusterSpec]:
     """--model / --cluster, else the plan's, else the defaults (module docstring)."""
-    from planner.clusters import cluster_from_dict, load_cluster
-    from planner.models import model_from_config
+    from planner.inputs.clusters import cluster_from_dict, load_cluster
+    from planner.inputs.models import model_from_config
 
     if plan is not None and not model_name:
         cfg = plan.model.get("config")

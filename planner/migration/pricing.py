@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.params import layer_params
+from planner.resources.params import layer_params
 from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
 from planner.topology import span_level_index
 

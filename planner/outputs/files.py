@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from planner.interrupts import raise_pending
+from planner.outputs.interrupts import raise_pending
 
 _DEFERRED = (signal.SIGINT, signal.SIGTERM)
 

@@ -15,10 +15,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from planner.ip.backend import EstimateView
-from planner.ip.baselines import Baseline
-from planner.ip.candidates import CandidateRow, describe
-from planner.ip.search import PlanResult
+from planner.search.evaluator import EstimateView
+from planner.search.baselines import Baseline
+from planner.search.branch_bound import CandidateRow, describe
+from planner.search.make_plan import PlanResult
 
 CANDIDATE_COLUMNS = (
     "rank",

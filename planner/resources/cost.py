@@ -1,7 +1,7 @@
 """The resource model's two entry points: the stage IP's inputs and the full estimate.
 
 - `stage_cost_inputs(...) -> StageCostInputs`: one UnitCost per layer plus first/last stage
-  extras and usable memory (the contract in planner/resources/units.py).
+  extras and usable memory (the contract in planner/resources/stage_inputs.py).
 - `estimate(...) -> Estimate`: memory and time per stage by component, communication by
   level and kind, step time under 1F1B, tokens/s, TFLOPS per GPU and MFU for one split.
 - `memory_lower_bound_gib(...)`: a cheap lower bound on the peak stage memory of any split.
@@ -39,7 +39,7 @@ from planner.resources.schedule import (
     stage_extras,
     step_time,
 )
-from planner.resources.units import StageCostInputs, StageExtras, UnitCost
+from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
 from planner.specs import GIB, ClusterSpec, ModelSpec, SpecError, TrainingSpec
 
 

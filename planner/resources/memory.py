@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from planner.parallel import ParallelConfig
-from planner.params import layer_params, mlp_params
+from planner.resources.params import layer_params, mlp_params
 from planner.specs import LayerSpec, ModelSpec, Recompute, TrainingSpec
 
 Accounting = Literal["piper", "paper"]

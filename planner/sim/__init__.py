@@ -1,1 +1,1 @@
-"""Flow-level all-to-all simulator internals; the entry point is planner.halo_sim."""
+"""Flow-level all-to-all simulator internals; the entry point is planner.sim.halo."""

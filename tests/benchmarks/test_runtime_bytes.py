@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import runtime_bytes as rb  # noqa: E402
 
-from planner.models import load_model  # noqa: E402
+from planner.inputs.models import load_model  # noqa: E402
 from planner.parallel import ParallelConfig  # noqa: E402
 from planner.resources.traffic import step_traffic  # noqa: E402
 from planner.specs import TrainingSpec  # noqa: E402

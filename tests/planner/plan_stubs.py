@@ -1,6 +1,6 @@
 """Hand-made inputs and an analytic toy backend for the search tests (no resource model needed).
 
-The toy backend keeps the contract of planner.ip.backend.Backend with simple formulas:
+The toy backend keeps the contract of planner.search.evaluator.Evaluator with simple formulas:
 per layer, time = tokens x cost / tp (+ an all-to-all term / ep for MoE layers), state =
 16 B x (attention / tp + experts / ep), activations = tokens x d x 34 / tp (2 x d kept when
 recomputed). Its estimate() is the 1F1B step of the given split, so it is consistent with the
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.ip.backend import EstimateView, RankChoice, StageChoice
+from planner.search.evaluator import EstimateView, RankChoice, StageChoice
 from planner.ip.solvers import SolveReport, SolverOptions
 from planner.ip.stage_ip import solve_stages
-from planner.ip.wiring import RealBackend
+from planner.search.model_evaluator import ModelEvaluator
 from planner.parallel import ParallelConfig
-from planner.plan import RankPlan
-from planner.resources.units import StageCostInputs, StageExtras, UnitCost
+from planner.plan.schema import RankPlan
+from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
 from planner.specs import (
     GIB,
     AttentionSpec,
@@ -55,7 +55,7 @@ def toy_cluster(memory_gib: float = 8.0, gpus_per_node: int = 4, nodes: int = 4)
 
 
 @dataclass
-class ToyBackend:
+class ToyEvaluator:
     """Analytic backend; counts calls; `interrupt_after` raises KeyboardInterrupt on that solve."""
 
     interrupt_after: int | None = None
@@ -114,7 +114,7 @@ class ToyBackend:
         self.solves += 1
         if self.interrupt_after is not None and self.solves > self.interrupt_after:
             raise KeyboardInterrupt
-        return RealBackend().score_stages(inputs, options)
+        return ModelEvaluator().score_stages(inputs, options)
 
     def estimate(
         self, model, cluster, training, par, stage_layers, recompute_layers

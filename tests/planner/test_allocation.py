@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.allocation import default_allocation, load_allocation
-from planner.clusters import load_cluster
-from planner.paths import PROFILES_DIR
+from planner.inputs.allocation import default_allocation, load_allocation
+from planner.inputs.clusters import load_cluster
+from planner.inputs.paths import PROFILES_DIR
 from planner.specs import SpecError
 
 

@@ -12,12 +12,12 @@ import json
 
 import pytest
 
-from planner.calibrate import calibrate, estimate_plan, fit_profile, load_metrics, plan_inputs
-from planner.calibrate_report import calibration_csv
+from planner.calibrate.compare import calibrate, estimate_plan, fit_profile, load_metrics, plan_inputs
+from planner.calibrate.report import calibration_csv
 from planner.cli import main
-from planner.clusters import cluster_from_dict, load_cluster
-from planner.models import load_model, model_config
-from planner.plan import ExpertPlacement, ParallelPlan, Plan, Predicted, SolverReport, StagePlan
+from planner.inputs.clusters import cluster_from_dict, load_cluster
+from planner.inputs.models import load_model, model_config
+from planner.plan.schema import ExpertPlacement, ParallelPlan, Plan, Predicted, SolverReport, StagePlan
 from planner.resources.cost import estimate
 from planner.specs import GIB, SpecError, TrainingSpec
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from planner.ip import search
-from planner.plan import load_plan
+from planner.search import make_plan as search_module
+from planner.plan.schema import load_plan
 
 OUTPUTS = {
     "plan.json",
@@ -129,9 +129,9 @@ def _pairings(items):
 
 def test_ctrl_c_before_any_solution_exits_130_and_writes_nothing(tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
-        return search.PlanResult(None, (), None, (), (), True, "", 64)
+        return search_module.PlanResult(None, (), None, (), (), True, "", 64)
 
-    monkeypatch.setattr(search, "plan", interrupted)
+    monkeypatch.setattr(search_module, "make_plan", interrupted)
     assert main(["plan", "--out", str(tmp_path / "x")]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
@@ -193,17 +193,17 @@ def test_dispatcher_is_priced_and_recorded(tmp_path):
 def test_inputs_sha256_follows_content_not_paths(tmp_path):
     from dataclasses import replace
 
-    from planner.clusters import load_cluster
-    from planner.ip.assemble import inputs_sha256
-    from planner.ip.wiring import RealBackend
-    from planner.models import load_model, read_config_file
-    from planner.paths import MODELS_DIR
+    from planner.inputs.clusters import load_cluster
+    from planner.search.assemble import inputs_sha256
+    from planner.search.model_evaluator import ModelEvaluator
+    from planner.inputs.models import load_model, read_config_file
+    from planner.inputs.paths import MODELS_DIR
     from planner.specs import TrainingSpec
 
     config = tmp_path / "m" / "config.json"
     config.parent.mkdir()
     config.write_text(json.dumps(read_config_file(MODELS_DIR / "mixtral-8x7b.json")))
-    backend, training = RealBackend(), TrainingSpec()
+    backend, training = ModelEvaluator(), TrainingSpec()
     cluster = backend.describe_cluster(load_cluster("frontier"))
     sizes = {"gpus": 64}
 

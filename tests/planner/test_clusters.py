@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from planner.clusters import (
+from planner.inputs.clusters import (
     cluster_from_dict,
     cluster_to_dict,
     cluster_to_yaml,

@@ -13,11 +13,11 @@ from dataclasses import replace
 import pytest
 
 from planner.cli import main
-from planner.models import load_model, model_config
+from planner.inputs.models import load_model, model_config
 from planner.outputs.export import export_plan
-from planner.outputs.export_megatron import pipeline_split_args
-from planner.outputs.export_slurm import comm_env
-from planner.plan import (
+from planner.outputs.export.megatron import pipeline_split_args
+from planner.outputs.export.slurm import comm_env
+from planner.plan.schema import (
     ExpertPlacement,
     ParallelPlan,
     Plan,

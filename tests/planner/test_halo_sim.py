@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from planner.halo_sim import simulate_all_to_all
+from planner.sim.halo import simulate_all_to_all
 from planner.sim.a2a import flow_classes, phase_timings
 from planner.sim.fluid import fluid_finish_times, max_min_rates
 from planner.sim.network import build_network
@@ -281,7 +281,7 @@ def test_result_is_json_serializable_and_deterministic():
 )
 def test_analytic_model_agrees_when_bandwidth_bound(algo, nodes):
     """16 MiB per rank on Frontier: both models are link-bandwidth bound (within 25%)."""
-    from planner.clusters import load_cluster
+    from planner.inputs.clusters import load_cluster
     from planner.resources.comm import all_to_all_time_s
 
     c = load_cluster("frontier")
@@ -299,7 +299,7 @@ SWEEP_SIZES = (256, 4 * 2**10, 64 * 2**10, 2**20, 16 * 2**20)  # message-bound .
 def test_analytic_model_agrees_with_the_simulator_across_a_sweep(cluster, nodes):
     """The analytic model is the simulator's per-message model in closed form: within 25%
     (planner/SIMULATOR.md) from message-bound to bandwidth-bound sizes, flat and HALO."""
-    from planner.clusters import load_cluster
+    from planner.inputs.clusters import load_cluster
     from planner.resources.comm import all_to_all_time_s
 
     c = load_cluster(cluster)
@@ -312,7 +312,7 @@ def test_analytic_model_agrees_with_the_simulator_across_a_sweep(cluster, nodes)
 def test_simulator_default_overhead_is_the_clusters_msg_overhead():
     import dataclasses
 
-    from planner.halo_sim import DEFAULT_OVERHEAD_US
+    from planner.sim.halo import DEFAULT_OVERHEAD_US
 
     c = dataclasses.replace(small_cluster(), msg_overhead_us=3.0)
     assert DEFAULT_OVERHEAD_US == small_cluster().msg_overhead_us == 1.0

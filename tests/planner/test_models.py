@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from planner.cli import main
-from planner.model_info import counts_on_basis, describe_model
-from planner.models import (
+from planner.resources.model_info import counts_on_basis, describe_model
+from planner.inputs.models import (
     list_model_presets,
     load_model,
     model_config,
@@ -17,7 +17,7 @@ from planner.models import (
     published_counts,
     resolve_model,
 )
-from planner.params import count_params
+from planner.resources.params import count_params
 from planner.specs import SpecError
 
 PRESETS = list_model_presets()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from planner.model_flops import flops_per_token
-from planner.models import model_from_config
-from planner.params import attention_params, count_params, mtp_params
+from planner.resources.flops import flops_per_token
+from planner.inputs.models import model_from_config
+from planner.resources.params import attention_params, count_params, mtp_params
 from planner.specs import AttentionSpec
 
 # d 8, ffn 16, 2 layers, 2 heads (head_dim 4), 1 kv head, 4 experts top-2, vocab 10

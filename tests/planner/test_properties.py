@@ -9,9 +9,9 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.model_flops import flops_per_token
-from planner.models import model_config, model_from_config
-from planner.params import count_params
+from planner.resources.flops import flops_per_token
+from planner.inputs.models import model_config, model_from_config
+from planner.resources.params import count_params
 from planner.specs import SpecError
 
 SETTINGS = settings(

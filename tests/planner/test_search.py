@@ -15,16 +15,16 @@ import time
 from dataclasses import replace
 
 import pytest
-from plan_stubs import ToyBackend, toy_cluster, toy_model, toy_training
+from plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
-from planner.ip import bounds
-from planner.ip.candidates import _evaluate, new_context, screen
-from planner.ip.enumerate import enumerate_layouts, make_space
-from planner.ip.search import plan
+from planner.search import bounds
+from planner.search.branch_bound import _evaluate, new_context, screen
+from planner.search.enumerate import enumerate_layouts, make_space
+from planner.search.make_plan import make_plan
 from planner.ip.solvers import LinearModel, SolverOptions, solve
-from planner.ip.wiring import RealBackend
+from planner.search.model_evaluator import ModelEvaluator
 from planner.resources.cost import even_split
-from planner.resources.units import StageCostInputs, StageExtras, UnitCost
+from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
 from planner.specs import SpecError
 
 OPTS = SolverOptions("cpsat", 10.0, 1, 0)
@@ -131,9 +131,9 @@ def _exhaustive_best(model, cluster, training, gpus, backend):
 @pytest.mark.parametrize("memory_gib", [3.0, 8.0])
 def test_branch_and_bound_finds_the_exhaustive_optimum_with_fewer_solves(memory_gib):
     model, cluster, training = toy_model(), toy_cluster(memory_gib), toy_training()
-    want, survivors = _exhaustive_best(model, cluster, training, 16, ToyBackend())
-    backend = ToyBackend()
-    result = plan(model, cluster, training, 16, None, OPTS, backend=backend)
+    want, survivors = _exhaustive_best(model, cluster, training, 16, ToyEvaluator())
+    backend = ToyEvaluator()
+    result = make_plan(model, cluster, training, 16, None, OPTS, evaluator=backend)
     assert result.best.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
     assert result.plan.predicted.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
     assert backend.solves < survivors
@@ -147,8 +147,8 @@ def test_branch_and_bound_finds_the_exhaustive_optimum_with_fewer_solves(memory_
 
 def test_small_memory_forces_recompute_or_deeper_pipeline():
     model, training = toy_model(), toy_training()
-    roomy = plan(model, toy_cluster(16.0), training, 16, None, OPTS, backend=ToyBackend())
-    tight = plan(model, toy_cluster(2.2), training, 16, None, OPTS, backend=ToyBackend())
+    roomy = make_plan(model, toy_cluster(16.0), training, 16, None, OPTS, evaluator=ToyEvaluator())
+    tight = make_plan(model, toy_cluster(2.2), training, 16, None, OPTS, evaluator=ToyEvaluator())
     assert tight.best.step_time_s >= roomy.best.step_time_s
     assert max(tight.plan.predicted.memory_gib_per_stage) <= tight.plan.predicted.usable_memory_gib
     infeasible = [r for r in tight.rows if not r.feasible]
@@ -156,14 +156,14 @@ def test_small_memory_forces_recompute_or_deeper_pipeline():
 
 
 def test_fixed_pp_and_ep_are_honoured():
-    result = plan(
+    result = make_plan(
         toy_model(),
         toy_cluster(),
         toy_training(),
         16,
         {"pp": 2, "ep": 2},
         OPTS,
-        backend=ToyBackend(),
+        evaluator=ToyEvaluator(),
     )
     assert (result.plan.parallel.pp, result.plan.parallel.ep) == (2, 2)
     assert all(r.parallel.pp == 2 and r.parallel.ep == 2 for r in result.rows)
@@ -172,8 +172,8 @@ def test_fixed_pp_and_ep_are_honoured():
 
 def test_outputs_do_not_depend_on_threads():
     args = (toy_model(), toy_cluster(3.0), toy_training(), 16, None)
-    one = plan(*args, OPTS, backend=ToyBackend())
-    two = plan(*args, replace(OPTS, threads=2), backend=ToyBackend())
+    one = make_plan(*args, OPTS, evaluator=ToyEvaluator())
+    two = make_plan(*args, replace(OPTS, threads=2), evaluator=ToyEvaluator())
     assert one.plan.to_json() == two.plan.to_json()
     assert [(r.order, r.status, r.reason, r.step_time_s) for r in one.rows] == [
         (r.order, r.status, r.reason, r.step_time_s) for r in two.rows
@@ -182,21 +182,21 @@ def test_outputs_do_not_depend_on_threads():
 
 def test_ctrl_c_keeps_the_best_plan_so_far():
     args = (toy_model(), toy_cluster(3.0), toy_training(), 16, None, OPTS)
-    counting = ToyBackend()
-    full = plan(*args, backend=counting)
+    counting = ToyEvaluator()
+    full = make_plan(*args, evaluator=counting)
     assert counting.solves > 2
-    result = plan(*args, backend=ToyBackend(interrupt_after=2))
+    result = make_plan(*args, evaluator=ToyEvaluator(interrupt_after=2))
     assert result.interrupted and result.plan is not None
     assert result.plan.extra["interrupted"] is True
     assert any(r.status == "interrupted" for r in result.rows)
     assert result.best.step_time_s >= full.best.step_time_s
-    none = plan(*args, backend=ToyBackend(interrupt_after=0))
+    none = make_plan(*args, evaluator=ToyEvaluator(interrupt_after=0))
     assert none.interrupted and none.plan is None
 
 
 def test_nothing_fits_explains_the_closest_candidate_and_the_fixes():
-    result = plan(
-        toy_model(), toy_cluster(1.2), toy_training(), 4, None, OPTS, backend=ToyBackend()
+    result = make_plan(
+        toy_model(), toy_cluster(1.2), toy_training(), 4, None, OPTS, evaluator=ToyEvaluator()
     )
     assert result.plan is None and not result.interrupted
     msg = result.message
@@ -209,8 +209,8 @@ def test_nothing_fits_explains_the_closest_candidate_and_the_fixes():
 
 
 def test_baselines_are_scored_and_never_beat_piper():
-    result = plan(
-        toy_model(), toy_cluster(4.0), toy_training(), 16, None, OPTS, backend=ToyBackend()
+    result = make_plan(
+        toy_model(), toy_cluster(4.0), toy_training(), 16, None, OPTS, evaluator=ToyEvaluator()
     )
     names = [b.name for b in result.baselines]
     assert names == ["uniform", "xmoe", "megatron"]
@@ -226,13 +226,13 @@ def test_baselines_are_scored_and_never_beat_piper():
 
 def test_dp_scoring_and_ip_scoring_give_the_same_plan():
     args = (toy_model(layers=5), toy_cluster(3.0), toy_training(), 16, None, OPTS)
-    by_dp = plan(*args, backend=ToyBackend(), score="dp")
-    by_ip = plan(*args, backend=ToyBackend(), score="ip")
+    by_dp = make_plan(*args, evaluator=ToyEvaluator(), score="dp")
+    by_ip = make_plan(*args, evaluator=ToyEvaluator(), score="ip")
     assert by_dp.plan.to_json() == by_ip.plan.to_json()
     assert by_dp.plan.solver.backend == "cpsat"  # the winner is always confirmed by the IP
 
 
-class _SigintBackend(ToyBackend):
+class _SigintEvaluator(ToyEvaluator):
     """Sends a real SIGINT to the process from a solver thread on the n-th scoring call."""
 
     interrupt_at = 4  # first call of the second batch: the first batch gave an incumbent
@@ -242,12 +242,12 @@ class _SigintBackend(ToyBackend):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)  # the main thread raises KeyboardInterrupt meanwhile
         self.solves += 1
-        return RealBackend().score_stages(inputs, options)
+        return ModelEvaluator().score_stages(inputs, options)
 
 
 def test_a_real_sigint_mid_search_keeps_the_best_plan():
-    backend = _SigintBackend()
-    result = plan(toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, backend=backend)
+    backend = _SigintEvaluator()
+    result = make_plan(toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, evaluator=backend)
     assert result.interrupted and result.plan is not None
     assert any(r.status == "interrupted" for r in result.rows)
 
@@ -266,34 +266,34 @@ def test_ctrl_c_after_a_cp_sat_solve_still_raises_keyboard_interrupt():
 def test_pruning_is_safe_with_the_real_resource_model():
     """On a real model, branch and bound finds the exhaustive optimum, and every candidate's
     step-time bound is below its predicted step time."""
-    from planner.clusters import load_cluster
-    from planner.models import load_model
+    from planner.inputs.clusters import load_cluster
+    from planner.inputs.models import load_model
     from planner.specs import TrainingSpec
 
     model, cluster = load_model("qwen1.5-moe-a2.7b"), load_cluster("frontier")
     training = TrainingSpec(global_batch=64)
-    ctx = new_context(model, cluster, training, 8, None, OPTS, RealBackend())
+    ctx = new_context(model, cluster, training, 8, None, OPTS, ModelEvaluator())
     survivors, _ = screen(ctx, enumerate_layouts(model, cluster, training, ctx.space))
     rows = [_evaluate(ctx, c) for c in survivors]
     for cand, row in zip(survivors, rows, strict=True):
         if row.estimate is not None:
             assert cand.bound_s <= row.step_time_s * (1 + 1e-9)
     want = min((r for r in rows if r.feasible), key=lambda r: (r.step_time_s, r.order))
-    got = plan(model, cluster, training, 8, None, OPTS)
+    got = make_plan(model, cluster, training, 8, None, OPTS)
     assert got.best.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
     assert got.best.parallel == want.parallel
 
 
 def test_a_tiny_time_limit_still_returns_a_plan_with_its_gap():
     opts = SolverOptions("cpsat", 0.001, 1, 0)
-    result = plan(
+    result = make_plan(
         toy_model(layers=8),
         toy_cluster(4.0),
         toy_training(),
         16,
         None,
         opts,
-        backend=ToyBackend(),
+        evaluator=ToyEvaluator(),
         score="ip",
     )
     assert result.plan is not None
@@ -303,13 +303,13 @@ def test_a_tiny_time_limit_still_returns_a_plan_with_its_gap():
 
 
 def test_a_layout_the_resource_model_rejects_becomes_an_infeasible_row():
-    class Picky(ToyBackend):
+    class Picky(ToyEvaluator):
         def cost_inputs(self, model, cluster, training, par):
             if par.tp == 2:
                 raise SpecError("layout: tp=2 is not supported here")
             return super().cost_inputs(model, cluster, training, par)
 
-    result = plan(toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, backend=Picky())
+    result = make_plan(toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, evaluator=Picky())
     rows = [r for r in result.rows if r.parallel.tp == 2]
     assert rows and all(not r.feasible and "tp=2 is not supported" in r.reason for r in rows)
     assert result.plan.parallel.tp != 2

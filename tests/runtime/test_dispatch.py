@@ -6,15 +6,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.dispatch import (
+from runtime.dispatch.flat import (
     BlockTranspose,
     DispatchStats,
     FlatAllToAll,
     default_ranks_per_node,
     sort_pairs,
 )
-from runtime.halo import Halo
-from runtime.topo import group_topology
+from runtime.dispatch.halo import Halo
+from runtime.dispatch.topology import group_topology
 
 # ---- topology -----------------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ def test_byte_counters_match_hand_count(run_distributed):
 def test_halo_cost_estimates_by_hand():
     from types import SimpleNamespace
 
-    from runtime.halo_plan import HaloCost
+    from runtime.dispatch.halo_plan import HaloCost
 
     topo = group_topology([0, 1, 2, 3], 2)  # nodes {0, 1} and {2, 3}
     plan = SimpleNamespace(
@@ -271,7 +271,7 @@ def _cost_by_loops(cost, topo, pairs, unique_SN, dedup, row_bytes):
 def test_halo_cost_matches_loops_on_random_traffic(seed):
     from types import SimpleNamespace
 
-    from runtime.halo_plan import HaloCost
+    from runtime.dispatch.halo_plan import HaloCost
 
     gen = torch.Generator().manual_seed(seed)
     members, rpn = [(list(range(8)), 2), (list(range(8)), 3), ([0, 1, 2, 5, 6, 7], 4)][seed % 3]

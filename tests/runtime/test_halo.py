@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.dispatch import FlatAllToAll
-from runtime.halo import Halo
-from runtime.halo_plan import HaloCost
+from runtime.dispatch.flat import FlatAllToAll
+from runtime.dispatch.halo import Halo
+from runtime.dispatch.halo_plan import HaloCost
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 from tiny_plans import tiny_model
 
-from planner.plan import RankPlan
+from planner.plan.schema import RankPlan
 from planner.specs import SpecError
-from runtime.mesh import rank_coords
+from runtime.parallel.mesh import rank_coords
 from runtime.scale import hand_plan, physical_order, run_spec_from_plan
 
 

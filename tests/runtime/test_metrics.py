@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runtime.dispatch import DispatchStats
+from runtime.dispatch.flat import DispatchStats
 from runtime.metrics import (
     ByteCounter,
     rank_record,

@@ -10,8 +10,8 @@ import torch
 from tiny_plans import tiny_model
 
 from runtime.data import load_corpus, sample_batch
-from runtime.model import StageModule, lm_loss
-from runtime.moe import Experts, LocalDispatcher, MoELayer
+from runtime.model.transformer import StageModule, lm_loss
+from runtime.model.moe import Experts, LocalDispatcher, MoELayer
 
 
 def _brute_force_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ def test_loss_falls_on_real_text_single_device():
 
 
 def test_layer_bench_cpu_smoke(tmp_path):
-    from runtime import layer_bench
+    from runtime.bench import layer_bench
 
     rc = layer_bench.main(
         [
@@ -127,7 +127,7 @@ def test_layer_bench_cpu_smoke(tmp_path):
 
 @pytest.mark.gpu
 def test_layer_bench_on_cuda(tmp_path):
-    from runtime import layer_bench
+    from runtime.bench import layer_bench
 
     assert (
         layer_bench.main(

@@ -100,7 +100,7 @@ def test_permuted_rank_table_trains_like_the_oracle(run_distributed):
 
     from tiny_plans import tiny_model
 
-    from planner.plan import RankPlan
+    from planner.plan.schema import RankPlan
     from runtime.scale import hand_plan, run_spec_from_plan
 
     model = tiny_model()

@@ -1,4 +1,4 @@
-"""runtime/profile.py micro-benchmarks and `piper profile` end to end on CPU (gloo)."""
+"""runtime/bench/profile.py micro-benchmarks and `piper profile` end to end on CPU (gloo)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from planner.cli import main
-from planner.clusters import load_cluster
-from runtime import profile as prof
+from planner.inputs.clusters import load_cluster
+from runtime.bench import profile as prof
 
 TINY = prof.ProfileSizes(
     gemm_k=32,
@@ -106,7 +106,7 @@ def test_profile_plan_run_calibrate_loop_on_cpu(tmp_path, capsys):
     names = {t.name for t in cluster.tables}
     assert {"gemm_fp32", "gemm_grouped_fp32", "attention_fp32", "a2a_system", "p2p_system"} <= names
     assert "hostname:" in prof_yaml.read_text()
-    from planner.models import load_model
+    from planner.inputs.models import load_model
     from planner.parallel import ParallelConfig
     from planner.resources.cost import estimate
     from planner.specs import TrainingSpec
@@ -158,7 +158,7 @@ def test_cuda_request_without_cuda_fails_cleanly(tmp_path, capsys, monkeypatch):
     import planner.cli.profile as cli_profile
 
     def failing(args, raw_path):
-        raise cli_profile.ProfileFailed("runtime.profile: --device cuda but no CUDA device")
+        raise cli_profile.ProfileFailed("runtime.bench.profile: --device cuda but no CUDA device")
 
     monkeypatch.setattr(cli_profile, "_launch", failing)
     out = tmp_path / "x.yaml"

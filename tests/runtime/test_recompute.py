@@ -11,7 +11,7 @@ from tiny_plans import reference_losses, tiny_model, train_body
 
 from runtime.data import load_corpus, sample_batch
 from runtime.metrics import validate_metrics, validate_trace
-from runtime.model import StageModule, lm_loss
+from runtime.model.transformer import StageModule, lm_loss
 from runtime.scale import hand_plan, run_spec_from_plan
 
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from planner.cli import main
-from planner.models import load_model, model_config
-from planner.plan import ParallelPlan, RankPlan
+from planner.inputs.models import load_model, model_config
+from planner.plan.schema import ParallelPlan, RankPlan
 from runtime.metrics import validate_metrics, validate_trace
 from runtime.scale import hand_plan, keep_layers, run_spec_from_plan
 
@@ -47,7 +47,7 @@ def test_changed_model_is_refused_unless_forced(tmp_path, capsys):
 
 def test_changed_cluster_is_refused_and_force_passes_the_check(tmp_path, capsys):
     from planner.cli.run import changed_inputs
-    from planner.clusters import cluster_to_dict, load_cluster
+    from planner.inputs.clusters import cluster_to_dict, load_cluster
 
     recorded = {**cluster_to_dict(load_cluster("cpu-gloo")), "gpus": 2}
     path, plan = _write_plan(tmp_path, cluster=recorded)
@@ -106,7 +106,7 @@ def test_scale_keeps_structure():
 
 
 def test_halo_cost_comes_from_the_plans_cluster():
-    from planner.clusters import cluster_to_dict, load_cluster
+    from planner.inputs.clusters import cluster_to_dict, load_cluster
     from runtime.scale import halo_cost_of
 
     frontier = cluster_to_dict(load_cluster("frontier"))

@@ -11,10 +11,10 @@ from tiny_plans import reference_losses, tiny_model, train_body
 
 from planner.specs import SpecError
 from runtime.data import load_corpus
-from runtime.mesh import rank_coords
+from runtime.parallel.mesh import rank_coords
 from runtime.metrics import validate_metrics, validate_trace
 from runtime.scale import hand_plan, run_spec_from_plan
-from runtime.tensor_parallel import chunk_sizes, shard_linear
+from runtime.parallel.tensor_parallel import chunk_sizes, shard_linear
 
 STEPS = 12
 
@@ -57,7 +57,7 @@ def _collectives_body(rank: int, world: int):
     """A TP group whose plan order is not the sorted order, with uneven token slices."""
     import torch.distributed as dist
 
-    from runtime.tensor_parallel import TPGroup
+    from runtime.parallel.tensor_parallel import TPGroup
 
     ranks = [2, 0, 1]  # plan position -> physical rank
     tp = TPGroup(dist.group.WORLD, ranks, ranks.index(rank), tokens=5, seq_len=5)
@@ -107,7 +107,7 @@ def test_widths_that_tp_does_not_divide_are_refused():
     with pytest.raises(SpecError, match="tp=4 does not divide layer 0's num_kv_heads"):
         run_spec_from_plan(plan, model, 1.0, 4)
     # a shrunk model keeps its kv heads a multiple of tp
-    from planner.models import load_model
+    from planner.inputs.models import load_model
 
     mixtral = load_model("mixtral-8x7b")  # 8 kv heads -> 1 at 1/8 scale, 2 with tp = 2
     spec = run_spec_from_plan(hand_plan(mixtral, 4, 2, 4, tp=2), mixtral, 0.125, 4)
@@ -165,7 +165,7 @@ def _grads_body(rank: int, world: int, spec):
     and the experts' by (name, expert id)."""
     from runtime.data import sample_batch
     from runtime.launch import Trainer
-    from runtime.pipeline import sync_gradients
+    from runtime.parallel.pipeline import sync_gradients
 
     tr = Trainer(spec, rank, torch.device("cpu"))
     batch = spec.micro_batch * spec.num_microbatches
@@ -179,7 +179,7 @@ def _grads_body(rank: int, world: int, spec):
 
 def _reference_grads(spec):
     from runtime.data import sample_batch
-    from runtime.model import StageModule, lm_loss
+    from runtime.model.transformer import StageModule, lm_loss
 
     model = StageModule(spec.model, range(spec.model.num_layers), True, True, seed=spec.seed)
     batch, m = spec.micro_batch * spec.num_microbatches, spec.num_microbatches

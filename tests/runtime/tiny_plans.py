@@ -60,7 +60,7 @@ def reference_run(spec: RunSpec):
     import torch
 
     from runtime.data import sample_batch
-    from runtime.model import StageModule, lm_loss
+    from runtime.model.transformer import StageModule, lm_loss
 
     model = StageModule(spec.model, range(spec.model.num_layers), True, True, seed=spec.seed)
     opt = torch.optim.Adam(model.parameters(), lr=spec.lr)

@@ -272,7 +272,7 @@ def test_large_traffic_instance_beats_load_only_placement():
 
 
 def test_merged_report_has_objective_bound_and_gap_that_agree():
-    from planner.ip.assemble import _merge
+    from planner.search.assemble import _merge
     from planner.ip.solvers import SolveReport
 
     hot = SolveReport("cpsat", "OPTIMAL", 10.0, 10.0, 0.0, 0.1)

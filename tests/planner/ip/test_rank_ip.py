@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from planner.allocation import Allocation, AllocNode, parse_allocation
+from planner.inputs.allocation import Allocation, AllocNode, parse_allocation
 from planner.ip import rank_ip
 from planner.ip.rank_ip import KIND_WEIGHT, LEVEL_WEIGHT, solve_ranks
 from planner.ip.solvers import SolverOptions

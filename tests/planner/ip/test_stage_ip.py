@@ -18,7 +18,7 @@ from planner.ip.stage_ip import (
     stage_solution_dp,
     stage_time_s,
 )
-from planner.resources.units import StageCostInputs, StageExtras, UnitCost
+from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
 
 GIB = 2**30
 CPSAT = SolverOptions(backend="cpsat", time_limit_s=10, threads=1, seed=0)

@@ -10,9 +10,9 @@ import pytest
 from conftest import write_csv
 
 from planner.cli import main
-from planner.clusters import load_cluster
-from planner.models import load_model, model_config
-from planner.plan import (
+from planner.inputs.clusters import load_cluster
+from planner.inputs.models import load_model, model_config
+from planner.plan.schema import (
     ExpertPlacement,
     ParallelPlan,
     Plan,

@@ -8,12 +8,12 @@ import json
 import re
 
 import pytest
-from plan_stubs import ToyBackend, toy_cluster, toy_model, toy_training
+from plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
-from planner.ip.search import plan
+from planner.search.make_plan import make_plan
 from planner.ip.solvers import SolverOptions
 from planner.outputs import plots, reports
-from planner.plan import plan_from_dict
+from planner.plan.schema import plan_from_dict
 
 OPTS = SolverOptions("cpsat", 10.0, 1, 0)
 SECTION_8 = {
@@ -42,7 +42,7 @@ SECTION_8 = {
 
 @pytest.fixture(scope="module")
 def result():
-    return plan(toy_model(), toy_cluster(3.0), toy_training(), 16, None, OPTS, backend=ToyBackend())
+    return make_plan(toy_model(), toy_cluster(3.0), toy_training(), 16, None, OPTS, evaluator=ToyEvaluator())
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +131,8 @@ def test_summary_lists_baselines_with_speedups(result, files):
 
 
 def test_rendering_is_byte_identical_across_runs(files):
-    again = plan(
-        toy_model(), toy_cluster(3.0), toy_training(), 16, None, OPTS, backend=ToyBackend()
+    again = make_plan(
+        toy_model(), toy_cluster(3.0), toy_training(), 16, None, OPTS, evaluator=ToyEvaluator()
     )
     other = reports.render_files(again)
     assert set(other) == set(files)

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from planner.cli import main
-from planner.clusters import list_cluster_presets, load_cluster
-from planner.models import list_model_presets, load_model
+from planner.inputs.clusters import list_cluster_presets, load_cluster
+from planner.inputs.models import list_model_presets, load_model
 from planner.parallel import ParallelConfig
 from planner.resources.cost import estimate
 from planner.specs import TrainingSpec

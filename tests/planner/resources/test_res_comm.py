@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from resource_specs import make_cluster, make_model
 
-from planner.clusters import load_cluster
+from planner.inputs.clusters import load_cluster
 from planner.parallel import ParallelConfig
 from planner.resources import comm
 from planner.resources.layer_cost import layer_cost

@@ -8,7 +8,7 @@ import pytest
 from resource_specs import make_cluster, make_model
 
 from planner.parallel import ParallelConfig
-from planner.params import count_params
+from planner.resources.params import count_params
 from planner.resources import compute
 from planner.resources.compute import (
     KERNEL_LAUNCH_S,

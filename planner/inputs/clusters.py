@@ -1,0 +1,333 @@
+"""Cluster profiles: load a ClusterSpec from a preset name or a YAML file, and write one back.
+
+A cluster YAML (see profiles/clusters/*.yaml) has the keys of `ClusterSpec`: `name`,
+`device` {name, memory_gib, peak_tflops {dtype: TFLOPS}, hbm_gbps}, `gpus_per_node`,
+`num_nodes`, `nics_per_node`, `nic_gbps`, `levels` (innermost first, each {name, devices,
+bw_gbps, latency_us, taper, kind}) and optional `framework_overhead_gib`,
+`gemm_efficiency`, `attention_efficiency`, `msg_overhead_us` (per-message software cost of
+the all-to-all, >= 0, default 1.0; shared by the analytic model and `piper a2a-sim`),
+`topology`, `source` and `tables` (measured efficiency tables {name, x, y}, written by
+`piper profile`).
+
+Every validation failure raises SpecError with one line naming the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planner.inputs.paths import CLUSTERS_DIR
+from planner.specs import ClusterSpec, DeviceSpec, EfficiencyTable, LevelSpec, SpecError
+
+_OPTIONAL_FLOATS = ("framework_overhead_gib", "gemm_efficiency", "attention_efficiency")
+_NON_NEGATIVE_FLOATS = ("msg_overhead_us",)
+_TOP_KEYS = ("name", "device", "gpus_per_node", "num_nodes", "nics_per_node", "nic_gbps",
+             "levels", "tables", "topology", "source", *_OPTIONAL_FLOATS,
+             *_NON_NEGATIVE_FLOATS)  # fmt: skip
+_LEVEL_KEYS = ("name", "devices", "bw_gbps", "latency_us", "taper", "kind")
+_KINDS = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    dict: "a mapping",
+    list: "a list",
+    type(None): "nothing (null)",
+}
+
+
+def list_cluster_presets() -> list[str]:
+    """Names of the cluster presets under profiles/clusters/, sorted."""
+    return sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml"))
+
+
+def load_cluster(name_or_path: str) -> ClusterSpec:
+    """Load a cluster preset by name (e.g. "frontier") or a cluster YAML by path.
+
+    Raises SpecError for an unknown preset (listing the closest names), an unreadable file
+    or an invalid field.
+    """
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") or path.exists()):
+        path = CLUSTERS_DIR / f"{name_or_path}.yaml"
+        if not path.exists():
+            presets = list_cluster_presets()
+            close = difflib.get_close_matches(name_or_path, presets, n=3, cutoff=0.4)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise SpecError(
+                f"cluster '{name_or_path}': no such preset or file; {hint}"
+                f"presets: {', '.join(presets)}"
+            )
+    if not path.is_file():
+        raise SpecError(f"cluster file {path}: not found; give a preset name or a YAML path")
+    try:
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except UnicodeDecodeError:
+        raise SpecError(f"cluster file {path}: not a text file; a cluster is YAML") from None
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" at line {line + 1}" if line is not None else ""
+        problem = getattr(exc, "problem", None)
+        what = f" ({problem})" if problem else ""
+        raise SpecError(f"cluster file {path}: invalid YAML{where}{what}; fix it") from None
+    return cluster_from_dict(data, source=str(path))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key given twice in one mapping (a silent typo trap)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key '{key}'", key_node.start_mark
+            )
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def check_dtype(cluster: ClusterSpec, dtype: str, where: str) -> None:
+    """Raise SpecError naming `where` (the cluster preset or file) when the device has no peak
+    TFLOPS for `dtype`."""
+    have = [name for name, _ in cluster.device.peak_tflops]
+    if dtype not in have:
+        raise SpecError(
+            f"cluster {where}: field 'device.peak_tflops' has no "
+            f"{dtype} entry ({', '.join(have)}); add {dtype}: <dense TFLOPS> or use --dtype "
+            f"{have[0]}"
+        )
+
+
+def cluster_from_dict(data: Any, source: str = "<dict>") -> ClusterSpec:
+    """Parse and validate the YAML structure of a cluster profile (see the module docstring)."""
+    if not isinstance(data, dict):
+        raise SpecError(f"cluster file {source}: top level must be a mapping of cluster fields")
+    reader = _Reader(source)
+    reader.no_typos(data, _TOP_KEYS, "")
+    device = _parse_device(reader, reader.get(data, "device", dict))
+    cluster = ClusterSpec(
+        name=reader.get(data, "name", str),
+        device=device,
+        gpus_per_node=reader.positive_int(data, "gpus_per_node"),
+        num_nodes=reader.positive_int(data, "num_nodes"),
+        nics_per_node=reader.positive_int(data, "nics_per_node"),
+        nic_gbps=reader.positive(data, "nic_gbps"),
+        levels=tuple(
+            _parse_level(reader, lv, i)
+            for i, lv in enumerate(reader.get(data, "levels", list, nonempty=True))
+        ),
+        tables=tuple(
+            _parse_table(reader, t, i)
+            for i, t in enumerate(reader.get(data, "tables", list) if data.get("tables") else [])
+        ),
+        topology=str(data.get("topology", "")),
+        source=str(data.get("source", "")),
+        **{k: reader.positive(data, k) for k in _OPTIONAL_FLOATS if k in data},
+        **{k: reader.non_negative(data, k) for k in _NON_NEGATIVE_FLOATS if k in data},
+    )
+    _check_levels(cluster, source)
+    overhead, memory = cluster.framework_overhead_gib, cluster.device.memory_gib
+    if overhead >= memory:
+        raise SpecError(
+            f"cluster file {source}: field 'framework_overhead_gib'={overhead} leaves nothing of "
+            f"the {memory} GiB device memory; use a smaller value"
+        )
+    for key in ("gemm_efficiency", "attention_efficiency"):
+        if getattr(cluster, key) > 1.0:
+            raise SpecError(f"cluster file {source}: {key} is a fraction of peak; use a value <= 1")
+    return cluster
+
+
+def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
+    """The YAML structure of `cluster`; `cluster_from_dict` reads it back to an equal spec."""
+    dev = cluster.device
+    out: dict[str, Any] = {
+        "name": cluster.name,
+        "topology": cluster.topology,
+        "source": cluster.source,
+        "device": {
+            "name": dev.name,
+            "memory_gib": dev.memory_gib,
+            "peak_tflops": {k: v for k, v in dev.peak_tflops},
+            "hbm_gbps": dev.hbm_gbps,
+        },
+        "gpus_per_node": cluster.gpus_per_node,
+        "num_nodes": cluster.num_nodes,
+        "nics_per_node": cluster.nics_per_node,
+        "nic_gbps": cluster.nic_gbps,
+        "framework_overhead_gib": cluster.framework_overhead_gib,
+        "gemm_efficiency": cluster.gemm_efficiency,
+        "attention_efficiency": cluster.attention_efficiency,
+        "msg_overhead_us": cluster.msg_overhead_us,
+        "levels": [
+            {
+                "name": lv.name,
+                "devices": lv.devices,
+                "bw_gbps": lv.bw_gbps,
+                "latency_us": lv.latency_us,
+                "taper": lv.taper,
+                "kind": lv.kind,
+            }
+            for lv in cluster.levels
+        ],
+    }
+    if cluster.tables:
+        out["tables"] = [{"name": t.name, "x": list(t.x), "y": list(t.y)} for t in cluster.tables]
+    return out
+
+
+def cluster_to_yaml(cluster: ClusterSpec) -> str:
+    """`cluster_to_dict` as YAML text (keys in the order of the presets)."""
+    return yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False)
+
+
+class _Reader:
+    """Typed field access that names the file and the field in every error."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, field: str, fix: str) -> SpecError:
+        return SpecError(f"cluster file {self.source}: field '{field}' {fix}")
+
+    def get(self, d: dict, key: str, typ: type, where: str = "", nonempty: bool = False) -> Any:
+        field = f"{where}{key}"
+        kind = _KINDS.get(typ, typ.__name__)
+        if key not in d:
+            raise self.fail(field, f"is missing; add it ({kind})")
+        value = d[key]
+        if typ is str and isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, typ) or isinstance(value, bool):
+            got = _KINDS.get(type(value), type(value).__name__)
+            raise self.fail(field, f"must be {kind}, got {got} {value!r}")
+        if nonempty and not value:
+            raise self.fail(field, "must not be empty")
+        return value
+
+    def no_typos(self, d: dict, known: tuple[str, ...], where: str) -> None:
+        """Reject a key that is a near miss of a known one (extra metadata keys are kept)."""
+        for key in d:
+            if key in known:
+                continue
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.8)
+            if close:
+                raise self.fail(f"{where}{key}", f"is not a field; did you mean '{close[0]}'?")
+
+    def positive(self, d: dict, key: str, where: str = "") -> float:
+        value = d.get(key)
+        if key not in d:
+            raise self.fail(f"{where}{key}", "is missing; add a positive number")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(f"{where}{key}", f"must be a number, got {value!r}")
+        if not math.isfinite(value) or value <= 0:
+            raise self.fail(f"{where}{key}", f"must be positive, got {value}")
+        return float(value)
+
+    def non_negative(self, d: dict, key: str, where: str = "") -> float:
+        value = d.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(f"{where}{key}", f"must be a number >= 0, got {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise self.fail(f"{where}{key}", f"must be a number >= 0, got {value}")
+        return float(value)
+
+    def positive_int(self, d: dict, key: str, where: str = "") -> int:
+        value = self.get(d, key, int, where)
+        if value <= 0:
+            raise self.fail(f"{where}{key}", f"must be a positive integer, got {value}")
+        return value
+
+
+def _parse_device(r: _Reader, d: dict) -> DeviceSpec:
+    r.no_typos(d, ("name", "memory_gib", "peak_tflops", "hbm_gbps"), "device.")
+    peak = r.get(d, "peak_tflops", dict, "device.", nonempty=True)
+    if "bf16" not in peak:  # the default training dtype; every accelerator Piper targets has it
+        raise r.fail("device.peak_tflops", f"has no bf16 entry ({', '.join(map(str, peak))}); "
+                     "add bf16: <dense TFLOPS>")  # fmt: skip
+    pairs = tuple((str(k), r.positive(peak, k, "device.peak_tflops.")) for k in peak)
+    return DeviceSpec(
+        name=r.get(d, "name", str, "device."),
+        memory_gib=r.positive(d, "memory_gib", "device."),
+        peak_tflops=pairs,
+        hbm_gbps=r.positive(d, "hbm_gbps", "device."),
+    )
+
+
+def _parse_level(r: _Reader, lv: Any, i: int) -> LevelSpec:
+    where = f"levels[{i}]."
+    if not isinstance(lv, dict):
+        raise r.fail(f"levels[{i}]", "must be a mapping {name, devices, bw_gbps, latency_us}")
+    r.no_typos(lv, _LEVEL_KEYS, where)
+    taper = r.positive(lv, "taper", where) if "taper" in lv else 1.0
+    if taper > 1.0:
+        raise r.fail(f"{where}taper", f"is a bandwidth fraction and must be <= 1, got {taper}")
+    latency = lv.get("latency_us")
+    if isinstance(latency, bool) or not isinstance(latency, int | float) or latency < 0:
+        raise r.fail(f"{where}latency_us", f"must be a number >= 0, got {latency!r}")
+    return LevelSpec(
+        name=r.get(lv, "name", str, where),
+        devices=r.positive_int(lv, "devices", where),
+        bw_gbps=r.positive(lv, "bw_gbps", where),
+        latency_us=float(latency),
+        taper=taper,
+        kind=str(lv.get("kind", "")),
+    )
+
+
+def _parse_table(r: _Reader, t: Any, i: int) -> EfficiencyTable:
+    where = f"tables[{i}]."
+    if not isinstance(t, dict):
+        raise r.fail(f"tables[{i}]", "must be a mapping {name, x, y}")
+    x = r.get(t, "x", list, where, nonempty=True)
+    y = r.get(t, "y", list, where, nonempty=True)
+    if len(x) != len(y):
+        raise r.fail(f"{where}y", f"must have as many values as x ({len(x)}), got {len(y)}")
+    xs = tuple(r.positive({"x": v}, "x", where) for v in x)
+    ys = tuple(r.positive({"y": v}, "y", where) for v in y)
+    if any(b <= a for a, b in zip(xs, xs[1:], strict=False)):
+        raise r.fail(f"{where}x", "must be strictly increasing; sort the measurements by size")
+    return EfficiencyTable(name=r.get(t, "name", str, where), x=xs, y=ys)
+
+
+def _check_levels(c: ClusterSpec, source: str) -> None:
+    """Levels nest: sizes strictly increase, each inner size divides the next, and every
+    level is either inside a node (divides gpus_per_node) or made of whole nodes; the
+    outermost level is the whole system (it may hold a partial last domain of the level
+    below, as Frontier's 9,408 nodes do not fill whole dragonfly groups)."""
+    total = c.total_gpus
+    names = [lv.name for lv in c.levels]
+    if len(set(names)) != len(names):
+        raise SpecError(f"cluster file {source}: field 'levels' has duplicate names {names}")
+    for i, lv in enumerate(c.levels):
+        g = c.gpus_per_node
+        if g % lv.devices and lv.devices % g:
+            raise SpecError(
+                f"cluster file {source}: field 'levels[{i}].devices'={lv.devices} must divide "
+                f"gpus_per_node={g} or be a multiple of it"
+            )
+        if i == 0:
+            continue
+        inner = c.levels[i - 1].devices
+        last = i == len(c.levels) - 1
+        if lv.devices <= inner or (not last and lv.devices % inner):
+            raise SpecError(
+                f"cluster file {source}: field 'levels[{i}].devices'={lv.devices} must be a "
+                f"larger multiple of levels[{i - 1}].devices={inner} (levels innermost first)"
+            )
+    if c.levels[-1].devices != total:
+        raise SpecError(
+            f"cluster file {source}: field 'levels[{len(c.levels) - 1}].devices'="
+            f"{c.levels[-1].devices} must equal num_nodes x gpus_per_node = {total}; "
+            "the outermost level is the whole system"
+        )

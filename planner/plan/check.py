@@ -1,0 +1,176 @@
+"""Validation of a parsed plan.json before it becomes a Plan: types, sizes and consistency.
+
+`check_plan_dict(d, path)` raises SpecError with one line naming the file, the field (as a
+dotted path, e.g. `stages[1].layers`) and the fix. It checks what the runtime and the
+exports rely on: positive integer sizes, pp*dp*tp ranks numbered 0..N-1, ep dividing dp*tp,
+one contiguous block of layers per stage, EP ranks in range. `ranks` may be empty (a
+hand-written plan without placement); when present it must cover every rank. It does not check the
+schema_version (planner.plan.schema does, with its own message) and does not re-parse the model
+config (planner.inputs.models does when a command needs the model).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from planner.specs import SpecError
+
+_SIZES = ("pp", "dp", "tp", "ep", "edp", "micro_batch", "num_microbatches")
+_RANK_FIELDS = ("rank", "node", "local_rank", "stage", "dp", "tp", "ep")
+_PREDICTED = (
+    "step_time_s",
+    "mfu",
+    "tflops_per_gpu",
+    "tokens_per_s",
+    "bubble_fraction",
+    "usable_memory_gib",
+)
+_RECOMPUTE = ("none", "selective", "full")
+_FIX = "regenerate it with 'piper plan'"
+
+
+class _Checker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, field: str, problem: str, fix: str = _FIX) -> SpecError:
+        return SpecError(f"{self.path}: field '{field}' {problem}; {fix}")
+
+    def get(self, d: dict[str, Any], key: str, where: str, typ: type | tuple[type, ...]) -> Any:
+        field = f"{where}{key}"
+        if key not in d:
+            raise self.fail(field, "is missing")
+        value = d[key]
+        if isinstance(value, bool) and typ is not bool or not isinstance(value, typ):
+            raise self.fail(field, f"has the wrong type ({type(value).__name__} {value!r})")
+        return value
+
+    def int_at_least(self, d: dict[str, Any], key: str, where: str, minimum: int) -> int:
+        value = self.get(d, key, where, int)
+        if value < minimum:
+            raise self.fail(f"{where}{key}", f"must be >= {minimum}, got {value}")
+        return value
+
+    def number(self, d: dict[str, Any], key: str, where: str) -> float:
+        return self.nonnegative(self.get(d, key, where, (int, float)), f"{where}{key}")
+
+    def nonnegative(self, value: Any, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(field, f"has the wrong type ({type(value).__name__} {value!r})")
+        if math.isnan(value) or value < 0:
+            raise self.fail(field, f"must be a number >= 0, got {value}")
+        return float(value)
+
+    def items(self, d: dict[str, Any], key: str) -> list[dict[str, Any]]:
+        """A list of JSON objects, e.g. `stages`."""
+        values = self.get(d, key, "", list)
+        for i, v in enumerate(values):
+            if not isinstance(v, dict):
+                raise self.fail(f"{key}[{i}]", f"must be an object, got {type(v).__name__}")
+        return values
+
+    def int_list(self, d: dict[str, Any], key: str, where: str, lo: int, hi: int) -> list[int]:
+        values = self.get(d, key, where, list)
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < hi:
+                raise self.fail(f"{where}{key}", f"holds {v!r}; every entry is an integer in "
+                                f"[{lo}, {hi})")  # fmt: skip
+        return values
+
+
+def check_plan_dict(d: Any, path: str = "plan.json") -> None:
+    """Validate a parsed plan.json of the supported schema version (see the module docstring).
+
+    Args:
+        d: the parsed JSON document.
+        path: the file it came from, named in every error.
+    Raises:
+        SpecError: one line naming `path`, the field and the fix.
+    """
+    if not isinstance(d, dict):
+        raise SpecError(f"{path}: a plan must be a JSON object, got a {type(d).__name__}; {_FIX}")
+    from planner.plan.schema import SCHEMA_VERSION
+
+    if d.get("schema_version") != SCHEMA_VERSION:
+        return  # planner.plan.schema reports a missing or unsupported version
+    c = _Checker(path)
+    for key in ("model", "cluster", "training", "parallel", "predicted", "solver"):
+        c.get(d, key, "", dict)
+    par = d["parallel"]
+    sizes = {k: c.int_at_least(par, k, "parallel.", 1) for k in _SIZES}
+    if c.get(par, "recompute", "parallel.", str) not in _RECOMPUTE:
+        raise c.fail("parallel.recompute", f"is {par['recompute']!r}, not one of {_RECOMPUTE}")
+    _check_sizes(c, sizes)
+    _check_stages(c, c.items(d, "stages"), sizes["pp"])
+    _check_experts(c, c.items(d, "experts"), sizes["ep"])
+    _check_ranks(c, c.items(d, "ranks"), sizes)
+    _check_predicted(c, d["predicted"], sizes["pp"])
+    for key in ("backend", "status"):
+        c.get(d["solver"], key, "solver.", str)
+    for key in ("objective", "bound", "gap"):
+        c.get(d["solver"], key, "solver.", (int, float))
+
+
+def _check_sizes(c: _Checker, s: dict[str, int]) -> None:
+    group = s["dp"] * s["tp"]
+    if group % s["ep"]:
+        raise c.fail("parallel.ep", f"is {s['ep']} and must divide dp*tp = {group}")
+    if s["edp"] != group // s["ep"]:
+        raise c.fail("parallel.edp", f"is {s['edp']} and must be dp*tp/ep = {group // s['ep']}")
+
+
+def _check_stages(c: _Checker, stages: list[dict[str, Any]], pp: int) -> None:
+    if len(stages) != pp:
+        raise c.fail("stages", f"has {len(stages)} entries but parallel.pp = {pp}")
+    next_layer = None
+    for i, st in enumerate(stages):
+        where = f"stages[{i}]."
+        if c.int_at_least(st, "stage", where, 0) != i:
+            raise c.fail(f"{where}stage", f"is {st['stage']}, expected {i} (stages in order)")
+        layers = c.int_list(st, "layers", where, 0, 1 << 31)
+        if not layers or layers != list(range(layers[0], layers[0] + len(layers))):
+            raise c.fail(f"{where}layers", "must be a non-empty run of consecutive layers")
+        if next_layer is not None and layers[0] != next_layer:
+            raise c.fail(f"{where}layers", f"starts at {layers[0]}, expected {next_layer}")
+        next_layer = layers[-1] + 1
+        if "recompute_layers" in st:
+            recompute = c.int_list(st, "recompute_layers", where, 0, 1 << 31)
+            if not set(recompute) <= set(layers):
+                raise c.fail(f"{where}recompute_layers", "must be layers of that stage")
+
+
+def _check_experts(c: _Checker, experts: list[dict[str, Any]], ep: int) -> None:
+    for i, e in enumerate(experts):
+        where = f"experts[{i}]."
+        c.int_at_least(e, "layer", where, 0)
+        c.int_list(e, "rank_of_expert", where, 0, ep)
+
+
+def _check_ranks(c: _Checker, ranks: list[dict[str, Any]], s: dict[str, int]) -> None:
+    world = s["pp"] * s["dp"] * s["tp"]
+    if not ranks:  # a hand-written plan may leave rank placement out (calibrate, export)
+        return
+    if len(ranks) != world:
+        raise c.fail("ranks", f"has {len(ranks)} entries but pp*dp*tp = {world}")
+    bounds = {"stage": s["pp"], "dp": s["dp"], "tp": s["tp"], "ep": s["ep"], "rank": world}
+    for i, r in enumerate(ranks):
+        for key in _RANK_FIELDS:
+            value = c.int_at_least(r, key, f"ranks[{i}].", 0)
+            if key in bounds and value >= bounds[key]:
+                raise c.fail(f"ranks[{i}].{key}", f"is {value}; it must be < {bounds[key]}")
+    if sorted(r["rank"] for r in ranks) != list(range(world)):
+        raise c.fail("ranks", f"must number the ranks 0..{world - 1} once each")
+
+
+def _check_predicted(c: _Checker, pred: dict[str, Any], pp: int) -> None:
+    for key in _PREDICTED:
+        c.number(pred, key, "predicted.")
+    memory = c.get(pred, "memory_gib_per_stage", "predicted.", list)
+    if len(memory) != pp:
+        raise c.fail("predicted.memory_gib_per_stage", f"has {len(memory)} values, pp = {pp}")
+    for i, gib in enumerate(memory):
+        c.nonnegative(gib, f"predicted.memory_gib_per_stage[{i}]")
+    if "comm_s" in pred:
+        for name, seconds in c.get(pred, "comm_s", "predicted.", dict).items():
+            c.nonnegative(seconds, f"predicted.comm_s.{name}")

@@ -1,0 +1,141 @@
+"""The layouts Piper's plan is compared with, side by side in summary.md and the CLI output.
+
+- uniform: the best layout of the same search space when layers are split evenly over the
+  stages (the first L % pp stages get one more layer) and recompute is all-or-nothing;
+- xmoe: an X-MoE-like layout: no pipeline (pp = 1), tp = 1, flat expert parallelism over
+  all GPUs (the largest ep dividing both the GPU count and the experts), ZeRO turned on if
+  that is what makes it fit;
+- megatron: a Megatron-LM rule of thumb: EP x TP fills one node, PP is the smallest that fits
+  memory with an even split, micro-batch 1, recompute only if needed.
+Each is scored by the same resource model as Piper's plan; speedup = its step / Piper's step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from planner.search import bounds
+from planner.search.evaluator import EstimateView
+from planner.search.branch_bound import SearchContext, training_for
+from planner.parallel import ParallelConfig, divisors
+from planner.resources.cost import even_split
+from planner.resources.stage_inputs import StageCostInputs
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str  # "uniform" | "xmoe" | "megatron"
+    title: str
+    parallel: ParallelConfig | None
+    zero: bool
+    estimate: EstimateView | None
+    note: str = ""  # why there is no estimate, or what was needed to make it fit
+
+    def speedup(self, piper_step_s: float) -> float:
+        """How many times faster Piper's step is (nan when the baseline does not fit)."""
+        if self.estimate is None or not self.estimate.fits:
+            return math.nan
+        return self.estimate.step_time_s / piper_step_s
+
+
+@dataclass(frozen=True)
+class _Scored:
+    step_s: float
+    order: int
+    par: ParallelConfig
+    zero: bool
+
+
+TITLES = {
+    "uniform": "best uniform split",
+    "xmoe": "X-MoE-like (flat EP, pp=1)",
+    "megatron": "Megatron rule of thumb (EPxTP in a node, even PP)",
+}
+
+
+def _even_score(inputs: StageCostInputs, par: ParallelConfig) -> float | None:
+    """1F1B step of an even split with all-or-nothing recompute; None if it does not fit."""
+    split = even_split(len(inputs.units), par.pp)
+    mem, time = bounds.split_cost(inputs, split, par.recompute != "none")
+    if max(mem) > inputs.usable_memory_bytes:
+        return None
+    return (par.num_microbatches + par.pp - 1) * max(time)
+
+
+def _finish(ctx: SearchContext, name: str, best: _Scored | None, note: str) -> Baseline:
+    if best is None:
+        return Baseline(name, TITLES[name], None, ctx.training.zero, None, note)
+    training = replace(training_for(ctx.training, best.par), zero=best.zero)
+    n = len(ctx.model.layers)
+    layers = even_split(n, best.par.pp)
+    rc = layers if best.par.recompute != "none" else tuple(() for _ in layers)
+    est = ctx.evaluator.estimate(ctx.model, ctx.cluster, training, best.par, layers, rc)
+    note = "needs ZeRO to fit" if best.zero and not ctx.training.zero else ""
+    return Baseline(name, TITLES[name], best.par, best.zero, est, note)
+
+
+def uniform(ctx: SearchContext, inputs: Mapping[ParallelConfig, StageCostInputs]) -> Baseline:
+    """The best even-split layout among the search's memory-screened candidates."""
+    best = None
+    for order, (par, inp) in enumerate(inputs.items()):
+        step = _even_score(inp, par)
+        if step is not None and (best is None or (step, order) < (best.step_s, best.order)):
+            best = _Scored(step, order, par, ctx.training.zero)
+    return _finish(ctx, "uniform", best, "no layout fits with an even split")
+
+
+def _best_of(ctx: SearchContext, layouts: Iterable[tuple[ParallelConfig, bool]]) -> _Scored | None:
+    best = None
+    for order, (par, zero) in enumerate(layouts):
+        training = replace(training_for(ctx.training, par), zero=zero)
+        inp = ctx.evaluator.cost_inputs(ctx.model, ctx.cluster, training, par)
+        step = _even_score(inp, par)
+        if step is not None and (best is None or (step, order) < (best.step_s, best.order)):
+            best = _Scored(step, order, par, zero)
+    return best
+
+
+def xmoe(ctx: SearchContext) -> Baseline:
+    """pp=1, tp=1, dp=GPUs, flat EP; best micro-batch and recompute; ZeRO when needed."""
+    gpus, batch = ctx.space.gpus, ctx.training.global_batch
+    if batch % gpus:
+        return Baseline("xmoe", TITLES["xmoe"], None, False, None, "GPUs do not divide the batch")
+    ep = max(d for d in divisors(gpus) if max(ctx.model.num_experts, 1) % d == 0)
+    per_dp = batch // gpus
+    zeros = sorted({ctx.training.zero, True})
+    layouts = [
+        (ParallelConfig(1, gpus, 1, ep, mb, per_dp // mb, rc), zero)
+        for zero in zeros
+        for rc in ("none", "full")
+        for mb in divisors(per_dp)
+    ]
+    fit_plain = _best_of(ctx, [lz for lz in layouts if lz[1] == ctx.training.zero])
+    best = fit_plain or _best_of(ctx, layouts)
+    return _finish(ctx, "xmoe", best, "does not fit even with ZeRO and full recompute")
+
+
+def megatron(ctx: SearchContext) -> Baseline:
+    """EP x TP = one node (as far as experts and heads allow), smallest PP that fits, mb=1."""
+    g, gpus = ctx.cluster.gpus_per_node, ctx.space.gpus
+    experts = max(ctx.model.num_experts, 1)
+    heads = ctx.model.layers[0].attention.num_heads
+    ep = max(d for d in divisors(experts) if d <= g and gpus % d == 0)
+    tp = max(t for t in divisors(heads) if ep * t <= g and gpus % t == 0)
+    for rc in ("none", "full"):
+        for pp in divisors(gpus // tp):
+            dp = gpus // (pp * tp)
+            if pp > ctx.model.num_layers or ctx.training.global_batch % dp or (dp * tp) % ep:
+                continue
+            m = ctx.training.global_batch // dp
+            best = _best_of(ctx, [(ParallelConfig(pp, dp, tp, ep, 1, m, rc), ctx.training.zero)])
+            if best is not None:
+                return _finish(ctx, "megatron", best, "")
+    return _finish(ctx, "megatron", None, "no pipeline depth fits with an even split")
+
+
+def all_baselines(
+    ctx: SearchContext, inputs: Mapping[ParallelConfig, StageCostInputs]
+) -> tuple[Baseline, ...]:
+    return (uniform(ctx, inputs), xmoe(ctx), megatron(ctx))

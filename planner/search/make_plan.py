@@ -1,0 +1,230 @@
+"""make_plan(): the planner's entry point: search layouts, place experts and ranks, compare baselines.
+
+The search itself (enumerate -> screen by bounds -> branch and bound on the stage IP) lives in
+planner.search.branch_bound; the plan document in planner.search.assemble; the baselines in
+planner.search.baselines. planner/PLANNING.md describes the whole for users.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from planner.search import assemble
+from planner.search.evaluator import Evaluator
+from planner.search.baselines import Baseline, all_baselines
+from planner.search.branch_bound import (
+    CandidateRow,
+    Progress,
+    SearchContext,
+    describe,
+    new_context,
+    reinstall_sigint,
+    search_layouts,
+    training_for,
+)
+from planner.ip.solvers import SolverOptions
+from planner.plan.schema import Plan, Predicted
+from planner.specs import ClusterSpec, ModelSpec, Recompute, TrainingSpec
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Everything `piper plan` reports. `plan` is None when no layout fits (see `message`)."""
+
+    plan: Plan | None
+    rows: tuple[CandidateRow, ...]  # ranked: candidates.csv
+    best: CandidateRow | None
+    baselines: tuple[Baseline, ...]
+    timings: tuple[tuple[str, float], ...]  # wall clock (s) and counts: timings.json only
+    interrupted: bool
+    message: str  # one line: why there is no plan and what would make one fit; or ""
+    gpus: int = 0
+
+
+def make_plan(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    gpus: int,
+    fixed: Mapping[str, int | None] | None,
+    options: SolverOptions,
+    allocation: Any = None,
+    trace_loads: Mapping[int, Sequence[float]] | None = None,
+    progress: Progress | None = None,
+    *,
+    recompute: Sequence[Recompute] | None = None,
+    max_ep: int | None = None,
+    evaluator: Evaluator | None = None,
+    score: Literal["dp", "ip"] = "dp",
+    dispatcher: Literal["flat", "halo"] = "flat",
+) -> PlanResult:
+    """Find the layout and placement with the best predicted step time that fits in memory.
+
+    Args:
+        model, cluster, training: the inputs (training.global_batch in sequences).
+        gpus: devices to use (<= cluster.total_gpus).
+        fixed: sizes the user fixed, any of pp, dp, tp, ep, micro_batch (None = searched).
+        options: solver backend, per-IP time limit (s), threads (candidates solved at once),
+            seed.
+        allocation: a real node allocation for the rank IP (None = the first `gpus` devices).
+        trace_loads: transformer layer index -> tokens per expert (load_E); None = uniform.
+        progress: called with (candidates done, candidates to solve) during the search.
+        recompute: recompute policies to try (default: none and full, chosen per layer).
+        max_ep: largest EP group allowed (keep EP inside a fast domain); None = no limit.
+        evaluator: the resource model and IPs (default: the real ones; tests pass stubs).
+        score: "dp" finds each candidate's split with the exact DP (the stage IP where the DP
+            is not exact) and re-solves the winner with the stage IP; "ip" solves every
+            candidate with the stage IP. Both give the same plan; "dp" is much faster.
+        dispatcher: the all-to-all priced by the default evaluator ("flat" or "halo").
+    Returns:
+        PlanResult; plan is None when nothing fits (message says what would) or when Ctrl-C
+        came before any candidate was solved (interrupted is then True).
+    """
+    if evaluator is None:
+        from planner.search.model_evaluator import default_evaluator
+
+        evaluator = default_evaluator(dispatcher)
+    t0 = time.perf_counter()
+    ctx = new_context(
+        model, cluster, training, gpus, fixed, options, evaluator, recompute, max_ep, score
+    )
+    found = search_layouts(ctx, progress)
+    rows, best, interrupted, timings = found.rows, found.best, found.interrupted, found.timings
+    t1 = time.perf_counter()
+    baselines: tuple[Baseline, ...] = ()
+    if not interrupted:
+        try:
+            baselines = all_baselines(ctx, found.inputs)
+        except KeyboardInterrupt:  # Ctrl-C while scoring baselines: keep the plan, skip them
+            interrupted = True
+    t2 = time.perf_counter()
+    timings.update({"baselines_s": t2 - t1})
+    if best is None:
+        message = "" if interrupted else no_fit_message(ctx, rows)
+        timings["total_s"] = time.perf_counter() - t0
+        return PlanResult(None, rows, None, baselines, _t(timings), interrupted, message, gpus)
+    doc = _plan_document(ctx, best, allocation, trace_loads, baselines, interrupted)
+    timings["placement_s"] = time.perf_counter() - t2
+    timings["total_s"] = time.perf_counter() - t0
+    return PlanResult(doc, rows, best, baselines, _t(timings), interrupted, "", gpus)
+
+
+def _t(timings: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    return tuple(sorted(timings.items()))
+
+
+def _plan_document(
+    ctx: SearchContext,
+    best: CandidateRow,
+    allocation: Any,
+    trace_loads: Mapping[int, Sequence[float]] | None,
+    baselines: Sequence[Baseline],
+    interrupted: bool,
+) -> Plan:
+    assert best.estimate is not None and best.stages is not None
+    par, est = best.parallel, best.estimate
+    placement = assemble.place(
+        ctx.evaluator, ctx.model, par, ctx.cluster, allocation, trace_loads, ctx.options
+    )
+    reinstall_sigint()
+    model_doc = ctx.evaluator.describe_model(ctx.model)
+    g = ctx.cluster.gpus_per_node
+    cluster_doc = {
+        **ctx.evaluator.describe_cluster(ctx.cluster),
+        "gpus": ctx.space.gpus,
+        "nodes_used": -(-ctx.space.gpus // g),
+    }
+    sizes = {
+        "gpus": ctx.space.gpus,
+        "fixed": dict(ctx.space.fixed),
+        "recompute": list(ctx.space.recompute),
+        "max_ep": ctx.space.max_ep,
+        "solver": ctx.options.backend,
+        "seed": ctx.options.seed,
+        "dispatcher": getattr(ctx.evaluator, "dispatcher", ""),
+        "trace": {str(k): list(v) for k, v in sorted((trace_loads or {}).items())},
+        "allocation": repr(getattr(allocation, "nodes", allocation)) if allocation else None,
+    }
+    digest = assemble.inputs_sha256(model_doc, cluster_doc, ctx.training, sizes)
+    predicted = Predicted(
+        est.step_time_s,
+        est.mfu,
+        est.tflops_per_gpu,
+        est.tokens_per_s,
+        est.bubble_fraction,
+        tuple(est.memory_gib_per_stage),
+        est.usable_memory_gib,
+        tuple(sorted(est.comm_s)),
+    )
+    extra = {
+        "dispatcher": sizes["dispatcher"],
+        "interrupted": interrupted,
+        "baselines": [_baseline_doc(b, est.step_time_s) for b in baselines],
+    }
+    return assemble.build_plan(
+        model_doc=model_doc,
+        cluster_doc=cluster_doc,
+        training=training_for(ctx.training, par),
+        par=par,
+        stage_layers=best.stages.stage_layers,
+        recompute_layers=best.stages.recompute_layers,
+        predicted=predicted,
+        stage_report=best.stages.report,
+        placement=placement,
+        digest=digest,
+        extra=extra,
+    )
+
+
+def _baseline_doc(b: Baseline, piper_step_s: float) -> dict[str, Any]:
+    est = b.estimate
+    return {
+        "name": b.name,
+        "layout": describe(b.parallel) if b.parallel else "",
+        "zero": b.zero,
+        "fits": bool(est and est.fits),
+        "step_time_s": est.step_time_s if est else None,
+        "tflops_per_gpu": est.tflops_per_gpu if est else None,
+        "speedup": None if math.isnan(b.speedup(piper_step_s)) else b.speedup(piper_step_s),
+        "note": b.note,
+    }
+
+
+def no_fit_message(ctx: SearchContext, rows: Sequence[CandidateRow]) -> str:
+    """One line: the closest candidate, how far it is from fitting, and what would help."""
+    need = [r for r in rows if not math.isnan(r.memory_need_gib)]
+    tips = []
+    if "full" not in ctx.space.recompute:
+        tips.append("--recompute full")
+    if not ctx.training.zero:
+        tips.append("--zero")
+    if not need:
+        closest_text = "no candidate"
+        tips.append("more GPUs")
+    else:
+        closest = min(need, key=lambda r: (r.memory_need_gib, r.order))
+        usable = closest.usable_memory_gib
+        ratio = closest.memory_need_gib / usable if usable > 0 else math.inf
+        if closest.parallel.micro_batch > 1:
+            tips.append("a smaller --micro-batch")
+        if math.isfinite(ratio):
+            more = ctx.space.gpus * max(2, 2 ** math.ceil(math.log2(max(ratio, 1.0))))
+            tips.append(f"more GPUs (try --gpus {more})")
+        else:  # overhead + recompute workspace leave nothing: more GPUs cannot help
+            tips.append("a device with more memory or a smaller framework_overhead_gib")
+        closest_text = (
+            f"closest is {describe(closest.parallel)} needing {closest.memory_need_gib:.1f} GiB "
+            f"> {usable:.1f} GiB usable"
+        )
+    if ctx.space.fixed:
+        tips.append("fewer fixed sizes")
+    if any(r.solver_status == "NOT_SOLVED" for r in rows):
+        tips.append("a larger --time-limit-s (some stage IPs found no split in time)")
+    return (
+        f"plan: no layout of {ctx.model.name} on {ctx.space.gpus} GPUs of {ctx.cluster.name} "
+        f"fits in memory; {closest_text}; try {', '.join(tips)}"
+    )

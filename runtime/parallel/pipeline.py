@@ -1,0 +1,151 @@
+"""Pipeline stages and schedule (torch.distributed.pipelining) and the gradient sync.
+
+Each rank owns one stage (the plan has pp stages, one per pipeline rank); the schedule is
+`Schedule1F1B` from torch.distributed.pipelining (GPipe when micro-batches < pp, which 1F1B
+refuses), with the library's runtime shape inference.
+(Declaring static shapes with input/output args and grads, in torch 2.13 on gloo, left the
+first stage with zero gradients, which the single-device oracle test caught; without grads
+the static path refuses to run backward.) pp = 1 runs the same micro-batch loop by hand
+(forward, backward of loss / num_microbatches), which is what the schedule does.
+
+Gradient sync after the schedule: dense parameters are averaged over the stage's
+data-parallel group; expert parameters are summed over the expert-DP group and divided by
+dp (each expert already received the gradients of the whole EP group's tokens through the
+all-to-all backward), which makes the update equal to a single-device step on the global
+batch. Shape letters: B = sequences, S = sequence length, D = hidden, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from runtime.parallel.mesh import Mesh
+from runtime.metrics import ByteCounter
+from runtime.model.transformer import StageModule, lm_loss
+
+
+class CountingStage(PipelineStage):
+    """A PipelineStage that records the bytes of every activation / gradient it sends."""
+
+    counter: ByteCounter | None = None
+
+    def _count(self, ops):
+        if self.counter is not None:
+            for op in ops:
+                self.counter.add("p2p", op.tensor.numel() * op.tensor.element_size(), op.peer)
+        return ops
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        """The library's one-time shape-inference forward: not training, so the MoE layers
+        do not count its tokens (its all-to-all bytes are counted: they were sent)."""
+        moes = self.submod.moe_layers().values()
+        for moe in moes:
+            moe.counting = False
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            for moe in moes:
+                moe.counting = True
+
+    def _to_tensor(self, arg):
+        """Materialize inferred inputs as zeros, not uninitialized memory (deterministic)."""
+        out = super()._to_tensor(arg)
+        if isinstance(out, torch.Tensor) and not isinstance(arg, torch.Tensor):
+            with torch.no_grad():
+                out.zero_()
+        return out
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self._count(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self._count(super().get_bwd_send_ops(bwd_chunk_id))
+
+
+class PipelineRunner:
+    """Runs one optimizer step's forward/backward over the micro-batches of one replica.
+
+    Args:
+        module: this rank's StageModule. mesh: its groups. micro_batch, num_microbatches,
+        seq_len: shapes. counter: where p2p bytes are recorded. device: torch device.
+    """
+
+    def __init__(
+        self,
+        module: StageModule,
+        mesh: Mesh,
+        micro_batch: int,
+        num_microbatches: int,
+        seq_len: int,
+        counter: ByteCounter,
+        device: torch.device,
+    ) -> None:
+        self.module, self.mesh, self.m = module, mesh, num_microbatches
+        pp = len(mesh.pp_ranks)
+        self.schedule = None
+        if pp == 1:
+            return
+        stage = CountingStage(module, mesh.me.stage, pp, device, group=mesh.pp_group)
+        order = sorted(mesh.pp_ranks)
+        stage.stage_index_to_group_rank = {s: order.index(r) for s, r in enumerate(mesh.pp_ranks)}
+        stage.counter = counter
+        # 1F1B needs at least pp micro-batches; fewer run as GPipe (same math, more memory)
+        schedule = Schedule1F1B if num_microbatches >= pp else ScheduleGPipe
+        self.schedule = schedule(stage, num_microbatches, loss_fn=lm_loss)
+
+    def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float | None:
+        """Forward + backward of every micro-batch; returns the mean loss on the last stage."""
+        if self.schedule is None:
+            total = 0.0
+            for x, y in zip(inputs_BS.chunk(self.m), targets_BS.chunk(self.m), strict=True):
+                loss = lm_loss(self.module(x), y) / self.m
+                loss.backward()
+                total += float(loss.detach())
+            return total
+        losses: list[torch.Tensor] = []
+        if self.module.first:
+            self.schedule.step(inputs_BS)
+        elif self.module.last:
+            self.schedule.step(target=targets_BS, losses=losses)
+        else:
+            self.schedule.step()
+        if self.module.last:
+            return float(torch.stack([x.detach() for x in losses]).mean())
+        return None
+
+
+def _allreduce_mean(
+    params, group, members: list[int], divisor: int, counter: ByteCounter, kind: str
+) -> None:
+    """Sum the grads of `params` over `group` in one flat buffer and divide by `divisor`."""
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if len(members) > 1:
+        dist.all_reduce(flat, group=group)
+        counter.add_allreduce(kind, flat.numel() * flat.element_size(), members)
+    flat /= divisor
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def sync_gradients(module: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -> None:
+    """Dense grads: mean over the dp ranks (same stage and tp_idx). Expert grads: sum over
+    edp, / dp. With tp > 1, the replicated weights that saw only this rank's tokens or heads
+    (StageModule.tp_partial_parameters: norms, routers, row-parallel biases, gates) are
+    first summed over the TP group."""
+    if len(mesh.tp_ranks) > 1:
+        partial = module.tp_partial_parameters()
+        _allreduce_mean(partial, mesh.tp_group, mesh.tp_ranks, 1, counter, "grad_tp")
+    _allreduce_mean(
+        module.dense_parameters(), mesh.dp_group, mesh.dp_ranks, dp, counter, "grad_dense"
+    )
+    _allreduce_mean(
+        module.expert_parameters(), mesh.edp_group, mesh.edp_ranks, dp, counter, "grad_expert"
+    )
