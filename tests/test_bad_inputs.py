@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hardening_cli import (
+from tests.hardening_cli import (
     BASE_CLUSTER,
     BASE_MODEL,
     base_cluster_dict,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hardening_cli import has_command, run_piper, snapshot
+from tests.hardening_cli import has_command, run_piper, snapshot
 
 from planner.inputs.models import load_model
 

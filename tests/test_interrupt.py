@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hardening_cli import REPO, has_command, snapshot, tmp_leftovers
+from tests.hardening_cli import REPO, has_command, snapshot, tmp_leftovers
 
 from planner.outputs import files as files_mod
 from planner.outputs.files import write_files
@@ -247,7 +247,7 @@ def test_sigint_during_plan_search(previous, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not has_command("migrate"), reason="piper migrate is not in this tree yet")
 def test_sigint_during_migrate_leaves_previous_results_or_a_complete_set(tmp_path):
-    from test_determinism import write_skewed_trace
+    from tests.test_determinism import write_skewed_trace
 
     # 200 intervals replay in a few seconds: the signal lands mid-replay
     trace = write_skewed_trace(tmp_path / "trace.csv", "tiny-moe", intervals=200, seed=5)

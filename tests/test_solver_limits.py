@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from hardening_cli import run_piper
+from tests.hardening_cli import run_piper
 
 from planner.ip.expert_ip import solve_experts
 from planner.ip.solvers import SolverOptions

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_model
+from tests.planner.migration.conftest import tiny_model
 
 from planner.migration.pricing import balanced_expert_s, build_move_costs, expert_bytes
 from planner.specs import SpecError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_trace
+from tests.planner.migration.conftest import make_trace
 
 from planner.migration import next_placement
 from planner.migration.api import uniform_costs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_trace, write_csv
+from tests.planner.migration.conftest import make_trace, write_csv
 
 from planner.cli import main
 from planner.migration.trace import check_divisible, load_trace, trace_to_csv

@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
+from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
 from planner.search.make_plan import make_plan
 from planner.ip.solvers import SolverOptions

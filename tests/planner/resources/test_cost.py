@@ -4,7 +4,7 @@ that tie estimate() to StageCostInputs."""
 from __future__ import annotations
 
 import pytest
-from resource_specs import make_cluster, make_model
+from tests.planner.resources.resource_specs import make_cluster, make_model
 
 from planner.parallel import ParallelConfig
 from planner.resources.cost import estimate, even_split, stage_cost_inputs

@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
+from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
 from planner.search import bounds
 from planner.search.branch_bound import _evaluate, new_context, screen

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from resource_specs import make_cluster, make_model
+from tests.planner.resources.resource_specs import make_cluster, make_model
 
 from planner.parallel import ParallelConfig
 from planner.resources.cost import estimate, memory_lower_bound_gib

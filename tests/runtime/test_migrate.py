@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from tiny_plans import assert_experts_match_oracle, reference_run, tiny_spec, train_body
+from tests.runtime.tiny_plans import assert_experts_match_oracle, reference_run, tiny_spec, train_body
 
 from runtime.data import load_corpus
 from runtime.metrics import validate_trace

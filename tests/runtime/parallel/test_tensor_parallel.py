@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_plans import reference_losses, tiny_model, train_body
+from tests.runtime.tiny_plans import reference_losses, tiny_model, train_body
 
 from planner.specs import SpecError
 from runtime.data import load_corpus
@@ -259,7 +259,7 @@ def test_pp2_dp2_tp2_ep2_eight_ranks_trains_like_the_oracle(run_distributed):
 def test_tp2_with_live_migration_keeps_every_expert_equal_to_the_oracle(run_distributed):
     """dp=2 x tp=2, ep=2 (EP over each TP pair, edp=2): rotate every 2 steps; the stage's
     decision is shared by all four ranks and the moved experts equal the oracle's."""
-    from tiny_plans import assert_experts_match_oracle, reference_run
+    from tests.runtime.tiny_plans import assert_experts_match_oracle, reference_run
 
     spec = _spec(pp=1, dp=2, tp=2, ep=2, g=2, migrate_every=2, migrate_policy="rotate")
     spec = replace(spec, steps=5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from resource_specs import make_cluster, make_model
+from tests.planner.resources.resource_specs import make_cluster, make_model
 
 from planner.inputs.clusters import load_cluster
 from planner.parallel import ParallelConfig

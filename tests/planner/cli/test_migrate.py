@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import write_csv
+from tests.planner.migration.conftest import write_csv
 
 from planner.cli import main
 from planner.inputs.clusters import load_cluster

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from tiny_plans import tiny_model
+from tests.runtime.tiny_plans import tiny_model
 
 from planner.plan.schema import RankPlan
 from planner.specs import SpecError

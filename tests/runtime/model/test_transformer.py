@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from tiny_plans import tiny_model
+from tests.runtime.tiny_plans import tiny_model
 
 from runtime.data import load_corpus, sample_batch
 from runtime.model.transformer import StageModule, lm_loss

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_plans import reference_losses, tiny_model, train_body
+from tests.runtime.tiny_plans import reference_losses, tiny_model, train_body
 
 from runtime.data import load_corpus, sample_batch
 from runtime.metrics import validate_metrics, validate_trace

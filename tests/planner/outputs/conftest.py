@@ -1,8 +1,0 @@
-"""Output tests share the search tests' toy backend (tests/planner/plan_stubs.py)."""
-
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
