@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.inputs.clusters import load_cluster  # noqa: E402
-from planner.sim.halo import SimResult, simulate_all_to_all  # noqa: E402
 from planner.outputs.files import write_files  # noqa: E402
 from planner.resources.comm import all_to_all_time_s  # noqa: E402
+from planner.sim.halo import SimResult, simulate_all_to_all  # noqa: E402
 
 NODES = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 SIZES = (4 * 2**10, 64 * 2**10, 2**20, 16 * 2**20)  # bytes per rank

@@ -28,11 +28,11 @@ import math
 import time
 
 from planner.inputs.clusters import load_cluster
+from planner.inputs.models import load_model
+from planner.ip.solvers import SolverOptions
+from planner.outputs.files import write_files
 from planner.search.branch_bound import describe
 from planner.search.make_plan import make_plan
-from planner.ip.solvers import SolverOptions
-from planner.inputs.models import load_model
-from planner.outputs.files import write_files
 from planner.specs import SpecError, TrainingSpec
 
 PIPER = (  # model, GCDs, paper's measured TFLOPS/GCD for Piper

@@ -16,10 +16,10 @@ import argparse
 import time
 
 from planner.inputs.clusters import load_cluster
+from planner.inputs.models import load_model
+from planner.ip.solvers import SolverOptions
 from planner.search.branch_bound import describe
 from planner.search.make_plan import make_plan
-from planner.ip.solvers import SolverOptions
-from planner.inputs.models import load_model
 from planner.specs import TrainingSpec
 
 TARGET_S = {1024: 10.0, 16384: 60.0}

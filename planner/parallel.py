@@ -49,6 +49,17 @@ class ParallelConfig:
         return self.dp * self.micro_batch * self.num_microbatches
 
 
+def default_placement(num_experts: int, ep: int) -> tuple[int, ...]:
+    """Expert e on EP rank e // (E / ep): contiguous blocks, Megatron-Core's default order.
+
+    The placement of a plan without an `experts` entry for a layer, the start of every
+    migration replay and the layout an export assumes unless the plan says otherwise.
+    """
+    if ep < 1 or num_experts % ep:
+        raise SpecError(f"parallel: ep={ep} must divide the {num_experts} experts")
+    return tuple(e // (num_experts // ep) for e in range(num_experts))
+
+
 def divisors(n: int) -> list[int]:
     """All positive divisors of n, ascending."""
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]

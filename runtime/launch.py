@@ -26,7 +26,6 @@ from runtime.data import sample_batch
 from runtime.dispatch.flat import FlatAllToAll
 from runtime.dispatch.halo import Halo
 from runtime.dispatch.halo_plan import HaloCost
-from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.metrics import (
     ByteCounter,
     loss_plot_png,
@@ -42,11 +41,12 @@ from runtime.migrate import (
     resolve_policy,
     slot_state_views,
 )
-from runtime.model.transformer import StageModule
 from runtime.model.moe import LocalDispatcher
+from runtime.model.transformer import StageModule
+from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.parallel.pipeline import PipelineRunner, sync_gradients
-from runtime.scale import RunSpec
 from runtime.parallel.tensor_parallel import TPGroup
+from runtime.scale import RunSpec
 
 log = logging.getLogger("runtime.launch")
 
@@ -305,14 +305,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
     """Load the plan and its model and build the (scaled) RunSpec."""
-    from planner.inputs.models import model_from_config
     from planner.plan.schema import load_plan
     from runtime.scale import run_spec_from_plan
 
     plan = load_plan(args.plan)
-    model = model_from_config(
-        plan.model["config"], plan.model.get("name", "model"), plan.model.get("source", args.plan)
-    )
+    model = plan.model_spec(args.plan)
     return run_spec_from_plan(
         plan,
         model,

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from runtime.parallel.mesh import Mesh
 from runtime.metrics import ByteCounter
 from runtime.model.moe import MoELayer
+from runtime.parallel.mesh import Mesh
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from planner.parallel import default_placement
 from planner.plan.schema import Plan
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, SpecError
 
@@ -255,11 +256,6 @@ def halo_cost_of(cluster: dict) -> tuple[float, ...]:
     return (message_s, intra, link)
 
 
-def default_placement(num_experts: int, ep: int) -> tuple[int, ...]:
-    """Contiguous blocks: expert e on EP rank e // (E / ep)."""
-    return tuple(e // (num_experts // ep) for e in range(num_experts))
-
-
 def check_placement(table, num_experts: int, ep: int, layer: int) -> None:
     if len(table) != num_experts or any(not 0 <= r < ep for r in table):
         raise SpecError(
@@ -348,7 +344,6 @@ def check_main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from planner.inputs.models import model_from_config
     from planner.plan.schema import load_plan
 
     p = argparse.ArgumentParser(prog="python -m runtime.scale")
@@ -359,11 +354,7 @@ def check_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         plan = load_plan(args.plan)
-        model = model_from_config(
-            plan.model["config"],
-            plan.model.get("name", "model"),
-            plan.model.get("source", args.plan),
-        )
+        model = plan.model_spec(args.plan)
         spec = run_spec_from_plan(plan, model, args.scale, args.ranks_per_node)
         if args.nproc is not None and args.nproc != spec.world:
             raise SpecError(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from tests.hardening_cli import (
     BASE_CLUSTER,
     BASE_MODEL,
@@ -272,9 +273,9 @@ PLAN_FAULTS = [
 def good_plan_json() -> str:
     """plan.json text of a real plan for tiny-moe on 4 cpu-gloo ranks (tp=1, runnable)."""
     from planner.inputs.clusters import load_cluster
-    from planner.search.make_plan import make_plan
-    from planner.ip.solvers import SolverOptions
     from planner.inputs.models import load_model
+    from planner.ip.solvers import SolverOptions
+    from planner.search.make_plan import make_plan
     from planner.specs import TrainingSpec
 
     result = make_plan(

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.hardening_cli import has_command, run_piper, snapshot
 
 from planner.inputs.models import load_model
+from tests.hardening_cli import has_command, run_piper, snapshot
 
 TIMINGS = "timings.json"
 

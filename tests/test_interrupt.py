@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.hardening_cli import REPO, has_command, snapshot, tmp_leftovers
 
 from planner.outputs import files as files_mod
 from planner.outputs.files import write_files
 from planner.plan.schema import load_plan
+from tests.hardening_cli import REPO, has_command, snapshot, tmp_leftovers
 
 
 def assert_consistent_set(out: Path) -> dict:

@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 
 from planner.inputs.allocation import parse_allocation
 from planner.inputs.clusters import cluster_from_dict
-from planner.search.make_plan import make_plan
+from planner.inputs.models import model_from_config
 from planner.ip.solvers import SolverOptions
 from planner.migration.trace import check_divisible, load_trace
-from planner.inputs.models import model_from_config
 from planner.plan.schema import plan_from_dict
+from planner.search.make_plan import make_plan
 from planner.specs import SpecError, TrainingSpec
 
 SETTINGS = settings(

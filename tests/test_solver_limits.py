@@ -12,10 +12,10 @@ import time
 
 import numpy as np
 import pytest
-from tests.hardening_cli import run_piper
 
 from planner.ip.expert_ip import solve_experts
 from planner.ip.solvers import SolverOptions
+from tests.hardening_cli import run_piper
 
 LIMIT_S = 0.3
 # model building, presolve and a loaded CI machine. Without the limit both backends run this

@@ -165,22 +165,11 @@ def _predicted_stage_a2a(plan: Plan, cluster: ClusterSpec | None):
 
 def plan_inputs(plan: Plan, cluster: ClusterSpec | None = None):
     """(model, cluster, training, parallel) the plan was made for, rebuilt from plan.json."""
-    from planner.inputs.clusters import cluster_from_dict, load_cluster
-    from planner.inputs.models import load_model, model_from_config
     from planner.parallel import ParallelConfig
 
-    m = plan.model
-    if "config" in m:
-        model = model_from_config(m["config"], m.get("name", "model"), m.get("source", ""))
-    else:
-        model = load_model(m.get("source") or m["name"])
+    model = plan.model_spec()
     if cluster is None:
-        c = plan.cluster
-        if "levels" in c:
-            cluster = cluster_from_dict(c, source="plan.json cluster")
-        else:
-            src = c.get("source", "")
-            cluster = load_cluster(src if src and Path(src).is_file() else c["name"])
+        cluster = plan.cluster_spec()
     known = {f.name for f in fields(TrainingSpec)}
     tr = {k: v for k, v in plan.training.items() if k in known}
     if "extra" in tr:

@@ -6,8 +6,8 @@ import argparse
 import json
 import re
 
-from planner.sim.halo import SimResult, simulate_all_to_all
 from planner.sim.a2a import ALGOS
+from planner.sim.halo import SimResult, simulate_all_to_all
 from planner.specs import SpecError
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6, "gb": 1e9}

@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from planner.resources.model_info import describe_model
 from planner.inputs.models import list_model_presets
+from planner.resources.model_info import describe_model
 from planner.specs import SpecError
 
 

@@ -128,10 +128,10 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.search.make_plan import make_plan
     from planner.ip.solvers import SolverOptions
     from planner.outputs.files import write_files
     from planner.outputs.reports import render_files, summary_dict, summary_text
+    from planner.search.make_plan import make_plan
 
     model, cluster, training = _inputs(args)
     options = SolverOptions(args.solver, args.time_limit_s, args.threads, args.seed)

@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from planner.outputs.files import write_files
 from planner.inputs.paths import CLUSTERS_DIR
+from planner.outputs.files import write_files
 from planner.specs import SpecError
 
 
@@ -104,8 +104,8 @@ def _launch(args: argparse.Namespace, raw_path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.inputs.clusters import load_cluster
     from planner.calibrate.profile_tables import profile_to_cluster_dict, profile_yaml
+    from planner.inputs.clusters import load_cluster
 
     if args.nproc < 1:
         raise SpecError(f"--nproc {args.nproc}: must be at least 1")

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from planner.inputs.hf_config import ConfigReader
 from planner.inputs.families import build_model, check_model
+from planner.inputs.hf_config import ConfigReader
 from planner.inputs.paths import MODELS_DIR
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecError
 

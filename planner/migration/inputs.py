@@ -116,14 +116,10 @@ def _model_and_cluster(
     cluster_name: str | None,
 ) -> tuple[ModelSpec, ClusterSpec]:
     """--model / --cluster, else the plan's, else the defaults (module docstring)."""
-    from planner.inputs.clusters import cluster_from_dict, load_cluster
-    from planner.inputs.models import model_from_config
+    from planner.inputs.clusters import load_cluster
 
     if plan is not None and not model_name:
-        cfg = plan.model.get("config")
-        if not isinstance(cfg, dict):
-            raise SpecError(f"{plan_path}: model.config missing; regenerate it with 'piper plan'")
-        model = model_from_config(cfg, str(plan.model.get("name", "plan")), str(plan_path))
+        model = plan.model_spec(str(plan_path))
         if model.num_experts != trace.num_experts:
             raise SpecError(
                 f"{plan_path}: its model has {model.num_experts} experts, the trace "
@@ -132,12 +128,8 @@ def _model_and_cluster(
     else:
         model = pick_model(trace.num_experts, model_name)
     if plan is not None and not cluster_name:
-        # `piper plan` embeds the whole cluster profile, so moves are priced on the very
-        # cluster the plan was made for; a hand-written plan may name a preset instead.
-        if "levels" in plan.cluster:
-            cluster = cluster_from_dict(dict(plan.cluster), str(plan_path))
-        else:
-            cluster = load_cluster(str(plan.cluster.get("name") or plan.cluster.get("source")))
+        # moves are priced on the very cluster the plan was made for
+        cluster = plan.cluster_spec(str(plan_path))
     else:
         cluster = load_cluster(cluster_name or DEFAULT_CLUSTER)
     return model, cluster

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.parallel import default_placement
+
 EMPTY = -1
 
 
@@ -40,8 +42,8 @@ def initial_slots(rank_of_expert_E: np.ndarray, ranks: int, redundant_slots: int
 
 
 def default_rank_of_expert(experts: int, ranks: int) -> np.ndarray:
-    """Expert e on rank e // (E / R): the contiguous default of Megatron and the planner."""
-    return np.arange(experts, dtype=np.int64) // (experts // ranks)
+    """planner.parallel.default_placement as an array (E,)."""
+    return np.asarray(default_placement(experts, ranks), dtype=np.int64)
 
 
 def replica_counts(slots_RS: np.ndarray, experts: int) -> np.ndarray:

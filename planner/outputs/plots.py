@@ -17,8 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from planner.search.evaluator import EstimateView  # noqa: E402
 from planner.plan.schema import Plan  # noqa: E402
+from planner.search.evaluator import EstimateView  # noqa: E402
 
 _META = {"Software": None}
 

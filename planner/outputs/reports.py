@@ -15,9 +15,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from planner.search.evaluator import EstimateView
 from planner.search.baselines import Baseline
 from planner.search.branch_bound import CandidateRow, describe
+from planner.search.evaluator import EstimateView
 from planner.search.make_plan import PlanResult
 
 CANDIDATE_COLUMNS = (

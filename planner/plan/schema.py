@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.plan.check import check_plan_dict
-from planner.specs import SpecError
+from planner.specs import ClusterSpec, ModelSpec, SpecError
 
 SCHEMA_VERSION = 1
 
@@ -97,6 +97,34 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def model_spec(self, where: str = "plan.json") -> ModelSpec:
+        """The model the plan was made for: its embedded config, else the preset or file it
+        names. The one place plan.json's model becomes a ModelSpec."""
+        from planner.inputs.models import load_model, model_from_config
+
+        entry = self.model
+        name = str(entry.get("name") or "model")
+        if isinstance(entry.get("config"), dict) and entry["config"]:
+            return model_from_config(entry["config"], name, str(entry.get("source") or where))
+        if entry.get("source") or entry.get("name"):
+            return load_model(str(entry.get("source") or name))
+        raise SpecError(f"{where}: 'model' has neither 'config' nor 'name'; regenerate the plan")
+
+    def cluster_spec(self, where: str = "plan.json") -> ClusterSpec:
+        """The cluster the plan was made for: the embedded profile (`piper plan` writes the
+        whole of it), else the preset or file a hand-written plan names."""
+        from planner.inputs.clusters import cluster_from_dict, load_cluster
+
+        entry = self.cluster
+        if "levels" in entry:
+            return cluster_from_dict(dict(entry), source=f"{where} cluster")
+        src = str(entry.get("source") or "")
+        if src and Path(src).is_file():
+            return load_cluster(src)
+        if entry.get("name") or src:
+            return load_cluster(str(entry.get("name") or src))
+        raise SpecError(f"{where}: 'cluster' has neither 'levels' nor 'name'; regenerate the plan")
 
 
 def _round_floats(obj: Any, digits: int = 9) -> Any:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
-from planner.resources.params import attention_params
 from planner.resources.memory import act_bytes_per_element, layer_activations
+from planner.resources.params import attention_params
 from planner.resources.tables import lookup
 from planner.specs import AttentionSpec, ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
 

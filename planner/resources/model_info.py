@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.inputs.models import (
+    PublishedCounts,
+    model_from_config,
+    published_counts,
+    resolve_model,
+)
 from planner.resources.flops import FLOPS_FORMULA, flops_per_token
-from planner.inputs.models import PublishedCounts, model_from_config, published_counts, resolve_model
 from planner.resources.params import ParamCounts, count_params
 from planner.specs import LayerSpec, ModelSpec
 

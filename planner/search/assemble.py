@@ -12,9 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from planner.search.evaluator import Evaluator, RankChoice
 from planner.ip.solvers import SolveReport, SolverOptions
-from planner.parallel import ParallelConfig
+from planner.parallel import ParallelConfig, default_placement
 from planner.plan.schema import (
     ExpertPlacement,
     ParallelPlan,
@@ -23,6 +22,7 @@ from planner.plan.schema import (
     SolverReport,
     StagePlan,
 )
+from planner.search.evaluator import Evaluator, RankChoice
 from planner.specs import ModelSpec, TrainingSpec
 
 
@@ -63,18 +63,13 @@ def place(
     for layer, load_E in expert_loads(model, trace_loads).items():
         if load_E not in solved:
             if par.ep == 1 or len(set(load_E)) == 1:
-                solved[load_E] = (_blocks(len(load_E), par.ep), _uniform(load_E, par.ep))
+                solved[load_E] = (default_placement(len(load_E), par.ep), _uniform(load_E, par.ep))
             else:
                 solved[load_E] = evaluator.place_experts(load_E, par.ep, opts)
             reports.append(solved[load_E][1])
         placements.append(ExpertPlacement(layer, tuple(solved[load_E][0])))
     ranks = evaluator.place_ranks(par, cluster, allocation, opts)
     return Placement(tuple(placements), _merge(reports, options.backend), ranks)
-
-
-def _blocks(experts: int, ep: int) -> tuple[int, ...]:
-    """Experts in contiguous blocks of E/ep per rank."""
-    return tuple(e // (experts // ep) for e in range(experts))
 
 
 def _uniform(load_E: Sequence[float], ep: int) -> SolveReport:

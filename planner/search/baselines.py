@@ -16,12 +16,12 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from planner.search import bounds
-from planner.search.evaluator import EstimateView
-from planner.search.branch_bound import SearchContext, training_for
 from planner.parallel import ParallelConfig, divisors
 from planner.resources.cost import even_split
 from planner.resources.stage_inputs import StageCostInputs
+from planner.search import bounds
+from planner.search.branch_bound import SearchContext, training_for
+from planner.search.evaluator import EstimateView
 
 
 @dataclass(frozen=True)

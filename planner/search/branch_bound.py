@@ -25,12 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from planner.search import bounds
-from planner.search.evaluator import Evaluator, EstimateView, StageChoice, gib
-from planner.search.enumerate import SearchSpace, enumerate_layouts, make_space
 from planner.ip.solvers import SolverOptions
 from planner.parallel import ParallelConfig
 from planner.resources.stage_inputs import StageCostInputs
+from planner.search import bounds
+from planner.search.enumerate import SearchSpace, enumerate_layouts, make_space
+from planner.search.evaluator import EstimateView, Evaluator, StageChoice, gib
 from planner.specs import ClusterSpec, ModelSpec, Recompute, SpecError, TrainingSpec
 from planner.topology import check_fits
 

@@ -1,4 +1,4 @@
-"""make_plan(): the planner's entry point: search layouts, place experts and ranks, compare baselines.
+"""make_plan(): the planner's entry point: search layouts, place experts and ranks, baselines.
 
 The search itself (enumerate -> screen by bounds -> branch and bound on the stage IP) lives in
 planner.search.branch_bound; the plan document in planner.search.assemble; the baselines in
@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from planner.ip.solvers import SolverOptions
+from planner.plan.schema import Plan, Predicted
 from planner.search import assemble
-from planner.search.evaluator import Evaluator
 from planner.search.baselines import Baseline, all_baselines
 from planner.search.branch_bound import (
     CandidateRow,
@@ -26,8 +27,7 @@ from planner.search.branch_bound import (
     search_layouts,
     training_for,
 )
-from planner.ip.solvers import SolverOptions
-from planner.plan.schema import Plan, Predicted
+from planner.search.evaluator import Evaluator
 from planner.specs import ClusterSpec, ModelSpec, Recompute, TrainingSpec
 
 

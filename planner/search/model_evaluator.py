@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from planner.search.evaluator import EstimateView, RankChoice, StageChoice
 from planner.ip.solvers import SolveReport, SolverOptions
 from planner.parallel import ParallelConfig
 from planner.plan.schema import RankPlan
 from planner.resources.stage_inputs import StageCostInputs
+from planner.search.evaluator import EstimateView, RankChoice, StageChoice
 from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 
 

@@ -159,7 +159,7 @@ def _print_rows(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from planner.inputs.clusters import load_cluster
-    from planner.inputs.models import load_model, model_from_config
+    from planner.inputs.models import load_model
     from planner.outputs.files import write_files
     from planner.plan.schema import load_plan
     from runtime.scale import scale_layer
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     seq_len = args.seq_len or 4096
     if args.plan:
         plan = load_plan(args.plan)
-        model = model_from_config(plan.model["config"], plan.model.get("name", "model"))
+        model = plan.model_spec(args.plan)
         seq_len = args.seq_len or int(plan.training.get("seq_len", 4096))
     else:
         model = load_model(args.model)

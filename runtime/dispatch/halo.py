@@ -3,7 +3,7 @@
 For EP ranks (node n, local j):
   Phase I   rows for ranks on my own node go there directly (intra-node p2p).
   Phase II  rows for each remote node n' are packed into one message and sent to my rail peer
-            (n', j) (the node's "gateway" for me, see runtime/dispatch/topology.py), so a pair of nodes
+            (n', j) (the node's "gateway" for me, runtime/dispatch/topology.py), so a pair of nodes
             exchanges g large messages instead of g * g small ones.
   Phase III each gateway forwards the rows it received to their final ranks on its node.
 Phase I runs concurrently with Phase II -> Phase III (asynchronous batched p2p). With

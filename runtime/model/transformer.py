@@ -23,7 +23,13 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec
 from runtime.model.moe import MoELayer, init_uniform_, seeded_generator
-from runtime.parallel.tensor_parallel import TPGroup, gather_tokens, shard_linear, sp_gather, split_tokens
+from runtime.parallel.tensor_parallel import (
+    TPGroup,
+    gather_tokens,
+    shard_linear,
+    sp_gather,
+    split_tokens,
+)
 
 
 class RMSNorm(nn.Module):

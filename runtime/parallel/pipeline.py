@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from runtime.parallel.mesh import Mesh
 from runtime.metrics import ByteCounter
 from runtime.model.transformer import StageModule, lm_loss
+from runtime.parallel.mesh import Mesh
 
 
 class CountingStage(PipelineStage):

@@ -7,11 +7,16 @@ import json
 
 import numpy as np
 import pytest
-from tests.runtime.tiny_plans import assert_experts_match_oracle, reference_run, tiny_spec, train_body
 
 from runtime.data import load_corpus
 from runtime.metrics import validate_trace
 from runtime.migrate import greedy_next_placement, rotate_placement
+from tests.runtime.tiny_plans import (
+    assert_experts_match_oracle,
+    reference_run,
+    tiny_spec,
+    train_body,
+)
 
 
 def _max_load(table, load):

@@ -14,7 +14,6 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from planner.inputs.models import load_model, model_from_config
 from planner.outputs.export.megatron import megatron_args, noncontiguous_expert_layers
 from planner.outputs.export.slurm import slurm_script
 from planner.parallel import divisors
@@ -50,17 +49,6 @@ class ExportResult:
     filename: str
 
 
-def plan_model(plan: Plan) -> ModelSpec:
-    """The plan's model: its normalized config, else the preset or file it names."""
-    entry = plan.model
-    name = str(entry.get("name", "model"))
-    if isinstance(entry.get("config"), dict) and entry["config"]:
-        return model_from_config(entry["config"], name, str(entry.get("source", "")))
-    if "name" in entry:
-        return load_model(name)
-    raise SpecError("plan.json: 'model' has neither 'config' nor 'name'; regenerate the plan")
-
-
 def export_plan(
     plan: Plan, target: str, plan_path: str = "plan.json", command: str | None = None
 ) -> ExportResult:
@@ -79,7 +67,7 @@ def export_plan(
     if target == "slurm":
         text, notes = slurm_script(plan, plan_path, command)
         return ExportResult(target, text, notes, DEFAULT_FILENAMES[target])
-    model = plan_model(plan)
+    model = plan.model_spec()
     if target == "megatron":
         m = megatron_args(plan, model)
         return ExportResult(

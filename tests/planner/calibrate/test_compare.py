@@ -12,12 +12,25 @@ import json
 
 import pytest
 
-from planner.calibrate.compare import calibrate, estimate_plan, fit_profile, load_metrics, plan_inputs
+from planner.calibrate.compare import (
+    calibrate,
+    estimate_plan,
+    fit_profile,
+    load_metrics,
+    plan_inputs,
+)
 from planner.calibrate.report import calibration_csv
 from planner.cli import main
 from planner.inputs.clusters import cluster_from_dict, load_cluster
 from planner.inputs.models import load_model, model_config
-from planner.plan.schema import ExpertPlacement, ParallelPlan, Plan, Predicted, SolverReport, StagePlan
+from planner.plan.schema import (
+    ExpertPlacement,
+    ParallelPlan,
+    Plan,
+    Predicted,
+    SolverReport,
+    StagePlan,
+)
 from planner.resources.cost import estimate
 from planner.specs import GIB, SpecError, TrainingSpec
 

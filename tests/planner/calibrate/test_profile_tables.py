@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from planner.inputs.clusters import cluster_from_dict, load_cluster
 from planner.calibrate.profile_tables import comm_level, profile_to_cluster_dict, profile_yaml
+from planner.inputs.clusters import cluster_from_dict, load_cluster
 from planner.specs import SpecError
 
 

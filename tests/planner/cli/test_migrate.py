@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-from tests.planner.migration.conftest import write_csv
 
 from planner.cli import main
 from planner.inputs.clusters import load_cluster
@@ -21,6 +20,7 @@ from planner.plan.schema import (
     SolverReport,
     StagePlan,
 )
+from tests.planner.migration.conftest import write_csv
 
 E, LAYERS, INTERVALS = 8, (1, 2, 3), 5
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from planner.search import make_plan as search_module
 from planner.plan.schema import load_plan
+from planner.search import make_plan as search_module
 
 OUTPUTS = {
     "plan.json",
@@ -194,10 +194,10 @@ def test_inputs_sha256_follows_content_not_paths(tmp_path):
     from dataclasses import replace
 
     from planner.inputs.clusters import load_cluster
-    from planner.search.assemble import inputs_sha256
-    from planner.search.model_evaluator import ModelEvaluator
     from planner.inputs.models import load_model, read_config_file
     from planner.inputs.paths import MODELS_DIR
+    from planner.search.assemble import inputs_sha256
+    from planner.search.model_evaluator import ModelEvaluator
     from planner.specs import TrainingSpec
 
     config = tmp_path / "m" / "config.json"

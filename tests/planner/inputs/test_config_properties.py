@@ -9,8 +9,8 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.resources.flops import flops_per_token
 from planner.inputs.models import model_config, model_from_config
+from planner.resources.flops import flops_per_token
 from planner.resources.params import count_params
 from planner.specs import SpecError
 

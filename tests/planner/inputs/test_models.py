@@ -8,7 +8,6 @@ import pytest
 import yaml
 
 from planner.cli import main
-from planner.resources.model_info import counts_on_basis, describe_model
 from planner.inputs.models import (
     list_model_presets,
     load_model,
@@ -17,6 +16,7 @@ from planner.inputs.models import (
     published_counts,
     resolve_model,
 )
+from planner.resources.model_info import counts_on_basis, describe_model
 from planner.resources.params import count_params
 from planner.specs import SpecError
 

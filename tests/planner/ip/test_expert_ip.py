@@ -272,8 +272,8 @@ def test_large_traffic_instance_beats_load_only_placement():
 
 
 def test_merged_report_has_objective_bound_and_gap_that_agree():
-    from planner.search.assemble import _merge
     from planner.ip.solvers import SolveReport
+    from planner.search.assemble import _merge
 
     hot = SolveReport("cpsat", "OPTIMAL", 10.0, 10.0, 0.0, 0.1)
     loose = SolveReport("cpsat", "FEASIBLE", 8.0, 6.0, 0.25, 0.2)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tests.planner.migration.conftest import tiny_model
 
 from planner.migration.pricing import balanced_expert_s, build_move_costs, expert_bytes
 from planner.specs import SpecError
+from tests.planner.migration.conftest import tiny_model
 
 EXPERT_PARAMS = 3 * 64 * 128  # gated expert of the tiny model: up, gate, down
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.planner.migration.conftest import make_trace
 
 from planner.migration import next_placement
 from planner.migration.api import uniform_costs
@@ -19,6 +18,7 @@ from planner.migration.policies import POLICIES, MigrationOptions
 from planner.migration.run import replay, replay_all
 from planner.migration.synth import SynthOptions, synth_trace
 from planner.specs import SpecError
+from tests.planner.migration.conftest import make_trace
 
 E, R = 16, 4
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.planner.migration.conftest import make_trace, write_csv
 
 from planner.cli import main
 from planner.migration.trace import check_divisible, load_trace, trace_to_csv
 from planner.specs import SpecError
+from tests.planner.migration.conftest import make_trace, write_csv
 
 
 def _rows(intervals=2, layers=(3, 5), experts=4):

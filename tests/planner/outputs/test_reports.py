@@ -8,12 +8,12 @@ import json
 import re
 
 import pytest
-from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
-from planner.search.make_plan import make_plan
 from planner.ip.solvers import SolverOptions
 from planner.outputs import plots, reports
 from planner.plan.schema import plan_from_dict
+from planner.search.make_plan import make_plan
+from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
 OPTS = SolverOptions("cpsat", 10.0, 1, 0)
 SECTION_8 = {
@@ -42,7 +42,9 @@ SECTION_8 = {
 
 @pytest.fixture(scope="module")
 def result():
-    return make_plan(toy_model(), toy_cluster(3.0), toy_training(), 16, None, OPTS, evaluator=ToyEvaluator())
+    return make_plan(
+        toy_model(), toy_cluster(3.0), toy_training(), 16, None, OPTS, evaluator=ToyEvaluator()
+    )
 
 
 @pytest.fixture(scope="module")

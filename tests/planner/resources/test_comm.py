@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from tests.planner.resources.resource_specs import make_cluster, make_model
 
 from planner.inputs.clusters import load_cluster
 from planner.parallel import ParallelConfig
 from planner.resources import comm
 from planner.resources.layer_cost import layer_cost
 from planner.specs import EfficiencyTable, SpecError, TrainingSpec
+from tests.planner.resources.resource_specs import make_cluster, make_model
 
 
 def test_crossings_and_flat_all_to_all_by_hand():

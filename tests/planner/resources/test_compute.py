@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from tests.planner.resources.resource_specs import make_cluster, make_model
 
 from planner.parallel import ParallelConfig
-from planner.resources.params import count_params
 from planner.resources import compute
 from planner.resources.compute import (
     KERNEL_LAUNCH_S,
@@ -17,7 +15,9 @@ from planner.resources.compute import (
     layer_work,
     model_flops_per_sequence,
 )
+from planner.resources.params import count_params
 from planner.specs import AttentionSpec, EfficiencyTable, TrainingSpec
+from tests.planner.resources.resource_specs import make_cluster, make_model
 
 
 def test_layer_flops_by_hand():

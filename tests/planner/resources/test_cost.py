@@ -4,11 +4,11 @@ that tie estimate() to StageCostInputs."""
 from __future__ import annotations
 
 import pytest
-from tests.planner.resources.resource_specs import make_cluster, make_model
 
 from planner.parallel import ParallelConfig
 from planner.resources.cost import estimate, even_split, stage_cost_inputs
 from planner.specs import GIB, EfficiencyTable, SpecError, TrainingSpec
+from tests.planner.resources.resource_specs import make_cluster, make_model
 
 TABLES = (
     EfficiencyTable("gemm_bf16", (1.0, 1e9), (40.0, 40.0)),

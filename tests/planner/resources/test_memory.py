@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from tests.planner.resources.resource_specs import make_cluster, make_model
 
 from planner.parallel import ParallelConfig
 from planner.resources.cost import estimate, memory_lower_bound_gib
 from planner.resources.memory import layer_activations
 from planner.specs import GIB, TrainingSpec
+from tests.planner.resources.resource_specs import make_cluster, make_model
 
 
 def _state_and_act_bytes(stage) -> float:

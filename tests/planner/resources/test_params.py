@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from planner.resources.flops import flops_per_token
 from planner.inputs.models import model_from_config
+from planner.resources.flops import flops_per_token
 from planner.resources.params import attention_params, count_params, mtp_params
 from planner.specs import AttentionSpec
 

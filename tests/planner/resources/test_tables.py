@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from tests.planner.resources.resource_specs import make_cluster, make_model
 
 from planner.parallel import ParallelConfig
 from planner.resources.cost import estimate
 from planner.resources.tables import interpolate, lookup
 from planner.specs import EfficiencyTable, TrainingSpec
+from tests.planner.resources.resource_specs import make_cluster, make_model
 
 
 def test_interpolation_is_linear_in_log_x_and_clamped():

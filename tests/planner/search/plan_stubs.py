@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.search.evaluator import EstimateView, RankChoice, StageChoice
 from planner.ip.solvers import SolveReport, SolverOptions
 from planner.ip.stage_ip import solve_stages
-from planner.search.model_evaluator import ModelEvaluator
 from planner.parallel import ParallelConfig
 from planner.plan.schema import RankPlan
 from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
+from planner.search.evaluator import EstimateView, RankChoice, StageChoice
+from planner.search.model_evaluator import ModelEvaluator
 from planner.specs import (
     GIB,
     AttentionSpec,

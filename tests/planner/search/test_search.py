@@ -15,17 +15,17 @@ import time
 from dataclasses import replace
 
 import pytest
-from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
+from planner.ip.solvers import LinearModel, SolverOptions, solve
+from planner.resources.cost import even_split
+from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
 from planner.search import bounds
 from planner.search.branch_bound import _evaluate, new_context, screen
 from planner.search.enumerate import enumerate_layouts, make_space
 from planner.search.make_plan import make_plan
-from planner.ip.solvers import LinearModel, SolverOptions, solve
 from planner.search.model_evaluator import ModelEvaluator
-from planner.resources.cost import even_split
-from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
 from planner.specs import SpecError
+from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
 OPTS = SolverOptions("cpsat", 10.0, 1, 0)
 
@@ -247,7 +247,9 @@ class _SigintEvaluator(ToyEvaluator):
 
 def test_a_real_sigint_mid_search_keeps_the_best_plan():
     backend = _SigintEvaluator()
-    result = make_plan(toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, evaluator=backend)
+    result = make_plan(
+        toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, evaluator=backend
+    )
     assert result.interrupted and result.plan is not None
     assert any(r.status == "interrupted" for r in result.rows)
 
@@ -309,7 +311,9 @@ def test_a_layout_the_resource_model_rejects_becomes_an_infeasible_row():
                 raise SpecError("layout: tp=2 is not supported here")
             return super().cost_inputs(model, cluster, training, par)
 
-    result = make_plan(toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, evaluator=Picky())
+    result = make_plan(
+        toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, evaluator=Picky()
+    )
     rows = [r for r in result.rows if r.parallel.tp == 2]
     assert rows and all(not r.feasible and "tp=2 is not supported" in r.reason for r in rows)
     assert result.plan.parallel.tp != 2

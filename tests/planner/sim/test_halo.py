@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from planner.sim.halo import simulate_all_to_all
 from planner.sim.a2a import flow_classes, phase_timings
 from planner.sim.fluid import fluid_finish_times, max_min_rates
+from planner.sim.halo import simulate_all_to_all
 from planner.sim.network import build_network
 from planner.sim.routing import dedup_ratio, domain_hit_probability
 from planner.specs import ClusterSpec, DeviceSpec, LevelSpec, SpecError

@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tests.runtime.tiny_plans import reference_losses, tiny_model, train_body
 
 from runtime.data import load_corpus, sample_batch
 from runtime.metrics import validate_metrics, validate_trace
 from runtime.model.transformer import StageModule, lm_loss
 from runtime.scale import hand_plan, run_spec_from_plan
+from tests.runtime.tiny_plans import reference_losses, tiny_model, train_body
 
 
 def _grads_and_tokens(recompute: dict[int, str] | None):

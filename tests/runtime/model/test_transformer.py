@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from tests.runtime.tiny_plans import tiny_model
 
 from runtime.data import load_corpus, sample_batch
-from runtime.model.transformer import StageModule, lm_loss
 from runtime.model.moe import Experts, LocalDispatcher, MoELayer
+from runtime.model.transformer import StageModule, lm_loss
+from tests.runtime.tiny_plans import tiny_model
 
 
 def _brute_force_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:

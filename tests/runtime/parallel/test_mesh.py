@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from tests.runtime.tiny_plans import tiny_model
 
 from planner.plan.schema import RankPlan
 from planner.specs import SpecError
 from runtime.parallel.mesh import rank_coords
 from runtime.scale import hand_plan, physical_order, run_spec_from_plan
+from tests.runtime.tiny_plans import tiny_model
 
 
 def _spec(pp, dp, ep, g, ranks=None):

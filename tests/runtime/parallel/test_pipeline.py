@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.runtime.tiny_plans import reference_losses, tiny_spec, train_body, with_options
 
 from runtime.data import load_corpus
 from runtime.metrics import validate_metrics, validate_trace
+from tests.runtime.tiny_plans import reference_losses, tiny_spec, train_body, with_options
 
 pytestmark = pytest.mark.slow
 STEPS = 30
@@ -98,10 +98,9 @@ def test_permuted_rank_table_trains_like_the_oracle(run_distributed):
     sorted order, and stage peers and EP ranks must be translated (pp=2 dp=2 ep=2)."""
     from dataclasses import replace
 
-    from tests.runtime.tiny_plans import tiny_model
-
     from planner.plan.schema import RankPlan
     from runtime.scale import hand_plan, run_spec_from_plan
+    from tests.runtime.tiny_plans import tiny_model
 
     model = tiny_model()
     rows = (

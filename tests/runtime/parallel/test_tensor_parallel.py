@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tests.runtime.tiny_plans import reference_losses, tiny_model, train_body
 
 from planner.specs import SpecError
 from runtime.data import load_corpus
-from runtime.parallel.mesh import rank_coords
 from runtime.metrics import validate_metrics, validate_trace
-from runtime.scale import hand_plan, run_spec_from_plan
+from runtime.parallel.mesh import rank_coords
 from runtime.parallel.tensor_parallel import chunk_sizes, shard_linear
+from runtime.scale import hand_plan, run_spec_from_plan
+from tests.runtime.tiny_plans import reference_losses, tiny_model, train_body
 
 STEPS = 12
 
