@@ -23,6 +23,7 @@ from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecErro
 
 log = logging.getLogger(__name__)
 
+MAX_LAYERS = 10_000  # each layer is one spec object; the deepest published models have ~200
 EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_top_k", "top_k")
 SHARED_KEYS = ("n_shared_experts", "num_shared_experts")
@@ -98,7 +99,7 @@ def flatten_dbrx(r: ConfigReader) -> dict[str, Any]:
         "model_type": "dbrx",
         "hidden_size": r.int("d_model"),
         "num_attention_heads": r.int("n_heads"),
-        "num_hidden_layers": r.int("n_layers"),
+        "num_hidden_layers": r.int("n_layers", maximum=MAX_LAYERS),
         "vocab_size": r.int("vocab_size"),
         "max_position_embeddings": r.int("max_seq_len", 4096),
         "num_key_value_heads": attn.int("kv_n_heads"),
@@ -208,7 +209,7 @@ def build_model(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     if family == "dbrx":
         r = ConfigReader(flatten_dbrx(r), source or name)
     t = FAMILIES[family]
-    d, num_layers, vocab = r.int("hidden_size"), r.int("num_hidden_layers"), r.int("vocab_size")
+    d, num_layers, vocab = r.int("hidden_size"), r.int("num_hidden_layers", maximum=MAX_LAYERS), r.int("vocab_size")
     max_pos = r.int(("max_position_embeddings", "max_seq_len"), 4096)
     gated = r.bool("mlp_gated", True)
     attention, extra_norms = _attention(r, t, d)

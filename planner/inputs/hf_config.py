@@ -11,6 +11,10 @@ from typing import Any
 from planner.specs import SpecError
 
 _REQUIRED = object()
+# No model has a width, head count, vocabulary or context above this (2**24 = 16.8M; the
+# largest presets have vocabularies of ~256K and contexts of 10M tokens). Bounding every size
+# keeps the parameter and FLOP arithmetic finite for any input.
+MAX_SIZE = 1 << 24
 
 
 class ConfigReader:
@@ -37,8 +41,15 @@ class ConfigReader:
     def error(self, key: str, problem: str, fix: str) -> SpecError:
         return SpecError(f"{self.where}: key '{self._name(key)}' {problem}; {fix}")
 
-    def int(self, key: str | tuple[str, ...], default: Any = _REQUIRED, minimum: int = 1) -> int:
-        """An integer >= minimum; `key` may be a tuple of aliases (the first present wins)."""
+    def int(
+        self,
+        key: str | tuple[str, ...],
+        default: Any = _REQUIRED,
+        minimum: int = 1,
+        maximum: int = MAX_SIZE,
+    ) -> int:
+        """An integer in [minimum, maximum]; `key` may be a tuple of aliases (the first present
+        wins)."""
         keys = (key,) if isinstance(key, str) else key
         found = self.first_key(keys)
         if found is None:
@@ -57,6 +68,10 @@ class ConfigReader:
             )
         if value < minimum:
             raise self.error(found, f"must be >= {minimum}, got {value}", "use a positive size")
+        if value > maximum:
+            raise self.error(
+                found, f"must be <= {maximum}, got {value}", "no model has one that large"
+            )
         return value
 
     def bool(self, key: str, default: bool) -> bool:
@@ -74,7 +89,8 @@ class ConfigReader:
             return ()
         value = self.cfg[key]
         if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
+            isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= MAX_SIZE
+            for v in value
         ):
             raise self.error(
                 key, f"must be a list of integers >= {minimum}", "write e.g. [0, 1, 2]"

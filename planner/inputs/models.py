@@ -20,9 +20,9 @@ from typing import Any
 
 import yaml
 
-from planner.inputs.families import build_model, check_model
+from planner.inputs.families import MAX_LAYERS, build_model, check_model
 from planner.inputs.hf_config import ConfigReader
-from planner.inputs.paths import MODELS_DIR
+from planner.inputs.paths import MODELS_DIR, read_text_file
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecError
 
 PIPER_KEY = "_piper"  # Piper's metadata inside a preset: published counts and their source
@@ -68,10 +68,7 @@ def _preset_file(name: str) -> Path | None:
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a JSON or YAML config file into a dict; errors name the file and the fix."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read the model config ({exc.strerror})") from None
+    text = read_text_file(path, "model config")
     try:
         cfg = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
     except json.JSONDecodeError as exc:
@@ -238,8 +235,22 @@ def _build(cls: type, data: Any, where: str, what: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         raise SpecError(f"{where}: '{what}' has unknown keys {unknown}; remove them")
+    r = ConfigReader(data, where, f"{what}.")
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        kind = str(f.type)
+        if data[f.name] is None and "None" in kind:
+            values[f.name] = None
+        elif kind.startswith("int"):
+            values[f.name] = r.int(f.name, minimum=0)
+        elif kind == "bool":
+            values[f.name] = r.bool(f.name, bool(f.default))
+        else:  # a Literal kind: one of the names the spec allows, checked by check_model
+            values[f.name] = str(data[f.name])
     try:
-        return cls(**data)
+        return cls(**values)
     except TypeError as exc:
         raise SpecError(f"{where}: '{what}' is incomplete ({exc}); add the missing key") from None
 
@@ -253,7 +264,7 @@ def _from_piper_format(cfg: dict[str, Any], name: str, source: str) -> ModelSpec
     layers: list[LayerSpec] = []
     for i, group in enumerate(groups):
         g = ConfigReader(group, where, f"layer_groups[{i}].")
-        count = g.int("count")
+        count = g.int("count", maximum=MAX_LAYERS)
         att = _build(AttentionSpec, group.get("attention"), where, f"layer_groups[{i}].attention")
         moe_data = group.get("moe")
         moe = None
@@ -265,7 +276,7 @@ def _from_piper_format(cfg: dict[str, Any], name: str, source: str) -> ModelSpec
                           dense_ffn=g.int("dense_ffn", 0, minimum=0),
                           dense_gated=g.bool("dense_gated", True), moe=moe)  # fmt: skip
         layers.extend([layer] * count)
-    num_layers = r.int("num_hidden_layers", len(layers))
+    num_layers = r.int("num_hidden_layers", len(layers), maximum=MAX_LAYERS)
     if num_layers != len(layers):
         raise r.error("num_hidden_layers", f"is {num_layers} but layer_groups hold {len(layers)}",
                       "make them agree")  # fmt: skip

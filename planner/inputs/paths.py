@@ -1,10 +1,37 @@
-"""Where the data-only profiles live (profiles/models, profiles/clusters, profiles/traces)."""
+"""Where the data-only profiles live (profiles/models, profiles/clusters, profiles/traces),
+and reading a user's input file as text with one-line errors."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from planner.specs import SpecError
+
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 MODELS_DIR = PROFILES_DIR / "models"
 CLUSTERS_DIR = PROFILES_DIR / "clusters"
 TRACES_DIR = PROFILES_DIR / "traces"
+
+
+def read_text_file(path: str | Path, what: str) -> str:
+    """The UTF-8 text of an input file; `what` names it in errors ("model config", "trace").
+
+    Raises SpecError naming the path, what is wrong and the fix: a missing file, a
+    directory, a file that cannot be read, or bytes that are not UTF-8 text.
+    """
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise SpecError(f"{p}: no such {what} file; check the path") from None
+    except IsADirectoryError:
+        raise SpecError(f"{p}: is a directory; pass the {what} file inside it") from None
+    except OSError as exc:
+        raise SpecError(f"{p}: cannot read the {what} ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(
+            f"{p}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+            f"a {what} is a text file"
+        ) from None
