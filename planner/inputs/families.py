@@ -209,7 +209,8 @@ def build_model(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     if family == "dbrx":
         r = ConfigReader(flatten_dbrx(r), source or name)
     t = FAMILIES[family]
-    d, num_layers, vocab = r.int("hidden_size"), r.int("num_hidden_layers", maximum=MAX_LAYERS), r.int("vocab_size")
+    d, vocab = r.int("hidden_size"), r.int("vocab_size")
+    num_layers = r.int("num_hidden_layers", maximum=MAX_LAYERS)
     max_pos = r.int(("max_position_embeddings", "max_seq_len"), 4096)
     gated = r.bool("mlp_gated", True)
     attention, extra_norms = _attention(r, t, d)
