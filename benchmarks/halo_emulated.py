@@ -11,12 +11,18 @@ median over repetitions of the slowest rank's time for one dispatch + combine (f
   sudo python3 benchmarks/halo_emulated.py --quick    # 2 nodes x 2 ranks, seconds
   sudo python3 benchmarks/halo_emulated.py --json     # one JSON object with everything
   sudo python3 benchmarks/halo_emulated.py --cleanup  # remove leftover namespaces
+  python3 benchmarks/halo_emulated.py --from-json results/a2a/emulated_run.json  # no root
+
+The full sweep also writes its table and headline to results/halo_emulated.md (--results
+FILE elsewhere, --no-results not; --quick writes nothing); --from-json renders that file
+from a saved --json output without measuring.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import datetime
 import json
 import os
 import statistics
@@ -30,7 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import netns  # noqa: E402
+from results_md import command_line, render  # noqa: E402
 
+from planner.outputs.files import write_atomic  # noqa: E402
 from runtime.dispatch.halo import DEFAULT_DIRECT_BELOW_BYTES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,12 +339,15 @@ def headline(rows: list[dict]) -> dict | None:
     return max(match, key=lambda r: r["tokens_per_rank"]) if match else None
 
 
-def print_table(rows: list[dict]) -> None:
+def report_text(summary: dict) -> str:
+    """The table of every (network, k, tokens) row and the headline line, from the summary."""
     head = "nodes x g  Mbit/s  routing       k  tokens   flat ms   halo ms  dedup ms  "
-    print(head + "flat/halo  flat/dedup  flat/3-phase  inter MB flat/halo/dedup  path halo/dedup")
-    for r in rows:
+    lines = [
+        head + "flat/halo  flat/dedup  flat/3-phase  inter MB flat/halo/dedup  path halo/dedup"
+    ]
+    for r in summary["ratios"]:
         forced = r.get("flat_over_halo_3phase")
-        print(
+        lines.append(
             f"{r['nodes']:>5} x {r['ranks_per_node']}  {r['rate_mbit'] or 'none':>6}"
             f"  {r['routing']:<12}"
             f" {r['topk']:>2}  {r['tokens_per_rank']:>6}  {1e3 * r['flat_s']:>8.1f}"
@@ -347,6 +358,37 @@ def print_table(rows: list[dict]) -> None:
             f"/{r['inter_node_bytes_halo_dedup'] / 1e6:.2f}"
             f"  {r['halo_path']}/{r.get('halo_dedup_path', '')}"
         )
+    top, runs = summary["headline"], summary["headline_runs"]
+    if top:
+        each = ", ".join(f"{r['flat_over_halo_dedup']:.2f}" for r in runs)
+        lines.append(
+            f"headline (4x2, 1 Gbit/s, top-8, {top['tokens_per_rank']} tokens/rank), median "
+            f"of {len(runs)} launches: flat/HALO {summary['flat_over_halo']:.2f}, "
+            f"flat/HALO-dedup {summary['flat_over_halo_dedup']:.2f} (each: {each})"
+        )
+    return "\n".join(lines)
+
+
+def write_report(path: str, summary: dict, source: str | None = None) -> None:
+    """Write the report to `path` under the command and the machine that measured it.
+
+    Args:
+        path: markdown file, e.g. results/halo_emulated.md.
+        summary: the --json output's object.
+        source: the saved JSON it was read from (None: measured by this command).
+    """
+    date = summary.get("date_utc")
+    when = f"on {date}" if date else "(date not recorded)"
+    context = (
+        f"Measured {when} with {summary['cpus']} CPUs (every emulated node shares them), load "
+        f"average {summary['load_avg_1min_at_end']:.1f} at the end of the sweep."
+    )
+    if source:
+        made_by = f"Rendered from {source}, the output of `sudo {command_line(['--json'])}`."
+        context = f"{made_by} {context}"
+    title = "Flat vs HALO vs HALO-dedup on emulated nodes (netns + tc tbf)"
+    write_atomic(path, render(title, command_line(), context, report_text(summary)))
+    print(f"wrote {path}", file=sys.stderr)
 
 
 _CREATED: list[netns.EmulatedNet] = []
@@ -375,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratios are their median (the 2-core emulation varies ~10%% between launches)",
     )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per network")
+    parser.add_argument("--results", default="results/halo_emulated.md", help="markdown to write")
+    parser.add_argument("--no-results", action="store_true", help="print only")
+    parser.add_argument("--from-json", help="render --results from a saved --json output")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -386,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
+        return 0
+    if args.from_json:
+        summary = json.loads(Path(args.from_json).read_text())
+        print(report_text(summary))
+        if not args.no_results:
+            write_report(args.results, summary, source=args.from_json)
         return 0
     if args.cleanup:
         print("removed: " + " ".join(netns.teardown_all()) if os.geteuid() == 0 else "needs root")
@@ -416,27 +467,20 @@ def main(argv: list[str] | None = None) -> int:
         if runs
         else {}
     )
-    if args.json:
-        summary = {
-            "measurements": [asdict(m) for m in results],
-            "ratios": rows,
-            "headline": top,
-            "headline_runs": runs,
-            "flat_over_halo": median.get("flat_over_halo"),
-            "flat_over_halo_dedup": median.get("flat_over_halo_dedup"),
-            "cpus": os.cpu_count(),
-            "load_avg_1min_at_end": os.getloadavg()[0],
-        }
-        print(json.dumps(summary, indent=1))
-    else:
-        print_table(rows)
-        if top:
-            each = ", ".join(f"{r['flat_over_halo_dedup']:.2f}" for r in runs)
-            print(
-                f"headline (4x2, 1 Gbit/s, top-8, {top['tokens_per_rank']} tokens/rank), median "
-                f"of {len(runs)} launches: flat/HALO {median['flat_over_halo']:.2f}, "
-                f"flat/HALO-dedup {median['flat_over_halo_dedup']:.2f} (each: {each})"
-            )
+    summary = {
+        "measurements": [asdict(m) for m in results],
+        "ratios": rows,
+        "headline": top,
+        "headline_runs": runs,
+        "flat_over_halo": median.get("flat_over_halo"),
+        "flat_over_halo_dedup": median.get("flat_over_halo_dedup"),
+        "cpus": os.cpu_count(),
+        "load_avg_1min_at_end": os.getloadavg()[0],
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    print(json.dumps(summary, indent=1) if args.json else report_text(summary))
+    if not (args.quick or args.no_results):
+        write_report(args.results, summary)
     return 0
 
 

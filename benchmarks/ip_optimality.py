@@ -4,7 +4,9 @@ Runs N random small instances of each IP, counts how often each backend's optimu
 brute-force enumeration, compares CP-SAT and CBC objectives and wall times, and times the
 stage IP on a DeepSeek-V3-shaped instance (61 layers, recompute on) for several pp.
 
-    python benchmarks/ip_optimality.py [--instances 120] [--seed 0]
+    python benchmarks/ip_optimality.py [--instances 120] [--seed 0] [--results FILE]
+
+Writes what it prints to results/ip_optimality.md (--results FILE elsewhere, --no-results not).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import math
 import random
 import statistics
 import time
+
+from results_md import recorded
 
 from planner.ip.expert_ip import solve_experts
 from planner.ip.solvers import SolverOptions
@@ -169,17 +173,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", type=int, default=120, help="per IP (default 120)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--results", default="results/ip_optimality.md", help="markdown to write")
+    ap.add_argument("--no-results", action="store_true", help="print only")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     stage_cases = [random_stage(rng) for _ in range(args.instances)]
     expert_cases = [random_experts(rng) for _ in range(args.instances)]
-    run_family("stage IP", stage_cases, stage_objective, brute_stage)
-    run_family("expert IP", expert_cases, expert_objective, lambda i: brute_experts(*i))
-    print(
-        f"  solved by the IP: {2 * len(expert_cases) - SHORTCUTS['n']} of "
-        f"{2 * len(expert_cases)} backend runs (the rest: LPT met the lower bound)"
-    )
-    time_dsv3()
+    title = "Stage and expert IPs: brute force vs CP-SAT vs CBC"
+    with recorded(args.results, title, enabled=not args.no_results):
+        run_family("stage IP", stage_cases, stage_objective, brute_stage)
+        run_family("expert IP", expert_cases, expert_objective, lambda i: brute_experts(*i))
+        print(
+            f"  solved by the IP: {2 * len(expert_cases) - SHORTCUTS['n']} of "
+            f"{2 * len(expert_cases)} backend runs (the rest: LPT met the lower bound)"
+        )
+        time_dsv3()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ imbalance, p95, experts moved, transfer and total seconds, then the issue's rati
   Piper imbalance within 0.01 of the re-pack's while moving <= 1/4 of its experts.
 
 Run: python3 benchmarks/migration_quality.py [--seeds 3] [--intervals 32] [--quick]
+Writes what it prints to results/migration_quality.md (--results FILE, --no-results).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import time
 
 import numpy as np
+from results_md import recorded
 
 from planner.migration.inputs import migrate_setup
 from planner.migration.policies import POLICIES, MigrationOptions
@@ -91,9 +93,18 @@ def main() -> None:
     p.add_argument("--margin-sigmas", type=float, default=MigrationOptions.margin_sigmas)
     p.add_argument("--only", type=int, help="run only configuration 0, 1 or 2")
     p.add_argument("--quick", action="store_true", help="first configuration, one seed")
+    p.add_argument("--results", default="results/migration_quality.md", help="markdown to write")
+    p.add_argument("--no-results", action="store_true", help="print only")
     args = p.parse_args()
     if args.quick:
         args.seeds = 1
+    title = "Expert migration quality: Piper vs greedy swap vs EPLB re-pack"
+    with recorded(args.results, title, enabled=not args.no_results):
+        run_all(args)
+
+
+def run_all(args: argparse.Namespace) -> None:
+    """Every configuration side by side, then the criteria met."""
     start = time.perf_counter()
     print(f"synthetic traces: {args.layers} layers x {args.intervals} intervals, {args.tokens} "
           f"tokens, skew {args.skew}, drift {args.drift}, seeds 0..{args.seeds - 1}; "

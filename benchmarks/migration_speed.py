@@ -6,6 +6,7 @@ wall-clock time of one (layer, interval) decision is printed with its ratio to t
 swap. Target from the issue: Piper's median <= 50 ms on a 2-core machine.
 
 Run: python3 benchmarks/migration_speed.py [--intervals 32] [--layers 2]
+Writes what it prints to results/migration_speed.md (--results FILE, --no-results).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from results_md import recorded
 
 from planner.migration.inputs import migrate_setup
 from planner.migration.policies import POLICIES, MigrationOptions
@@ -27,7 +29,16 @@ def main() -> None:
     p.add_argument("--intervals", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--model", default="deepseek-v3")
+    p.add_argument("--results", default="results/migration_speed.md", help="markdown to write")
+    p.add_argument("--no-results", action="store_true", help="print only")
     args = p.parse_args()
+    title = "Expert migration decision time"
+    with recorded(args.results, title, enabled=not args.no_results):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Replay every policy on one trace and print its decision times."""
     synth = SynthOptions(
         layers=args.layers, experts=args.experts, intervals=args.intervals, tokens=32768, top_k=8
     )

@@ -8,12 +8,16 @@ candidates enumerated / solved / pruned, the chosen layout, the stage IP's statu
 agree byte for byte.
 
     OMP_NUM_THREADS=1 python benchmarks/plan_speed.py [--gpus 64 256 ...] [--compare-ip]
+
+Writes what it prints to results/plan_speed.md (--results FILE elsewhere, --no-results not).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+
+from results_md import recorded
 
 from planner.inputs.clusters import load_cluster
 from planner.inputs.models import load_model
@@ -39,7 +43,15 @@ def main() -> None:
     ap.add_argument("--solver", default="cpsat", choices=("cpsat", "cbc"))
     ap.add_argument("--compare-ip", action="store_true", help="also time --score ip")
     ap.add_argument("--compare-up-to", type=int, default=1024)
+    ap.add_argument("--results", default="results/plan_speed.md", help="markdown to write")
+    ap.add_argument("--no-results", action="store_true", help="print only")
     args = ap.parse_args()
+    with recorded(args.results, "Planning wall time", enabled=not args.no_results):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Plan at every GPU count and print one row each."""
     model, cluster = load_model(args.model), load_cluster(args.cluster)
     options = SolverOptions(args.solver, 10.0, 1, 0)
     print(f"{model.name} on {cluster.name}, seq 4096, global batch 1024, solver {args.solver}")

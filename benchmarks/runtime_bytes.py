@@ -12,7 +12,9 @@ tp > 1 - the runtime replicates the embedding, head and norms on every TP rank, 
 splits the embedding and head over the vocabulary. Bytes are deterministic, so the ratios
 do not depend on the machine.
 
-Usage: python benchmarks/runtime_bytes.py [--out DIR]
+Usage: python benchmarks/runtime_bytes.py [--out DIR] [--results FILE]
+Runs go to DIR (default a temporary directory); what it prints goes to
+results/runtime_bytes.md (--results FILE elsewhere, --no-results not).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from results_md import recorded  # noqa: E402
+
 from planner.calibrate.compare import plan_inputs  # noqa: E402
-from planner.plan.schema import load_plan  # noqa: E402
+from planner.plan import load_plan  # noqa: E402
 from planner.resources.cost import predicted_traffic  # noqa: E402
 from planner.resources.traffic import KINDS  # noqa: E402
 
@@ -71,9 +75,18 @@ def run_layout(root: Path, gpus: int, pp: int, dp: int, tp: int, ep: int):
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="directory for the plans and runs")
+    p.add_argument("--results", default="results/runtime_bytes.md", help="markdown to write")
+    p.add_argument("--no-results", action="store_true", help="print only")
     args = p.parse_args()
-    root = Path(args.out or tempfile.mkdtemp(prefix="piper-bytes-"))
+    title = "Planner's bytes per step vs what piper run sends"
+    with recorded(args.results, title, enabled=not args.no_results):
+        compare(Path(args.out or tempfile.mkdtemp(prefix="piper-bytes-")))
+    return 0
+
+
+def compare(root: Path) -> None:
+    """Plan and run every layout under `root`; print predicted and measured bytes by kind."""
     print(f"tiny-moe on cpu-gloo, micro-batch 2 x seq 128, 2 steps; runs in {root}")
     print(f"{'layout':<18} {'kind':<12} {'predicted':>13} {'measured':>13} {'meas/pred':>9}")
     for layout in LAYOUTS:
@@ -83,7 +96,6 @@ def main() -> int:
                 continue
             ratio = f"{meas[kind] / pred[kind]:9.3f}" if pred[kind] else f"{'-':>9}"
             print(f"{name:<18} {kind:<12} {pred[kind]:>13,.0f} {meas[kind]:>13,} {ratio}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ step within and across nodes, and step time, with ratios to flat. CPU step times
 how the emulation behaves; the bytes are what the network would carry.
 
 Usage: python benchmarks/runtime_dispatch.py [--steps 10] [--gpus 8] [--out DIR]
+Runs go to DIR (default a temporary directory); what it prints goes to
+results/runtime_dispatch.md (--results FILE elsewhere, --no-results not).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from results_md import recorded
 
 
 def _piper(*args: str) -> None:
@@ -33,9 +37,19 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="directory for the plan and runs")
+    p.add_argument("--results", default="results/runtime_dispatch.md", help="markdown to write")
+    p.add_argument("--no-results", action="store_true", help="print only")
     args = p.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="piper-dispatch-"))
+    title = "Flat vs HALO vs HALO-dedup in piper run"
+    with recorded(args.results, title, enabled=not args.no_results):
+        compare(root, args)
+    return 0
+
+
+def compare(root: Path, args: argparse.Namespace) -> None:
+    """Plan once under `root`, train with each dispatcher, print them side by side."""
     plan_dir = root / "plan"
     _piper(
         "plan",
@@ -95,7 +109,6 @@ def main() -> int:
             f"{kind:<11} {dloss:>10.2e} {intra:>13,.0f} {inter:>13,.0f} "
             f"{inter / b_inter:>10.3f} {step:>8.3f} {step / b_step:>9.2f}"
         )
-    return 0
 
 
 if __name__ == "__main__":
