@@ -263,6 +263,12 @@ PLAN_FAULTS = [
         _plan_json(lambda d: d["experts"][0]["rank_of_expert"].__setitem__(0, 99)),
         "experts[0].rank_of_expert",
     ),
+    Fault(
+        "cluster-count-type",
+        _plan_json(lambda d: d["cluster"].update(gpus_per_node="8")),
+        "cluster.gpus_per_node",
+    ),
+    Fault("model-config-type", _plan_json(lambda d: d["model"].update(config=[])), "model.config"),
     Fault("not-json", _plan_json(text='{"schema_version": 1,'), "JSON"),
     Fault("not-an-object", _plan_json(text="[1, 2]"), "object"),
     Fault("no-such-file", lambda d: str(d / "nope" / "plan.json"), "plan.json"),

@@ -24,7 +24,7 @@ import pytest
 
 from planner.outputs import files as files_mod
 from planner.outputs.files import write_files
-from planner.plan.schema import load_plan
+from planner.plan import load_plan
 from tests.hardening_cli import REPO, has_command, snapshot, tmp_leftovers
 
 

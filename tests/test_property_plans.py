@@ -25,7 +25,7 @@ from planner.inputs.clusters import cluster_from_dict
 from planner.inputs.models import model_from_config
 from planner.ip.solvers import SolverOptions
 from planner.migration.trace import check_divisible, load_trace
-from planner.plan.schema import plan_from_dict
+from planner.plan import plan_from_dict
 from planner.search.make_plan import make_plan
 from planner.specs import SpecError, TrainingSpec
 

@@ -8,7 +8,7 @@ import sys
 
 from planner.outputs.export import EXPORT_TARGETS, export_plan
 from planner.outputs.files import write_atomic
-from planner.plan.schema import load_plan
+from planner.plan import load_plan
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -27,12 +27,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from planner.plan.schema import SolveReport
 from planner.specs import SpecError
 
 log = logging.getLogger(__name__)
 
 SolverName = Literal["cpsat", "cbc"]
-Status = Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "NOT_SOLVED"]
 Sense = Literal["<=", ">=", "=="]
 Terms = Iterable[tuple[int, int]]  # (integer coefficient, variable index)
 
@@ -59,27 +59,6 @@ class SolverOptions:
             raise SpecError(f"--threads must be >= 1, got {self.threads}")
         if self.seed < 0:
             raise SpecError(f"--seed must be >= 0, got {self.seed}")
-
-
-@dataclass(frozen=True)
-class SolveReport:
-    """Outcome of one solve. objective/bound in the formulation's original units.
-
-    gap = (objective - bound) / max(|objective|, tiny); 0 when proven optimal; inf when
-    there is no solution. `message` explains NOT_SOLVED / INFEASIBLE in one line.
-    """
-
-    backend: str
-    status: Status
-    objective: float
-    bound: float
-    gap: float
-    wall_s: float
-    message: str = ""
-
-    @property
-    def has_solution(self) -> bool:
-        return self.status in ("OPTIMAL", "FEASIBLE")
 
 
 def quantize(value: float, unit: float, mode: Literal["round", "ceil", "floor"] = "round") -> int:

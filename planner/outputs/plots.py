@@ -143,7 +143,7 @@ def timeline_png(stage_time_s: Sequence[float], num_microbatches: int, title: st
 
 def render_plots(plan: Plan, est: EstimateView) -> dict[str, bytes]:
     """{file name: PNG bytes} for the chosen plan."""
-    name = f"{plan.model.get('name', '')} pp={plan.parallel.pp} ep={plan.parallel.ep}"
+    name = f"{plan.model.name} pp={plan.parallel.pp} ep={plan.parallel.ep}"
     stage_time = est.stage_time_s or tuple(0.0 for _ in est.memory_gib_per_stage)
     m = plan.parallel.num_microbatches
     shown = min(m, 32)

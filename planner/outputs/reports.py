@@ -173,7 +173,7 @@ def summary_md(result: PlanResult) -> str:
     plan, best = result.plan, result.best
     assert plan is not None and best is not None and best.estimate is not None
     est, par = best.estimate, best.parallel
-    model, cluster = plan.model.get("name", "?"), plan.cluster.get("name", "?")
+    model, cluster = plan.model.name or "?", plan.cluster.name or "?"
     lines = [
         f"# Piper plan: {model} on {result.gpus} GPUs of {cluster}",
         "",
@@ -243,7 +243,7 @@ def _predicted_table(est: EstimateView) -> str:
 def _solver_lines(plan: Any) -> str:
     out = []
     for name, rep in (
-        ("stage IP", plan.solver.__dict__),
+        ("stage IP", plan.solver.to_dict()),
         ("expert IP", plan.extra.get("expert_solver", {})),
         ("rank IP", plan.extra.get("rank_solver", {})),
     ):
@@ -309,7 +309,7 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
     if result.interrupted:
         lines.append("interrupted: best plan found so far (search stopped by Ctrl-C)")
     lines += [
-        f"{plan.model.get('name')} on {result.gpus} GPUs of {plan.cluster.get('name')}: "
+        f"{plan.model.name} on {result.gpus} GPUs of {plan.cluster.name}: "
         f"{describe(best.parallel)}",
         f"  step {est.step_time_s:.4g} s, {est.tokens_per_s:.4g} tokens/s, "
         f"{est.tflops_per_gpu:.4g} TFLOPS/GPU, MFU {100 * est.mfu:.1f}%, "

@@ -1,33 +1,75 @@
-"""Validation of a parsed plan.json before it becomes a Plan: types, sizes and consistency.
+"""Validation of a parsed plan.json before it becomes a Plan: version, types, sizes, consistency.
 
 `check_plan_dict(d, path)` raises SpecError with one line naming the file, the field (as a
-dotted path, e.g. `stages[1].layers`) and the fix. It checks what the runtime and the
-exports rely on: positive integer sizes, pp*dp*tp ranks numbered 0..N-1, ep dividing dp*tp,
-one contiguous block of layers per stage, EP ranks in range. `ranks` may be empty (a
-hand-written plan without placement); when present it must cover every rank. It does not check the
-schema_version (planner.plan.schema does, with its own message) and does not re-parse the model
-config (planner.inputs.models does when a command needs the model).
+dotted path, e.g. `stages[1].layers`) and the fix. It checks the schema_version and what the
+runtime and the exports rely on: positive integer sizes, pp*dp*tp ranks numbered 0..N-1, ep
+dividing dp*tp, one contiguous block of layers per stage, EP ranks in range, the types of the
+model and cluster entries. `ranks` may be empty (a hand-written plan without placement); when
+present it must cover every rank. The field lists come from planner.plan.schema's dataclasses,
+so a new field is checked where it is declared. It does not re-parse the model config
+(planner.inputs.models does when a command needs the model).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import MISSING, fields
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from planner.plan.schema import (
+    SCHEMA_VERSION,
+    ClusterEntry,
+    ModelEntry,
+    ParallelPlan,
+    Plan,
+    Predicted,
+    RankPlan,
+    SolveReport,
+    json_fields,
+)
 from planner.specs import SpecError
 
-_SIZES = ("pp", "dp", "tp", "ep", "edp", "micro_batch", "num_microbatches")
-_RANK_FIELDS = ("rank", "node", "local_rank", "stage", "dp", "tp", "ep")
-_PREDICTED = (
-    "step_time_s",
-    "mfu",
-    "tflops_per_gpu",
-    "tokens_per_s",
-    "bubble_fraction",
-    "usable_memory_gib",
-)
-_RECOMPUTE = ("none", "selective", "full")
 _FIX = "regenerate it with 'piper plan'"
+
+
+def _json_kind(hint: Any) -> type | tuple[type, ...]:
+    """The JSON value types (as parsed by `json`) of a field annotated `hint`."""
+    if get_origin(hint) in (Union, type(int | None)):
+        (hint,) = [h for h in get_args(hint) if h is not type(None)]
+    if hint is float:
+        return (int, float)
+    if hint is str or get_origin(hint) is Literal:
+        return str
+    if get_origin(hint) in (Mapping, dict) or hint is dict:
+        return dict
+    if get_origin(hint) is tuple:
+        return list
+    return hint
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """Field name -> annotation of dataclass `cls`, in field order, for the plan.json fields."""
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in json_fields(cls)}
+
+
+_SECTIONS = tuple(  # the objects a plan must hold: model, cluster, training, ..., solver
+    f.name
+    for f in fields(Plan)
+    if f.default is MISSING
+    and f.default_factory is MISSING
+    and get_origin(get_type_hints(Plan)[f.name]) is not tuple
+)
+_SIZES = tuple(k for k, t in _hints(ParallelPlan).items() if t is int)
+_RECOMPUTE = get_args(_hints(ParallelPlan)["recompute"])
+_RANK_FIELDS = tuple(_hints(RankPlan))
+_PREDICTED = tuple(k for k, t in _hints(Predicted).items() if t is float)
+_SOLVER = {k: _json_kind(t) for k, t in _hints(SolveReport).items()}
+_ENTRIES = {
+    "model": {k: _json_kind(t) for k, t in _hints(ModelEntry).items()},
+    "cluster": {k: _json_kind(t) for k, t in _hints(ClusterEntry).items() if k != "profile"},
+}
 
 
 class _Checker:
@@ -90,12 +132,15 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
     """
     if not isinstance(d, dict):
         raise SpecError(f"{path}: a plan must be a JSON object, got a {type(d).__name__}; {_FIX}")
-    from planner.plan.schema import SCHEMA_VERSION
-
-    if d.get("schema_version") != SCHEMA_VERSION:
-        return  # planner.plan.schema reports a missing or unsupported version
+    if "schema_version" not in d:
+        raise SpecError(f"{path}: missing 'schema_version'; {_FIX}")
+    if d["schema_version"] != SCHEMA_VERSION:
+        raise SpecError(
+            f"{path}: schema_version {d['schema_version']} is not supported (this Piper reads "
+            f"{SCHEMA_VERSION}); re-run 'piper plan' to regenerate it"
+        )
     c = _Checker(path)
-    for key in ("model", "cluster", "training", "parallel", "predicted", "solver"):
+    for key in _SECTIONS:
         c.get(d, key, "", dict)
     par = d["parallel"]
     sizes = {k: c.int_at_least(par, k, "parallel.", 1) for k in _SIZES}
@@ -106,10 +151,19 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
     _check_experts(c, c.items(d, "experts"), sizes["ep"])
     _check_ranks(c, c.items(d, "ranks"), sizes)
     _check_predicted(c, d["predicted"], sizes["pp"])
-    for key in ("backend", "status"):
-        c.get(d["solver"], key, "solver.", str)
-    for key in ("objective", "bound", "gap"):
-        c.get(d["solver"], key, "solver.", (int, float))
+    for key, kind in _SOLVER.items():
+        c.get(d["solver"], key, "solver.", kind)
+    for section, kinds in _ENTRIES.items():
+        _check_entry(c, d[section], section, kinds)
+
+
+def _check_entry(c: _Checker, entry: dict[str, Any], section: str, kinds: dict[str, Any]) -> None:
+    """The typed fields of the model or cluster entry, where present (all are optional)."""
+    for key, kind in kinds.items():
+        if key in entry:
+            value = c.get(entry, key, f"{section}.", kind)
+            if kind is int and value < 1:
+                raise c.fail(f"{section}.{key}", f"must be >= 1, got {value}")
 
 
 def _check_sizes(c: _Checker, s: dict[str, int]) -> None:

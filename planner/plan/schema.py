@@ -1,21 +1,87 @@
 """plan.json: the versioned result type shared by the planner, the runtime and the exports.
 
 One Plan type serves automatic and hand-written plans. `Plan.to_json()` writes sorted,
-indented JSON with floats rounded, so equal plans are byte-identical files; `load_plan`
-validates on read and names the field and the fix when something is wrong.
+indented JSON with floats rounded, so equal plans are byte-identical files. Reading and
+validating a file is planner.plan.io's job (load_plan, plan_from_dict) and
+planner.plan.check's (check_plan_dict); this module holds the types only.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from planner.plan.check import check_plan_dict
-from planner.specs import ClusterSpec, ModelSpec, SpecError
+from planner.specs import ClusterSpec, ModelSpec, Recompute, SpecError
 
 SCHEMA_VERSION = 1
+
+Status = Literal["OPTIMAL", "FEASIBLE", "INFEASIBLE", "NOT_SOLVED"]
+
+# Field metadata of a value that is kept in memory but not written to plan.json.
+NOT_IN_PLAN = {"plan_json": False}
+
+
+def json_fields(cls: type) -> tuple[Field, ...]:
+    """The fields of dataclass `cls` that plan.json holds (all but those marked NOT_IN_PLAN)."""
+    return tuple(f for f in fields(cls) if f.metadata.get("plan_json", True))
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """plan.json's `model`: what the model is called, where it was read from, its config.
+
+    `config` is the normalized HuggingFace-style config (planner.inputs.models.model_config);
+    it stays a dict because it is the HF config. A hand-written plan may leave it empty and
+    name a preset or a config file instead.
+    """
+
+    name: str = ""
+    source: str = ""
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelEntry:
+        """The entry of a parsed `model` object (validated by planner.plan.check)."""
+        return cls(d.get("name", ""), d.get("source", ""), dict(d.get("config", {})))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "config": dict(self.config)}
+
+
+@dataclass(frozen=True)
+class ClusterEntry:
+    """plan.json's `cluster`: the cluster profile the plan was made for and the part it uses.
+
+    `piper plan` writes the whole profile (planner.inputs.clusters.cluster_to_dict) plus the
+    counts below; a hand-written plan may hold only a name. A count that is None was not
+    recorded and is left out of plan.json.
+    """
+
+    name: str = ""
+    source: str = ""
+    gpus_per_node: int | None = None  # devices per node
+    nodes: int | None = None  # nodes of the whole cluster
+    gpus: int | None = None  # devices the plan uses
+    nodes_used: int | None = None  # nodes those devices span
+    # Every other key as plan.json holds it: the profile's device, levels, nic_gbps, ...
+    # (cluster_to_dict's structure) and an optional `env` for the Slurm export.
+    profile: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ClusterEntry:
+        """The entry of a parsed `cluster` object (validated by planner.plan.check)."""
+        labels = {k: d[k] for k in _CLUSTER_LABELS if k in d}
+        return cls(**labels, profile={k: v for k, v in d.items() if k not in labels})
+
+    def to_dict(self) -> dict[str, Any]:
+        labels = {k: getattr(self, k) for k in _CLUSTER_LABELS}
+        return {**self.profile, **{k: v for k, v in labels.items() if v is not None}}
+
+
+_CLUSTER_LABELS = tuple(f.name for f in fields(ClusterEntry) if f.name != "profile")
 
 
 @dataclass(frozen=True)
@@ -43,12 +109,29 @@ class RankPlan:
 
 
 @dataclass(frozen=True)
-class SolverReport:
-    backend: str  # "cpsat" | "cbc" | "none"
-    status: str  # "OPTIMAL" | "FEASIBLE" | "INFEASIBLE" | "NOT_SOLVED"
+class SolveReport:
+    """Outcome of one solve; plan.json's `solver` holds the fields from backend to gap.
+
+    objective and bound are in the formulation's original units. gap = (objective - bound) /
+    max(|objective|, tiny): 0 when proven optimal, inf when there is no solution. Wall time
+    goes to timings.json, not plan.json, so equal inputs give byte-identical plans.
+    """
+
+    backend: str  # "cpsat" | "cbc" | "dp" | "closed-form" | "none"
+    status: Status
     objective: float
     bound: float
     gap: float
+    wall_s: float = field(default=0.0, metadata=NOT_IN_PLAN)
+    message: str = field(default="", metadata=NOT_IN_PLAN)  # why NOT_SOLVED / INFEASIBLE
+
+    @property
+    def has_solution(self) -> bool:
+        return self.status in ("OPTIMAL", "FEASIBLE")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan.json object: backend, status, objective, bound, gap."""
+        return {f.name: getattr(self, f.name) for f in json_fields(SolveReport)}
 
 
 @dataclass(frozen=True)
@@ -72,27 +155,39 @@ class ParallelPlan:
     edp: int
     micro_batch: int
     num_microbatches: int
-    recompute: str
+    recompute: Recompute
 
 
 @dataclass(frozen=True)
 class Plan:
-    model: dict[str, Any]  # {"name": ..., "source": ..., "config": {...normalized HF keys}}
-    cluster: dict[str, Any]  # {"name": ..., "source": ..., "gpus_per_node": ..., "nodes": ...}
+    model: ModelEntry
+    cluster: ClusterEntry
     training: dict[str, Any]  # TrainingSpec fields
     parallel: ParallelPlan
     stages: tuple[StagePlan, ...]
     experts: tuple[ExpertPlacement, ...]
     ranks: tuple[RankPlan, ...]
     predicted: Predicted
-    solver: SolverReport
+    solver: SolveReport
     inputs_sha256: str = ""
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["predicted"]["comm_s"] = {k: v for k, v in self.predicted.comm_s}
+        d = {
+            "model": self.model.to_dict(),
+            "cluster": self.cluster.to_dict(),
+            "training": self.training,
+            "parallel": asdict(self.parallel),
+            "stages": [asdict(s) for s in self.stages],
+            "experts": [asdict(e) for e in self.experts],
+            "ranks": [asdict(r) for r in self.ranks],
+            "predicted": {**asdict(self.predicted), "comm_s": dict(self.predicted.comm_s)},
+            "solver": self.solver.to_dict(),
+            "inputs_sha256": self.inputs_sha256,
+            "schema_version": self.schema_version,
+            "extra": self.extra,
+        }
         return _round_floats(d)
 
     def to_json(self) -> str:
@@ -104,11 +199,11 @@ class Plan:
         from planner.inputs.models import load_model, model_from_config
 
         entry = self.model
-        name = str(entry.get("name") or "model")
-        if isinstance(entry.get("config"), dict) and entry["config"]:
-            return model_from_config(entry["config"], name, str(entry.get("source") or where))
-        if entry.get("source") or entry.get("name"):
-            return load_model(str(entry.get("source") or name))
+        if entry.config:
+            return model_from_config(dict(entry.config), entry.name or "model",
+                                     entry.source or where)  # fmt: skip
+        if entry.source or entry.name:
+            return load_model(entry.source or entry.name)
         raise SpecError(f"{where}: 'model' has neither 'config' nor 'name'; regenerate the plan")
 
     def cluster_spec(self, where: str = "plan.json") -> ClusterSpec:
@@ -117,13 +212,12 @@ class Plan:
         from planner.inputs.clusters import cluster_from_dict, load_cluster
 
         entry = self.cluster
-        if "levels" in entry:
-            return cluster_from_dict(dict(entry), source=f"{where} cluster")
-        src = str(entry.get("source") or "")
-        if src and Path(src).is_file():
-            return load_cluster(src)
-        if entry.get("name") or src:
-            return load_cluster(str(entry.get("name") or src))
+        if "levels" in entry.profile:
+            return cluster_from_dict(entry.to_dict(), source=f"{where} cluster")
+        if entry.source and Path(entry.source).is_file():
+            return load_cluster(entry.source)
+        if entry.name or entry.source:
+            return load_cluster(entry.name or entry.source)
         raise SpecError(f"{where}: 'cluster' has neither 'levels' nor 'name'; regenerate the plan")
 
 
@@ -135,69 +229,3 @@ def _round_floats(obj: Any, digits: int = 9) -> Any:
     if isinstance(obj, list | tuple):
         return [_round_floats(v, digits) for v in obj]
     return obj
-
-
-def _need(d: dict[str, Any], key: str, where: str, path: str) -> Any:
-    if not isinstance(d, dict) or key not in d:
-        raise SpecError(f"{path}: missing '{where}{key}'; regenerate it with 'piper plan'")
-    return d[key]
-
-
-def plan_from_dict(d: dict[str, Any], path: str = "plan.json") -> Plan:
-    """Build a Plan from parsed JSON, validating schema version and required fields."""
-    check_plan_dict(d, path)  # types, sizes and consistency (planner/plan/check.py)
-    version = _need(d, "schema_version", "", path)
-    if version != SCHEMA_VERSION:
-        raise SpecError(
-            f"{path}: schema_version {version} is not supported (this Piper reads "
-            f"{SCHEMA_VERSION}); re-run 'piper plan' to regenerate it"
-        )
-    try:
-        par = _need(d, "parallel", "", path)
-        parallel = ParallelPlan(**{k: par[k] for k in ParallelPlan.__dataclass_fields__})
-        stages = tuple(
-            StagePlan(s["stage"], tuple(s["layers"]), tuple(s.get("recompute_layers", ())))
-            for s in _need(d, "stages", "", path)
-        )
-        experts = tuple(
-            ExpertPlacement(e["layer"], tuple(e["rank_of_expert"]))
-            for e in _need(d, "experts", "", path)
-        )
-        ranks = tuple(
-            RankPlan(**{k: r[k] for k in RankPlan.__dataclass_fields__})
-            for r in _need(d, "ranks", "", path)
-        )
-        pred = dict(_need(d, "predicted", "", path))
-        pred["memory_gib_per_stage"] = tuple(pred["memory_gib_per_stage"])
-        pred["comm_s"] = tuple(sorted(pred.get("comm_s", {}).items()))
-        predicted = Predicted(**{k: pred[k] for k in Predicted.__dataclass_fields__})
-        sol = _need(d, "solver", "", path)
-        solver = SolverReport(**{k: sol[k] for k in SolverReport.__dataclass_fields__})
-    except (KeyError, TypeError) as exc:
-        raise SpecError(f"{path}: malformed field {exc}; regenerate it with 'piper plan'") from None
-    return Plan(
-        model=_need(d, "model", "", path),
-        cluster=_need(d, "cluster", "", path),
-        training=_need(d, "training", "", path),
-        parallel=parallel,
-        stages=stages,
-        experts=experts,
-        ranks=ranks,
-        predicted=predicted,
-        solver=solver,
-        inputs_sha256=d.get("inputs_sha256", ""),
-        schema_version=version,
-        extra=d.get("extra", {}),
-    )
-
-
-def load_plan(path: str | Path) -> Plan:
-    """Read and validate a plan.json file."""
-    p = Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"{p}: no such plan file; create one with 'piper plan --out DIR'") from None
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    return plan_from_dict(d, str(p))

@@ -12,14 +12,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from planner.ip.solvers import SolveReport, SolverOptions
+from planner.ip.solvers import SolverOptions
 from planner.parallel import ParallelConfig, default_placement
 from planner.plan.schema import (
+    ClusterEntry,
     ExpertPlacement,
+    ModelEntry,
     ParallelPlan,
     Plan,
     Predicted,
-    SolverReport,
+    SolveReport,
     StagePlan,
 )
 from planner.search.evaluator import Evaluator, RankChoice
@@ -131,14 +133,10 @@ def inputs_sha256(
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def solver_report(r: SolveReport) -> SolverReport:
-    return SolverReport(r.backend, r.status, r.objective, r.bound, r.gap)
-
-
 def build_plan(
     *,
-    model_doc: dict[str, Any],
-    cluster_doc: dict[str, Any],
+    model: ModelEntry,
+    cluster: ClusterEntry,
     training: TrainingSpec,
     par: ParallelConfig,
     stage_layers: Sequence[Sequence[int]],
@@ -166,20 +164,20 @@ def build_plan(
     )
     extra = {
         **extra,
-        "expert_solver": asdict(solver_report(placement.expert_report)),
-        "rank_solver": asdict(solver_report(placement.ranks.report)),
+        "expert_solver": placement.expert_report.to_dict(),
+        "rank_solver": placement.ranks.report.to_dict(),
         "rank_note": placement.ranks.note,
     }
     return Plan(
-        model=model_doc,
-        cluster=cluster_doc,
+        model=model,
+        cluster=cluster,
         training=asdict(training),
         parallel=parallel,
         stages=stages,
         experts=placement.experts,
         ranks=placement.ranks.ranks,
         predicted=predicted,
-        solver=solver_report(stage_report),
+        solver=stage_report,
         inputs_sha256=digest,
         extra=extra,
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from planner.ip.solvers import SolverOptions
-from planner.plan.schema import Plan, Predicted
+from planner.plan.schema import ClusterEntry, ModelEntry, Plan, Predicted
 from planner.search import assemble
 from planner.search.baselines import Baseline, all_baselines
 from planner.search.branch_bound import (
@@ -131,13 +131,15 @@ def _plan_document(
         ctx.evaluator, ctx.model, par, ctx.cluster, allocation, trace_loads, ctx.options
     )
     reinstall_sigint()
-    model_doc = ctx.evaluator.describe_model(ctx.model)
+    model = ModelEntry.from_dict(ctx.evaluator.describe_model(ctx.model))
     g = ctx.cluster.gpus_per_node
-    cluster_doc = {
-        **ctx.evaluator.describe_cluster(ctx.cluster),
-        "gpus": ctx.space.gpus,
-        "nodes_used": -(-ctx.space.gpus // g),
-    }
+    cluster = ClusterEntry.from_dict(
+        {
+            **ctx.evaluator.describe_cluster(ctx.cluster),
+            "gpus": ctx.space.gpus,
+            "nodes_used": -(-ctx.space.gpus // g),
+        }
+    )
     sizes = {
         "gpus": ctx.space.gpus,
         "fixed": dict(ctx.space.fixed),
@@ -149,7 +151,7 @@ def _plan_document(
         "trace": {str(k): list(v) for k, v in sorted((trace_loads or {}).items())},
         "allocation": repr(getattr(allocation, "nodes", allocation)) if allocation else None,
     }
-    digest = assemble.inputs_sha256(model_doc, cluster_doc, ctx.training, sizes)
+    digest = assemble.inputs_sha256(model.to_dict(), cluster.to_dict(), ctx.training, sizes)
     predicted = Predicted(
         est.step_time_s,
         est.mfu,
@@ -166,8 +168,8 @@ def _plan_document(
         "baselines": [_baseline_doc(b, est.step_time_s) for b in baselines],
     }
     return assemble.build_plan(
-        model_doc=model_doc,
-        cluster_doc=cluster_doc,
+        model=model,
+        cluster=cluster,
         training=training_for(ctx.training, par),
         par=par,
         stage_layers=best.stages.stage_layers,

@@ -11,13 +11,15 @@ import pytest
 from planner.cli import main
 from planner.inputs.clusters import load_cluster
 from planner.inputs.models import load_model, model_config
-from planner.plan.schema import (
+from planner.plan import (
+    ClusterEntry,
     ExpertPlacement,
+    ModelEntry,
     ParallelPlan,
     Plan,
     Predicted,
     RankPlan,
-    SolverReport,
+    SolveReport,
     StagePlan,
 )
 from tests.planner.migration.conftest import write_csv
@@ -43,15 +45,15 @@ def _read(path):
 def _plan(tmp_path):
     ranks = tuple(RankPlan(i, i // 2, i % 2, 0, i, 0, i) for i in range(4))
     plan = Plan(
-        model={"name": "tiny-moe", "config": model_config(load_model("tiny-moe"))},
-        cluster={"name": "cpu-gloo", "source": "cpu-gloo"},
+        model=ModelEntry("tiny-moe", config=model_config(load_model("tiny-moe"))),
+        cluster=ClusterEntry("cpu-gloo", "cpu-gloo"),
         training={"seq_len": 128, "global_batch": 8},
         parallel=ParallelPlan(1, 4, 1, 4, 1, 1, 2, "none"),
         stages=(StagePlan(0, (0, 1, 2, 3)),),
         experts=tuple(ExpertPlacement(layer, (3, 3, 2, 2, 1, 1, 0, 0)) for layer in LAYERS),
         ranks=ranks,
         predicted=Predicted(1.0, 0.5, 1.0, 1.0, 0.0, (1.0,), 4.0),
-        solver=SolverReport("none", "OPTIMAL", 0.0, 0.0, 0.0),
+        solver=SolveReport("none", "OPTIMAL", 0.0, 0.0, 0.0),
     )
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from planner.plan.schema import load_plan
+from planner.plan import load_plan
 from planner.search import make_plan as search_module
 
 OUTPUTS = {
@@ -37,7 +37,7 @@ def default_run(tmp_path_factory):
 def test_default_plan_writes_every_output_and_a_valid_plan(default_run, capsys):
     assert OUTPUTS <= {p.name for p in default_run.iterdir()}
     plan = load_plan(default_run / "plan.json")
-    assert plan.model["name"] == "mixtral-8x7b" and plan.cluster["name"] == "frontier"
+    assert plan.model.name == "mixtral-8x7b" and plan.cluster.name == "frontier"
     assert plan.training["seq_len"] == 4096 and plan.training["global_batch"] == 1024
     par = plan.parallel
     assert par.pp * par.dp * par.tp == 64

@@ -17,13 +17,15 @@ from planner.inputs.models import load_model, model_config
 from planner.outputs.export import export_plan
 from planner.outputs.export.megatron import pipeline_split_args
 from planner.outputs.export.slurm import comm_env
-from planner.plan.schema import (
+from planner.plan import (
+    ClusterEntry,
     ExpertPlacement,
+    ModelEntry,
     ParallelPlan,
     Plan,
     Predicted,
     RankPlan,
-    SolverReport,
+    SolveReport,
     StagePlan,
     load_plan,
 )
@@ -47,8 +49,8 @@ def make_plan(stages=STAGES, recompute=(), zero=False, cluster="cpu-gloo", exper
         experts = tuple(ExpertPlacement(layer, (0, 0, 0, 0, 1, 1, 1, 1)) for layer in range(1, 8))
     rc = dict(recompute)
     return Plan(
-        model={"name": model.name, "source": model.source, "config": model_config(model)},
-        cluster={"name": cluster, "gpus_per_node": 2, "num_nodes": 4},
+        model=ModelEntry(model.name, model.source, model_config(model)),
+        cluster=ClusterEntry(cluster, gpus_per_node=2, profile={"num_nodes": 4}),
         training={"seq_len": 128, "global_batch": 32, "dtype": "bf16", "zero": zero},
         parallel=ParallelPlan(
             pp=4, dp=2, tp=1, ep=2, edp=1, micro_batch=2, num_microbatches=8, recompute="none"
@@ -57,7 +59,7 @@ def make_plan(stages=STAGES, recompute=(), zero=False, cluster="cpu-gloo", exper
         experts=experts,
         ranks=ranks,
         predicted=Predicted(1.0, 0.5, 100.0, 1e5, 0.1, (1.0, 1.0, 1.0, 1.0), 60.0),
-        solver=SolverReport("cpsat", "OPTIMAL", 1.0, 1.0, 0.0),
+        solver=SolveReport("cpsat", "OPTIMAL", 1.0, 1.0, 0.0),
         inputs_sha256="ab" * 32,
     )
 
@@ -140,7 +142,7 @@ def test_megatron_zero_recompute_and_placement_notes():
 def test_megatron_model_flags_for_mla_and_mtp():
     model = load_model("deepseek-v3")
     plan = make_plan()
-    plan = replace(plan, model={"name": "deepseek-v3", "config": model_config(model)})
+    plan = replace(plan, model=ModelEntry("deepseek-v3", config=model_config(model)))
     text = export_plan(plan, "megatron").text
     ns, unknown = megatron_parser().parse_known_args(bash_array(text, "MEGATRON_ARGS"))
     assert unknown == []
@@ -271,10 +273,13 @@ def test_slurm_dry_run_and_default_command(tmp_path):
 
 
 def test_comm_env_by_cluster():
-    assert comm_env({"name": "frontier"})["NCCL_SOCKET_IFNAME"] == "hsn0"
-    assert comm_env({"name": "gb200-nvl72"})["NCCL_MNNVL_ENABLE"] == "1"
-    assert comm_env({"name": "h100"})["NCCL_IB_HCA"] == "mlx5"
-    assert comm_env({"name": "h100", "env": {"NCCL_IB_HCA": "mlx5_0"}})["NCCL_IB_HCA"] == "mlx5_0"
+    def env(section: dict) -> dict[str, str]:
+        return comm_env(ClusterEntry.from_dict(section))
+
+    assert env({"name": "frontier"})["NCCL_SOCKET_IFNAME"] == "hsn0"
+    assert env({"name": "gb200-nvl72"})["NCCL_MNNVL_ENABLE"] == "1"
+    assert env({"name": "h100"})["NCCL_IB_HCA"] == "mlx5"
+    assert env({"name": "h100", "env": {"NCCL_IB_HCA": "mlx5_0"}})["NCCL_IB_HCA"] == "mlx5_0"
 
 
 def test_slurm_rejects_incomplete_ranks_table():

@@ -11,7 +11,7 @@ import pytest
 
 from planner.ip.solvers import SolverOptions
 from planner.outputs import plots, reports
-from planner.plan.schema import plan_from_dict
+from planner.plan import plan_from_dict
 from planner.search.make_plan import make_plan
 from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
