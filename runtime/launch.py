@@ -305,7 +305,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
     """Load the plan and its model and build the (scaled) RunSpec."""
-    from planner.plan.schema import load_plan
+    from planner.plan import load_plan
     from runtime.scale import run_spec_from_plan
 
     plan = load_plan(args.plan)

@@ -344,7 +344,7 @@ def check_main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from planner.plan.schema import load_plan
+    from planner.plan import load_plan
 
     p = argparse.ArgumentParser(prog="python -m runtime.scale")
     p.add_argument("plan")

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.calibrate.compare import calibrate, fit_profile, load_metrics, plan_inputs
     from planner.calibrate.report import calibration_csv, calibration_markdown, calibration_png
     from planner.inputs.clusters import load_cluster
-    from planner.plan.schema import load_plan
+    from planner.plan import load_plan
 
     plan = load_plan(args.plan)
     metrics = load_metrics(args.metrics)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from planner.plan.schema import Plan, load_plan
+from planner.plan import Plan, load_plan
 from planner.specs import SpecError
 
 log = logging.getLogger(__name__)

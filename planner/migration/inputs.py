@@ -19,7 +19,7 @@ import numpy as np
 from planner.migration.placement import default_rank_of_expert, initial_slots
 from planner.migration.pricing import MoveCosts, build_move_costs
 from planner.migration.trace import Trace, check_divisible
-from planner.plan.schema import Plan, load_plan
+from planner.plan import Plan, load_plan
 from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
 
 log = logging.getLogger(__name__)

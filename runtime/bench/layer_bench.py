@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     from planner.inputs.clusters import load_cluster
     from planner.inputs.models import load_model
     from planner.outputs.files import write_files
-    from planner.plan.schema import load_plan
+    from planner.plan import load_plan
     from runtime.scale import scale_layer
 
     p = argparse.ArgumentParser(prog="python -m runtime.bench.layer_bench")

@@ -23,12 +23,14 @@ from planner.calibrate.report import calibration_csv
 from planner.cli import main
 from planner.inputs.clusters import cluster_from_dict, load_cluster
 from planner.inputs.models import load_model, model_config
-from planner.plan.schema import (
+from planner.plan import (
+    ClusterEntry,
     ExpertPlacement,
+    ModelEntry,
     ParallelPlan,
     Plan,
     Predicted,
-    SolverReport,
+    SolveReport,
     StagePlan,
 )
 from planner.resources.cost import estimate
@@ -40,15 +42,15 @@ def tiny_plan(step_s=2.0, a2a_s=0.5, mem=(1.0, 1.5)) -> Plan:
     model = load_model("tiny-moe")
     training = TrainingSpec(seq_len=64, global_batch=8, dtype="fp32")
     return Plan(
-        model={"name": model.name, "source": model.source, "config": model_config(model)},
-        cluster={"name": "cpu-gloo", "source": "", "gpus_per_node": 2, "nodes": 2},
+        model=ModelEntry(model.name, model.source, model_config(model)),
+        cluster=ClusterEntry("cpu-gloo", "", gpus_per_node=2, nodes=2),
         training={k: getattr(training, k) for k in training.__dataclass_fields__},
         parallel=ParallelPlan(2, 2, 1, 2, 1, 1, 4, "none"),
         stages=(StagePlan(0, (0, 1)), StagePlan(1, (2, 3))),
         experts=(ExpertPlacement(1, (0, 0, 0, 0, 1, 1, 1, 1)),),
         ranks=(),
         predicted=Predicted(step_s, 0.1, 0.01, 256 / step_s, 0.2, mem, 3.5, (("a2a_node", a2a_s),)),
-        solver=SolverReport("none", "OPTIMAL", 0.0, 0.0, 0.0),
+        solver=SolveReport("none", "OPTIMAL", 0.0, 0.0, 0.0),
     )
 
 
