@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from planner.migration import MigrationDecision, Move
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec
 from runtime.scale import RunSpec, hand_plan, run_spec_from_plan
 
@@ -80,11 +81,33 @@ def reference_run(spec: RunSpec):
     return losses, model, opt
 
 
-def train_body(rank: int, world: int, spec: RunSpec, fail_at: int = -1):
-    """run_distributed body: train and return (losses, files, expert_state, placements)."""
-    from runtime.launch import train
+def rotate_policy(current_LE, load_history_TLE, costs=None, options=None) -> MigrationDecision:
+    """A deliberately bold policy with next_placement's signature, to force moves: every
+    expert moves to the next EP rank (ep_idx + 1 mod ep), whatever the loads."""
+    import numpy as np
 
-    r = train(spec, rank, fail_migration_at=fail_at)
+    current = np.asarray(current_LE, dtype=np.int64)
+    placement = (current + 1) % (current.max(axis=1, keepdims=True) + 1)
+    moves = tuple(
+        Move(layer, e, int(a), int(b), 0, 0.0)
+        for layer, (old, new) in enumerate(zip(current, placement, strict=True))
+        for e, (a, b) in enumerate(zip(old, new, strict=True))
+        if a != b
+    )
+    return MigrationDecision(placement, moves, 0.0)
+
+
+def train_body(rank: int, world: int, spec: RunSpec, fail_at: int = -1, policy=None):
+    """run_distributed body: train and return (losses, files, expert_state, placements).
+
+    policy: a function with next_placement's signature (e.g. rotate_policy); None = the
+    planner's policy."""
+    from runtime.launch import build_trainer
+    from runtime.migrate import MigrationPolicy
+    from runtime.train import train
+
+    migration = MigrationPolicy(choose=policy) if policy else MigrationPolicy()
+    r = train(build_trainer(spec, rank, migration=migration), fail_migration_at=fail_at)
     state = {k: v.numpy().copy() for k, v in r.expert_state.items()}  # no shared-memory fds
     return r.losses, r.files, state, r.placements
 

@@ -1,0 +1,240 @@
+"""The trainer loop of one rank: optimizer steps through the pipeline, the router-bias
+update, expert migration when due, and per-step metrics and expert-load trace rows.
+
+`runtime.launch` builds the parts (groups, stage, dispatcher, byte counter) and hands them to
+`Trainer`; `train` runs the steps and returns losses and (rank 0) the files' contents.
+
+Shape letters: L = MoE layers of this stage, E = experts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from runtime.data import sample_batch
+from runtime.dispatch.local import LocalDispatcher
+from runtime.metrics import (
+    ByteCounter,
+    loss_plot_png,
+    peak_memory_bytes,
+    rank_record,
+    step_line,
+    trace_csv,
+)
+from runtime.migrate import (
+    MigrationPolicy,
+    apply_migration,
+    decide,
+    pack_views,
+    slot_state_views,
+)
+from runtime.model.transformer import StageModule
+from runtime.parallel.mesh import Mesh
+from runtime.parallel.pipeline import PipelineRunner, sync_gradients
+from runtime.scale import RunSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What a rank returns from `train` (rank 0 also holds the files' contents)."""
+
+    losses: list[float | None] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+    expert_state: dict = field(default_factory=dict)  # (layer, expert) -> packed tensors
+    placements: dict = field(default_factory=dict)  # run layer -> ep_idx per expert
+
+
+def _stage_tokens(module: StageModule, mesh: Mesh) -> torch.Tensor:
+    """Tokens per expert of this step [L, E], summed over the stage's ranks; resets."""
+    moes = list(module.moe_layers().values())
+    if not moes:
+        return torch.zeros(0, 0, dtype=torch.long)
+    tokens = torch.stack([m.tokens_E.clone() for m in moes])  # on the device (NCCL)
+    for m in moes:
+        m.tokens_E.zero_()
+    if len(mesh.stage_ranks) > 1:
+        dist.all_reduce(tokens, group=mesh.stage_group)
+    return tokens.cpu()
+
+
+def update_router_bias(module: StageModule, tokens_LE: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of experts below the
+    mean load by `rate`, lower it above. tokens_LE is summed over the stage, so every rank of
+    the stage applies the same update."""
+    for moe, load_E in zip(module.moe_layers().values(), tokens_LE.float(), strict=True):
+        moe.router.bias_E += rate * torch.sign(load_E.mean() - load_E).to(moe.router.bias_E)
+
+
+def _maybe_migrate(
+    spec, module, mesh, optimizer, counter, history, step, fail_at, migration: MigrationPolicy
+) -> int:
+    """Every migrate_every steps: ask the policy from the history and move; returns experts
+    moved."""
+    moes = module.moe_layers()
+    k = spec.migrate_every
+    if not moes or k <= 0 or (step + 1) % k or step + 1 >= spec.steps:
+        return 0
+    current = [
+        tuple(mesh.ep_idx_of_group_rank(r) for r in m.rank_of_expert_E.tolist())
+        for m in moes.values()
+    ]
+    decision = decide(mesh, migration, current, history[-k:])
+    tables = {
+        layer: tuple(mesh.ep_group_rank(int(r)) for r in row)
+        for layer, row in zip(moes, decision.placement_LE, strict=True)
+    }
+    if all(tables[layer] == tuple(moes[layer].rank_of_expert_E.tolist()) for layer in moes):
+        return 0
+    ok = apply_migration(moes, tables, mesh, optimizer, counter, fail=(step + 1 == fail_at))
+    return len(decision.moves) if ok else 0
+
+
+def _gather(obj, rank: int) -> list | None:
+    out = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+class Trainer:
+    """One rank's training state: the parts `runtime.launch` built, the pipeline, the
+    optimizer and the routing history."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        mesh: Mesh,
+        module: StageModule,
+        counter: ByteCounter,
+        device: torch.device,
+        migration: MigrationPolicy | None = None,
+    ) -> None:
+        self.spec, self.mesh, self.module = spec, mesh, module
+        self.counter, self.device = counter, device
+        self.migration = migration or MigrationPolicy()
+        self.rank = mesh.me.physical
+        self.runner = PipelineRunner(
+            module,
+            mesh,
+            spec.micro_batch,
+            spec.num_microbatches,
+            spec.seq_len,
+            counter,
+            device,
+        )
+        self.optimizer = torch.optim.Adam(module.parameters(), lr=spec.lr)
+        moes = list(module.moe_layers().values())
+        self.dispatcher = moes[0].dispatcher if moes else LocalDispatcher()
+        self.leader = mesh.me.physical == mesh.stage_ranks[0]  # of its stage
+        self.history: list = []  # per step: tokens [L][E] of this stage's MoE layers
+
+    def step(self, step: int, fail_migration_at: int = -1) -> tuple[float | None, dict, list]:
+        """One optimizer step (+ migration when due); returns (loss, record, trace rows)."""
+        spec, mesh = self.spec, self.mesh
+        start = time.perf_counter()
+        self.dispatcher.stats.reset()
+        self.counter.reset()
+        self.optimizer.zero_grad(set_to_none=False)
+        batch = spec.micro_batch * spec.num_microbatches
+        x, y = sample_batch(step, mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
+        loss = self.runner.step(x.to(self.device), y.to(self.device))
+        sync_gradients(self.module, mesh, spec.dp, self.counter)
+        self.optimizer.step()
+        tokens_LE = _stage_tokens(self.module, mesh)
+        self.history.append(tokens_LE.tolist())
+        del self.history[: -max(1, spec.migrate_every)]  # only the migration window is read
+        if spec.router_bias_rate > 0:
+            update_router_bias(self.module, tokens_LE, spec.router_bias_rate)
+        moved = _maybe_migrate(
+            spec,
+            self.module,
+            mesh,
+            self.optimizer,
+            self.counter,
+            self.history,
+            step,
+            fail_migration_at,
+            self.migration,
+        )
+        record = rank_record(
+            step,
+            self.rank,
+            mesh.me.stage,
+            loss,
+            time.perf_counter() - start,
+            peak_memory_bytes(self.device),
+            self.dispatcher.stats,
+            self.counter,
+        )
+        # a stage's decision is applied by all its ranks; count its moves once (leader)
+        record["migrated_experts"] = moved if self.leader else 0
+        rows = []
+        if self.leader:
+            src = [spec.source_layers[i] for i in self.module.moe_layers()]
+            interval = step // spec.trace_every
+            rows = [
+                (interval, src[li], e, int(t))
+                for li, row in enumerate(tokens_LE.tolist())
+                for e, t in enumerate(row)
+            ]
+        return loss, record, rows
+
+
+def train(trainer: Trainer, fail_migration_at: int = -1, plot: bool = False) -> RunResult:
+    """Run spec.steps optimizer steps on this rank (process group already initialized).
+
+    Rank 0 gathers every rank's record each step and logs the step's loss; its result holds
+    metrics.jsonl, trace.csv and (with `plot`) loss.png.
+    fail_migration_at: inject a failed migration after that step (tests).
+    """
+    spec, rank = trainer.spec, trainer.rank
+    result, lines, trace = RunResult(), [], {}
+    for step in range(spec.steps):
+        loss, record, rows = trainer.step(step, fail_migration_at)
+        for interval, layer, expert, tokens in rows:  # summed over trace_every steps
+            key = (interval, layer, expert)
+            trace[key] = trace.get(key, 0) + tokens
+        result.losses.append(loss)
+        records = _gather(record, rank)
+        if rank == 0:
+            moved_total = sum(r.pop("migrated_experts") for r in records)
+            lines.append(step_line(records, spec.tokens_per_step, moved_total))
+            log.warning(
+                "step %d loss %.4f step_time %.3fs",
+                step,
+                lines[-1]["loss"],
+                lines[-1]["step_time_s"],
+            )
+    all_rows = _gather([(*k, v) for k, v in trace.items()], rank)
+    if rank == 0:
+        result.files = {
+            "metrics.jsonl": "".join(json.dumps(d, sort_keys=True) + "\n" for d in lines),
+            "trace.csv": trace_csv([r for rows in all_rows for r in rows]),
+        }
+        png = loss_plot_png(lines) if plot else None
+        if png is not None:
+            result.files["loss.png"] = png
+    mesh, module = trainer.mesh, trainer.module
+    result.expert_state = _expert_state(module, trainer.optimizer, mesh)
+    result.placements = {
+        layer: [mesh.ep_idx_of_group_rank(r) for r in m.rank_of_expert_E]
+        for layer, m in module.moe_layers().items()
+    }
+    return result
+
+
+def _expert_state(module: StageModule, optimizer, mesh: Mesh) -> dict:
+    """(run layer, expert) -> flat weights + Adam moments of the experts this rank holds."""
+    out = {}
+    for layer, moe in module.moe_layers().items():
+        for slot, e in enumerate(moe.experts.expert_ids):
+            pieces = slot_state_views(moe, optimizer, slot)
+            out[(layer, e, mesh.me.edp_idx)] = pack_views(pieces).clone()
+    return out
