@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from planner.parallel import default_placement
-from planner.plan.schema import Plan
+from planner.plan.schema import ClusterEntry, ModelEntry, Plan
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, SpecError
 
 Dispatcher = Literal["halo", "halo-dedup", "flat"]
@@ -213,7 +213,7 @@ def run_spec_from_plan(
         placements=_placements(plan, model, source),
         source_layers=tuple(source),
         logical_of_physical=physical_order(plan),
-        ranks_per_node=ranks_per_node or min(world, int(plan.cluster.get("gpus_per_node", world))),
+        ranks_per_node=ranks_per_node or min(world, plan.cluster.gpus_per_node or world),
         tp=par.tp,
         recompute=recompute,
         recompute_layers=tuple(i for i, src in enumerate(source) if src in recomputed)
@@ -242,15 +242,17 @@ def _check_tp(model: ModelSpec, tp: int) -> None:
                 )
 
 
-def halo_cost_of(cluster: dict) -> tuple[float, ...]:
+def halo_cost_of(cluster: ClusterEntry) -> tuple[float, ...]:
     """HALO's path-choice costs from a plan's cluster: the per-message overhead, the slowest
     level inside a node (per device) and the node's NICs together; () when fields are missing."""
+    gpus, profile = cluster.gpus_per_node, cluster.profile
+    if gpus is None:
+        return ()
     try:
-        gpus = int(cluster["gpus_per_node"])
-        inside = [lv for lv in cluster["levels"] if int(lv["devices"]) <= gpus]
+        inside = [lv for lv in profile["levels"] if int(lv["devices"]) <= gpus]
         intra = min(float(lv["bw_gbps"]) * float(lv.get("taper", 1.0)) for lv in inside)
-        link = int(cluster["nics_per_node"]) * float(cluster["nic_gbps"])
-        message_s = float(cluster.get("msg_overhead_us", 1.0)) * 1e-6
+        link = int(profile["nics_per_node"]) * float(profile["nic_gbps"])
+        message_s = float(profile.get("msg_overhead_us", 1.0)) * 1e-6
     except (KeyError, TypeError, ValueError):
         return ()
     return (message_s, intra, link)
@@ -290,7 +292,7 @@ def hand_plan(
     num_microbatches: int = 2,
     seq_len: int = 64,
     gpus_per_node: int = 8,
-    model_entry: dict | None = None,
+    model_entry: ModelEntry | None = None,
     tp: int = 1,
 ) -> Plan:
     """A plan written by hand (no solver): even stages, contiguous expert blocks, ranks in
@@ -300,7 +302,7 @@ def hand_plan(
         ParallelPlan,
         Predicted,
         RankPlan,
-        SolverReport,
+        SolveReport,
         StagePlan,
     )
 
@@ -320,19 +322,17 @@ def hand_plan(
         for r in range(pp * block)
     )  # fmt: skip
     return Plan(
-        model=model_entry or {"name": model.name, "source": model.source, "config": {}},
-        cluster={
-            "name": "hand",
-            "gpus_per_node": gpus_per_node,
-            "nodes": -(-pp * block // gpus_per_node),
-        },
+        model=model_entry or ModelEntry(model.name, model.source),
+        cluster=ClusterEntry(
+            "hand", gpus_per_node=gpus_per_node, nodes=-(-pp * block // gpus_per_node)
+        ),
         training={"seq_len": seq_len, "global_batch": dp * micro_batch * num_microbatches},
         parallel=ParallelPlan(pp, dp, tp, ep, block // ep, micro_batch, num_microbatches, "none"),
         stages=stages,
         experts=experts,
         ranks=ranks,
         predicted=Predicted(0.0, 0.0, 0.0, 0.0, 0.0, tuple(0.0 for _ in range(pp)), 0.0),
-        solver=SolverReport("none", "NOT_SOLVED", 0.0, 0.0, 0.0),
+        solver=SolveReport("none", "NOT_SOLVED", 0.0, 0.0, 0.0),
     )
 
 

@@ -98,20 +98,20 @@ def changed_inputs(plan: Plan) -> list[str]:
     from planner.inputs.models import load_model, model_config
 
     changed = []
-    source = str(plan.model.get("source", ""))
+    source = plan.model.source
     name = source.removeprefix("preset:") if source.startswith("preset:") else source
-    if name and "config" in plan.model:
+    if name and plan.model.config:
         try:
             fresh = model_config(load_model(name))
         except SpecError:
             fresh = None
-        if fresh is not None and _canonical(fresh) != _canonical(plan.model["config"]):
+        if fresh is not None and _canonical(fresh) != _canonical(plan.model.config):
             changed.append(f"model '{name}'")
-    csrc = str(plan.cluster.get("source", ""))
-    cname = csrc if Path(csrc).is_file() else str(plan.cluster.get("name", ""))
+    csrc = plan.cluster.source
+    cname = csrc if Path(csrc).is_file() else plan.cluster.name
     if cname and (Path(cname).is_file() or cname in list_cluster_presets()):
         fresh_c = cluster_to_dict(load_cluster(cname))
-        recorded = plan.cluster.get("config", plan.cluster)
+        recorded = plan.cluster.to_dict()
         diff = [
             k
             for k in fresh_c

@@ -10,14 +10,14 @@ import pytest
 
 from planner.cli import main
 from planner.inputs.models import load_model, model_config
-from planner.plan.schema import ParallelPlan, RankPlan
+from planner.plan import ClusterEntry, ModelEntry, ParallelPlan, RankPlan
 from runtime.metrics import validate_metrics, validate_trace
 from runtime.scale import hand_plan, keep_layers, run_spec_from_plan
 
 
 def _write_plan(tmp_path, pp=2, dp=1, ep=1, **changes):
     model = load_model("tiny-moe")
-    entry = {"name": "tiny-moe", "source": model.source, "config": model_config(model)}
+    entry = ModelEntry("tiny-moe", model.source, model_config(model))
     plan = hand_plan(
         model,
         pp,
@@ -37,8 +37,8 @@ def _write_plan(tmp_path, pp=2, dp=1, ep=1, **changes):
 
 def test_changed_model_is_refused_unless_forced(tmp_path, capsys):
     path, plan = _write_plan(tmp_path)
-    cfg = dict(plan.model["config"], hidden_size=96)  # the model file "changed" since
-    path.write_text(replace(plan, model={**plan.model, "config": cfg}).to_json())
+    cfg = dict(plan.model.config, hidden_size=96)  # the model file "changed" since
+    path.write_text(replace(plan, model=replace(plan.model, config=cfg)).to_json())
     assert main(["run", str(path), "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "model 'tiny-moe' changed since planning" in err and "--force" in err
@@ -50,9 +50,9 @@ def test_changed_cluster_is_refused_and_force_passes_the_check(tmp_path, capsys)
     from planner.inputs.clusters import cluster_to_dict, load_cluster
 
     recorded = {**cluster_to_dict(load_cluster("cpu-gloo")), "gpus": 2}
-    path, plan = _write_plan(tmp_path, cluster=recorded)
+    path, plan = _write_plan(tmp_path, cluster=ClusterEntry.from_dict(recorded))
     assert changed_inputs(plan) == []  # as planned
-    stale = replace(plan, cluster={**recorded, "nic_gbps": 99.0})
+    stale = replace(plan, cluster=ClusterEntry.from_dict({**recorded, "nic_gbps": 99.0}))
     assert changed_inputs(stale) == ["cluster 'cpu-gloo' (nic_gbps)"]
     path.write_text(stale.to_json())
     assert main(["run", str(path), "--steps", "1"]) == 2
@@ -107,7 +107,10 @@ def test_scale_keeps_structure():
 
 def test_halo_cost_comes_from_the_plans_cluster():
     from planner.inputs.clusters import cluster_to_dict, load_cluster
-    from runtime.scale import halo_cost_of
+    from runtime.scale import halo_cost_of as halo_cost_of_entry
+
+    def halo_cost_of(section: dict) -> tuple[float, ...]:
+        return halo_cost_of_entry(ClusterEntry.from_dict(section))
 
     frontier = cluster_to_dict(load_cluster("frontier"))
     # 1 us per message; inside a node the slowest level is Infinity Fabric between packages
