@@ -39,7 +39,7 @@ import netns  # noqa: E402
 from results_md import command_line, render  # noqa: E402
 
 from planner.outputs.files import write_atomic  # noqa: E402
-from runtime.dispatch.halo import DEFAULT_DIRECT_BELOW_BYTES  # noqa: E402
+from runtime.dispatch.halo_cost import DEFAULT_DIRECT_BELOW_BYTES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ("flat", "halo", "halo-dedup")
@@ -190,7 +190,7 @@ def probe_cost(net: Network):
     import torch
     import torch.distributed as dist
 
-    from runtime.dispatch.halo_plan import HaloCost
+    from runtime.dispatch.halo_cost import HaloCost
 
     if net.cost:
         return HaloCost(*net.cost)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.specs import MoESpec
-from runtime.dispatch.flat import DispatchStats
+from runtime.dispatch.local import LocalDispatcher
 
 
 def seeded_generator(*key: int) -> torch.Generator:
@@ -35,29 +35,6 @@ def init_uniform_(weight: torch.Tensor, fan_in: int, gen: torch.Generator) -> No
     with torch.no_grad():
         w = torch.empty(weight.shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
         weight.copy_(w)
-
-
-class LocalDispatcher:
-    """TokenDispatcher for one rank holding every expert: a stable sort by expert id."""
-
-    def __init__(self) -> None:
-        self.stats = DispatchStats()
-
-    def dispatch(self, x_TD: torch.Tensor, expert_TK: torch.Tensor, rank_of_expert_E):
-        num_experts = len(rank_of_expert_E)
-        flat = expert_TK.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts)
-        x_ND = x_TD[order // expert_TK.shape[1]]
-        return x_ND, counts, (order, expert_TK.shape)
-
-    def combine(self, y_ND: torch.Tensor, handle, weight_TK=None) -> torch.Tensor:
-        order, (t, k) = handle
-        y = torch.empty((t * k, y_ND.shape[1]), dtype=y_ND.dtype, device=y_ND.device)
-        y_TKD = y.index_copy(0, order, y_ND).view(t, k, y_ND.shape[1])
-        if weight_TK is None:
-            return y_TKD
-        return (y_TKD * weight_TK.to(y_TKD.dtype)[:, :, None]).sum(dim=1)
 
 
 class Router(nn.Module):

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime.dispatch.flat import (
+from runtime.dispatch.base import (
     BlockTranspose,
     DispatchStats,
-    FlatAllToAll,
     default_ranks_per_node,
     sort_pairs,
 )
+from runtime.dispatch.flat import FlatAllToAll
 from runtime.dispatch.halo import Halo
 from runtime.dispatch.topology import group_topology
 
@@ -192,103 +192,3 @@ def test_byte_counters_match_hand_count(run_distributed):
         assert res["small-direct"]["dispatch"] == direct
         assert all(res[name]["times"] == (True, True) for name in res)
     assert saved_rows > 0  # the routing repeats some tokens per remote node
-
-
-def test_halo_cost_estimates_by_hand():
-    from types import SimpleNamespace
-
-    from runtime.dispatch.halo_plan import HaloCost
-
-    topo = group_topology([0, 1, 2, 3], 2)  # nodes {0, 1} and {2, 3}
-    plan = SimpleNamespace(
-        topo=topo,
-        owner=SimpleNamespace(size=4, dedup=False),
-        pairs_SS=[[10] * 4 for _ in range(4)],  # 10 rows from every rank to every rank
-        unique_SN=[[0, 12] if s < 2 else [12, 0] for s in range(4)],  # 20 pairs -> 12 rows
-    )
-    plan.to_node_SQ = torch.tensor([[0, 20], [0, 20], [20, 0], [20, 0]])  # rows to other nodes
-    cost = HaloCost(message_s=1e-3, intra_gbps=1.0, node_link_gbps=0.1)
-    # direct: 3 messages; 10 rows to my node peer; a node sends 2 x 20 rows across = 40 kB
-    assert cost.direct_s(plan, 1000) == pytest.approx(3e-3 + 40e3 / 1e8)
-    # three phases: Phase I 1 + Phase II 1 + Phase III 1 message; relay 10 rows after II
-    assert cost.three_phase_s(plan, 1000) == pytest.approx(3e-3 + 40e3 / 1e8 + 10e3 / 1e9)
-    plan.owner.dedup = True  # 12 unique rows per (source, node): the link carries 24 kB
-    assert cost.three_phase_s(plan, 1000) == pytest.approx(3e-3 + 24e3 / 1e8 + 10e3 / 1e9)
-
-
-def _cost_by_loops(cost, topo, pairs, unique_SN, dedup, row_bytes):
-    """Brute-force HaloCost: (direct_s, three_phase_s) rank by rank, node by node."""
-    size, nodes = len(pairs), topo.num_nodes
-
-    def to_node(s, b):
-        return sum(pairs[s][r] for r in topo.members_of_node[b])
-
-    def link(unique):
-        worst = 0
-        for n in range(nodes):
-            out = sum(
-                (unique_SN[s][b] if unique else to_node(s, b))
-                for s in topo.members_of_node[n]
-                for b in range(nodes)
-                if b != n
-            )
-            inn = sum(
-                (unique_SN[s][n] if unique else to_node(s, n))
-                for s in range(size)
-                if topo.node_of[s] != n
-            )
-            worst = max(worst, out, inn)
-        return worst
-
-    msgs = max(sum(1 for d in range(size) if d != s and pairs[s][d]) for s in range(size))
-    intra = max(
-        sum(pairs[s][d] for d in topo.members_of_node[topo.node_of[s]] if d != s)
-        for s in range(size)
-    )
-    direct = msgs * cost.message_s + max(
-        intra * row_bytes / (cost.intra_gbps * 1e9),
-        link(False) * row_bytes / (cost.node_link_gbps * 1e9),
-    )
-    worst_msgs = worst_relay = 0
-    for s in range(size):
-        node = topo.node_of[s]
-        members = [d for d in topo.members_of_node[node] if d != s]
-        srcs = [r for r in range(size) if topo.node_of[r] != node and topo.gateway(r, node) == s]
-        relay = [sum(pairs[r][d] for r in srcs) for d in members]
-        remote = [b for b in range(nodes) if b != node and to_node(s, b)]
-        phase_i = sum(1 for d in members if pairs[s][d])
-        worst_msgs = max(worst_msgs, phase_i + len(remote) + sum(1 for r in relay if r))
-        worst_relay = max(worst_relay, sum(relay))
-    three = worst_msgs * cost.message_s + max(
-        intra * row_bytes / (cost.intra_gbps * 1e9),
-        link(dedup) * row_bytes / (cost.node_link_gbps * 1e9)
-        + worst_relay * row_bytes / (cost.intra_gbps * 1e9),
-    )
-    return direct, three
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_halo_cost_matches_loops_on_random_traffic(seed):
-    from types import SimpleNamespace
-
-    from runtime.dispatch.halo_plan import HaloCost
-
-    gen = torch.Generator().manual_seed(seed)
-    members, rpn = [(list(range(8)), 2), (list(range(8)), 3), ([0, 1, 2, 5, 6, 7], 4)][seed % 3]
-    topo = group_topology(members, rpn)
-    size = len(members)
-    pairs_SS = torch.randint(0, 40, (size, size), generator=gen)
-    pairs_SS[torch.rand(size, size, generator=gen) < 0.2] = 0  # some empty messages
-    node_S = torch.tensor(topo.node_of)
-    to_node_SQ = torch.zeros(size, topo.num_nodes, dtype=torch.long).index_add_(1, node_S, pairs_SS)
-    to_node_SQ[torch.arange(size), node_S] = 0
-    unique_SN = (to_node_SQ * 2 // 3).tolist()  # dedup: fewer rows per (source, node)
-    cost = HaloCost(message_s=2e-4, intra_gbps=0.5, node_link_gbps=0.1)
-    for dedup in (False, True):
-        plan = SimpleNamespace(
-            topo=topo, owner=SimpleNamespace(size=size, dedup=dedup), pairs_SS=pairs_SS.tolist(),
-            unique_SN=unique_SN, to_node_SQ=to_node_SQ,
-        )  # fmt: skip
-        want = _cost_by_loops(cost, topo, plan.pairs_SS, unique_SN, dedup, 1024)
-        assert cost.direct_s(plan, 1024) == pytest.approx(want[0])
-        assert cost.three_phase_s(plan, 1024) == pytest.approx(want[1])

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from runtime.dispatch.flat import FlatAllToAll
 from runtime.dispatch.halo import Halo
-from runtime.dispatch.halo_plan import HaloCost
+from runtime.dispatch.halo_cost import HaloCost
 
 
 @dataclass(frozen=True)
