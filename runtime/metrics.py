@@ -12,12 +12,13 @@ and per_rank: the same quantities for every rank.
 trace.csv: `interval,layer,expert,tokens`, interval = step // trace_every, layer = the plan's
 layer index, tokens routed to that expert in that interval summed over all data-parallel
 ranks of its stage.
+Both are read back, and validated, by the planner's readers:
+`planner.calibrate.metrics.load_metrics` and `planner.migration.trace.load_trace`.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import io
 import resource
 from dataclasses import dataclass, field
 
@@ -25,17 +26,6 @@ import torch
 
 from planner.migration.trace import COLUMNS as TRACE_COLUMNS
 
-METRIC_KEYS = (
-    "step",
-    "loss",
-    "step_time_s",
-    "tokens_per_s",
-    "peak_memory_bytes",
-    "dispatch_s",
-    "combine_s",
-    "bytes_intra_node",
-    "bytes_inter_node",
-)
 TRACE_HEADER = ",".join(TRACE_COLUMNS)  # the planner's trace format, read by piper migrate
 
 
@@ -144,56 +134,13 @@ def trace_csv(rows: list[tuple[int, int, int, int]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def validate_metrics(text: str) -> list[dict]:
-    """Parse metrics.jsonl text; raise ValueError naming the line and key when malformed."""
-    out = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        d = json.loads(line)
-        for key in METRIC_KEYS:
-            if key not in d:
-                raise ValueError(f"metrics.jsonl line {n}: missing key '{key}'")
-        if d["step"] != n - 1:
-            raise ValueError(f"metrics.jsonl line {n}: step {d['step']}, expected {n - 1}")
-        if d["loss"] is None or not math.isfinite(d["loss"]):
-            raise ValueError(f"metrics.jsonl line {n}: loss must be a finite number")
-        for key in METRIC_KEYS[2:]:
-            if not isinstance(d[key], int | float) or d[key] < 0:
-                raise ValueError(f"metrics.jsonl line {n}: '{key}' must be a number >= 0")
-        out.append(d)
-    return out
+def loss_plot_png(lines: list[dict]) -> bytes:
+    """loss.png: loss per step and bytes sent per step (intra/inter node). No timestamps in
+    the file, so equal runs give equal bytes."""
+    import matplotlib  # imported here: only rank 0 draws, once, at the end of the run
 
-
-def validate_trace(text: str) -> list[tuple[int, int, int, int]]:
-    """Parse trace.csv; raise ValueError on a wrong header, a bad row or a duplicate key."""
-    lines = text.splitlines()
-    if not lines or lines[0].strip() != TRACE_HEADER:
-        raise ValueError(f"trace.csv: header must be '{TRACE_HEADER}'")
-    rows, seen = [], set()
-    for n, line in enumerate(lines[1:], start=2):
-        parts = line.split(",")
-        if len(parts) != 4 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-            raise ValueError(f"trace.csv line {n}: expected four integers, got '{line}'")
-        row = tuple(int(p) for p in parts)
-        if min(row) < 0:
-            raise ValueError(f"trace.csv line {n}: values must be >= 0")
-        if row[:3] in seen:
-            raise ValueError(f"trace.csv line {n}: duplicate (interval, layer, expert)")
-        seen.add(row[:3])
-        rows.append(row)
-    return rows
-
-
-def loss_plot_png(lines: list[dict]) -> bytes | None:
-    """loss.png: loss per step and bytes sent per step (intra/inter node); None without
-    matplotlib. No timestamps in the file, so equal runs give equal bytes."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    import io
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     steps = [d["step"] for d in lines]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))

@@ -1,9 +1,10 @@
-"""Live expert migration: decide a new placement, move experts with their state, swap tables.
+"""Live expert migration: ask the planner for a new placement, move experts with their state.
 
 Every K steps the stage's per-expert token counts (summed over its data-parallel ranks)
-feed the planner's migration policy; the stage leader decides and broadcasts, so every EP
-group of the stage (all expert-DP replicas) applies the same placement. An expert moves with
-its weights, gradients and Adam moments, so the math of training is unchanged.
+feed the planner's migration policy (`planner.migration.next_placement`), priced from the
+plan's cluster; the stage leader asks and broadcasts, so every EP group of the stage (all
+expert-DP replicas) applies the same placement. An expert moves with its weights, gradients
+and Adam moments, so the math of training is unchanged.
 
 Two phases: (1) every moved expert is packed (weights, grads, moments) and sent point-to-point
 inside the EP group into staging buffers, with a float64 checksum; each receiver verifies
@@ -11,7 +12,7 @@ checksum and finiteness; the whole stage agrees (all-reduce MIN of an ok flag). 
 all agree are the staged slots copied in place and the routing tables swapped; otherwise
 nothing changes, so a failure mid-move leaves the old placement intact.
 
-Shape letters: L = MoE layers of the stage, E = experts, T = intervals (steps).
+Shape letters: L = MoE layers of the stage, E = experts, T = steps of the load history.
 Placements here are in plan EP indices (ep_idx); MoELayer tables hold EP *group* ranks.
 """
 
@@ -21,102 +22,94 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from planner.migration import (
+    MigrationDecision,
+    MigrationOptions,
+    MoveCosts,
+    next_placement,
+    plan_move_costs,
+)
+from planner.plan import Plan, load_plan
+from planner.run.spec import RunSpec
 from runtime.metrics import ByteCounter
 from runtime.model.moe import MoELayer
 from runtime.parallel.mesh import Mesh
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class MigrationDecision:
-    """New placement per layer (ep_idx per expert) and the (layer, expert, src, dst) moves."""
-
-    placement_LE: tuple[tuple[int, ...], ...]
-    moves: tuple[tuple[int, int, int, int], ...]
+# next_placement's signature: (current_LE, load_history_TLE, costs, options) -> decision
+Policy = Callable[..., MigrationDecision]
 
 
-def greedy_next_placement(current_LE, load_history_TLE, costs=None, options=None):
-    """Stand-in policy: swap the hottest rank's hottest expert with the coldest rank's
-    coldest expert while that lowers the hottest rank's load (the paper's greedy swap).
+@dataclass(frozen=True, eq=False)
+class MigrationPolicy:
+    """How every stage of a run picks its next placement.
 
-    Args: current_LE: ep_idx per expert per layer. load_history_TLE: tokens [T][L][E].
-    Returns a MigrationDecision (moves use layer positions 0..L-1).
+    costs_by_stage: the planner's prices of each stage's MoE layers (run_move_costs; None for
+        a stage without MoE layers); () = next_placement's uniform prices, for a RunSpec
+        made without a plan's cluster.
+    options: the policy's knobs; None = the planner's defaults.
+    choose: a function with next_placement's signature: the planner's policy, or one a
+        test passes in.
     """
-    placement, moves = [], []
-    for li, current in enumerate(current_LE):
-        load_E = [sum(step[li][e] for step in load_history_TLE) for e in range(len(current))]
-        table = list(current)
-        for _ in range(len(table)):
-            ranks = sorted(set(table))
-            rank_load = {
-                r: sum(load_E[e] for e in range(len(table)) if table[e] == r) for r in ranks
-            }
-            hot, cold = max(ranks, key=lambda r: (rank_load[r], -r)), min(ranks, key=rank_load.get)
-            e_hot = max((e for e in range(len(table)) if table[e] == hot), key=load_E.__getitem__)
-            e_cold = min((e for e in range(len(table)) if table[e] == cold), key=load_E.__getitem__)
-            delta = load_E[e_hot] - load_E[e_cold]
-            if hot == cold or delta <= 0 or rank_load[cold] + delta >= rank_load[hot]:
-                break
-            table[e_hot], table[e_cold] = cold, hot
-        placement.append(tuple(table))
-        moves += [
-            (li, e, a, b) for e, (a, b) in enumerate(zip(current, table, strict=True)) if a != b
-        ]
-    return MigrationDecision(tuple(placement), tuple(moves))
+
+    costs_by_stage: tuple[MoveCosts | None, ...] = ()
+    options: MigrationOptions | None = None
+    choose: Policy = next_placement
 
 
-def rotate_placement(current_LE, load_history_TLE=None, costs=None, options=None):
-    """Test policy: every expert moves to the next EP rank (ep_idx + 1 mod ep)."""
-    placement, moves = [], []
-    for li, current in enumerate(current_LE):
-        ep = max(current) + 1
-        table = tuple((r + 1) % ep for r in current)
-        placement.append(table)
-        moves += [
-            (li, e, a, b) for e, (a, b) in enumerate(zip(current, table, strict=True)) if a != b
-        ]
-    return MigrationDecision(tuple(placement), tuple(moves))
+def run_move_costs(
+    plan: Plan, spec: RunSpec, where: str = "plan.json"
+) -> tuple[MoveCosts | None, ...]:
+    """The prices of each stage's MoE layers, as `piper migrate --plan` prices them.
+
+    The plan gives the cluster, the device of every EP rank and the training (bytes per
+    parameter, dtype); the run gives the model, so a `--scale` run prices the bytes of the
+    shrunken experts it moves and the expert compute it runs. One interval is migrate_every
+    steps; tokens per EP rank and step = micro_batch x num_microbatches x seq_len of the run.
+
+    Returns:
+        One MoveCosts per stage (rows: its MoE layers, ascending), None for a stage without.
+    """
+    tokens = spec.micro_batch * spec.num_microbatches * spec.seq_len
+    out: list[MoveCosts | None] = []
+    for layers in spec.stage_layers:
+        moe = [i for i in layers if spec.model.layers[i].moe is not None]
+        if not moe:
+            out.append(None)
+            continue
+        src = [spec.source_layers[i] for i in moe]
+        out.append(plan_move_costs(plan, spec.model, moe, src, spec.migrate_every, tokens, where))
+    return tuple(out)
 
 
-def resolve_policy(name: str) -> Callable:
-    """'planner' = planner.migration.api.next_placement (uniform move prices: the runtime
-    does not carry the cluster), else the greedy stand-in; 'greedy'; 'rotate' (tests)."""
-    if name == "rotate":
-        return rotate_placement
-    if name == "greedy":
-        return greedy_next_placement
-    try:
-        from planner.migration.api import next_placement
-    except ImportError:
-        return greedy_next_placement
-    return lambda cur, hist, costs=None, opts=None: _adapt(next_placement(cur, hist, costs, opts))
+def plan_migration(plan_path: str, spec: RunSpec) -> MigrationPolicy:
+    """The planner's policy for a run of the plan at `plan_path`, priced once at start-up."""
+    if spec.migrate_every <= 0:
+        return MigrationPolicy()
+    return MigrationPolicy(run_move_costs(load_plan(plan_path), spec, plan_path))
 
 
-def _adapt(decision) -> MigrationDecision:
-    """Accept the planner's decision type (placement_LE, moves of objects or tuples)."""
-    placement = tuple(tuple(int(r) for r in row) for row in decision.placement_LE)
-    moves = []
-    for m in getattr(decision, "moves", ()):
-        if isinstance(m, tuple):
-            moves.append(tuple(int(v) for v in m[:4]))
-        else:
-            moves.append((int(m.layer), int(m.expert), int(m.src_rank), int(m.dst_rank)))
-    return MigrationDecision(placement, tuple(moves))
+def decide(mesh: Mesh, migration: MigrationPolicy, current_LE, history_TLE) -> MigrationDecision:
+    """The stage leader asks the policy; every rank of the stage gets the same decision.
 
-
-def decide(mesh: Mesh, policy: Callable, current_LE, history_TLE) -> MigrationDecision:
-    """The stage leader runs the policy; every rank of the stage gets the same decision."""
+    Args:
+        current_LE: ep_idx of each expert, per MoE layer of the stage.
+        history_TLE: tokens per expert of the stage's MoE layers, per past step.
+    """
     box = [None]
     if mesh.me.physical == mesh.stage_ranks[0]:
+        stages = migration.costs_by_stage
+        costs = stages[mesh.me.stage] if stages else None
         try:
-            box[0] = policy(current_LE, history_TLE, None, None)
+            box[0] = migration.choose(current_LE, history_TLE, costs, migration.options)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait for this broadcast
-            log.warning("migration policy failed (%s); using the greedy swap", exc)
-            box[0] = greedy_next_placement(current_LE, history_TLE)
+            log.warning("migration policy failed (%s); keeping the current placement", exc)
+            box[0] = MigrationDecision(np.asarray(current_LE, dtype=np.int64), (), 0.0)
     if len(mesh.stage_ranks) > 1:
         dist.broadcast_object_list(box, src=mesh.stage_ranks[0], group=mesh.stage_group)
     return box[0]

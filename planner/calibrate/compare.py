@@ -2,7 +2,7 @@
 
 Predicted numbers come from plan.json (`predicted`) and, per stage, from the resource model
 (`planner.resources.cost.estimate`) re-run on the plan's model, cluster, training, layout and
-layer split. Measured numbers come from `piper run`'s metrics.jsonl (runtime/metrics.py:
+layer split. Measured numbers come from `piper run`'s metrics.jsonl (read by metrics.py:
 one object per step with step_time_s, tokens_per_s, peak_memory_bytes, dispatch_s,
 combine_s and per_rank records with rank, stage and the same keys). The first
 `skip_steps` steps (warm-up) are dropped and every number is the median over the rest.
@@ -17,19 +17,15 @@ Components (error = (predicted - measured) / measured):
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from planner.plan.schema import Plan
 from planner.specs import GIB, ClusterSpec, SpecError, TrainingSpec
 
 log = logging.getLogger(__name__)
-
-REQUIRED_KEYS = ("step", "step_time_s", "dispatch_s", "combine_s", "peak_memory_bytes")
 
 
 @dataclass(frozen=True)
@@ -63,41 +59,6 @@ class Calibration:
         return None
 
 
-def load_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Read metrics.jsonl; SpecError naming the line and key when malformed."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError:
-        raise SpecError(f"{p}: no such metrics file; produce one with 'piper run'") from None
-    rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError:
-            raise SpecError(
-                f"{p} line {n}: not JSON; metrics.jsonl has one object per line"
-            ) from None
-        if not isinstance(d, dict):
-            raise SpecError(f"{p} line {n}: not a JSON object; re-run 'piper run'")
-        missing = [k for k in REQUIRED_KEYS if k not in d]
-        if missing:
-            raise SpecError(f"{p} line {n}: missing '{missing[0]}'; re-run 'piper run'")
-        for key in REQUIRED_KEYS:
-            value = d[key]
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise SpecError(
-                    f"{p} line {n}: '{key}' must be a non-negative number, got {value!r}; "
-                    "re-run 'piper run'"
-                )
-        rows.append(d)
-    if not rows:
-        raise SpecError(f"{p}: no steps; run at least one step with 'piper run'")
-    return rows
-
-
 def _median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
@@ -124,7 +85,7 @@ def calibrate(
 
     Args:
         plan: the plan the run executed.
-        metrics: metrics.jsonl objects (load_metrics).
+        metrics: metrics.jsonl objects (planner.calibrate.metrics.load_metrics).
         skip_steps: warm-up steps dropped (all are kept when fewer remain).
         cluster: re-estimate per stage on this cluster instead of the plan's.
     """

@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from planner.calibrate.compare import calibrate, fit_profile, load_metrics, plan_inputs
+    from planner.calibrate.compare import calibrate, fit_profile, plan_inputs
+    from planner.calibrate.metrics import load_metrics
     from planner.calibrate.report import calibration_csv, calibration_markdown, calibration_png
     from planner.inputs.clusters import load_cluster
     from planner.plan import load_plan

@@ -12,6 +12,7 @@ Shape letters: L trace layers, R EP ranks, S slots per rank, E experts.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -89,6 +90,36 @@ def _plan_devices(plan: Plan, cluster: ClusterSpec, layer: int, ranks: int) -> t
             f"regenerate the plan with 'piper plan'"
         )
     return tuple(devices[r] for r in range(ranks))
+
+
+def plan_move_costs(
+    plan: Plan,
+    model: ModelSpec,
+    layer_ids: Sequence[int],
+    plan_layer_ids: Sequence[int],
+    steps_per_interval: int,
+    tokens_per_rank_step: int,
+    where: str = "plan.json",
+) -> MoveCosts:
+    """The prices `piper migrate --plan` uses, for the given layers of `model`.
+
+    Links and rank devices come from the plan's cluster and ranks table, bytes per parameter
+    and dtype from its training section; expert sizes and compute from `model`, which may be
+    the plan's model or a scaled copy of it (`piper run --scale`).
+
+    Args:
+        layer_ids: layer index in `model` of each priced row (length L, MoE layers).
+        plan_layer_ids: the plan's layer index of each row; its stage gives the EP devices.
+        steps_per_interval: training steps between two placement decisions.
+        tokens_per_rank_step: tokens each EP rank feeds its MoE layers per step.
+    """
+    cluster = plan.cluster_spec(where)
+    ranks = plan.parallel.ep
+    devices = tuple(_plan_devices(plan, cluster, layer, ranks) for layer in plan_layer_ids)
+    training = _training(plan)
+    return build_move_costs(
+        model, cluster, layer_ids, devices, steps_per_interval, tokens_per_rank_step, training
+    )
 
 
 def _plan_start(plan: Plan, trace: Trace, ranks: int) -> np.ndarray:

@@ -122,7 +122,7 @@ def trace_from_rows(rows: list[tuple[int, int, int, int]], path: str) -> Trace:
         t, lj, e = (int(x[0]) for x in np.nonzero(seen > 1))
         raise SpecError(
             f"{path}: interval {t}, layer {int(layer_ids[lj])}, expert {e} appears more than "
-            f"once; keep one row per (interval, layer, expert)"
+            f"once (duplicate rows); keep one row per (interval, layer, expert)"
         )
     if seen.min() == 0:
         t, lj, e = (int(x[0]) for x in np.nonzero(seen == 0))
@@ -149,7 +149,12 @@ def load_trace(path: str | Path) -> Trace:
         raise SpecError(f"{p}: not a text CSV; a trace is 'interval,layer,expert,tokens'") from None
     except OSError as exc:
         raise SpecError(f"{p}: cannot read the trace ({exc.strerror}); check the path") from None
-    return trace_from_rows(_read_rows(text, str(p)), str(p))
+    return trace_from_text(text, str(p))
+
+
+def trace_from_text(text: str, source: str = "trace.csv") -> Trace:
+    """Parse and validate trace CSV text; every fault is a SpecError naming `source` and row."""
+    return trace_from_rows(_read_rows(text, source), source)
 
 
 def check_divisible(trace: Trace, ranks: int) -> None:
@@ -164,14 +169,18 @@ def check_divisible(trace: Trace, ranks: int) -> None:
         )
 
 
+def trace_rows(trace: Trace) -> list[tuple[int, int, int, int]]:
+    """(interval, layer id, expert, tokens) for every entry, sorted by the first three."""
+    num_i, num_l, num_e = trace.tokens_ILE.shape
+    return [
+        (t, trace.layer_ids[lj], e, int(trace.tokens_ILE[t, lj, e]))
+        for t in range(num_i)
+        for lj in range(num_l)
+        for e in range(num_e)
+    ]
+
+
 def trace_to_csv(trace: Trace) -> str:
     """Render a trace as CSV text, rows sorted by (interval, layer, expert)."""
-    out = io.StringIO()
-    out.write(",".join(COLUMNS) + "\n")
-    num_i, num_l, num_e = trace.tokens_ILE.shape
-    for t in range(num_i):
-        for lj in range(num_l):
-            layer = trace.layer_ids[lj]
-            row = trace.tokens_ILE[t, lj]
-            out.writelines(f"{t},{layer},{e},{int(row[e])}\n" for e in range(num_e))
-    return out.getvalue()
+    lines = [",".join(COLUMNS)] + [f"{t},{layer},{e},{n}" for t, layer, e, n in trace_rows(trace)]
+    return "\n".join(lines) + "\n"

@@ -1,4 +1,5 @@
-"""metrics.jsonl and trace.csv formats, aggregation, and the byte accounting rules."""
+"""metrics.jsonl and trace.csv as written here and read back by the planner's readers,
+aggregation, and the byte accounting rules."""
 
 from __future__ import annotations
 
@@ -6,15 +7,11 @@ import json
 
 import pytest
 
-from runtime.dispatch.flat import DispatchStats
-from runtime.metrics import (
-    ByteCounter,
-    rank_record,
-    step_line,
-    trace_csv,
-    validate_metrics,
-    validate_trace,
-)
+from planner.calibrate.metrics import parse_metrics
+from planner.migration.trace import trace_from_text, trace_rows
+from planner.specs import SpecError
+from runtime.dispatch.base import DispatchStats
+from runtime.metrics import ByteCounter, rank_record, step_line, trace_csv
 
 
 def test_ring_allreduce_bytes_split_by_successor_node():
@@ -47,7 +44,7 @@ def test_step_line_aggregates_ranks():
     assert line["combine_s"] == pytest.approx(0.4) and line["peak_memory_bytes"] == 1001
     assert line["migrated_experts"] == 3 and len(line["per_rank"]) == 2
     text = json.dumps(line) + "\n"
-    assert validate_metrics(text)[0]["loss"] == 4.0
+    assert parse_metrics(text)[0]["loss"] == 4.0
 
 
 @pytest.mark.parametrize(
@@ -58,25 +55,25 @@ def test_step_line_aggregates_ranks():
         ({"bytes_inter_node": -1}, ">= 0"),
     ],
 )
-def test_validate_metrics_rejects(bad, msg):
+def test_the_planners_reader_rejects(bad, msg):
     good = step_line([_record(0, 1, 4.0, 0.25, 1, 2)], 10)
     good.update(bad)
-    with pytest.raises(ValueError, match=msg):
-        validate_metrics(json.dumps(good))
+    with pytest.raises(SpecError, match=msg):
+        parse_metrics(json.dumps(good))
     del good["dispatch_s"]
-    with pytest.raises(ValueError, match="dispatch_s"):
-        validate_metrics(json.dumps({**good, **{"loss": 1.0, "step": 0}}))
+    with pytest.raises(SpecError, match="dispatch_s"):
+        parse_metrics(json.dumps({**good, **{"loss": 1.0, "step": 0}}))
 
 
 def test_trace_round_trip_and_errors():
-    rows = [(1, 3, 0, 5), (0, 3, 1, 7), (0, 3, 0, 2)]
+    rows = [(1, 3, 0, 5), (0, 3, 1, 7), (0, 3, 0, 2), (1, 3, 1, 0)]
     text = trace_csv(rows)
     assert text.splitlines()[0] == "interval,layer,expert,tokens"
-    assert validate_trace(text) == sorted(rows)
+    assert trace_rows(trace_from_text(text)) == sorted(rows)
     for bad, msg in [
         ("a,b\n", "header"),
         (text + "0,3,0,1\n", "duplicate"),
-        (text + "0,3,x,1\n", "four integers"),
+        (text + "0,3,x,1\n", "'expert' must be a non-negative integer"),
     ]:
-        with pytest.raises(ValueError, match=msg):
-            validate_trace(bad)
+        with pytest.raises(SpecError, match=msg):
+            trace_from_text(bad)

@@ -1,47 +1,36 @@
-"""Live expert migration: policies keep slots, moves carry weights + grads + Adam moments, a
-failed move changes nothing, and training with migration equals training without it."""
+"""Live expert migration: the runtime asks the planner's policy priced from the plan's
+cluster, moves carry weights + grads + Adam moments, a failed move changes nothing, and
+training with migration equals training without it."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from planner.cli import main
+from planner.migration import next_placement
+from planner.migration.inputs import migrate_setup
+from planner.migration.trace import Trace, trace_from_text, trace_rows
+from planner.plan import load_plan
+from planner.resources.params import layer_params
+from planner.run.spec import run_spec_from_plan
 from runtime.data import load_corpus
-from runtime.metrics import validate_trace
-from runtime.migrate import greedy_next_placement, rotate_placement
+from runtime.migrate import MigrationPolicy, decide, plan_migration, run_move_costs
 from tests.runtime.tiny_plans import (
     assert_experts_match_oracle,
     reference_run,
+    rotate_policy,
     tiny_spec,
     train_body,
 )
 
 
-def _max_load(table, load):
-    return max(sum(load[e] for e in range(len(table)) if table[e] == r) for r in set(table))
-
-
-def test_greedy_policy_keeps_slots_and_never_raises_the_hottest_rank():
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        ep, per = int(rng.integers(2, 5)), int(rng.integers(1, 4))
-        current = tuple(int(r) for r in rng.permutation(np.repeat(np.arange(ep), per)))
-        history = rng.integers(0, 100, size=(3, 1, ep * per)).tolist()
-        decision = greedy_next_placement([current], history)
-        new = decision.placement_LE[0]
-        load = np.asarray(history).sum(axis=0)[0]
-        assert sorted(new) == sorted(current)  # every rank keeps its number of slots
-        assert _max_load(new, load) <= _max_load(current, load)
-        assert {(e, a, b) for _, e, a, b in decision.moves} == {
-            (e, a, b) for e, (a, b) in enumerate(zip(current, new, strict=True)) if a != b
-        }
-
-
 def test_rotate_policy_moves_every_expert():
-    d = rotate_placement([(0, 0, 1, 1)])
-    assert d.placement_LE == ((1, 1, 0, 0),) and len(d.moves) == 4
+    d = rotate_policy([(0, 0, 1, 1)], [])
+    assert d.placement_LE.tolist() == [[1, 1, 0, 0]] and len(d.moves) == 4
 
 
 @pytest.mark.slow
@@ -58,10 +47,9 @@ def test_migration_every_two_steps_matches_training_without_it(run_distributed):
         steps=steps,
         layers=3,
         migrate_every=2,
-        migrate_policy="rotate",
         trace_every=3,
     )
-    results = run_distributed(train_body, 4, spec, 2, timeout_s=240)
+    results = run_distributed(train_body, 4, spec, 2, rotate_policy, timeout_s=240)
     ref_losses, ref_model, ref_opt = reference_run(spec)
     lines = [json.loads(x) for x in results[0][1]["metrics.jsonl"].splitlines()]
     assert [d["loss"] for d in lines] == pytest.approx(ref_losses, rel=1e-4, abs=1e-4)
@@ -70,7 +58,7 @@ def test_migration_every_two_steps_matches_training_without_it(run_distributed):
     assert moved == [0, 0, 0, 16, 0, 16, 0, 16, 0]
     # trace.csv: 3 intervals of 3 steps; each sums tokens x top-k over the stage and steps
     per_key: dict = {}
-    for interval, layer, _e, tokens in validate_trace(results[0][1]["trace.csv"]):
+    for interval, layer, _e, tokens in trace_rows(trace_from_text(results[0][1]["trace.csv"])):
         per_key[(interval, layer)] = per_key.get((interval, layer), 0) + tokens
     assert per_key == {
         (i, layer): 3 * spec.tokens_per_step * 2 for i in range(3) for layer in (1, 2)
@@ -84,16 +72,74 @@ def test_migration_every_two_steps_matches_training_without_it(run_distributed):
     assert_experts_match_oracle(results, ref_model, ref_opt, edp=2)
 
 
-def test_planner_policy_is_the_planners_next_placement():
-    from runtime.migrate import resolve_policy
-
-    policy = resolve_policy("planner")
+def test_the_runtime_asks_the_planners_next_placement():
+    assert MigrationPolicy().choose is next_placement
     current = [(0, 0, 1, 1), (0, 1, 0, 1)]
     # layer 0: both hot experts on rank 0 -> the planner separates them; layer 1 balanced
     history = [[[100, 90, 1, 1], [5, 5, 5, 5]]] * 4
-    decision = policy(current, history)
+    decision = decide(_one_rank_mesh(), MigrationPolicy(), current, history)
     assert sorted(decision.placement_LE[0]) == [0, 0, 1, 1]
     assert decision.placement_LE[0][0] != decision.placement_LE[0][1]
-    assert decision.placement_LE[1] == current[1]
-    for layer, expert, src, dst in decision.moves:
-        assert current[layer][expert] == src and decision.placement_LE[layer][expert] == dst
+    assert tuple(decision.placement_LE[1]) == current[1]
+    for m in decision.moves:
+        assert current[m.layer][m.expert] == m.src_rank
+        assert decision.placement_LE[m.layer][m.expert] == m.dst_rank
+
+
+def test_a_failing_policy_keeps_the_placement():
+    def broken(*_args):
+        raise ValueError("no prices")
+
+    current = [(0, 0, 1, 1)]
+    decision = decide(_one_rank_mesh(), MigrationPolicy(choose=broken), current, [[[9, 9, 1, 1]]])
+    assert decision.placement_LE.tolist() == [[0, 0, 1, 1]] and decision.moves == ()
+
+
+def _one_rank_mesh():
+    """The fields `decide` reads, for a stage of one rank (no broadcast)."""
+    return SimpleNamespace(me=SimpleNamespace(physical=0, stage=0), stage_ranks=[0])
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory) -> str:
+    """`piper plan` on cpu-gloo (2 devices per node): pp=2, ep=4, so EP groups span nodes."""
+    out = tmp_path_factory.mktemp("plan")
+    sizes = ["--gpus", "8", "--pp", "2", "--tp", "1", "--ep", "4"]
+    shape = ["--seq-len", "64", "--global-batch", "16", "--out", str(out)]
+    assert main(["plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", *sizes, *shape]) == 0
+    return str(out / "plan.json")
+
+
+def test_run_prices_are_piper_migrates_for_the_same_plan(plan_path):
+    plan = load_plan(plan_path)
+    spec = run_spec_from_plan(plan, plan.model_spec(), 1.0, migrate_every=4)
+    by_stage = run_move_costs(plan, spec, plan_path)
+    layers = tuple(e.layer for e in plan.experts)
+    trace = Trace(np.zeros((1, len(layers), 8), dtype=np.int64), layers, "test")
+    want = migrate_setup(trace, 4, plan_path, steps_per_interval=4).costs
+    rows = 0
+    for stage, costs in enumerate(by_stage):
+        moe = [i for i in spec.stage_layers[stage] if spec.model.layers[i].moe is not None]
+        picked = [layers.index(spec.source_layers[i]) for i in moe]
+        for name in ("expert_bytes_L", "move_s_LRR", "level_LRR", "balanced_s_L"):
+            np.testing.assert_array_equal(getattr(costs, name), getattr(want, name)[picked])
+        rows += len(picked)
+    assert rows == len(layers)
+    assert by_stage[0].level_LRR.max() > by_stage[0].level_LRR[0, 0, 1]  # some moves leave a node
+    assert plan_migration(plan_path, spec).costs_by_stage[1] is not None
+
+
+def test_a_scaled_run_prices_its_own_shrunken_experts(plan_path):
+    plan = load_plan(plan_path)
+    model = plan.model_spec()
+    full = run_move_costs(plan, run_spec_from_plan(plan, model, 1.0, migrate_every=2), plan_path)
+    spec = run_spec_from_plan(plan, model, 0.5, migrate_every=2)
+    scaled = run_move_costs(plan, spec, plan_path)
+    for stage, costs in enumerate(scaled):
+        moe = [i for i in spec.stage_layers[stage] if spec.model.layers[i].moe is not None]
+        expert = [16 * layer_params(spec.model, spec.model.layers[i]).expert for i in moe]
+        assert costs.expert_bytes_L.tolist() == expert
+        assert (costs.expert_bytes_L < full[stage].expert_bytes_L[: len(moe)]).all()
+        np.testing.assert_array_equal(costs.level_LRR, full[stage].level_LRR[: len(moe)])
+    # no --migrate-every: nothing to price
+    assert plan_migration(plan_path, run_spec_from_plan(plan, model, 0.5)).costs_by_stage == ()

@@ -1,7 +1,7 @@
 """piper calibrate: predicted vs measured by hand, the --fit profile, the CLI files.
 
-The measured side is a synthetic metrics.jsonl in the documented runtime/metrics.py format
-(the CPU end-to-end run with `piper run` is in tests/runtime/test_profile.py when available).
+The measured side is a synthetic metrics.jsonl in the format planner/calibrate/metrics.py reads
+(tests/runtime/test_run.py reads a real `piper run` metrics.jsonl with the same reader).
 """
 
 from __future__ import annotations
@@ -12,13 +12,8 @@ import json
 
 import pytest
 
-from planner.calibrate.compare import (
-    calibrate,
-    estimate_plan,
-    fit_profile,
-    load_metrics,
-    plan_inputs,
-)
+from planner.calibrate.compare import calibrate, estimate_plan, fit_profile, plan_inputs
+from planner.calibrate.metrics import load_metrics
 from planner.calibrate.report import calibration_csv
 from planner.cli import main
 from planner.inputs.clusters import cluster_from_dict, load_cluster

@@ -9,6 +9,7 @@ import pytest
 
 from planner.migration.assignment import priced_local_search
 from planner.migration.placement import (
+    diff_moves,
     holders,
     initial_slots,
     rank_loads,
@@ -44,6 +45,22 @@ def test_greedy_swap_by_hand():
     # then both ranks hold 11 and no swap narrows the gap
     got = greedy_swap(START, LOADS, FREE, EXACT)
     assert _sets(got) == [[1, 3], [0, 2]]
+
+
+def test_greedy_swap_keeps_slots_and_never_raises_the_hottest_rank():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ep, per = int(rng.integers(2, 5)), int(rng.integers(1, 4))
+        current = rng.permutation(np.repeat(np.arange(ep), per))
+        load_E = rng.integers(0, 300, size=ep * per)
+        start, free_RR = initial_slots(current, ep), np.zeros((ep, ep))
+        new = greedy_swap(start, load_E[None], LayerCosts(free_RR, 1.0), EXACT)
+        assert [len(row) for row in _sets(new)] == [per] * ep  # each rank keeps its slots
+        assert rank_loads(new, load_E).max() <= rank_loads(start, load_E).max()
+        moved = {(m.expert, m.src_rank, m.dst_rank) for m in diff_moves(start, new, 0, 0, free_RR)}
+        after = rank_of_expert(new, ep * per)
+        pairs = enumerate(zip(current, after, strict=True))
+        assert moved == {(e, a, b) for e, (a, b) in pairs if a != b}
 
 
 def test_greedy_swap_stops_after_swap_rounds():

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from planner.cli import main
-from planner.migration.trace import check_divisible, load_trace, trace_to_csv
+from planner.migration.trace import (
+    check_divisible,
+    load_trace,
+    trace_from_text,
+    trace_rows,
+    trace_to_csv,
+)
 from planner.specs import SpecError
 from tests.planner.migration.conftest import make_trace, write_csv
 
@@ -78,3 +84,15 @@ def test_cli_rejects_experts_not_divisible(tmp_path, capsys):
     path = write_csv(tmp_path / "t.csv", [(0, 0, e, 5) for e in range(6)])
     assert main(["migrate", "--trace", path, "--ep", "4", "--out", str(tmp_path / "o")]) == 2
     assert "--ep" in capsys.readouterr().err
+
+
+def test_text_variant_names_its_source_and_rows_come_back_sorted():
+    rows = _rows()
+    text = "interval,layer,expert,tokens\n" + "".join(
+        ",".join(map(str, r)) + "\n" for r in reversed(rows)
+    )
+    assert trace_rows(trace_from_text(text)) == sorted(rows)
+    with pytest.raises(SpecError) as err:
+        trace_from_text(text + "0,3,0,1\n", "run/trace.csv")
+    assert str(err.value).startswith("run/trace.csv: interval 0, layer 3, expert 0")
+    assert "duplicate" in str(err.value)
