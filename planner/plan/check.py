@@ -41,10 +41,8 @@ def _json_kind(hint: Any) -> type | tuple[type, ...]:
         return (int, float)
     if hint is str or get_origin(hint) is Literal:
         return str
-    if get_origin(hint) in (Mapping, dict) or hint is dict:
+    if get_origin(hint) in (Mapping, dict):
         return dict
-    if get_origin(hint) is tuple:
-        return list
     return hint
 
 
@@ -122,7 +120,7 @@ class _Checker:
 
 
 def check_plan_dict(d: Any, path: str = "plan.json") -> None:
-    """Validate a parsed plan.json of the supported schema version (see the module docstring).
+    """Validate a parsed plan.json (what is checked: see the module docstring).
 
     Args:
         d: the parsed JSON document.

@@ -200,8 +200,8 @@ class Plan:
 
         entry = self.model
         if entry.config:
-            return model_from_config(dict(entry.config), entry.name or "model",
-                                     entry.source or where)  # fmt: skip
+            name = entry.name or "model"
+            return model_from_config(dict(entry.config), name, entry.source or where)
         if entry.source or entry.name:
             return load_model(entry.source or entry.name)
         raise SpecError(f"{where}: 'model' has neither 'config' nor 'name'; regenerate the plan")
