@@ -101,7 +101,7 @@ else
 fi
 
 # 5. GPU-marked tests (skipped on CPU-only machines; here they must run).
-step gpu_tests 90 python3 -m pytest -q -m gpu tests/runtime/test_profile.py
+step gpu_tests 90 python3 -m pytest -q -m gpu tests/runtime/bench/test_profile.py
 
 if [ "${#FAILED[@]}" -gt 0 ]; then
   log "FAILED steps: ${FAILED[*]}"

@@ -1,7 +1,7 @@
 """Expert IP: place the experts of one MoE layer on EP ranks (FORMULATION.md, section 2).
 
 Entry point `solve_experts(load_E, ep, options, ...) -> ExpertSolution`. Sections: Data
-(validate, quantize loads), greedy LPT warm start, Variables, Constraints C7..C12, Objective,
+(validate, quantize loads), greedy LPT warm start, Variables, Constraints C7..C11, Objective,
 Decode (with a canonical relabelling of interchangeable ranks).
 
 Shape letters: E = routed experts, R = EP ranks, N = nodes.
