@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from planner.run.spec import RunSpec
 from runtime.data import sample_batch
 from runtime.dispatch.local import LocalDispatcher
 from runtime.metrics import (
@@ -37,7 +38,6 @@ from runtime.migrate import (
 from runtime.model.transformer import StageModule
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.pipeline import PipelineRunner, sync_gradients
-from runtime.scale import RunSpec
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
 """`piper run PLAN`: train a plan with the PyTorch runtime, launched through torchrun.
 
 This module never imports torch or the runtime: it validates the plan (the plan's model and
-cluster files must be unchanged since planning unless --force; the runtime's own check runs
-as `python -m runtime.scale`), then starts `python -m torch.distributed.run --standalone
---nproc-per-node N -m runtime.launch ...` and summarizes metrics.jsonl when it is done.
-On many nodes, start `python -m runtime.launch` with torchrun or srun directly.
+cluster files must be unchanged since planning unless --force; then the RunSpec the runtime
+will build, planner.run.spec), then starts `python -m torch.distributed.run --standalone
+--nproc-per-node N -m runtime.launch ...` (RunOptions.to_launch_argv) and summarizes
+metrics.jsonl when it is done. On many nodes, start `python -m runtime.launch` with torchrun
+or srun directly.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from planner.plan import Plan, load_plan
+from planner.run.options import RunOptions, add_run_arguments
+from planner.run.spec import checked_spec
 from planner.specs import SpecError
 
 log = logging.getLogger(__name__)
@@ -31,60 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Train PLAN (plan.json) with the PyTorch runtime. On a CPU machine each "
         "process emulates one device; --ranks-per-node declares the emulated node size.",
     )
-    p.add_argument("plan", help="plan.json written by 'piper plan'")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    p.add_argument("--nproc", type=int, default=None, help="processes (default: pp*dp*tp)")
-    p.add_argument(
-        "--ranks-per-node",
-        type=int,
-        default=None,
-        help="emulated node size (default: the plan cluster's gpus_per_node)",
-    )
-    p.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="shrink widths, depth and sequence by F in (0, 1] (see RUNTIME.md)",
-    )
-    p.add_argument("--dispatcher", choices=("halo", "halo-dedup", "flat"), default="halo")
-    p.add_argument(
-        "--migrate-every",
-        type=int,
-        default=0,
-        metavar="K",
-        help="migrate experts every K steps (0 = never)",
-    )
-    p.add_argument("--out", default=None, help="output directory (default: PLAN's dir/run)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    p.add_argument(
-        "--trace-every",
-        type=int,
-        default=1,
-        metavar="S",
-        help="sum S steps into one trace.csv interval (default 1)",
-    )
-    p.add_argument(
-        "--halo-direct-below-bytes",
-        type=int,
-        default=-1,
-        metavar="B",
-        help="HALO sends directly when node-to-node messages are below B bytes "
-        "(0 = always hierarchical; default: the dispatcher's own threshold)",
-    )
-    p.add_argument(
-        "--router-bias-rate",
-        type=float,
-        default=0.0,
-        metavar="R",
-        help="aux-loss-free balancing: router bias step per update (0 = off)",
-    )
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="run even if the model or cluster changed since planning, or the processes may "
-        "not fit in this machine's memory",
-    )
+    add_run_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -120,20 +70,6 @@ def changed_inputs(plan: Plan) -> list[str]:
         if diff:
             changed.append(f"cluster '{cname}' ({', '.join(diff)})")
     return changed
-
-
-def _check(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
-    """The runtime's validation, run without importing it here; returns the run's shape."""
-    cmd = [sys.executable, "-m", "runtime.scale", args.plan, "--scale", str(args.scale)]
-    if args.ranks_per_node:
-        cmd += ["--ranks-per-node", str(args.ranks_per_node)]
-    if args.nproc:
-        cmd += ["--nproc", str(args.nproc)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["runtime check failed"])[-1]
-        raise SpecError(f"{args.plan}: {last}")
-    return json.loads(proc.stdout)
 
 
 # Host memory of one runtime process with a small (scaled) model: the torch import, gloo
@@ -178,79 +114,37 @@ def _summary(out: Path) -> str:
     )
 
 
-def _launch_cmd(args: argparse.Namespace, world: int, ranks_per_node: int, out: Path) -> list:
+def _launch_cmd(options: RunOptions, world: int) -> list[str]:
     """torchrun (standalone, one machine) running runtime.launch with the run's options."""
-    options = {
-        "plan": args.plan,
-        "out": out,
-        "steps": args.steps,
-        "scale": args.scale,
-        "ranks-per-node": ranks_per_node,
-        "dispatcher": args.dispatcher,
-        "migrate-every": args.migrate_every,
-        "seed": args.seed,
-        "lr": args.lr,
-        "trace-every": args.trace_every,
-        "router-bias-rate": args.router_bias_rate,
-        "halo-direct-below-bytes": args.halo_direct_below_bytes,
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(world),
-        "-m",
-        "runtime.launch",
-    ]
-    for name, value in options.items():
-        cmd += [f"--{name}", str(value)]
-    return cmd
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "trace_every"):
-        if getattr(args, name) < 1:
-            raise SpecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.migrate_every < 0 or args.router_bias_rate < 0:
-        raise SpecError("--migrate-every and --router-bias-rate must be >= 0")
-    for name in ("nproc", "ranks_per_node"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            flag = name.replace("_", "-")
-            raise SpecError(f"--{flag} must be >= 1, got {value}; leave it out for the default")
-    if not args.lr > 0:
-        raise SpecError(f"--lr must be a positive learning rate, got {args.lr}")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*torchrun, "--nproc-per-node", str(world), *options.to_launch_argv()]
 
 
 def run(args: argparse.Namespace) -> int:
     """Validate the plan, launch torchrun, print a summary; returns the exit code."""
-    plan = load_plan(args.plan)
-    _check_args(args)
+    options = RunOptions.from_args(args)
+    plan = load_plan(options.plan)
+    options.check()
     changed = changed_inputs(plan)
-    if changed and not args.force:
+    if changed and not options.force:
         raise SpecError(
-            f"{args.plan}: {' and '.join(changed)} changed since planning "
+            f"{options.plan}: {' and '.join(changed)} changed since planning "
             "(inputs_sha256); re-run 'piper plan' or pass --force"
         )
-    shape = _check(args, plan)
-    if not args.force:
-        _check_memory(shape["world"])
-    out = Path(args.out) if args.out else Path(args.plan).resolve().parent / "run"
-    cmd = _launch_cmd(args, shape["world"], shape["ranks_per_node"], out)
+    spec = checked_spec(options)
+    if not options.force:
+        _check_memory(spec.world)
     print(
-        f"piper run: {shape['world']} processes (pp={shape['pp']} dp={shape['dp']} "
-        f"tp={shape['tp']} ep={shape['ep']} edp={shape['edp']}, "
-        f"{shape['ranks_per_node']} per node), "
-        f"{shape['layers']} layers d={shape['hidden_size']} seq={shape['seq_len']}",
+        f"piper run: {spec.world} processes (pp={spec.pp} dp={spec.dp} "
+        f"tp={spec.tp} ep={spec.ep} edp={spec.edp}, {spec.ranks_per_node} per node), "
+        f"{spec.model.num_layers} layers d={spec.model.hidden_size} seq={spec.seq_len}",
         flush=True,
     )
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(cmd, env=env)
+    proc = subprocess.run(_launch_cmd(options, spec.world), env=env)
     if proc.returncode != 0:
         print(f"piper run: training failed (torchrun exit {proc.returncode})", file=sys.stderr)
         return 1
-    print(f"piper run: {_summary(out)}")
+    print(f"piper run: {_summary(options.out_dir)}")
     return 0

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     from planner.inputs.models import load_model
     from planner.outputs.files import write_files
     from planner.plan import load_plan
-    from runtime.scale import scale_layer
+    from planner.run.scale import scale_layer
 
     p = argparse.ArgumentParser(prog="python -m runtime.bench.layer_bench")
     p.add_argument("--model", default="mixtral-8x7b")

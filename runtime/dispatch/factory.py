@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from planner.run.spec import RunSpec
 from runtime.dispatch.base import TokenDispatcher
 from runtime.dispatch.flat import FlatAllToAll
 from runtime.dispatch.halo import Halo
 from runtime.dispatch.halo_cost import HaloCost
 from runtime.dispatch.local import LocalDispatcher
-from runtime.scale import RunSpec
 
 
 def make_dispatcher(spec: RunSpec, ep_group, kind: str | None = None) -> TokenDispatcher:

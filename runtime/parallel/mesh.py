@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from runtime.scale import RunSpec
+from planner.run.spec import RunSpec
 
 
 @dataclass(frozen=True)

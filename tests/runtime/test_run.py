@@ -13,7 +13,9 @@ from planner.cli import main
 from planner.inputs.models import load_model, model_config
 from planner.migration.trace import load_trace
 from planner.plan import ClusterEntry, ModelEntry, ParallelPlan, RankPlan
-from runtime.scale import hand_plan, keep_layers, run_spec_from_plan
+from planner.run.scale import keep_layers
+from planner.run.spec import run_spec_from_plan
+from tests.runtime.tiny_plans import hand_plan
 
 
 def _write_plan(tmp_path, pp=2, dp=1, ep=1, **changes):
@@ -86,6 +88,40 @@ def test_bad_runs_exit_2_with_one_line(tmp_path, capsys, args, tp, msg):
     assert msg in capsys.readouterr().err
 
 
+def test_one_run_options_builds_both_parsers_and_the_torchrun_line():
+    """Every launcher flag round-trips through piper run's parser and to_launch_argv; the
+    cli_only flags exist only in piper run."""
+    import argparse
+
+    from planner.cli.run import _launch_cmd
+    from planner.run.options import RunOptions, add_run_arguments
+
+    cli, launcher = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_run_arguments(cli)
+    add_run_arguments(launcher, launcher=True)
+    argv = ["p.json", "--steps", "7", "--ranks-per-node", "4", "--scale", "0.25"]
+    argv += ["--dispatcher", "flat", "--migrate-every", "3", "--out", "o", "--seed", "5"]
+    argv += ["--lr", "0.01", "--trace-every", "2", "--halo-direct-below-bytes", "0"]
+    argv += ["--router-bias-rate", "0.5", "--nproc", "8", "--force"]
+    options = RunOptions.from_args(cli.parse_args(argv))
+    assert (options.plan, options.steps, options.nproc, options.force) == ("p.json", 7, 8, True)
+    cmd = _launch_cmd(options, 8)
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
+    launch_argv = options.to_launch_argv()
+    assert cmd[-len(launch_argv) :] == launch_argv and launch_argv[:2] == ["-m", "runtime.launch"]
+    assert "--nproc" not in launch_argv and "--force" not in launch_argv
+    relaunched = RunOptions.from_args(launcher.parse_args(launch_argv[2:]))
+    assert relaunched == replace(options, nproc=None, force=False)
+    with pytest.raises(SystemExit):  # the launcher has no cli_only flags
+        launcher.parse_args(["--plan", "p.json", "--nproc", "8"])
+    defaults = RunOptions.from_args(cli.parse_args(["p.json"]))
+    assert defaults == RunOptions("p.json")
+    want = "--plan p.json --steps 30 --scale 1.0 --dispatcher halo --migrate-every 0 --seed 0"
+    want += " --lr 0.003 --trace-every 1 --halo-direct-below-bytes -1 --router-bias-rate 0.0"
+    assert defaults.to_launch_argv() == ["-m", "runtime.launch", *want.split()]
+    assert str(defaults.out_dir).endswith("/run") and options.out_dir.name == "o"
+
+
 def test_scale_keeps_structure():
     model = load_model("mixtral-8x7b")  # 32 layers, 8 experts top-2
     plan = hand_plan(model, pp=4, dp=4, ep=4, num_microbatches=16, seq_len=4096)
@@ -108,7 +144,7 @@ def test_scale_keeps_structure():
 
 def test_halo_cost_comes_from_the_plans_cluster():
     from planner.inputs.clusters import cluster_to_dict, load_cluster
-    from runtime.scale import halo_cost_of as halo_cost_of_entry
+    from planner.run.spec import halo_cost_of as halo_cost_of_entry
 
     def halo_cost_of(section: dict) -> tuple[float, ...]:
         return halo_cost_of_entry(ClusterEntry.from_dict(section))

@@ -1,12 +1,25 @@
-"""Helpers for E2's runtime tests: a tiny MoE ModelSpec and RunSpecs built from hand plans."""
+"""Helpers for the runtime tests: a tiny MoE ModelSpec, plans written by hand and the RunSpecs
+built from them, the single-device oracle and the per-rank training body."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from planner.migration import MigrationDecision, Move
+from planner.parallel import default_placement
+from planner.plan.schema import (
+    ClusterEntry,
+    ExpertPlacement,
+    ModelEntry,
+    ParallelPlan,
+    Plan,
+    Predicted,
+    RankPlan,
+    SolveReport,
+    StagePlan,
+)
+from planner.run.spec import RunSpec, run_spec_from_plan
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec
-from runtime.scale import RunSpec, hand_plan, run_spec_from_plan
 
 
 def tiny_model(layers: int = 4, experts: int = 8, top_k: int = 2, d: int = 32) -> ModelSpec:
@@ -17,6 +30,50 @@ def tiny_model(layers: int = 4, experts: int = 8, top_k: int = 2, d: int = 32) -
         LayerSpec("moe", att, moe=moe) for _ in range(layers - 1)
     )
     return ModelSpec("tiny", "test", d, 256, body)
+
+
+def hand_plan(
+    model: ModelSpec,
+    pp: int,
+    dp: int,
+    ep: int,
+    micro_batch: int = 1,
+    num_microbatches: int = 2,
+    seq_len: int = 64,
+    gpus_per_node: int = 8,
+    model_entry: ModelEntry | None = None,
+    tp: int = 1,
+) -> Plan:
+    """A plan written by hand (no solver): even stages, contiguous expert blocks, ranks in
+    order. `model_entry` is plan.model (name, source, config)."""
+    n = model.num_layers
+    bounds = [round(s * n / pp) for s in range(pp + 1)]
+    stages = tuple(StagePlan(s, tuple(range(bounds[s], bounds[s + 1]))) for s in range(pp))
+    experts = tuple(
+        ExpertPlacement(i, default_placement(model.layers[i].moe.num_experts, ep))
+        for i in model.moe_layers
+    )
+    block = dp * tp
+    ranks = tuple(
+        RankPlan(
+            r, r // gpus_per_node, r % gpus_per_node, r // block, r % block // tp, r % tp,
+            r % block % ep,
+        )
+        for r in range(pp * block)
+    )  # fmt: skip
+    return Plan(
+        model=model_entry or ModelEntry(model.name, model.source),
+        cluster=ClusterEntry(
+            "hand", gpus_per_node=gpus_per_node, nodes=-(-pp * block // gpus_per_node)
+        ),
+        training={"seq_len": seq_len, "global_batch": dp * micro_batch * num_microbatches},
+        parallel=ParallelPlan(pp, dp, tp, ep, block // ep, micro_batch, num_microbatches, "none"),
+        stages=stages,
+        experts=experts,
+        ranks=ranks,
+        predicted=Predicted(0.0, 0.0, 0.0, 0.0, 0.0, tuple(0.0 for _ in range(pp)), 0.0),
+        solver=SolveReport("none", "NOT_SOLVED", 0.0, 0.0, 0.0),
+    )
 
 
 def tiny_spec(

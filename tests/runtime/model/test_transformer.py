@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from runtime.data import load_corpus, sample_batch
-from runtime.model.moe import Experts, LocalDispatcher, MoELayer
+from runtime.dispatch.local import LocalDispatcher
+from runtime.model.moe import Experts, MoELayer
 from runtime.model.transformer import StageModule, lm_loss
 from tests.runtime.tiny_plans import tiny_model
 
@@ -153,7 +154,7 @@ def test_layer_bench_on_cuda(tmp_path):
 
 
 def test_router_bias_update_moves_selection_toward_cold_experts():
-    from runtime.launch import update_router_bias
+    from runtime.train import update_router_bias
 
     module = StageModule(tiny_model(), [1], first=False, last=False, seed=2)
     moe = module.moe_layers()[1]

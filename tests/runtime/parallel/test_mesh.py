@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 from planner.plan.schema import RankPlan
+from planner.run.spec import physical_order, run_spec_from_plan
 from planner.specs import SpecError
 from runtime.parallel.mesh import rank_coords
-from runtime.scale import hand_plan, physical_order, run_spec_from_plan
-from tests.runtime.tiny_plans import tiny_model
+from tests.runtime.tiny_plans import hand_plan, tiny_model
 
 
 def _spec(pp, dp, ep, g, ranks=None):

@@ -12,8 +12,9 @@ import json
 
 import pytest
 
+from planner.calibrate.metrics import parse_metrics
+from planner.migration.trace import trace_from_text, trace_rows
 from runtime.data import load_corpus
-from runtime.metrics import validate_metrics, validate_trace
 from tests.runtime.tiny_plans import reference_losses, tiny_spec, train_body, with_options
 
 pytestmark = pytest.mark.slow
@@ -31,7 +32,7 @@ def _launch(run_distributed, spec, **kw):
 
 def _check_run(spec, results):
     files = results[0][1]
-    lines = validate_metrics(files["metrics.jsonl"])
+    lines = parse_metrics(files["metrics.jsonl"])
     assert len(lines) == STEPS
     losses = [d["loss"] for d in lines]
     # the loss falls on real text: last 5 steps well below the first 5 (byte entropy ~5.5)
@@ -43,7 +44,7 @@ def _check_run(spec, results):
     p2p = sum(v for k, v in lines[0]["bytes_by_kind"].items() if k.startswith("p2p"))
     assert p2p == act * spec.num_microbatches * 2 * spec.dp * (spec.pp - 1)
     # trace: tokens x top-k per (step, MoE layer), summed over the stage's dp ranks
-    rows = validate_trace(files["trace.csv"])
+    rows = trace_rows(trace_from_text(files["trace.csv"]))
     moe_layers = [i for i, layer in enumerate(spec.model.layers) if layer.kind == "moe"]
     per_key: dict = {}
     for interval, layer, _e, tokens in rows:
@@ -72,8 +73,8 @@ def test_pp2_ep4_spans_two_nodes_halo_equals_flat(run_distributed):
     flat_losses = [json.loads(x)["loss"] for x in flat[0][1]["metrics.jsonl"].splitlines()]
     assert flat_losses == pytest.approx([d["loss"] for d in lines[:5]], rel=1e-6, abs=1e-6)
     # same routing, so the same trace rows: trace.csv does not depend on the dispatcher
-    halo_rows = [r for r in validate_trace(halo[0][1]["trace.csv"]) if r[0] < 5]
-    assert validate_trace(flat[0][1]["trace.csv"]) == halo_rows
+    halo_rows = [r for r in trace_rows(trace_from_text(halo[0][1]["trace.csv"])) if r[0] < 5]
+    assert trace_rows(trace_from_text(flat[0][1]["trace.csv"])) == halo_rows
 
 
 def test_pp2_dp4_ep2_expert_data_parallel(run_distributed):
@@ -99,8 +100,8 @@ def test_permuted_rank_table_trains_like_the_oracle(run_distributed):
     from dataclasses import replace
 
     from planner.plan.schema import RankPlan
-    from runtime.scale import hand_plan, run_spec_from_plan
-    from tests.runtime.tiny_plans import tiny_model
+    from planner.run.spec import run_spec_from_plan
+    from tests.runtime.tiny_plans import hand_plan, tiny_model
 
     model = tiny_model()
     rows = (
@@ -115,7 +116,7 @@ def test_permuted_rank_table_trains_like_the_oracle(run_distributed):
     spec = run_spec_from_plan(plan, model, 1.0, 2, steps=8)
     assert spec.logical_of_physical == (1, 3, 2, 0)
     results = _launch(run_distributed, spec)
-    losses = [d["loss"] for d in validate_metrics(results[0][1]["metrics.jsonl"])]
+    losses = [d["loss"] for d in parse_metrics(results[0][1]["metrics.jsonl"])]
     assert losses == pytest.approx(reference_losses(spec), rel=2e-3, abs=2e-3)
 
 
@@ -124,5 +125,5 @@ def test_three_stages_with_fewer_microbatches_than_stages(run_distributed):
     spec = tiny_spec(pp=3, dp=1, ep=1, ranks_per_node=3, steps=4, layers=3)
     assert spec.num_microbatches < spec.pp
     results = _launch(run_distributed, spec)
-    losses = [d["loss"] for d in validate_metrics(results[0][1]["metrics.jsonl"])]
+    losses = [d["loss"] for d in parse_metrics(results[0][1]["metrics.jsonl"])]
     assert losses == pytest.approx(reference_losses(spec), rel=1e-4, abs=1e-4)

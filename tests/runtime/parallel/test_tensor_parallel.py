@@ -8,13 +8,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from planner.calibrate.metrics import parse_metrics
+from planner.migration.trace import trace_from_text, trace_rows
+from planner.run.spec import run_spec_from_plan
 from planner.specs import SpecError
 from runtime.data import load_corpus
-from runtime.metrics import validate_metrics, validate_trace
 from runtime.parallel.mesh import rank_coords
 from runtime.parallel.tensor_parallel import chunk_sizes, shard_linear
-from runtime.scale import hand_plan, run_spec_from_plan
-from tests.runtime.tiny_plans import reference_losses, tiny_model, train_body
+from tests.runtime.tiny_plans import hand_plan, reference_losses, tiny_model, train_body
 
 STEPS = 12
 
@@ -134,12 +135,12 @@ def _featureful_model():
 
 def _check(spec, results):
     files = results[0][1]
-    lines = validate_metrics(files["metrics.jsonl"])
+    lines = parse_metrics(files["metrics.jsonl"])
     losses = [d["loss"] for d in lines]
     assert losses == pytest.approx(reference_losses(spec), rel=2e-3, abs=2e-3)
     # TP traffic is counted, and every routed token is counted once over the stage
     assert sum(v for k, v in lines[0]["bytes_by_kind"].items() if k.startswith("tp_")) > 0
-    rows = validate_trace(files["trace.csv"])
+    rows = trace_rows(trace_from_text(files["trace.csv"]))
     per_key: dict = {}
     for interval, layer, _e, tokens in rows:
         per_key[(interval, layer)] = per_key.get((interval, layer), 0) + tokens
@@ -164,10 +165,10 @@ def _grads_body(rank: int, world: int, spec):
     """One step's gradients after the gradient sync (no optimizer step), by parameter name,
     and the experts' by (name, expert id)."""
     from runtime.data import sample_batch
-    from runtime.launch import Trainer
+    from runtime.launch import build_trainer
     from runtime.parallel.pipeline import sync_gradients
 
-    tr = Trainer(spec, rank, torch.device("cpu"))
+    tr = build_trainer(spec, rank, torch.device("cpu"))
     batch = spec.micro_batch * spec.num_microbatches
     x, y = sample_batch(0, tr.mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
     tr.runner.step(x, y)
@@ -259,13 +260,13 @@ def test_pp2_dp2_tp2_ep2_eight_ranks_trains_like_the_oracle(run_distributed):
 def test_tp2_with_live_migration_keeps_every_expert_equal_to_the_oracle(run_distributed):
     """dp=2 x tp=2, ep=2 (EP over each TP pair, edp=2): rotate every 2 steps; the stage's
     decision is shared by all four ranks and the moved experts equal the oracle's."""
-    from tests.runtime.tiny_plans import assert_experts_match_oracle, reference_run
+    from tests.runtime.tiny_plans import assert_experts_match_oracle, reference_run, rotate_policy
 
-    spec = _spec(pp=1, dp=2, tp=2, ep=2, g=2, migrate_every=2, migrate_policy="rotate")
+    spec = _spec(pp=1, dp=2, tp=2, ep=2, g=2, migrate_every=2)
     spec = replace(spec, steps=5)
-    results = run_distributed(train_body, spec.world, spec, timeout_s=240)
+    results = run_distributed(train_body, spec.world, spec, -1, rotate_policy, timeout_s=240)
     ref_losses, ref_model, ref_opt = reference_run(spec)
-    lines = validate_metrics(results[0][1]["metrics.jsonl"])
+    lines = parse_metrics(results[0][1]["metrics.jsonl"])
     assert [d["loss"] for d in lines] == pytest.approx(ref_losses, rel=1e-4, abs=1e-4)
     assert [d["migrated_experts"] for d in lines] == [0, 24, 0, 24, 0]  # 3 MoE layers x 8
     assert_experts_match_oracle(results, ref_model, ref_opt, edp=2)

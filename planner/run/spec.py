@@ -1,32 +1,22 @@
-"""From a plan to a RunSpec: what one training run executes, optionally shrunk by `--scale F`.
+"""From a plan and RunOptions to a RunSpec: what one training run executes, on every rank.
 
-Pure Python (no torch), so `piper run` can validate a plan before it launches processes.
-
-What `--scale F` (0 < F < 1) changes, and what it keeps:
-- kept: pp, dp, tp, ep, edp, the number of experts (so experts per rank), top-k, gating,
-  shared experts, the expert placement of every kept MoE layer, the rank -> node layout.
-- widths: hidden size, head dim, every FFN width (dense, routed, shared) are multiplied by F
-  and rounded to a multiple of 8 (at least 8); key/value heads by F (at least 1) with the
-  query/kv head ratio kept; MLA becomes GQA of the same (scaled) head count.
-- depth: stage s keeps max(1, round(n_s * F)) of its n_s layers, evenly spaced from its first
-  layer, and at least one MoE layer if it had one, so stage boundaries stay in proportion.
-- sequence length: max(16, round(seq_len * F)); micro-batches per step: max(pp, round(m * F));
-  the micro-batch size is kept. Vocabulary becomes 256 (the data is bytes).
-F = 1 runs the plan as is (the vocabulary must then hold 256 byte ids).
+Pure Python (no torch): `piper run` checks a plan with it before it launches processes, and
+every process of the run builds its RunSpec with it. `--scale F` shrinks the model through
+planner.run.scale; here the sequence, micro-batches and vocabulary follow it too.
 
 Shape letters: L = layers, E = routed experts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass, fields, replace
 
 from planner.parallel import default_placement
-from planner.plan.schema import ClusterEntry, ModelEntry, Plan
-from planner.specs import AttentionSpec, LayerSpec, ModelSpec, SpecError
+from planner.plan import ClusterEntry, Plan, load_plan
+from planner.run.options import Dispatcher, RunOptions
+from planner.run.scale import keep_layers, scale_layer, scale_width
+from planner.specs import ModelSpec, SpecError
 
-Dispatcher = Literal["halo", "halo-dedup", "flat"]
 BYTE_VOCAB = 256
 
 
@@ -59,7 +49,6 @@ class RunSpec:
     lr: float = 3e-3
     dispatcher: Dispatcher = "halo"
     migrate_every: int = 0
-    migrate_policy: Literal["planner", "greedy", "rotate"] = "planner"
     trace_every: int = 1  # steps summed into one trace.csv interval
     router_bias_rate: float = 0.0  # aux-loss-free bias update per step (0 = off)
     halo_direct_below_bytes: int = -1  # HALO's direct-send threshold; -1 = its default
@@ -80,63 +69,6 @@ class RunSpec:
 
     def placement_of(self, layer: int) -> tuple[int, ...] | None:
         return dict(self.placements).get(layer)
-
-
-def _width(x: int, factor: float) -> int:
-    if x <= 0 or factor >= 1.0:
-        return x
-    return max(8, int(round(x * factor / 8.0)) * 8)
-
-
-def scale_attention(att: AttentionSpec, factor: float, tp: int = 1) -> AttentionSpec:
-    """Shrink one attention block; MLA becomes GQA with the same head count (see module doc).
-    Shrunk key/value heads stay a multiple of tp, so tensor parallelism can split them."""
-    head_dim = att.head_dim or (att.qk_nope_head_dim + att.qk_rope_head_dim)
-    kv = att.num_kv_heads if att.kind != "mla" else att.num_heads
-    group = max(1, att.num_heads // max(1, kv))
-    if factor < 1.0:
-        head_dim = max(8, 2 * int(round(head_dim * factor / 2.0)))
-        kv = tp * max(1, int(round(kv * factor / tp)))
-    kind = "gqa" if att.kind == "mla" else att.kind
-    return AttentionSpec(
-        kind=kind,
-        num_heads=kv * group,
-        num_kv_heads=kv,
-        head_dim=head_dim,
-        bias=att.bias,
-        o_bias=att.o_bias,
-        qk_norm=att.qk_norm,
-    )
-
-
-def scale_layer(layer: LayerSpec, factor: float, tp: int = 1) -> LayerSpec:
-    moe = layer.moe
-    if moe is not None:
-        moe = replace(
-            moe,
-            expert_ffn=_width(moe.expert_ffn, factor),
-            shared_ffn=_width(moe.shared_ffn, factor),
-        )
-    return replace(
-        layer,
-        attention=scale_attention(layer.attention, factor, tp),
-        dense_ffn=_width(layer.dense_ffn, factor),
-        moe=moe,
-    )
-
-
-def keep_layers(stage_layers: list[tuple[int, ...]], model: ModelSpec, factor: float):
-    """Plan layer indices kept per stage: evenly spaced, at least one MoE layer if any."""
-    kept = []
-    for layers in stage_layers:
-        n = len(layers)
-        n_new = n if factor >= 1.0 else max(1, int(round(n * factor)))
-        pick = [layers[(i * n) // n_new] for i in range(n_new)]
-        moe = [i for i in layers if model.layers[i].kind == "moe"]
-        if moe and not any(model.layers[i].kind == "moe" for i in pick):
-            pick[-1] = moe[-1]
-        kept.append(tuple(pick))
-    return kept
 
 
 def _plan_stages(plan: Plan, model: ModelSpec, scale: float) -> list[tuple[int, ...]]:
@@ -174,7 +106,7 @@ def run_spec_from_plan(
 ) -> RunSpec:
     """Build the RunSpec for `plan` (model = the plan's ModelSpec), shrunk by `scale`.
 
-    options: steps, seed, lr, dispatcher, migrate_every, migrate_policy (RunSpec fields).
+    options: steps, seed, lr, dispatcher, migrate_every, ... (RunSpec fields).
     Raises SpecError for plans the runtime cannot execute (bad stages, widths that tp does
     not divide).
     """
@@ -188,7 +120,7 @@ def run_spec_from_plan(
         model,
         layers=tuple(scale_layer(model.layers[i], scale, par.tp) for i in source),
         vocab_size=vocab,
-        hidden_size=_width(model.hidden_size, scale),
+        hidden_size=scale_width(model.hidden_size, scale),
         num_mtp_layers=0,
     )
     starts = [sum(len(s) for s in kept[:i]) for i in range(par.pp + 1)]
@@ -283,82 +215,32 @@ def physical_order(plan: Plan) -> tuple[int, ...]:
     return order
 
 
-def hand_plan(
-    model: ModelSpec,
-    pp: int,
-    dp: int,
-    ep: int,
-    micro_batch: int = 1,
-    num_microbatches: int = 2,
-    seq_len: int = 64,
-    gpus_per_node: int = 8,
-    model_entry: ModelEntry | None = None,
-    tp: int = 1,
-) -> Plan:
-    """A plan written by hand (no solver): even stages, contiguous expert blocks, ranks in
-    order. For tests and quick runs; `model_entry` is plan.model (name, source, config)."""
-    from planner.plan.schema import (
-        ExpertPlacement,
-        ParallelPlan,
-        Predicted,
-        RankPlan,
-        SolveReport,
-        StagePlan,
-    )
+def spec_from_options(options: RunOptions) -> RunSpec:
+    """Load options.plan and its model and build the run's (scaled) RunSpec.
 
-    n = model.num_layers
-    bounds = [round(s * n / pp) for s in range(pp + 1)]
-    stages = tuple(StagePlan(s, tuple(range(bounds[s], bounds[s + 1]))) for s in range(pp))
-    experts = tuple(
-        ExpertPlacement(i, default_placement(model.layers[i].moe.num_experts, ep))
-        for i in model.moe_layers
-    )
-    block = dp * tp
-    ranks = tuple(
-        RankPlan(
-            r, r // gpus_per_node, r % gpus_per_node, r // block, r % block // tp, r % tp,
-            r % block % ep,
-        )
-        for r in range(pp * block)
-    )  # fmt: skip
-    return Plan(
-        model=model_entry or ModelEntry(model.name, model.source),
-        cluster=ClusterEntry(
-            "hand", gpus_per_node=gpus_per_node, nodes=-(-pp * block // gpus_per_node)
-        ),
-        training={"seq_len": seq_len, "global_batch": dp * micro_batch * num_microbatches},
-        parallel=ParallelPlan(pp, dp, tp, ep, block // ep, micro_batch, num_microbatches, "none"),
-        stages=stages,
-        experts=experts,
-        ranks=ranks,
-        predicted=Predicted(0.0, 0.0, 0.0, 0.0, 0.0, tuple(0.0 for _ in range(pp)), 0.0),
-        solver=SolveReport("none", "NOT_SOLVED", 0.0, 0.0, 0.0),
+    Every RunOptions field that is also a RunSpec field (steps, seed, lr, dispatcher, ...)
+    is passed through; raises SpecError as run_spec_from_plan does.
+    """
+    plan = load_plan(options.plan)
+    passed = {f.name for f in fields(RunSpec)} - {"ranks_per_node"}
+    return run_spec_from_plan(
+        plan,
+        plan.model_spec(options.plan),
+        options.scale,
+        options.ranks_per_node,
+        **{f.name: getattr(options, f.name) for f in fields(options) if f.name in passed},
     )
 
 
-def check_main(argv: list[str] | None = None) -> int:
-    """`python -m runtime.scale PLAN --scale F [--ranks-per-node G] [--nproc N]`: validate a
-    plan for the runtime without importing torch; prints the run's shape as one JSON line,
-    or one error line and exit code 2."""
-    import argparse
-    import json
-    import sys
-
-    from planner.plan import load_plan
-
-    p = argparse.ArgumentParser(prog="python -m runtime.scale")
-    p.add_argument("plan")
-    p.add_argument("--scale", type=float, default=1.0)
-    p.add_argument("--ranks-per-node", type=int, default=None)
-    p.add_argument("--nproc", type=int, default=None)
-    args = p.parse_args(argv)
+def checked_spec(options: RunOptions) -> RunSpec:
+    """The RunSpec `piper run` launches, after the checks it makes before starting processes
+    (the plan, --scale, --nproc, --ranks-per-node); any failure is one SpecError line that
+    starts with the plan's path."""
     try:
-        plan = load_plan(args.plan)
-        model = plan.model_spec(args.plan)
-        spec = run_spec_from_plan(plan, model, args.scale, args.ranks_per_node)
-        if args.nproc is not None and args.nproc != spec.world:
+        spec = spec_from_options(options)
+        if options.nproc is not None and options.nproc != spec.world:
             raise SpecError(
-                f"--nproc {args.nproc} != the plan's pp*dp*tp = {spec.world}; "
+                f"--nproc {options.nproc} != the plan's pp*dp*tp = {spec.world}; "
                 f"use --nproc {spec.world}"
             )
         if spec.world % spec.ranks_per_node:
@@ -366,26 +248,5 @@ def check_main(argv: list[str] | None = None) -> int:
                 f"--ranks-per-node {spec.ranks_per_node} must divide the {spec.world} ranks"
             )
     except (SpecError, KeyError, TypeError) as exc:
-        print(f"{exc}", file=sys.stderr)
-        return 2
-    shape = {
-        "world": spec.world,
-        "pp": spec.pp,
-        "dp": spec.dp,
-        "tp": spec.tp,
-        "ep": spec.ep,
-        "edp": spec.edp,
-        "layers": spec.model.num_layers,
-        "hidden_size": spec.model.hidden_size,
-        "seq_len": spec.seq_len,
-        "micro_batch": spec.micro_batch,
-        "num_microbatches": spec.num_microbatches,
-        "ranks_per_node": spec.ranks_per_node,
-        "source_layers": list(spec.source_layers),
-    }
-    print(json.dumps(shape, sort_keys=True))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(check_main())
+        raise SpecError(f"{options.plan}: {exc}") from None
+    return spec

@@ -1,0 +1,142 @@
+"""RunOptions: what one `piper run` is asked to do, written once for every place that needs it.
+
+Each field is one command-line flag (`migrate_every` is `--migrate-every`): its type gives the
+argparse type (a Literal gives the choices, a bool a switch) and its metadata the help text.
+`add_run_arguments` adds the flags to a parser (`piper run` and `python -m runtime.launch`
+both call it), `RunOptions.from_args` reads them back, and `to_launch_argv` writes the
+`-m runtime.launch ...` arguments that `piper run` hands to torchrun. Fields marked cli_only
+(`--nproc`, `--force`) decide whether and how `piper run` starts the processes; the launcher
+has none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from planner.specs import SpecError
+
+Dispatcher = Literal["halo", "halo-dedup", "flat"]
+LAUNCH_MODULE = "runtime.launch"
+
+
+def _flag(
+    default: Any, help: str | None = None, *, metavar: str | None = None, cli_only: bool = False
+) -> Any:
+    """A RunOptions field that is one flag; cli_only: only `piper run` has it."""
+    return field(default=default, metadata={"help": help, "metavar": metavar, "cli_only": cli_only})
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """One training run as the user asked for it; planner.run.spec turns it into a RunSpec."""
+
+    # PLAN for `piper run`, a required --plan for the launcher
+    plan: str = field(metadata={"help": "plan.json written by 'piper plan'", "positional": True})
+    steps: int = _flag(30, "optimizer steps (default 30)")
+    nproc: int | None = _flag(None, "processes (default: pp*dp*tp)", cli_only=True)
+    ranks_per_node: int | None = _flag(
+        None, "emulated node size (default: the plan cluster's gpus_per_node)"
+    )
+    scale: float = _flag(1.0, "shrink widths, depth and sequence by F in (0, 1] (see RUNTIME.md)")
+    dispatcher: Dispatcher = _flag("halo")
+    migrate_every: int = _flag(0, "migrate experts every K steps (0 = never)", metavar="K")
+    out: str | None = _flag(None, "output directory (default: PLAN's dir/run)")
+    seed: int = _flag(0)
+    lr: float = _flag(3e-3, "Adam learning rate")
+    trace_every: int = _flag(1, "sum S steps into one trace.csv interval (default 1)", metavar="S")
+    halo_direct_below_bytes: int = _flag(
+        -1,
+        "HALO sends directly when node-to-node messages are below B bytes "
+        "(0 = always hierarchical; default: the dispatcher's own threshold)",
+        metavar="B",
+    )
+    router_bias_rate: float = _flag(
+        0.0, "aux-loss-free balancing: router bias step per update (0 = off)", metavar="R"
+    )
+    force: bool = _flag(
+        False,
+        "run even if the model or cluster changed since planning, or the processes may "
+        "not fit in this machine's memory",
+        cli_only=True,
+    )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunOptions:
+        """The options in a namespace parsed with add_run_arguments' flags (a flag the parser
+        did not have keeps its default)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    @property
+    def out_dir(self) -> Path:
+        """Where the run writes its files: --out, else `run` beside the plan."""
+        return Path(self.out) if self.out else Path(self.plan).resolve().parent / "run"
+
+    def check(self) -> None:
+        """Raise SpecError, naming the flag, for values no run can use."""
+        for name in ("steps", "trace_every"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"{_flag_name(name)} must be >= 1, got {getattr(self, name)}")
+        if self.migrate_every < 0 or self.router_bias_rate < 0:
+            raise SpecError("--migrate-every and --router-bias-rate must be >= 0")
+        for name in ("nproc", "ranks_per_node"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SpecError(
+                    f"{_flag_name(name)} must be >= 1, got {value}; leave it out for the default"
+                )
+        if not self.lr > 0:
+            raise SpecError(f"--lr must be a positive learning rate, got {self.lr}")
+
+    def to_launch_argv(self) -> list[str]:
+        """`-m runtime.launch --plan ... --steps ...`: torchrun's program and its arguments
+        for this run. cli_only flags, options left at None (the launcher applies the same
+        defaults) and switches left off are not written."""
+        argv = ["-m", LAUNCH_MODULE]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("cli_only") or value is None or value is False:
+                continue
+            flag = _flag_name(f.name)
+            argv += [flag] if value is True else [flag, str(value)]
+        return argv
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, launcher: bool = False) -> None:
+    """Add one argument per RunOptions field to `parser`.
+
+    launcher=False: `piper run`'s arguments (PLAN positional, every flag). launcher=True:
+    `python -m runtime.launch`'s (a required --plan, no cli_only flags).
+    """
+    hints = typing.get_type_hints(RunOptions)
+    for f in fields(RunOptions):
+        meta = f.metadata
+        if launcher and meta.get("cli_only"):
+            continue
+        if meta.get("positional") and not launcher:
+            parser.add_argument(f.name, help=meta["help"])
+        elif meta.get("positional"):
+            parser.add_argument(_flag_name(f.name), required=True, help=meta["help"])
+        else:
+            parser.add_argument(_flag_name(f.name), **_argparse_kwargs(f, hints[f.name]))
+
+
+def _argparse_kwargs(f: Field, hint: Any) -> dict[str, Any]:
+    """add_argument's keywords for field `f` of type `hint`."""
+    kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help")}
+    if hint is bool:
+        return {**kwargs, "action": "store_true"}
+    if typing.get_origin(hint) is Literal:
+        kwargs["choices"] = typing.get_args(hint)
+    else:  # int, float, str or `X | None`
+        kwargs["type"] = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    if f.metadata.get("metavar"):
+        kwargs["metavar"] = f.metadata["metavar"]
+    return kwargs
+
+
+def _flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
