@@ -11,7 +11,6 @@ from typing import Any
 
 from planner.ip.solvers import SolveReport, SolverOptions
 from planner.parallel import ParallelConfig
-from planner.plan.schema import RankPlan
 from planner.resources.stage_inputs import StageCostInputs
 from planner.search.evaluator import EstimateView, RankChoice, StageChoice
 from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
@@ -81,14 +80,8 @@ class ModelEvaluator:
     def place_ranks(
         self, par: ParallelConfig, cluster: ClusterSpec, allocation: Any, options: SolverOptions
     ) -> RankChoice:
-        try:
-            from planner.ip.rank_ip import solve_ranks
-        except ImportError:
-            return RankChoice(
-                in_order_ranks(par, cluster),
-                SolveReport("none", "NOT_SOLVED", 0.0, 0.0, 0.0, 0.0),
-                "rank IP unavailable: ranks placed in order",
-            )
+        from planner.ip.rank_ip import solve_ranks
+
         sol = solve_ranks(par, cluster, allocation, options)
         note = f"{sol.straddling_groups} of {sol.groups_total} TP/EP groups straddle a switch"
         return RankChoice(tuple(sol.ranks), sol.report, "; ".join(filter(None, [note, sol.note])))
@@ -150,17 +143,6 @@ def view_of(est: Any, cluster: ClusterSpec) -> EstimateView:
         stage_time_s=tuple(st.total_s for st in stages),
         device_memory_gib=cluster.device.memory_gib,
     )
-
-
-def in_order_ranks(par: ParallelConfig, cluster: ClusterSpec) -> tuple[RankPlan, ...]:
-    """Megatron order: tp fastest, then dp, then stage; rank r on device r."""
-    rows = []
-    for r in range(par.world):
-        stage, rest = divmod(r, par.dp * par.tp)
-        dp, tp = divmod(rest, par.tp)
-        node, local = divmod(r, cluster.gpus_per_node)
-        rows.append(RankPlan(r, node, local, stage, dp, tp, rest % par.ep))
-    return tuple(rows)
 
 
 def default_evaluator(dispatcher: str = "flat") -> ModelEvaluator:
