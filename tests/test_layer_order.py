@@ -10,7 +10,8 @@ rooms of equal rank are siblings and do not import each other):
     3  planner.plan                                        plan.json
     4  planner.ip                                          solvers and the three integer programs
     5  planner.search                                      layouts, bounds, branch and bound
-    6  planner.migration, planner.calibrate, planner.sim, planner.run
+    6  planner.migration, planner.calibrate, planner.sim
+  6.5  planner.run                                         what a run of a plan executes
     7  planner.outputs                                     reports, plots, exports, atomic files
     8  planner.cli                                         `piper ...`
 
@@ -44,7 +45,7 @@ PLANNER_RANKS = {
     "planner.migration": 6,
     "planner.calibrate": 6,
     "planner.sim": 6,
-    "planner.run": 6,
+    "planner.run": 6.5,  # a run of a plan: its spec, options and migration prices
     "planner.outputs": 7,
     "planner.cli": 8,
 }

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.plan import Plan, load_plan
+from planner.run.migration import run_move_costs
 from planner.run.options import RunOptions, add_run_arguments
 from planner.run.spec import checked_spec
 from planner.specs import SpecError
@@ -132,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
             "(inputs_sha256); re-run 'piper plan' or pass --force"
         )
     spec = checked_spec(options)
+    if spec.migrate_every > 0:  # every rank prices its moves from the plan's cluster
+        try:
+            run_move_costs(load_plan(options.plan), spec, options.plan)
+        except SpecError as exc:
+            raise SpecError(f"{options.plan}: {exc}") from None
     if not options.force:
         _check_memory(spec.world)
     print(

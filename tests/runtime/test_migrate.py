@@ -16,9 +16,10 @@ from planner.migration.inputs import migrate_setup
 from planner.migration.trace import Trace, trace_from_text, trace_rows
 from planner.plan import load_plan
 from planner.resources.params import layer_params
+from planner.run.migration import run_move_costs
 from planner.run.spec import run_spec_from_plan
 from runtime.data import load_corpus
-from runtime.migrate import MigrationPolicy, decide, plan_migration, run_move_costs
+from runtime.migrate import MigrationPolicy, decide, plan_migration
 from tests.runtime.tiny_plans import (
     assert_experts_match_oracle,
     reference_run,

@@ -65,6 +65,14 @@ def test_changed_cluster_is_refused_and_force_passes_the_check(tmp_path, capsys)
     assert "use --nproc 2" in capsys.readouterr().err
 
 
+def test_migration_priced_from_a_cluster_that_cannot_load_is_one_line(tmp_path, capsys):
+    """--migrate-every prices moves from the plan's cluster before any process starts."""
+    path, plan = _write_plan(tmp_path, ep=2, dp=2, cluster=ClusterEntry("no-such-cluster"))
+    assert main(["run", str(path), "--force", "--migrate-every", "2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(path) in err and "no-such-cluster" in err and "\n" not in err
+
+
 @pytest.mark.parametrize(
     "args, tp, msg",
     [
