@@ -126,7 +126,6 @@ def _predicted_stage_a2a(plan: Plan, cluster: ClusterSpec | None):
 
 def plan_inputs(plan: Plan, cluster: ClusterSpec | None = None):
     """(model, cluster, training, parallel) the plan was made for, rebuilt from plan.json."""
-    from planner.parallel import ParallelConfig
 
     model = plan.model_spec()
     if cluster is None:
@@ -135,11 +134,7 @@ def plan_inputs(plan: Plan, cluster: ClusterSpec | None = None):
     tr = {k: v for k, v in plan.training.items() if k in known}
     if "extra" in tr:
         tr["extra"] = tuple(tuple(x) for x in tr["extra"])
-    par = plan.parallel
-    parallel = ParallelConfig(
-        par.pp, par.dp, par.tp, par.ep, par.micro_batch, par.num_microbatches, par.recompute
-    )
-    return model, cluster, TrainingSpec(**tr), parallel
+    return model, cluster, TrainingSpec(**tr), plan.parallel.config()
 
 
 def estimate_plan(plan: Plan, cluster: ClusterSpec | None = None):

@@ -60,8 +60,11 @@ _SECTIONS = tuple(  # the objects a plan must hold: model, cluster, training, ..
     and get_origin(get_type_hints(Plan)[f.name]) is not tuple
 )
 _SIZES = tuple(k for k, t in _hints(ParallelPlan).items() if t is int)
+_SIZE_DEFAULTS = {f.name: f.default for f in fields(ParallelPlan) if f.default is not MISSING}
 _RECOMPUTE = get_args(_hints(ParallelPlan)["recompute"])
+_MODULES = get_args(get_args(_hints(ParallelPlan)["recompute_modules"])[0])
 _RANK_FIELDS = tuple(_hints(RankPlan))
+_RANK_DEFAULTS = {f.name: f.default for f in fields(RankPlan) if f.default is not MISSING}
 _PREDICTED = tuple(k for k, t in _hints(Predicted).items() if t is float)
 _SOLVER = {k: _json_kind(t) for k, t in _hints(SolveReport).items()}
 _ENTRIES = {
@@ -141,9 +144,17 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
     for key in _SECTIONS:
         c.get(d, key, "", dict)
     par = d["parallel"]
-    sizes = {k: c.int_at_least(par, k, "parallel.", 1) for k in _SIZES}
+    sizes = {  # a knob a plan leaves out has its default (vp, cp, etp = 1)
+        k: c.int_at_least(par, k, "parallel.", 1) if k in par or k not in _SIZE_DEFAULTS
+        else _SIZE_DEFAULTS[k]
+        for k in _SIZES
+    }  # fmt: skip
     if c.get(par, "recompute", "parallel.", str) not in _RECOMPUTE:
         raise c.fail("parallel.recompute", f"is {par['recompute']!r}, not one of {_RECOMPUTE}")
+    if "recompute_modules" in par:
+        for m in c.get(par, "recompute_modules", "parallel.", list):
+            if m not in _MODULES:
+                raise c.fail("parallel.recompute_modules", f"holds {m!r}, not one of {_MODULES}")
     _check_sizes(c, sizes)
     _check_stages(c, c.items(d, "stages"), sizes["pp"])
     _check_experts(c, c.items(d, "experts"), sizes["ep"])
@@ -165,11 +176,13 @@ def _check_entry(c: _Checker, entry: dict[str, Any], section: str, kinds: dict[s
 
 
 def _check_sizes(c: _Checker, s: dict[str, int]) -> None:
-    group = s["dp"] * s["tp"]
-    if group % s["ep"]:
-        raise c.fail("parallel.ep", f"is {s['ep']} and must divide dp*tp = {group}")
-    if s["edp"] != group // s["ep"]:
-        raise c.fail("parallel.edp", f"is {s['edp']} and must be dp*tp/ep = {group // s['ep']}")
+    group, experts = s["tp"] * s["cp"] * s["dp"], s["etp"] * s["ep"]
+    if group % experts:
+        raise c.fail("parallel.ep", f"times etp is {experts} and must divide tp*cp*dp = {group}")
+    if s["edp"] != group // experts:
+        raise c.fail(
+            "parallel.edp", f"is {s['edp']} and must be tp*cp*dp/(etp*ep) = {group // experts}"
+        )
 
 
 def _check_stages(c: _Checker, stages: list[dict[str, Any]], pp: int) -> None:
@@ -200,14 +213,17 @@ def _check_experts(c: _Checker, experts: list[dict[str, Any]], ep: int) -> None:
 
 
 def _check_ranks(c: _Checker, ranks: list[dict[str, Any]], s: dict[str, int]) -> None:
-    world = s["pp"] * s["dp"] * s["tp"]
+    world = s["pp"] * s["dp"] * s["tp"] * s["cp"]
     if not ranks:  # a hand-written plan may leave rank placement out (calibrate, export)
         return
     if len(ranks) != world:
-        raise c.fail("ranks", f"has {len(ranks)} entries but pp*dp*tp = {world}")
-    bounds = {"stage": s["pp"], "dp": s["dp"], "tp": s["tp"], "ep": s["ep"], "rank": world}
+        raise c.fail("ranks", f"has {len(ranks)} entries but pp*dp*tp*cp = {world}")
+    bounds = {"stage": s["pp"], "dp": s["dp"], "tp": s["tp"], "ep": s["ep"], "cp": s["cp"]}
+    bounds["rank"] = world
     for i, r in enumerate(ranks):
         for key in _RANK_FIELDS:
+            if key not in r and key in _RANK_DEFAULTS:
+                continue
             value = c.int_at_least(r, key, f"ranks[{i}].", 0)
             if key in bounds and value >= bounds[key]:
                 raise c.fail(f"ranks[{i}].{key}", f"is {value}; it must be < {bounds[key]}")

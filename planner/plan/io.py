@@ -46,7 +46,7 @@ def plan_from_dict(d: Any, path: str = "plan.json") -> Plan:
         model=ModelEntry.from_dict(d["model"]),
         cluster=ClusterEntry.from_dict(d["cluster"]),
         training=d["training"],
-        parallel=ParallelPlan(**{f.name: d["parallel"][f.name] for f in json_fields(ParallelPlan)}),
+        parallel=ParallelPlan(**_known(ParallelPlan, d["parallel"])),
         stages=tuple(
             StagePlan(s["stage"], tuple(s["layers"]), tuple(s.get("recompute_layers", ())))
             for s in d["stages"]
@@ -54,15 +54,24 @@ def plan_from_dict(d: Any, path: str = "plan.json") -> Plan:
         experts=tuple(
             ExpertPlacement(e["layer"], tuple(e["rank_of_expert"])) for e in d["experts"]
         ),
-        ranks=tuple(
-            RankPlan(**{f.name: r[f.name] for f in json_fields(RankPlan)}) for r in d["ranks"]
-        ),
+        ranks=tuple(RankPlan(**_known(RankPlan, r)) for r in d["ranks"]),
         predicted=Predicted(**{f.name: pred[f.name] for f in json_fields(Predicted)}),
         solver=SolveReport(**{f.name: d["solver"][f.name] for f in json_fields(SolveReport)}),
         inputs_sha256=d.get("inputs_sha256", ""),
         schema_version=d["schema_version"],
         extra=d.get("extra", {}),
     )
+
+
+def _known(cls: type, entry: dict[str, Any]) -> dict[str, Any]:
+    """The plan.json fields of dataclass `cls` in `entry`; a field with a default may be
+    absent (plans written before it existed); lists become tuples."""
+    out = {}
+    for f in json_fields(cls):
+        if f.name in entry:
+            value = entry[f.name]
+            out[f.name] = tuple(value) if isinstance(value, list) else value
+    return out
 
 
 def load_plan(path: str | Path) -> Plan:

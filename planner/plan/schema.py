@@ -14,6 +14,7 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from planner.parallel import ParallelConfig, RecomputeModule
 from planner.specs import ClusterSpec, ModelSpec, Recompute, SpecError
 
 SCHEMA_VERSION = 1
@@ -106,6 +107,7 @@ class RankPlan:
     dp: int
     tp: int
     ep: int
+    cp: int = 0  # context-parallel index (always 0 when cp = 1)
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,8 @@ class Predicted:
 
 @dataclass(frozen=True)
 class ParallelPlan:
+    """plan.json's `parallel`: the layout (planner.parallel.ParallelConfig) and edp."""
+
     pp: int
     dp: int
     tp: int
@@ -156,6 +160,25 @@ class ParallelPlan:
     micro_batch: int
     num_microbatches: int
     recompute: Recompute
+    vp: int = 1
+    cp: int = 1
+    etp: int = 1
+    recompute_modules: tuple[RecomputeModule, ...] = ()
+
+    @classmethod
+    def of(cls, par: ParallelConfig) -> ParallelPlan:
+        """The plan.json entry of a layout."""
+        return cls(
+            par.pp, par.dp, par.tp, par.ep, par.edp, par.micro_batch, par.num_microbatches,
+            par.recompute, par.vp, par.cp, par.etp, par.recompute_modules,
+        )  # fmt: skip
+
+    def config(self) -> ParallelConfig:
+        """The layout as a ParallelConfig (its rules checked again)."""
+        return ParallelConfig(
+            self.pp, self.dp, self.tp, self.ep, self.micro_batch, self.num_microbatches,
+            self.recompute, self.vp, self.cp, self.etp, self.recompute_modules,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

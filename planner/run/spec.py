@@ -76,6 +76,17 @@ def _plan_stages(plan: Plan, model: ModelSpec, scale: float) -> list[tuple[int, 
     par = plan.parallel
     if not 0.0 < scale <= 1.0:
         raise SpecError(f"--scale must be in (0, 1], got {scale}")
+    if par.cp > 1:
+        raise SpecError(
+            f"plan: cp={par.cp} (context parallel) does not run on this runtime; train it "
+            "with Megatron-LM: 'piper export PLAN --to megatron'"
+        )
+    for knob in ("vp", "etp"):
+        if getattr(par, knob) > 1:
+            raise SpecError(
+                f"plan: {knob}={getattr(par, knob)} does not run on this runtime yet; train it "
+                "with Megatron-LM: 'piper export PLAN --to megatron'"
+            )
     if len(plan.stages) != par.pp:
         raise SpecError(
             f"plan: {len(plan.stages)} stages but parallel.pp={par.pp}; "

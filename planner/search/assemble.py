@@ -148,16 +148,7 @@ def build_plan(
     extra: dict[str, Any],
 ) -> Plan:
     """Assemble the plan.json document (ARCHITECTURE section 8)."""
-    parallel = ParallelPlan(
-        par.pp,
-        par.dp,
-        par.tp,
-        par.ep,
-        par.edp,
-        par.micro_batch,
-        par.num_microbatches,
-        par.recompute,
-    )
+    parallel = ParallelPlan.of(par)
     stages = tuple(
         StagePlan(s, tuple(layers), tuple(rc))
         for s, (layers, rc) in enumerate(zip(stage_layers, recompute_layers, strict=True))
