@@ -15,7 +15,8 @@ from typing import Literal
 AttentionKind = Literal["mha", "gqa", "mla"]
 LayerKind = Literal["dense", "moe"]
 Recompute = Literal["none", "selective", "full"]
-Dtype = Literal["bf16", "fp16", "fp8", "fp32"]
+Dtype = Literal["bf16", "fp16", "fp8", "mxfp8", "fp32"]
+OptimizerDtype = Literal["fp32", "bf16"]
 
 GIB = 2**30
 
@@ -202,6 +203,15 @@ class TrainingSpec:
     routing_skew: float = 1.0  # hottest EP rank's tokens / mean; raises its activation memory
     schedule: Literal["1f1b", "interleaved"] = "1f1b"
     extra: tuple[tuple[str, str], ...] = field(default=())
+    # FSDP: weights, gradients and optimizer state sharded over the data-parallel mesh, each
+    # layer's weights gathered before use (Megatron-FSDP optim_grads_params, torch
+    # fully_shard); the alternative to the distributed optimizer (`zero`).
+    fsdp: bool = False
+    optimizer_dtype: OptimizerDtype = "fp32"  # Adam moments (Megatron's --exp-avg-dtype)
+    mtp_layers: int | None = None  # multi-token-prediction layers; None = the model config's
+    # 1F1B all-to-all overlap: one micro-batch's dispatch/combine behind another's compute
+    # (Megatron's --overlap-moe-expert-parallel-comm)
+    a2a_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
@@ -211,3 +221,10 @@ class TrainingSpec:
             raise SpecError("training: bytes_per_param must be 16 (paper) or 18 (Megatron)")
         if self.routing_skew < 1.0:
             raise SpecError("training: routing_skew is max/mean load and must be >= 1.0")
+        if self.fsdp and self.zero:
+            raise SpecError(
+                "training: fsdp and zero (the distributed optimizer) both shard the optimizer "
+                "state; choose one"
+            )
+        if self.mtp_layers is not None and self.mtp_layers < 0:
+            raise SpecError(f"training: mtp_layers must be >= 0, got {self.mtp_layers}")
