@@ -30,6 +30,16 @@ class Move:
     seconds: float
 
 
+def slot_counts(experts: int, ranks: int, redundant_slots: int = 0) -> np.ndarray:
+    """Slots per EP rank (R,): E / R each, plus `redundant_slots` spread as evenly as the
+    ranks allow (rank r gets one more when floor((r + 1) k / R) > floor(r k / R) for the
+    remainder k, so 32 over 64 ranks land on every other rank)."""
+    base, k = divmod(redundant_slots, ranks)
+    r_R = np.arange(ranks)
+    extra_R = ((r_R + 1) * k) // ranks - (r_R * k) // ranks
+    return experts // ranks + base + extra_R
+
+
 def initial_slots(rank_of_expert_E: np.ndarray, ranks: int, redundant_slots: int = 0):
     """Slots from a rank-per-expert vector; spare replica slots start empty."""
     num_e = len(rank_of_expert_E)

@@ -209,7 +209,36 @@ def _check_experts(c: _Checker, experts: list[dict[str, Any]], ep: int) -> None:
     for i, e in enumerate(experts):
         where = f"experts[{i}]."
         c.int_at_least(e, "layer", where, 0)
-        c.int_list(e, "rank_of_expert", where, 0, ep)
+        rank_of_expert = c.int_list(e, "rank_of_expert", where, 0, ep)
+        if "slots" in e:
+            _check_slots(c, c.get(e, "slots", where, list), rank_of_expert, ep, f"{where}slots")
+
+
+def _check_slots(c: _Checker, slots: list[Any], rank_of_expert: list[int], ep: int, field: str):
+    """`slots`: ep ascending lists of expert ids that hold every expert, rank_of_expert[e]
+    being the lowest rank that holds e (planner.plan.schema.ExpertPlacement)."""
+    num_e = len(rank_of_expert)
+    if len(slots) != ep:
+        raise c.fail(field, f"has {len(slots)} ranks but parallel.ep = {ep}")
+    lowest: dict[int, int] = {}
+    for r, held in enumerate(slots):
+        where = f"{field}[{r}]"
+        if not isinstance(held, list) or any(
+            isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < num_e for x in held
+        ):
+            raise c.fail(where, f"must be a list of expert ids in [0, {num_e})")
+        if held != sorted(set(held)):
+            raise c.fail(where, "must list distinct expert ids in ascending order")
+        for x in held:
+            lowest.setdefault(x, r)
+    for x in range(num_e):
+        if x not in lowest:
+            raise c.fail(field, f"holds no slot for expert {x}; every expert needs one")
+        if lowest[x] != rank_of_expert[x]:
+            raise c.fail(
+                field, f"puts expert {x} first on rank {lowest[x]} but rank_of_expert says "
+                f"{rank_of_expert[x]}; rank_of_expert is the lowest rank holding the expert"
+            )  # fmt: skip
 
 
 def _check_ranks(c: _Checker, ranks: list[dict[str, Any]], s: dict[str, int]) -> None:

@@ -52,7 +52,12 @@ def plan_from_dict(d: Any, path: str = "plan.json") -> Plan:
             for s in d["stages"]
         ),
         experts=tuple(
-            ExpertPlacement(e["layer"], tuple(e["rank_of_expert"])) for e in d["experts"]
+            ExpertPlacement(
+                e["layer"],
+                tuple(e["rank_of_expert"]),
+                tuple(tuple(held) for held in e.get("slots", ())),
+            )
+            for e in d["experts"]
         ),
         ranks=tuple(RankPlan(**_known(RankPlan, r)) for r in d["ranks"]),
         predicted=Predicted(**{f.name: pred[f.name] for f in json_fields(Predicted)}),

@@ -9,7 +9,7 @@ planner.plan.check's (check_plan_dict); this module holds the types only.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -94,8 +94,55 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    layer: int  # transformer layer index of an MoE layer
-    rank_of_expert: tuple[int, ...]  # EP rank per expert (length E)
+    """plan.json's `experts` entry for one MoE layer: which EP rank holds which expert.
+
+    layer: transformer layer index of an MoE layer.
+    rank_of_expert: EP rank per expert (length E); with replicas, the lowest rank holding it.
+    slots: the experts in each EP rank's slots (ep tuples of expert ids, each ascending, no
+        expert twice on one rank): slot s of rank r is that rank's s-th local expert. Every
+        expert sits in at least one slot; an expert in several ranks' slots is replicated and
+        its tokens are split evenly over its replicas (in expectation; MIGRATION.md). Ranks
+        may hold different numbers of slots: a total of redundant slots that ep does not
+        divide goes to some ranks only (DeepSeek-V3: 288 slots for 256 experts on 64 ranks).
+        Empty (the default, and what plan.json holds for a layer without replicas): one slot
+        per expert, rank r holding the experts e with rank_of_expert[e] == r, ascending.
+    """
+
+    layer: int
+    rank_of_expert: tuple[int, ...]
+    slots: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def of_slots(cls, layer: int, slots: Sequence[Sequence[int]]) -> ExpertPlacement:
+        """The entry of per-rank slots; `slots` is left empty when it says what
+        rank_of_expert alone says (one slot per expert)."""
+        rank_slots = tuple(tuple(sorted(int(e) for e in held)) for held in slots)
+        experts = 1 + max(e for held in rank_slots for e in held)
+        rank_of_expert = tuple(
+            min(r for r, held in enumerate(rank_slots) if e in held) for e in range(experts)
+        )
+        plain = sum(len(held) for held in rank_slots) == experts
+        return cls(layer, rank_of_expert, () if plain else rank_slots)
+
+    def rank_slots(self, ep: int) -> tuple[tuple[int, ...], ...]:
+        """Each EP rank's experts, one per slot, ascending (derived when `slots` is empty)."""
+        if self.slots:
+            return self.slots
+        return tuple(
+            tuple(e for e, r in enumerate(self.rank_of_expert) if r == rank) for rank in range(ep)
+        )
+
+    @property
+    def redundant_slots(self) -> int:
+        """Slots beyond one per expert, over all EP ranks of the layer."""
+        return sum(len(held) for held in self.slots) - len(self.rank_of_expert) if self.slots else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan.json object; `slots` only when the layer has redundant slots."""
+        d: dict[str, Any] = {"layer": self.layer, "rank_of_expert": list(self.rank_of_expert)}
+        if self.slots:
+            d["slots"] = [list(held) for held in self.slots]
+        return d
 
 
 @dataclass(frozen=True)
@@ -203,7 +250,7 @@ class Plan:
             "training": self.training,
             "parallel": asdict(self.parallel),
             "stages": [asdict(s) for s in self.stages],
-            "experts": [asdict(e) for e in self.experts],
+            "experts": [e.to_dict() for e in self.experts],
             "ranks": [asdict(r) for r in self.ranks],
             "predicted": {**asdict(self.predicted), "comm_s": dict(self.predicted.comm_s)},
             "solver": self.solver.to_dict(),

@@ -1,0 +1,73 @@
+"""plan.json's `experts` entry with redundant slots: round trip, defaults, checks, spread."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner.migration.placement import slot_counts
+from planner.plan import ExpertPlacement, plan_from_dict
+from planner.specs import SpecError
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "results" / "example" / "plan.json"
+SLOTS = [[0, 1, 4], [2, 3, 4], [5, 6], [0, 7]]  # experts 0 and 4 replicated; 10 slots
+
+
+def _plan_with(entry: dict) -> dict:
+    """The example plan with ep=4 (dp=8, tp=2: edp 4) and one experts entry."""
+    d = json.loads(EXAMPLE.read_text())
+    d = copy.deepcopy(d)
+    d["parallel"].update(ep=4, edp=4)
+    for r in d["ranks"]:
+        r["ep"] %= 4
+    d["experts"] = [entry]
+    return d
+
+
+def test_of_slots_derives_rank_of_expert_and_counts_redundant_slots():
+    entry = ExpertPlacement.of_slots(3, SLOTS)
+    assert entry.rank_of_expert == (0, 0, 1, 1, 0, 2, 2, 3)
+    assert entry.redundant_slots == 2
+    assert entry.rank_slots(4) == ((0, 1, 4), (2, 3, 4), (5, 6), (0, 7))
+
+
+def test_plain_slots_are_left_out_so_old_plans_keep_their_bytes():
+    entry = ExpertPlacement.of_slots(1, [[2, 0], [1, 3]])
+    assert entry.slots == () and entry.rank_of_expert == (0, 1, 0, 1)
+    assert entry.to_dict() == {"layer": 1, "rank_of_expert": [0, 1, 0, 1]}
+    assert ExpertPlacement(1, (0, 0, 1, 1)).rank_slots(2) == ((0, 1), (2, 3))
+
+
+def test_slots_round_trip_through_plan_json():
+    entry = ExpertPlacement.of_slots(3, SLOTS)
+    plan = plan_from_dict(_plan_with(entry.to_dict()))
+    assert plan.experts == (entry,)
+    assert json.loads(plan.to_json())["experts"] == [entry.to_dict()]
+
+
+@pytest.mark.parametrize(
+    ("slots", "rank_of_expert", "message"),
+    [
+        (SLOTS[:3], [0, 0, 1, 1, 0, 2, 2, 3], "has 3 ranks"),
+        ([[0, 1, 4], [4, 3, 2], [5, 6], [0, 7]], [0, 0, 1, 1, 0, 2, 2, 3], "ascending"),
+        ([[0, 1, 4], [2, 3, 4], [5, 6], [0]], [0, 0, 1, 1, 0, 2, 2, 3], "no slot for expert 7"),
+        ([[0, 1, 4], [2, 3, 4], [5, 9], [0, 7]], [0, 0, 1, 1, 0, 2, 2, 3], "expert ids in"),
+        (SLOTS, [3, 0, 1, 1, 0, 2, 2, 3], "puts expert 0 first on rank 0"),
+    ],
+)
+def test_bad_slots_are_one_line_naming_the_field(slots, rank_of_expert, message):
+    entry = {"layer": 3, "rank_of_expert": rank_of_expert, "slots": slots}
+    with pytest.raises(SpecError, match=message) as err:
+        plan_from_dict(_plan_with(entry), "p.json")
+    assert "field 'experts[0].slots" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_slot_counts_spread_a_total_over_the_ranks():
+    counts = slot_counts(256, 64, 32)  # DeepSeek-V3: 288 slots, one extra on every other rank
+    assert counts.sum() == 288 and set(counts[1::2]) == {5} and set(counts[0::2]) == {4}
+    assert slot_counts(8, 4, 6).tolist() == [3, 4, 3, 4]
+    assert np.array_equal(slot_counts(8, 4), [2, 2, 2, 2])
