@@ -1,42 +1,47 @@
-"""Live expert migration: ask the planner for a new placement, move experts with their state.
+"""Live expert migration: ask the planner for a new placement, move and copy experts with
+their state.
 
 Every K steps the stage's per-expert token counts (summed over its data-parallel ranks)
 feed the planner's migration policy (`planner.migration.next_placement`), priced from the
 plan's cluster; the stage leader asks and broadcasts, so every EP group of the stage (all
-expert-DP replicas) applies the same placement. An expert moves with its weights, gradients
-and Adam moments, so the math of training is unchanged.
+expert-DP replicas) applies the same placement. A placement is a slot table per MoE layer
+(planner.run.spec.ExpertSlots): which expert each slot of each EP rank holds. A new
+placement may move an expert, add a copy of it in a free slot or a slot it takes over
+(a replica), or drop a copy (the slot is zeroed and stays free); every rank keeps its number
+of slots. A new copy receives the expert's weights, gradients and Adam moments from a current
+holder: one on the receiver's node if there is one, else the lowest EP rank. So the math of
+training is unchanged.
 
-Two phases: (1) every moved expert is packed (weights, grads, moments) and sent point-to-point
+Two phases: (1) every new copy is packed (weights, grads, moments) and sent point-to-point
 inside the EP group into staging buffers, with a float64 checksum; each receiver verifies
 checksum and finiteness; the whole stage agrees (all-reduce MIN of an ok flag). (2) Only when
-all agree are the staged slots copied in place and the routing tables swapped; otherwise
+all agree are the staged slots copied in place and the slot tables swapped; otherwise
 nothing changes, so a failure mid-move leaves the old placement intact.
 
-Shape letters: L = MoE layers of the stage, E = experts, T = steps of the load history.
-Placements here are in plan EP indices (ep_idx); MoELayer tables hold EP *group* ranks.
+Shape letters: L = MoE layers of the stage, E = experts, T = steps of the load history,
+R = EP ranks. The policy sees plan EP indices (ep_idx); MoELayer tables hold EP *group* ranks.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from planner.migration import MigrationDecision, MigrationOptions, MoveCosts, next_placement
 from planner.plan import load_plan
 from planner.run.migration import run_move_costs
-from planner.run.spec import RunSpec
+from planner.run.spec import EMPTY, ExpertSlots, RunSpec, check_slots
 from runtime.metrics import ByteCounter
 from runtime.model.moe import MoELayer
 from runtime.parallel.mesh import Mesh
 
 log = logging.getLogger(__name__)
 
-# next_placement's signature: (current_LE, load_history_TLE, costs, options) -> decision
+# next_placement's signature: (current, load_history_TLE, costs, options) -> decision
 Policy = Callable[..., MigrationDecision]
 
 
@@ -49,7 +54,10 @@ class MigrationPolicy:
         made without a plan's cluster.
     options: the policy's knobs; None = the planner's defaults.
     choose: a function with next_placement's signature: the planner's policy, or one a
-        test passes in.
+        test passes in. A stage whose tables hold one copy of each expert and no free slot
+        passes rank_of_expert_LE and reads `placement_LE`; a stage with replicas or free
+        slots passes each layer's slot rows (slots_LRS: per EP rank the experts of its
+        slots, EMPTY = -1 free) and reads `slots_LRS` in the same form.
     """
 
     costs_by_stage: tuple[MoveCosts | None, ...] = ()
@@ -64,25 +72,68 @@ def plan_migration(plan_path: str, spec: RunSpec) -> MigrationPolicy:
     return MigrationPolicy(run_move_costs(load_plan(plan_path), spec, plan_path))
 
 
-def decide(mesh: Mesh, migration: MigrationPolicy, current_LE, history_TLE) -> MigrationDecision:
-    """The stage leader asks the policy; every rank of the stage gets the same decision.
+def _plain(table: ExpertSlots) -> bool:
+    held = [e for row in table.slots_RS for e in row]
+    return EMPTY not in held and len(set(held)) == len(held)
+
+
+def ask_policy(
+    migration: MigrationPolicy, costs, current: Sequence[ExpertSlots], history_TLE
+) -> tuple[ExpertSlots, ...]:
+    """The policy's tables for the next interval (plan EP indices); the current ones when it
+    fails or returns tables that change a rank's slot count or lose an expert."""
+    num_e = [1 + max(e for row in t.slots_RS for e in row) for t in current]
+    ranks = len(current[0].slots_RS)
+    try:
+        if all(_plain(t) for t in current):
+            rank_of = [t.rank_of_expert(n) for t, n in zip(current, num_e, strict=True)]
+            decision = migration.choose(rank_of, history_TLE, costs, migration.options)
+            new = [ExpertSlots.of_ranks(row.tolist(), ranks) for row in decision.placement_LE]
+        else:
+            slots = [[list(row) for row in t.slots_RS] for t in current]
+            decision = migration.choose(slots, history_TLE, costs, migration.options)
+            new = [ExpertSlots.even(rows) for rows in decision.slots_LRS]
+        for layer, (old, table, n) in enumerate(zip(current, new, num_e, strict=True)):
+            check_slots(table, n, ranks, layer)
+            if [len(r) for r in table.slots_RS] != [len(r) for r in old.slots_RS]:
+                raise ValueError(f"layer row {layer} changes a rank's number of slots")
+    except Exception as exc:  # noqa: BLE001 - the other ranks wait for this broadcast
+        log.warning("migration policy failed (%s); keeping the current placement", exc)
+        return tuple(current)
+    return tuple(new)
+
+
+def decide(
+    mesh: Mesh, migration: MigrationPolicy, current: Sequence[ExpertSlots], history_TLE
+) -> tuple[ExpertSlots, ...]:
+    """The stage leader asks the policy; every rank of the stage gets the same tables.
 
     Args:
-        current_LE: ep_idx of each expert, per MoE layer of the stage.
+        current: the slot table of each MoE layer of the stage, in plan EP indices.
         history_TLE: tokens per expert of the stage's MoE layers, per past step.
     """
     box = [None]
     if mesh.me.physical == mesh.stage_ranks[0]:
         stages = migration.costs_by_stage
         costs = stages[mesh.me.stage] if stages else None
-        try:
-            box[0] = migration.choose(current_LE, history_TLE, costs, migration.options)
-        except Exception as exc:  # noqa: BLE001 - the other ranks wait for this broadcast
-            log.warning("migration policy failed (%s); keeping the current placement", exc)
-            box[0] = MigrationDecision(np.asarray(current_LE, dtype=np.int64), (), 0.0)
+        box[0] = ask_policy(migration, costs, current, history_TLE)
     if len(mesh.stage_ranks) > 1:
         dist.broadcast_object_list(box, src=mesh.stage_ranks[0], group=mesh.stage_group)
     return box[0]
+
+
+def copy_plan(
+    old: ExpertSlots, new: ExpertSlots, node_of_rank: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """(expert, src, dst) of every copy the new table adds, experts then dst ascending: src
+    is an old holder on dst's node if there is one, else the lowest old holder."""
+    out = []
+    for e in sorted({e for row in new.slots_RS for e in row if e != EMPTY}):
+        had = [r for r, _ in old.holders(e)]
+        for dst in sorted({r for r, _ in new.holders(e)} - set(had)):
+            near = [r for r in had if node_of_rank[r] == node_of_rank[dst]]
+            out.append((e, (near or had)[0], dst))
+    return out
 
 
 def slot_state_views(moe: MoELayer, optimizer, slot: int) -> list[torch.Tensor]:
@@ -101,20 +152,21 @@ def pack_views(pieces: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1).float() for t in pieces])
 
 
-def _stage_layer(moe: MoELayer, new_table, mesh: Mesh, optimizer, counter: ByteCounter):
-    """Phase 1 for one layer: exchange moved experts into staging buffers; returns (ok, staged)."""
-    me = dist.get_rank(mesh.ep_group)
-    old, new = moe.rank_of_expert_E.tolist(), list(new_table)
-    old_local = [e for e, r in enumerate(old) if r == me]
-    size = pack_views(slot_state_views(moe, optimizer, 0)).numel() if old_local else 0
+def _node_of_group_rank(mesh: Mesh, ranks: int) -> list[int]:
+    return [mesh.node_of(dist.get_global_rank(mesh.ep_group, r)) for r in range(ranks)]
+
+
+def _stage_layer(moe: MoELayer, new: ExpertSlots, mesh: Mesh, optimizer, counter: ByteCounter):
+    """Phase 1 for one layer: exchange new copies into staging buffers; returns (ok, staged)."""
+    me, old = dist.get_rank(mesh.ep_group), moe.slots
+    size = pack_views(slot_state_views(moe, optimizer, 0)).numel()
     staged, ops, checks = {}, [], []
-    for e in range(len(old)):
-        src, dst = old[e], new[e]
-        if src == dst or me not in (src, dst):
+    for e, src, dst in copy_plan(old, new, _node_of_group_rank(mesh, len(old.slots_RS))):
+        if me not in (src, dst):
             continue
         peer = dist.get_global_rank(mesh.ep_group, dst if src == me else src)
         if src == me:
-            buf = pack_views(slot_state_views(moe, optimizer, old_local.index(e)))
+            buf = pack_views(slot_state_views(moe, optimizer, old.slots_RS[me].index(e)))
             csum = buf.double().sum().reshape(1)
             ops += [
                 dist.P2POp(dist.isend, buf, peer, mesh.ep_group, 2 * e),
@@ -142,35 +194,38 @@ def _stage_layer(moe: MoELayer, new_table, mesh: Mesh, optimizer, counter: ByteC
     return ok, staged
 
 
-def _commit_layer(moe: MoELayer, new_table, staged: dict, optimizer, me: int) -> None:
-    """Phase 2 for one layer: rebuild the local slots in ascending id order, then swap."""
-    old = moe.rank_of_expert_E.tolist()
-    old_local = [e for e, r in enumerate(old) if r == me]
-    new_local = [e for e, r in enumerate(new_table) if r == me]
+def _commit_layer(moe: MoELayer, new: ExpertSlots, staged: dict, optimizer, me: int) -> None:
+    """Phase 2 for one layer: rebuild the local slots in the new table's order, then swap."""
+    old_row = moe.slots.slots_RS[me]
     bufs = [
-        staged[e]
+        None
+        if e == EMPTY
+        else staged[e]
         if e in staged
-        else pack_views(slot_state_views(moe, optimizer, old_local.index(e)))
-        for e in new_local
+        else pack_views(slot_state_views(moe, optimizer, old_row.index(e)))
+        for e in new.slots_RS[me]
     ]
     for slot, buf in enumerate(bufs):
         offset = 0
         for view in slot_state_views(moe, optimizer, slot):
             n = view.numel()
-            view.copy_(buf[offset : offset + n].view_as(view))
+            if buf is None:  # a dropped copy: the free slot holds zeros
+                view.zero_()
+            else:
+                view.copy_(buf[offset : offset + n].view_as(view))
             offset += n
-    moe.set_placement(new_table)
+    moe.set_slots(new)
 
 
 def apply_migration(
     moes: dict[int, MoELayer],
-    tables: dict[int, tuple[int, ...]],
+    tables: dict[int, ExpertSlots],
     mesh: Mesh,
     optimizer,
     counter: ByteCounter,
     fail: bool = False,
 ) -> bool:
-    """Move experts to `tables` (layer -> EP group rank per expert); True when switched.
+    """Switch every layer to its table in `tables` (EP group ranks); True when switched.
 
     `fail` injects a verification failure on this rank (tests of the two-phase rule).
     """
@@ -197,3 +252,28 @@ def apply_migration(
     for layer, moe in moes.items():
         _commit_layer(moe, tables[layer], staged[layer], optimizer, me)
     return True
+
+
+def migrate_stage(
+    moes: dict[int, MoELayer],
+    mesh: Mesh,
+    migration: MigrationPolicy,
+    history_TLE,
+    optimizer,
+    counter: ByteCounter,
+    fail: bool = False,
+) -> int:
+    """Ask for the stage's next tables and switch to them; returns the expert copies made
+    (a moved expert counts one; 0 when nothing changes or the switch is aborted)."""
+    ep = len(mesh.ep_ranks)
+    to_plan = [mesh.ep_group_rank(i) for i in range(ep)]
+    to_group = [mesh.ep_idx_of_group_rank(g) for g in range(ep)]
+    current = [moe.slots.reorder(to_plan) for moe in moes.values()]
+    new = decide(mesh, migration, current, history_TLE)
+    tables = {layer: t.reorder(to_group) for layer, t in zip(moes, new, strict=True)}
+    if all(tables[layer] == moe.slots for layer, moe in moes.items()):
+        return 0
+    nodes = _node_of_group_rank(mesh, ep)
+    copies = sum(len(copy_plan(moes[layer].slots, t, nodes)) for layer, t in tables.items())
+    ok = apply_migration(moes, tables, mesh, optimizer, counter, fail)
+    return copies if ok else 0

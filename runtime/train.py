@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from planner.run.spec import RunSpec
+from planner.run.spec import EMPTY, RunSpec
 from runtime.data import sample_batch
 from runtime.dispatch.local import LocalDispatcher
 from runtime.metrics import (
@@ -28,16 +28,11 @@ from runtime.metrics import (
     step_line,
     trace_csv,
 )
-from runtime.migrate import (
-    MigrationPolicy,
-    apply_migration,
-    decide,
-    pack_views,
-    slot_state_views,
-)
+from runtime.migrate import MigrationPolicy, migrate_stage, pack_views, slot_state_views
 from runtime.model.transformer import StageModule
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.pipeline import PipelineRunner, sync_gradients
+from runtime.parallel.replicas import install_slots
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +45,7 @@ class RunResult:
     files: dict[str, str] = field(default_factory=dict)
     expert_state: dict = field(default_factory=dict)  # (layer, expert) -> packed tensors
     placements: dict = field(default_factory=dict)  # run layer -> ep_idx per expert
+    slots: dict = field(default_factory=dict)  # run layer -> experts of each ep_idx's slots
 
 
 def _stage_tokens(module: StageModule, mesh: Mesh) -> torch.Tensor:
@@ -76,25 +72,14 @@ def update_router_bias(module: StageModule, tokens_LE: torch.Tensor, rate: float
 def _maybe_migrate(
     spec, module, mesh, optimizer, counter, history, step, fail_at, migration: MigrationPolicy
 ) -> int:
-    """Every migrate_every steps: ask the policy from the history and move; returns experts
-    moved."""
+    """Every migrate_every steps: ask the policy from the history and move; returns expert
+    copies made."""
     moes = module.moe_layers()
     k = spec.migrate_every
     if not moes or k <= 0 or (step + 1) % k or step + 1 >= spec.steps:
         return 0
-    current = [
-        tuple(mesh.ep_idx_of_group_rank(r) for r in m.rank_of_expert_E.tolist())
-        for m in moes.values()
-    ]
-    decision = decide(mesh, migration, current, history[-k:])
-    tables = {
-        layer: tuple(mesh.ep_group_rank(int(r)) for r in row)
-        for layer, row in zip(moes, decision.placement_LE, strict=True)
-    }
-    if all(tables[layer] == tuple(moes[layer].rank_of_expert_E.tolist()) for layer in moes):
-        return 0
-    ok = apply_migration(moes, tables, mesh, optimizer, counter, fail=(step + 1 == fail_at))
-    return len(decision.moves) if ok else 0
+    fail = step + 1 == fail_at
+    return migrate_stage(moes, mesh, migration, history[-k:], optimizer, counter, fail)
 
 
 def _gather(obj, rank: int) -> list | None:
@@ -120,6 +105,7 @@ class Trainer:
         self.counter, self.device = counter, device
         self.migration = migration or MigrationPolicy()
         self.rank = mesh.me.physical
+        install_slots(module, spec, mesh)  # replicas and free slots, before the optimizer
         self.runner = PipelineRunner(
             module,
             mesh,
@@ -227,6 +213,11 @@ def train(trainer: Trainer, fail_migration_at: int = -1, plot: bool = False) -> 
         layer: [mesh.ep_idx_of_group_rank(r) for r in m.rank_of_expert_E]
         for layer, m in module.moe_layers().items()
     }
+    to_plan = [mesh.ep_group_rank(i) for i in range(len(mesh.ep_ranks))]
+    result.slots = {
+        layer: [list(row) for row in m.slots.reorder(to_plan).slots_RS]
+        for layer, m in module.moe_layers().items()
+    }
     return result
 
 
@@ -235,6 +226,8 @@ def _expert_state(module: StageModule, optimizer, mesh: Mesh) -> dict:
     out = {}
     for layer, moe in module.moe_layers().items():
         for slot, e in enumerate(moe.experts.expert_ids):
+            if e == EMPTY:
+                continue
             pieces = slot_state_views(moe, optimizer, slot)
             out[(layer, e, mesh.me.edp_idx)] = pack_views(pieces).clone()
     return out

@@ -57,6 +57,7 @@ RUNTIME_RANKS = {
     "runtime.parallel.mesh": 12,
     "runtime.parallel.tensor_parallel": 12,
     "runtime.model": 13,
+    "runtime.parallel.replicas": 13.5,  # slot tables on the model, replica gradient sums
     "runtime.parallel.pipeline": 14,
     "runtime.migrate": 14,
     "runtime.train": 15,

@@ -9,8 +9,10 @@ Shape letters: L = layers, E = routed experts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
+from planner.migration.placement import EMPTY
 from planner.parallel import default_placement
 from planner.plan import ClusterEntry, Plan, load_plan
 from planner.run.options import Dispatcher, RunOptions
@@ -21,11 +23,66 @@ BYTE_VOCAB = 256
 
 
 @dataclass(frozen=True)
+class ExpertSlots:
+    """The expert slots of one MoE layer: which expert each slot of each EP rank holds.
+
+    slots_RS[r][s]: the expert in slot s of EP rank r (EMPTY = -1: a free slot). A rank's
+    number of slots is fixed for the run (plan.json's `experts[].slots`, E/ep without
+    replicas; ranks may differ); an expert held by several ranks is replicated, never twice
+    on one rank. share_RS[r][s]: the fraction of that expert's tokens the copy takes (the
+    copies of one expert sum to 1; 0 for an empty slot). planner.migration.placement's
+    slots_RS arrays are the same table padded with EMPTY.
+    """
+
+    slots_RS: tuple[tuple[int, ...], ...]
+    share_RS: tuple[tuple[float, ...], ...]
+
+    @classmethod
+    def of_ranks(
+        cls, rank_of_expert_E: Sequence[int], ranks: int, redundant_slots: int = 0
+    ) -> ExpertSlots:
+        """Each rank's experts ascending, then `redundant_slots` empty slots."""
+        rows = [
+            [e for e, r in enumerate(rank_of_expert_E) if r == rank] + [EMPTY] * redundant_slots
+            for rank in range(ranks)
+        ]
+        return cls.even(rows)
+
+    @classmethod
+    def even(cls, slots_RS: Sequence[Sequence[int]]) -> ExpertSlots:
+        """The table with every expert's tokens split evenly over its copies."""
+        copies: dict[int, int] = {}
+        for e in (e for row in slots_RS for e in row if e != EMPTY):
+            copies[e] = copies.get(e, 0) + 1
+        share = tuple(tuple(1.0 / copies[e] if e != EMPTY else 0.0 for e in r) for r in slots_RS)
+        return cls(tuple(tuple(int(e) for e in row) for row in slots_RS), share)
+
+    def holders(self, expert: int) -> tuple[tuple[int, int], ...]:
+        """(rank, slot) of every copy of `expert`, ranks ascending."""
+        return tuple(
+            (r, s) for r, row in enumerate(self.slots_RS) for s, e in enumerate(row) if e == expert
+        )
+
+    def rank_of_expert(self, num_experts: int) -> tuple[int, ...]:
+        """The lowest rank holding each expert."""
+        return tuple(self.holders(e)[0][0] for e in range(num_experts))
+
+    def reorder(self, rows: Sequence[int]) -> ExpertSlots:
+        """The table whose row i is this table's row rows[i] (e.g. plan EP index -> group rank)."""
+        return ExpertSlots(
+            tuple(self.slots_RS[r] for r in rows), tuple(self.share_RS[r] for r in rows)
+        )
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """Everything one training run needs; identical on every rank.
 
     stage_layers: run-model layer indices per pipeline stage. placements: (run layer,
-    rank_of_expert_E) per MoE layer. source_layers: plan layer index of each run layer.
+    rank_of_expert_E) per MoE layer (with replicas: the lowest EP rank holding each expert).
+    slots: (run layer, ExpertSlots) for the layers with spare slots or replicas; a layer
+    not listed holds its placement, E/ep experts per rank (`slots_of`).
+    source_layers: plan layer index of each run layer.
     logical_of_physical: logical rank (plan convention) run by process RANK p.
     """
 
@@ -54,6 +111,7 @@ class RunSpec:
     halo_direct_below_bytes: int = -1  # HALO's direct-send threshold; -1 = its default
     # HaloCost from the plan's cluster: (message s, intra-node GB/s, node link GB/s); () = none
     halo_cost: tuple[float, ...] = ()
+    slots: tuple[tuple[int, ExpertSlots], ...] = ()
 
     @property
     def world(self) -> int:
@@ -69,6 +127,14 @@ class RunSpec:
 
     def placement_of(self, layer: int) -> tuple[int, ...] | None:
         return dict(self.placements).get(layer)
+
+    def slots_of(self, layer: int) -> ExpertSlots | None:
+        """The slot table of MoE layer `layer` in plan EP indices (None: not an MoE layer)."""
+        table = dict(self.slots).get(layer)
+        placement = self.placement_of(layer)
+        if table is None and placement is not None:
+            table = ExpertSlots.of_ranks(placement, self.ep)
+        return table
 
 
 def _plan_stages(plan: Plan, model: ModelSpec, scale: float) -> list[tuple[int, ...]]:
@@ -99,17 +165,25 @@ def _plan_stages(plan: Plan, model: ModelSpec, scale: float) -> list[tuple[int, 
 
 
 def _placements(plan: Plan, model: ModelSpec, source: list[int]):
-    """(run layer, rank_of_expert_E) for every kept MoE layer, checked."""
-    placement_of = {e.layer: tuple(e.rank_of_expert) for e in plan.experts}
-    out = []
+    """RunSpec's placements and slots ((run layer, rank_of_expert_E) per kept MoE layer;
+    (run layer, ExpertSlots) for those with plan.json `slots`, tokens split evenly), checked."""
+    entry_of = {e.layer: e for e in plan.experts}
+    ep, placements, slots = plan.parallel.ep, [], []
     for run_i, plan_i in enumerate(source):
         moe = model.layers[plan_i].moe
         if moe is None:
             continue
-        table = placement_of.get(plan_i) or default_placement(moe.num_experts, plan.parallel.ep)
-        check_placement(table, moe.num_experts, plan.parallel.ep, plan_i)
-        out.append((run_i, table))
-    return tuple(out)
+        entry = entry_of.get(plan_i)
+        if entry is not None and entry.slots:
+            table = ExpertSlots.even(entry.slots)
+            check_slots(table, moe.num_experts, ep, plan_i)
+            placements.append((run_i, table.rank_of_expert(moe.num_experts)))
+            slots.append((run_i, table))
+            continue
+        ranks = tuple(entry.rank_of_expert) if entry else default_placement(moe.num_experts, ep)
+        check_placement(ranks, moe.num_experts, ep, plan_i)
+        placements.append((run_i, ranks))
+    return tuple(placements), tuple(slots)
 
 
 def run_spec_from_plan(
@@ -141,6 +215,7 @@ def run_spec_from_plan(
         seq_len = max(16, int(round(seq_len * scale)))
         num_mb = max(par.pp, int(round(num_mb * scale)))
     _check_tp(run_model, par.tp)
+    placements, slots = _placements(plan, model, source)
     recomputed = {i for s in plan.stages for i in s.recompute_layers}
     recompute = par.recompute if recomputed and par.recompute != "none" else "none"
     world = par.pp * par.dp * par.tp
@@ -153,7 +228,8 @@ def run_spec_from_plan(
         num_microbatches=num_mb,
         seq_len=seq_len,
         stage_layers=tuple(tuple(range(starts[i], starts[i + 1])) for i in range(par.pp)),
-        placements=_placements(plan, model, source),
+        placements=placements,
+        slots=slots,
         source_layers=tuple(source),
         logical_of_physical=physical_order(plan),
         ranks_per_node=ranks_per_node or min(world, plan.cluster.gpus_per_node or world),
@@ -212,6 +288,26 @@ def check_placement(table, num_experts: int, ep: int, layer: int) -> None:
             f"plan: experts[layer={layer}] must give every EP rank "
             f"{num_experts // max(1, ep)} experts"
         )
+
+
+def check_slots(table: ExpertSlots, num_experts: int, ep: int, layer: int) -> None:
+    """Refuse a slot table the runtime cannot execute (one SpecError line naming the layer)."""
+    where = f"plan: experts[layer={layer}]"
+    rows, shares = table.slots_RS, table.share_RS
+    if len(rows) != ep or [len(r) for r in rows] != [len(r) for r in shares]:
+        raise SpecError(f"{where}: slots must list {ep} EP ranks, a share per slot")
+    if any(not row for row in rows) or any(not EMPTY <= e < num_experts for r in rows for e in r):
+        raise SpecError(
+            f"{where}: every EP rank needs a slot; slots hold experts 0..{num_experts - 1} "
+            "(-1 = empty)"
+        )
+    for e in range(num_experts):
+        held = table.holders(e)
+        total = sum(shares[r][s] for r, s in held)
+        if not held or len({r for r, _ in held}) < len(held):
+            raise SpecError(f"{where}: expert {e} must sit on at least one rank, once per rank")
+        if abs(total - 1.0) > 1e-6 or any(shares[r][s] <= 0 for r, s in held):
+            raise SpecError(f"{where}: the token shares of expert {e}'s copies must sum to 1")
 
 
 def physical_order(plan: Plan) -> tuple[int, ...]:

@@ -1,9 +1,10 @@
 """The MoE block: Router -> dispatch -> local Experts -> combine, single-device code.
 
-The layer holds only the experts of its own EP rank (stacked along a leading "slot" axis,
-slots in ascending expert id, the order the dispatcher groups rows in). All process-group
-work lives behind the TokenDispatcher handed in from outside; with `LocalDispatcher` the
-layer runs on one device holding every expert.
+The layer holds only the experts of its own EP rank, stacked along a leading "slot" axis in
+the order of its row of the slot table (planner.run.spec.ExpertSlots; a replicated expert
+has a slot on several ranks, runtime/model/replicas.py splits its tokens over them). All
+process-group work lives behind the TokenDispatcher handed in from outside, which moves rows
+to slots; with `LocalDispatcher` the layer runs on one device holding every expert.
 
 Shape letters: T = tokens on this rank, D = hidden size, F = expert FFN width,
 K = top-k, E = routed experts, N = rows received for the local experts, X = local slots.
@@ -17,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planner.run.spec import EMPTY, ExpertSlots
 from planner.specs import MoESpec
 from runtime.dispatch.local import LocalDispatcher
+from runtime.model.replicas import SlotRouter
 
 
 def seeded_generator(*key: int) -> torch.Generator:
@@ -63,7 +66,8 @@ class Experts(nn.Module):
     """The routed experts of one rank, stacked: parameter [X, ...] for X local slots.
 
     Each expert's initial weights depend only on (seed, layer, expert id), so any placement
-    of the same experts gives the same model. `expert_ids` lists the slot owners ascending.
+    of the same experts gives the same model and every copy of a replicated expert starts
+    equal. `expert_ids` lists the expert of each slot (EMPTY: a free slot, all zeros).
     """
 
     def __init__(self, d: int, spec: MoESpec, expert_ids: list[int], seed: int, layer: int):
@@ -82,6 +86,11 @@ class Experts(nn.Module):
             self.init_slot(slot, e)
 
     def init_slot(self, slot: int, expert: int) -> None:
+        if expert == EMPTY:
+            with torch.no_grad():
+                for p in self.slot_params():
+                    p[slot].zero_()
+            return
         gen = seeded_generator(self.seed, self.layer, 1000 + expert)
         d, f = self.w_in.shape[1], self.w_in.shape[2]
         init_uniform_(self.w_in[slot], d, gen)
@@ -121,9 +130,11 @@ class MoELayer(nn.Module):
     """Route (top-k) -> dispatch -> local experts -> combine -> gate-weighted sum.
 
     Args:
-        d: hidden size. spec: the layer's MoESpec. rank_of_expert_E: EP rank of each expert.
+        d: hidden size. spec: the layer's MoESpec. rank_of_expert_E: EP rank of each expert
+            (E/ep experts per rank, one slot each).
         ep_rank: this rank's index in its EP group. seed, layer: weight identity.
-    The routing table can be swapped with `set_placement` (live migration).
+    `init_slots` builds the experts of another slot table (replicas, free slots) before
+    training; `set_slots` swaps the table once the weights sit in their slots (migration).
     `tokens_E` accumulates tokens this rank routed to each expert since the last reset.
     """
 
@@ -137,19 +148,33 @@ class MoELayer(nn.Module):
         layer: int,
     ):
         super().__init__()
-        self.spec, self.ep_rank, self.layer = spec, ep_rank, layer
+        self.spec, self.ep_rank, self.layer, self.d, self.seed = spec, ep_rank, layer, d, seed
         self.router = Router(d, spec, seed, layer)
-        self.register_buffer("rank_of_expert_E", torch.tensor(list(rank_of_expert_E)), False)
-        local = [e for e, r in enumerate(rank_of_expert_E) if r == ep_rank]
-        self.experts = Experts(d, spec, local, seed, layer)
+        table = ExpertSlots.of_ranks(rank_of_expert_E, max(rank_of_expert_E) + 1)
+        self.experts = Experts(d, spec, list(table.slots_RS[ep_rank]), seed, layer)
+        self.set_slots(table)
         self.register_buffer("tokens_E", torch.zeros(spec.num_experts, dtype=torch.long), False)
         self.dispatcher = LocalDispatcher()
         self.counting = True  # off during the pipeline's shape-inference forward
 
-    def set_placement(self, rank_of_expert_E) -> None:
-        """Swap the routing table (the expert weights must already sit in their new slots)."""
-        self.rank_of_expert_E = torch.tensor(list(rank_of_expert_E))
-        self.experts.expert_ids = [e for e, r in enumerate(rank_of_expert_E) if r == self.ep_rank]
+    def init_slots(self, table: ExpertSlots) -> None:
+        """Rebuild this rank's experts for `table` (EP group ranks) from their initial weights;
+        before the optimizer holds them."""
+        device = self.router.weight.device
+        row = list(table.slots_RS[self.ep_rank])
+        self.experts = Experts(self.d, self.spec, row, self.seed, self.layer).to(device)
+        self.set_slots(table)
+
+    def set_slots(self, table: ExpertSlots) -> None:
+        """Swap the slot table (EP group ranks; the weights must already sit in their slots)."""
+        self.slots = table
+        self.slot_router = SlotRouter(table, self.spec.num_experts)
+        self.experts.expert_ids = list(table.slots_RS[self.ep_rank])
+
+    @property
+    def rank_of_expert_E(self) -> torch.Tensor:
+        """The lowest EP group rank holding each expert [E]."""
+        return torch.tensor(self.slots.rank_of_expert(self.spec.num_experts))
 
     def forward(self, x_BSD: torch.Tensor, count_tokens: bool = True) -> torch.Tensor:
         """count_tokens=False: a recomputation (activation checkpointing) of tokens already
@@ -159,7 +184,9 @@ class MoELayer(nn.Module):
         expert_TK, gate_TK = self.router(x_TD)
         if self.counting and count_tokens:
             self.tokens_E += torch.bincount(expert_TK.reshape(-1), minlength=len(self.tokens_E))
-        x_ND, counts, handle = self.dispatcher.dispatch(x_TD, expert_TK, self.rank_of_expert_E)
+        slot_TK = self.slot_router.route(expert_TK, self.ep_rank)
+        rank_of_slot_G = self.slot_router.rank_of_slot_G
+        x_ND, counts, handle = self.dispatcher.dispatch(x_TD, slot_TK, rank_of_slot_G)
         counts_X = counts.tolist() if torch.is_tensor(counts) else list(counts)
         y_ND = self.experts(x_ND, counts_X)
         # gate-weighted combine: HALO-dedup sums a token's experts on their node first

@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from runtime.metrics import ByteCounter
 from runtime.model.transformer import StageModule, lm_loss
 from runtime.parallel.mesh import Mesh
+from runtime.parallel.replicas import sum_replica_gradients
 
 
 class CountingStage(PipelineStage):
@@ -137,7 +138,8 @@ def _allreduce_mean(
 
 def sync_gradients(module: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -> None:
     """Dense grads: mean over the dp ranks (same stage and tp_idx). Expert grads: sum over
-    edp, / dp. With tp > 1, the replicated weights that saw only this rank's tokens or heads
+    edp, / dp, then over the copies of each replicated expert (runtime/parallel/replicas.py).
+    With tp > 1, the replicated weights that saw only this rank's tokens or heads
     (StageModule.tp_partial_parameters: norms, routers, row-parallel biases, gates) are
     first summed over the TP group."""
     if len(mesh.tp_ranks) > 1:
@@ -149,3 +151,4 @@ def sync_gradients(module: StageModule, mesh: Mesh, dp: int, counter: ByteCounte
     _allreduce_mean(
         module.expert_parameters(), mesh.edp_group, mesh.edp_ranks, dp, counter, "grad_expert"
     )
+    sum_replica_gradients(module, mesh, counter)

@@ -17,10 +17,11 @@ from planner.migration.trace import Trace, trace_from_text, trace_rows
 from planner.plan import load_plan
 from planner.resources.params import layer_params
 from planner.run.migration import run_move_costs
-from planner.run.spec import run_spec_from_plan
+from planner.run.spec import ExpertSlots, run_spec_from_plan
 from runtime.data import load_corpus
-from runtime.migrate import MigrationPolicy, decide, plan_migration
+from runtime.migrate import MigrationPolicy, copy_plan, decide, plan_migration
 from tests.runtime.tiny_plans import (
+    SlotDecision,
     assert_experts_match_oracle,
     reference_run,
     rotate_policy,
@@ -75,25 +76,48 @@ def test_migration_every_two_steps_matches_training_without_it(run_distributed):
 
 def test_the_runtime_asks_the_planners_next_placement():
     assert MigrationPolicy().choose is next_placement
-    current = [(0, 0, 1, 1), (0, 1, 0, 1)]
+    current = [ExpertSlots.of_ranks(r, 2) for r in ((0, 0, 1, 1), (0, 1, 0, 1))]
     # layer 0: both hot experts on rank 0 -> the planner separates them; layer 1 balanced
     history = [[[100, 90, 1, 1], [5, 5, 5, 5]]] * 4
-    decision = decide(_one_rank_mesh(), MigrationPolicy(), current, history)
-    assert sorted(decision.placement_LE[0]) == [0, 0, 1, 1]
-    assert decision.placement_LE[0][0] != decision.placement_LE[0][1]
-    assert tuple(decision.placement_LE[1]) == current[1]
-    for m in decision.moves:
-        assert current[m.layer][m.expert] == m.src_rank
-        assert decision.placement_LE[m.layer][m.expert] == m.dst_rank
+    tables = decide(_one_rank_mesh(), MigrationPolicy(), current, history)
+    rank_of = tables[0].rank_of_expert(4)
+    assert sorted(rank_of) == [0, 0, 1, 1] and rank_of[0] != rank_of[1]
+    assert tables[1] == current[1]
+    assert tables[0].share_RS == ((1.0, 1.0), (1.0, 1.0))
 
 
 def test_a_failing_policy_keeps_the_placement():
     def broken(*_args):
         raise ValueError("no prices")
 
-    current = [(0, 0, 1, 1)]
-    decision = decide(_one_rank_mesh(), MigrationPolicy(choose=broken), current, [[[9, 9, 1, 1]]])
-    assert decision.placement_LE.tolist() == [[0, 0, 1, 1]] and decision.moves == ()
+    current = [ExpertSlots.of_ranks((0, 0, 1, 1), 2)]
+    tables = decide(_one_rank_mesh(), MigrationPolicy(choose=broken), current, [[[9, 9, 1, 1]]])
+    assert tables == tuple(current)
+
+
+def test_a_policy_table_that_changes_slot_counts_or_loses_an_expert_is_refused():
+    current = [ExpertSlots.even([[0, 1, 2], [2, 3]])]  # expert 2 replicated, ragged slots
+    for bad in ([[0, 1], [2, 3, 1]], [[0, 1, 1], [2, 3]], [[0, 1, -1], [2, -1]]):
+        policy = MigrationPolicy(choose=lambda *_a, rows=bad: SlotDecision((rows,)))
+        assert decide(_one_rank_mesh(), policy, current, [[[1, 1, 1, 1]]]) == tuple(current)
+    good = [[0, 1, 3], [2, 3]]  # the replica moves from expert 2 to expert 3
+    policy = MigrationPolicy(choose=lambda *_a: SlotDecision((good,)))
+    (table,) = decide(_one_rank_mesh(), policy, current, [[[1, 1, 1, 1]]])
+    assert table.slots_RS == ((0, 1, 3), (2, 3)) and table.holders(3) == ((0, 2), (1, 1))
+
+
+def test_copy_plan_takes_a_new_copy_from_a_holder_on_the_receivers_node():
+    old = ExpertSlots.even([[0, 1, -1], [2, 3, 0], [4, 5, -1], [6, 7, -1]])
+    new = ExpertSlots.even([[0, 1, 7], [2, 3, -1], [4, 5, 0], [6, 7, 0]])
+    nodes = [0, 0, 1, 1]
+    # 0 -> ranks 2 and 3: no holder on node 1, the lowest (rank 0); 7 -> rank 0 from rank 3;
+    # rank 1's copy of 0 is dropped (no transfer)
+    assert copy_plan(old, new, nodes) == [(0, 0, 2), (0, 0, 3), (7, 3, 0)]
+    moved = ExpertSlots.even([[0, 1, -1], [2, 3, 7], [4, 5, 0], [6, 0, -1]])
+    # 7 leaves rank 3 for rank 1 (no holder on node 0: from rank 3); 0 as above
+    assert copy_plan(old, moved, nodes) == [(0, 0, 2), (0, 0, 3), (7, 3, 1)]
+    more = ExpertSlots.even([[0, 1, 2], [2, 3, 0], [4, 5, 3], [6, 7, 2]])
+    assert copy_plan(old, more, nodes) == [(2, 1, 0), (2, 1, 3), (3, 1, 2)]
 
 
 def _one_rank_mesh():

@@ -3,7 +3,7 @@ built from them, the single-device oracle and the per-rank training body."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from planner.migration import MigrationDecision, Move
 from planner.parallel import default_placement
@@ -154,8 +154,28 @@ def rotate_policy(current_LE, load_history_TLE, costs=None, options=None) -> Mig
     return MigrationDecision(placement, moves, 0.0)
 
 
+@dataclass(frozen=True)
+class SlotDecision:
+    """A test policy's decision for a stage with slot tables (runtime/migrate.py reads
+    slots_LRS: per MoE layer, per EP rank, the experts of its slots, -1 = free)."""
+
+    slots_LRS: tuple
+
+
+def cycle_policy(cycle: list[list[list[int]]]):
+    """A test policy over slot tables: every layer goes to the table after its current one
+    in `cycle` (per EP rank the experts of its slots), whatever the loads."""
+
+    def choose(current_LRS, load_history_TLE, costs=None, options=None) -> SlotDecision:
+        rows = [[list(r) for r in layer] for layer in current_LRS]
+        return SlotDecision(tuple(cycle[(cycle.index(t) + 1) % len(cycle)] for t in rows))
+
+    return choose
+
+
 def train_body(rank: int, world: int, spec: RunSpec, fail_at: int = -1, policy=None):
-    """run_distributed body: train and return (losses, files, expert_state, placements).
+    """run_distributed body: train and return (losses, files, expert_state, placements,
+    slots).
 
     policy: a function with next_placement's signature (e.g. rotate_policy); None = the
     planner's policy."""
@@ -166,7 +186,7 @@ def train_body(rank: int, world: int, spec: RunSpec, fail_at: int = -1, policy=N
     migration = MigrationPolicy(choose=policy) if policy else MigrationPolicy()
     r = train(build_trainer(spec, rank, migration=migration), fail_migration_at=fail_at)
     state = {k: v.numpy().copy() for k, v in r.expert_state.items()}  # no shared-memory fds
-    return r.losses, r.files, state, r.placements
+    return r.losses, r.files, state, r.placements, r.slots
 
 
 def assert_experts_match_oracle(results, ref_model, ref_opt, edp: int) -> None:
