@@ -212,6 +212,10 @@ class TrainingSpec:
     # 1F1B all-to-all overlap: one micro-batch's dispatch/combine behind another's compute
     # (Megatron's --overlap-moe-expert-parallel-comm)
     a2a_overlap: bool = False
+    # Router weights applied inside the expert activation, before fc2 (Megatron-Core's
+    # experts.py `activation_func_with_probs`): the combine then keeps no expert outputs.
+    # False: weighted at the combine (Piper's runtime), which keeps them for the gate gradient.
+    gate_in_activation: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):

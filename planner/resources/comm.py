@@ -12,11 +12,13 @@ planner/SIMULATOR.md). A phase in which a rank sends m messages costs
 with o = `ClusterSpec.msg_overhead_us` (the sender posts its messages one after another, o
 each, while the posted data drains), latency = the largest `latency_us` of the levels the
 phase crosses (paid once: the messages are in flight together) and t_bw = the busiest link's
-bytes / bandwidth (_bandwidth_s). HALO posts Phase II before Phase I, and Phase III starts
+bytes / bandwidth (bandwidth_s). HALO posts Phase II before Phase I, and Phase III starts
 when Phase II has arrived and all Phase I and II messages are posted.
 
-A group of n devices is laid out as n consecutive, aligned devices (the rank IP may do
-better or worse on a real allocation; planner.topology gives the level it spans).
+A group of n devices is laid out as n aligned devices `stride` apart (consecutive when
+stride = 1; an EP group is ep ranks etp apart, FORMULATION.md's rank convention); the rank IP
+may do better or worse on a real allocation; planner.topology gives the level it spans.
+DeepEP's node-deduplicated dispatch is in planner.resources.deepep.
 """
 
 from __future__ import annotations
@@ -42,14 +44,15 @@ class Crossing:
     peers: int
 
 
-def crossings(cluster: ClusterSpec, group_devices: int) -> list[Crossing]:
+def crossings(cluster: ClusterSpec, group_devices: int, stride: int = 1) -> list[Crossing]:
     """Per level, the share of a uniform all-to-all's bytes (and peers) that cross it, for a
-    group of `group_devices` consecutive devices: a rank reaches min(D_l, n) - min(D_(l-1), n)
-    peers whose nearest common domain is level l (D = devices per domain, D_(-1) = 1)."""
+    group of `group_devices` devices `stride` apart: a rank reaches min(M_l, n) - min(M_(l-1),
+    n) peers whose nearest common domain is level l (M_l = max(D_l // stride, 1) members in a
+    domain of D_l devices, M_(-1) = 1)."""
     n = group_devices
     out, inner = [], 1
     for lv in cluster.levels:
-        reach = min(lv.devices, n)
+        reach = min(max(lv.devices // stride, 1), n)
         if reach > inner:
             out.append(Crossing(lv, (reach - inner) / n, reach - inner))
         inner = reach
@@ -75,7 +78,7 @@ def _nic_share_gbps(cluster: ClusterSpec) -> float:
     return cluster.nic_gbps / max(per_nic)
 
 
-def _bandwidth_s(cluster: ClusterSpec, bytes_per_rank: float, parts: list[Crossing]) -> float:
+def bandwidth_s(cluster: ClusterSpec, bytes_per_rank: float, parts: list[Crossing]) -> float:
     """Transfer time (bytes only) of a rank's traffic split over levels by `parts`.
 
     Levels inside the local domain (NVLink, Infinity Fabric) are separate links that work in
@@ -102,12 +105,12 @@ def _bandwidth_s(cluster: ClusterSpec, bytes_per_rank: float, parts: list[Crossi
     return max(times, default=0.0)
 
 
-def _latency_s(parts: list[Crossing]) -> float:
+def latency_s(parts: list[Crossing]) -> float:
     """The latency of the slowest level crossed: messages in flight overlap their latencies."""
     return max((c.level.latency_us for c in parts), default=0.0) * 1e-6
 
 
-def _phase_s(
+def phase_s(
     cluster: ClusterSpec,
     messages: float,
     transfer_s: float,
@@ -120,46 +123,51 @@ def _phase_s(
     return latency_s + max((posted_before + messages) * o, o + transfer_s)
 
 
-def flat_all_to_all_s(cluster: ClusterSpec, group_devices: int, bytes_per_rank: float) -> float:
+def flat_all_to_all_s(
+    cluster: ClusterSpec, group_devices: int, bytes_per_rank: float, stride: int = 1
+) -> float:
     """Analytic flat (NCCL/RCCL-style) all-to-all: every rank sends bytes_per_rank / n to
     each of the n - 1 other ranks directly, one message each:
     latency + max((n - 1) o, o + t_bw)."""
-    parts = crossings(cluster, group_devices)
+    parts = crossings(cluster, group_devices, stride)
     if not parts:
         return 0.0
-    t_bw = _bandwidth_s(cluster, bytes_per_rank, parts)
-    return _phase_s(cluster, group_devices - 1, t_bw, _latency_s(parts))
+    t_bw = bandwidth_s(cluster, bytes_per_rank, parts)
+    return phase_s(cluster, group_devices - 1, t_bw, latency_s(parts))
 
 
-def halo_all_to_all_s(cluster: ClusterSpec, group_devices: int, bytes_per_rank: float) -> float:
+def halo_all_to_all_s(
+    cluster: ClusterSpec, group_devices: int, bytes_per_rank: float, stride: int = 1
+) -> float:
     """Analytic HALO over Q = n / g local domains of g devices. Phase II (remote rows packed
     per destination domain: Q - 1 messages to the rail peers, the network bytes of flat) is
     posted first, then Phase I (the intra-domain all-to-all of the g / n local share, g - 1
     messages), which runs beside it on the local links; Phase III (the rail peer forwards the
     received (1 - g / n) share to its g - 1 local peers) starts at max(end of II, time all
-    I + II messages are posted). t = max(t_I, t_III). Equal to flat inside one domain."""
+    I + II messages are posted). t = max(t_I, t_III). Equal to flat inside one domain; g
+    counts the group's members in a domain (its devices // stride)."""
     n = group_devices
-    g = local_domain_devices(cluster)
+    g = max(local_domain_devices(cluster) // stride, 1)
     if n <= g:
-        return flat_all_to_all_s(cluster, n, bytes_per_rank)
+        return flat_all_to_all_s(cluster, n, bytes_per_rank, stride)
     o = cluster.msg_overhead_us * 1e-6
     local_share = g / n
-    inner = crossings(cluster, g)
-    remote = [c for c in crossings(cluster, n) if c.level.devices > g]
+    inner = crossings(cluster, g, stride)
+    remote = [c for c in crossings(cluster, n, stride) if c.level.devices > g * stride]
     m_1, m_2 = g - 1, n / g - 1
-    lat_1 = _latency_s(inner)
-    t_2 = _phase_s(cluster, m_2, _bandwidth_s(cluster, bytes_per_rank, remote), _latency_s(remote))
-    t_1 = _phase_s(
-        cluster, m_1, _bandwidth_s(cluster, bytes_per_rank * local_share, inner), lat_1, m_2
+    lat_1 = latency_s(inner)
+    t_2 = phase_s(cluster, m_2, bandwidth_s(cluster, bytes_per_rank, remote), latency_s(remote))
+    t_1 = phase_s(
+        cluster, m_1, bandwidth_s(cluster, bytes_per_rank * local_share, inner), lat_1, m_2
     )
     start_3 = max(t_2, (m_1 + m_2) * o)
-    bw_3 = _bandwidth_s(cluster, bytes_per_rank * (1.0 - local_share), inner)
-    t_3 = start_3 + _phase_s(cluster, m_1, bw_3, lat_1)
+    bw_3 = bandwidth_s(cluster, bytes_per_rank * (1.0 - local_share), inner)
+    t_3 = start_3 + phase_s(cluster, m_1, bw_3, lat_1)
     return max(t_1, t_3)
 
 
 def all_to_all_time_s(
-    cluster: ClusterSpec, group_devices: int, bytes_per_rank: float, algo: str
+    cluster: ClusterSpec, group_devices: int, bytes_per_rank: float, algo: str, stride: int = 1
 ) -> float:
     """Seconds for one all-to-all in which each of `group_devices` ranks sends
     `bytes_per_rank` bytes in total (including its own share), by the analytic model.
@@ -171,24 +179,32 @@ def all_to_all_time_s(
     if group_devices <= 1 or bytes_per_rank <= 0:
         return 0.0
     if algo == "halo":
-        return halo_all_to_all_s(cluster, group_devices, bytes_per_rank)
-    return flat_all_to_all_s(cluster, group_devices, bytes_per_rank)
+        return halo_all_to_all_s(cluster, group_devices, bytes_per_rank, stride)
+    return flat_all_to_all_s(cluster, group_devices, bytes_per_rank, stride)
+
+
+def group_span(cluster: ClusterSpec, group_devices: int, stride: int = 1) -> LevelSpec | None:
+    """The level a group of `group_devices` aligned devices `stride` apart spans."""
+    if group_devices <= 1:
+        return None
+    return contiguous_span(cluster, (group_devices - 1) * stride + 1)
 
 
 def a2a_time_s(
-    cluster: ClusterSpec, group_devices: int, bytes_per_rank: float, algo: str
+    cluster: ClusterSpec, group_devices: int, bytes_per_rank: float, algo: str, stride: int = 1
 ) -> tuple[float, str, tuple[str, ...]]:
     """One all-to-all for the resource model: the measured `a2a_<level>` table of the level the
     group spans when present (flat only: the profiler measures the flat collective), else the
     analytic model. Returns (seconds, level name, measured tables used)."""
-    span = contiguous_span(cluster, group_devices)
+    span = group_span(cluster, group_devices, stride)
     if span is None or bytes_per_rank <= 0:
         return 0.0, "", ()
     name = f"a2a_{span.name}"
     measured = lookup(cluster, name, bytes_per_rank) if algo == "flat" else None
     if measured is not None:
         return bytes_per_rank / (measured * 1e9), span.name, (name,)
-    return all_to_all_time_s(cluster, group_devices, bytes_per_rank, algo), span.name, ()
+    t = all_to_all_time_s(cluster, group_devices, bytes_per_rank, algo, stride)
+    return t, span.name, ()
 
 
 def a2a_lower_bound_s(

@@ -5,13 +5,16 @@ FLOPs count multiply-adds as 2; training = forward + backward = 3 x forward (bac
 the data-gradient and the weight-gradient GEMMs). Attention scores are causal: each query
 attends (s + 1) / 2 keys on average (or the sliding window).
 
+Under an FP8 / MXFP8 recipe only the linear layers' GEMMs run in low precision, each with a
+`quantize` pass (planner.resources.precision); attention, router and head stay in bf16.
+
 Time of a GEMM group, analytic: a roofline with a skinny-GEMM penalty,
     t = max(F / (peak * eff * M / (M + M_HALF_ROWS)), bytes / HBM) + kernels * KERNEL_LAUNCH_S,
 or, when the cluster has a measured `gemm_<dtype>` table (y = achieved TFLOPS at M rows),
     t = F / y(M)  (routed experts prefer `gemm_grouped_<dtype>`, x = tokens per expert).
 Attention scores use `attention_<dtype>` (y at sequence length) likewise.
 
-Notation: b micro-batch, s sequence, d hidden, T = b s / tp tokens per rank, k top-k,
+Notation: b micro-batch, s sequence, d hidden, T = b s / (tp cp) tokens per rank, k top-k,
 E experts, f expert ffn width, mats = 3 for gated MLPs (SwiGLU) else 2.
 """
 
@@ -20,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
-from planner.resources.memory import act_bytes_per_element, layer_activations
+from planner.resources.memory import act_bytes_per_element, layer_activations, rank_tokens
 from planner.resources.params import attention_params
+from planner.resources.precision import LOW_PRECISION, cast_time_s, compute_dtype, linear_dtype
 from planner.resources.tables import lookup
 from planner.specs import AttentionSpec, ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
 
@@ -40,6 +44,8 @@ class Work:
     time_s: float
     forward_s: float  # the forward part alone (what recompute repeats)
     tables: tuple[str, ...] = ()  # measured tables used
+    cast_io_elems: float = 0.0  # low-precision GEMMs: activation + output-gradient elements
+    cast_weights: float = 0.0  # low-precision GEMMs: weights quantized once per step
 
 
 def causal_context(training: TrainingSpec, att: AttentionSpec) -> float:
@@ -59,21 +65,23 @@ def gemm_time(
     bytes_moved: float,
     kernels: int,
     grouped: bool = False,
+    dtype: str | None = None,
 ) -> tuple[float, tuple[str, ...]]:
     """Seconds for GEMMs of `flops` total with `rows` rows (M) each, moving `bytes_moved`
     bytes through HBM in `kernels` launches; and the measured tables used. `grouped` (the
     routed experts) prefers the profiler's `gemm_grouped_<dtype>` table (x = tokens per
-    expert) over `gemm_<dtype>`."""
+    expert) over `gemm_<dtype>`. `dtype`: the GEMM's precision (default the training's)."""
     if flops <= 0:
         return 0.0, ()
-    names = [f"gemm_{training.dtype}"]
+    dtype = dtype or training.dtype
+    names = [f"gemm_{dtype}"]
     if grouped:
-        names.insert(0, f"gemm_grouped_{training.dtype}")
+        names.insert(0, f"gemm_grouped_{dtype}")
     for name in names:
         measured = lookup(cluster, name, max(rows, 1.0))
         if measured is not None:
             return flops / (measured * 1e12), (name,)
-    peak = cluster.device.peak(training.dtype) * 1e12
+    peak = cluster.device.peak(dtype) * 1e12
     eff = cluster.gemm_efficiency * rows / (rows + M_HALF_ROWS)
     compute_s = flops / (peak * eff)
     memory_s = bytes_moved / (cluster.device.hbm_gbps * 1e9)
@@ -89,16 +97,34 @@ def _gemm_work(
     weight_params: float,
     io_elems: float,
     mats: int,
+    linear: bool = True,
 ) -> Work:
     """Forward + backward of GEMMs with `weight_params` weights and `io_elems` input+output
     elements per forward: weights are read 3 times (fwd, dgrad, wgrad writes dW) and the
-    activations 3 times; 3 kernels per matrix."""
+    activations 3 times; 3 kernels per matrix. `linear` GEMMs run in the recipe's precision,
+    the others (router, head) in bf16."""
     a = act_bytes_per_element(training)
     bytes_moved = a * 3 * (weight_params + io_elems)
     flops = TRAIN_FACTOR * fwd_flops
     grouped = name == "experts"
-    t, tables = gemm_time(cluster, training, rows, flops, bytes_moved, 3 * mats, grouped)
+    dtype = linear_dtype(training) if linear else compute_dtype(training)
+    t, tables = gemm_time(cluster, training, rows, flops, bytes_moved, 3 * mats, grouped, dtype)
+    if linear and dtype in LOW_PRECISION:
+        return Work(name, flops, t, t / TRAIN_FACTOR, tables, io_elems, weight_params)
     return Work(name, flops, t, t / TRAIN_FACTOR, tables)
+
+
+def quantize_work(
+    cluster: ClusterSpec, training: TrainingSpec, parallel: ParallelConfig, works: list[Work]
+) -> list[Work]:
+    """One `quantize` Work for the casts of the low-precision GEMMs among `works` (none in
+    bf16); half of it (the inputs X) runs in the forward pass."""
+    io = sum(w.cast_io_elems for w in works)
+    weights = sum(w.cast_weights for w in works)
+    if io <= 0 and weights <= 0:
+        return []
+    t = cast_time_s(cluster, training, io, weights, parallel.num_microbatches)
+    return [Work("quantize", 0.0, t, t / 2)]
 
 
 def attention_work(
@@ -111,8 +137,8 @@ def attention_work(
     """Projections (2 T x attention parameters / tp) and the causal score/value products
     (2 b (H/tp) s ctx (d_qk + d_v)) of one attention block."""
     att, d = layer.attention, model.hidden_size
-    rows = parallel.micro_batch * training.seq_len
-    tokens = rows / parallel.tp
+    rows = parallel.micro_batch * training.seq_len / parallel.cp
+    tokens = rank_tokens(training, parallel)
     p_att = attention_params(att, d) / parallel.tp
     proj = _gemm_work(
         "attn_proj", cluster, training, rows, 2 * tokens * p_att, p_att, tokens * 2 * d, 4
@@ -123,14 +149,15 @@ def attention_work(
         d_qk = d_v = att.head_dim
     heads = att.num_heads / parallel.tp
     ctx = causal_context(training, att)
-    fwd = 2 * parallel.micro_batch * heads * training.seq_len * ctx * (d_qk + d_v)
+    # causal work is balanced over the cp ranks (2 cp chunks, rank r holds r and 2cp-1-r)
+    fwd = 2 * parallel.micro_batch * heads * training.seq_len * ctx * (d_qk + d_v) / parallel.cp
     flops = TRAIN_FACTOR * fwd
-    name = f"attention_{training.dtype}"
+    name = f"attention_{compute_dtype(training)}"
     measured = lookup(cluster, name, training.seq_len)
     if measured is not None:
         t, tables = flops / (measured * 1e12), (name,)
     else:
-        peak = cluster.device.peak(training.dtype) * 1e12
+        peak = cluster.device.peak(compute_dtype(training)) * 1e12
         t, tables = flops / (peak * cluster.attention_efficiency) + 3 * KERNEL_LAUNCH_S, ()
     core = Work("attn_core", flops, t, t / TRAIN_FACTOR, tables)
     return [proj, core]
@@ -145,13 +172,14 @@ def mlp_work(
 ) -> list[Work]:
     """Dense MLP, router, routed experts and shared experts of one layer.
 
-    Routed experts on the hottest rank: E/ep local experts, each with
-    M = ep * T * k / E * skew rows (the tokens of the whole EP group spread over E experts),
-    run as one grouped GEMM per matrix; FLOPs 2 T k skew mats d f.
+    Routed experts on the hottest rank: E/ep local experts, each split over etp, with
+    M = etp ep T k / E * skew rows (the tokens of the whole etp x ep group spread over E
+    experts, all-gathered over etp), run as one grouped GEMM per matrix of width f / etp;
+    FLOPs 2 etp T k skew mats d f / etp = 2 T k skew mats d f.
     """
     d = model.hidden_size
-    rows = parallel.micro_batch * training.seq_len
-    tokens = rows / parallel.tp
+    rows = parallel.micro_batch * training.seq_len / parallel.cp
+    tokens = rank_tokens(training, parallel)
     out: list[Work] = []
     if layer.dense_ffn:
         mats = 3 if layer.dense_gated else 2
@@ -161,16 +189,18 @@ def mlp_work(
     moe = layer.moe
     if moe is None:
         return out
-    e, k, f = moe.num_experts, moe.top_k, moe.expert_ffn
+    e, k = moe.num_experts, moe.top_k
+    f = moe.expert_ffn / parallel.etp
     mats = 3 if moe.gated else 2
     router_w = d * e
-    out.append(
-        _gemm_work("router", cluster, training, rows, 2 * tokens * router_w, router_w, 0.0, 1)
+    router = _gemm_work(
+        "router", cluster, training, rows, 2 * tokens * router_w, router_w, 0.0, 1, linear=False
     )
+    out.append(router)
     skew = training.routing_skew
-    rows_per_expert = parallel.ep * tokens * k / e * skew
+    rows_per_expert = parallel.etp * parallel.ep * tokens * k / e * skew
     local = e / parallel.ep
-    copies = tokens * k * skew
+    copies = tokens * k * skew * parallel.etp
     w = local * mats * d * f
     io = copies * (2 * d + mats * f)
     out.append(
@@ -209,11 +239,10 @@ def layer_work(
     parallel: ParallelConfig,
 ) -> list[Work]:
     """All compute of one layer on one rank for one micro-batch, forward + backward."""
-    return (
-        attention_work(model, layer, cluster, training, parallel)
-        + mlp_work(model, layer, cluster, training, parallel)
-        + [elementwise_work(model, layer, cluster, training, parallel)]
-    )
+    gemms = attention_work(model, layer, cluster, training, parallel)
+    gemms += mlp_work(model, layer, cluster, training, parallel)
+    casts = quantize_work(cluster, training, parallel, gemms)
+    return gemms + [elementwise_work(model, layer, cluster, training, parallel)] + casts
 
 
 def head_work(
@@ -222,17 +251,19 @@ def head_work(
     """Output projection (2 T d V, vocab-parallel over tp) and the fp32 cross-entropy pass,
     plus each MTP module (2d -> d projection, one layer like the last, its own head)."""
     d, v = model.hidden_size, model.vocab_size
-    rows = parallel.micro_batch * training.seq_len
-    tokens = rows / parallel.tp
+    rows = parallel.micro_batch * training.seq_len / parallel.cp
+    tokens = rank_tokens(training, parallel)
     w = d * v / parallel.tp
     heads = 1 + model.num_mtp_layers
-    out = [_gemm_work("head", cluster, training, rows, heads * 2 * tokens * w, w, 0.0, heads)]
+    head_flops = heads * 2 * tokens * w
+    out = [_gemm_work("head", cluster, training, rows, head_flops, w, 0.0, heads, linear=False)]
     ce_s = heads * ELEMENTWISE_PASSES * 4.0 * tokens * v / (cluster.device.hbm_gbps * 1e9)
     out.append(Work("elementwise", 0.0, ce_s, ce_s / TRAIN_FACTOR))
     if model.num_mtp_layers:
         n = model.num_mtp_layers
         pw = 2 * d * d / parallel.tp
-        out.append(_gemm_work("mtp_proj", cluster, training, rows, n * 2 * tokens * pw, pw, 0.0, n))
+        proj = _gemm_work("mtp_proj", cluster, training, rows, n * 2 * tokens * pw, pw, 0.0, n)
+        out += [proj, *quantize_work(cluster, training, parallel, [proj])]
         for work in layer_work(model, model.layers[-1], cluster, training, parallel):
             out.append(
                 Work(work.name, n * work.flops, n * work.time_s, n * work.forward_s, work.tables)

@@ -8,8 +8,10 @@
 
 Step time (RESOURCE_MODEL.md, "Step time"):
     slot = max_i stage_time_i + p2p (forward activation + backward gradient per micro-batch)
-    step = (m + pp - 1) * slot + exposed gradient reduction + optimizer step
-    bubble = (pp - 1) / (m + pp - 1);  MFU = model FLOPs / (step * world * peak)
+    step = (m + (pp - 1) / vp) * slot + unpaired warm-up + first FSDP gather
+           + exposed gradient reduction + optimizer step
+    bubble = ((pp - 1) / vp) / (m + (pp - 1) / vp);  MFU = model FLOPs / (step * world * peak)
+The model's MTP layers are TrainingSpec.mtp_layers when set (layer_cost.with_mtp).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
-from planner.resources import traffic
+from planner.resources import interleave, traffic
 from planner.resources.compute import model_flops_per_sequence
 from planner.resources.layer_cost import (
     Dispatcher,
@@ -30,6 +32,7 @@ from planner.resources.layer_cost import (
     first_extras,
     last_extras,
     layer_costs,
+    with_mtp,
 )
 from planner.resources.memory import Accounting
 from planner.resources.schedule import (
@@ -66,6 +69,8 @@ class Estimate:
     optimizer_s: float
     dp_exposed_s: float
     used_measured_tables: tuple[str, ...]
+    unpaired_s: float = 0.0  # all-to-all overlap: warm-up/cool-down that runs unpaired
+    fsdp_first_gather_s: float = 0.0  # FSDP: the step's first all-gather, not hidden
 
     @property
     def memory_gib_per_stage(self) -> tuple[float, ...]:
@@ -88,6 +93,15 @@ def usable_memory_bytes(cluster: ClusterSpec) -> float:
     return (cluster.device.memory_gib - cluster.framework_overhead_gib) * GIB
 
 
+def _workspace_reserve(costs: tuple[LayerCost, ...], ends: Sequence[ExtrasCost]) -> float:
+    """Per workspace kind, the largest over all layers and roles, summed (bytes)."""
+    worst: dict[str, float] = {}
+    for ws in [c.workspace for c in costs] + [e.workspace for e in ends]:
+        for name, nbytes in ws:
+            worst[name] = max(worst.get(name, 0.0), nbytes)
+    return sum(worst.values())
+
+
 def stage_cost_inputs(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -100,10 +114,14 @@ def stage_cost_inputs(
 
     When recompute is allowed, usable memory also reserves the recompute workspace: what
     recomputing the largest layer re-materializes during its backward pass (its activations
-    minus those it keeps).
+    minus those it keeps); it always reserves the largest transient workspace of each kind
+    (FSDP's gathered units, the cp ring's K/V buffers). Activations are per live
+    chunk-micro-batch (per micro-batch / vp), the unit StageCostInputs.in_flight counts in.
     """
-    check_layout(model, cluster, parallel)
+    model = with_mtp(model, training)
+    check_layout(model, cluster, parallel, training, dispatcher)
     costs = layer_costs(model, cluster, training, parallel, dispatcher, accounting)
+    vp = parallel.vp
     units = tuple(
         UnitCost(
             layer=c.layer,
@@ -111,25 +129,28 @@ def stage_cost_inputs(
             time_s=c.time_s,
             time_recompute_s=c.time_recompute_s,
             state_bytes=c.state.total,
-            act_bytes=c.act.total,
-            act_recompute_bytes=c.act_recompute.total,
+            act_bytes=c.act.total / vp,
+            act_recompute_bytes=c.act_recompute.total / vp,
         )
         for c in costs
     )
-    first = first_extras(model, training, parallel, accounting)
+    first = first_extras(model, cluster, training, parallel, accounting)
     last = last_extras(model, cluster, training, parallel, accounting)
     allowed = effective_recompute(training, parallel) != "none"
     usable = usable_memory_bytes(cluster)
     if allowed:
         usable -= max(c.act.total - c.act_recompute.total for c in costs)
+    usable -= _workspace_reserve(costs, (first, last))
     return StageCostInputs(
         units=units,
-        first=StageExtras(first.time_s, first.state.total, first.act_bytes),
-        last=StageExtras(last.time_s, last.state.total, last.act_bytes),
+        first=StageExtras(first.time_s, first.state.total, first.act_bytes / vp),
+        last=StageExtras(last.time_s, last.state.total, last.act_bytes / vp),
         usable_memory_bytes=usable,
         pp=parallel.pp,
         num_microbatches=parallel.num_microbatches,
         recompute_allowed=allowed,
+        vp=vp,
+        a2a_overlap=training.a2a_overlap,
     )
 
 
@@ -169,11 +190,12 @@ def estimate(
             get the extra layer.
         recompute_layers: layers whose activations are recomputed (flat, or one tuple per
             stage); None = every layer when the recompute policy is not "none".
-        dispatcher: "flat" or "halo" all-to-all for the MoE dispatch/combine.
+        dispatcher: "flat", "halo" or "deepep" all-to-all for the MoE dispatch/combine.
         accounting: "piper" (full model) or "paper" (the paper's equations, for checks).
     """
-    check_layout(model, cluster, parallel)
-    pp, m = parallel.pp, parallel.num_microbatches
+    model = with_mtp(model, training)
+    check_layout(model, cluster, parallel, training, dispatcher)
+    pp, m, vp = parallel.pp, parallel.num_microbatches, parallel.vp
     split = tuple(tuple(s) for s in (stage_layers or even_split(model.num_layers, pp)))
     _check_split(split, model.num_layers, pp)
     policy = effective_recompute(training, parallel)
@@ -182,12 +204,13 @@ def estimate(
     else:
         recomputed = _flatten(recompute_layers)
     costs = layer_costs(model, cluster, training, parallel, dispatcher, accounting)
-    first = first_extras(model, training, parallel, accounting)
+    first = first_extras(model, cluster, training, parallel, accounting)
     last = last_extras(model, cluster, training, parallel, accounting)
     stages = []
     for i, layers in enumerate(split):
         extras = stage_extras(i, pp, (first, last))
-        stages.append(stage_estimate(i, layers, recomputed, costs, extras, min(pp - i, m), cluster))
+        live = interleave.live_chunks(i, pp, vp, m, training.a2a_overlap)
+        stages.append(stage_estimate(i, layers, recomputed, costs, extras, live, cluster, vp))
     return _assemble(model, cluster, training, parallel, stages, costs, [first, last])
 
 
@@ -222,7 +245,7 @@ def _assemble(
         mfu=tflops / cluster.device.peak(training.dtype),
         tflops_per_gpu=tflops,
         tokens_per_s=parallel.global_batch * training.seq_len / step.step_s,
-        bubble_fraction=(pp - 1) / (m + pp - 1),
+        bubble_fraction=interleave.bubble_fraction(pp, parallel.vp, m),
         stages=tuple(stages),
         comm_s=step.comm_s,
         exposed_comm_s=step.exposed_comm_s,
@@ -234,6 +257,8 @@ def _assemble(
         optimizer_s=step.optimizer_s,
         dp_exposed_s=step.dp_exposed_s,
         used_measured_tables=tuple(sorted(tables)),
+        unpaired_s=step.unpaired_s,
+        fsdp_first_gather_s=step.fsdp_first_gather_s,
     )
 
 
@@ -245,15 +270,17 @@ def memory_lower_bound_gib(
 ) -> float:
     """A lower bound (GiB, incl. framework overhead) on the memory of the most loaded stage
     under ANY split of the layers and any per-layer recompute choice. It is the largest of:
-    - stage 0 holds the embedding and at least layer 0 (stages are non-empty) with
-      min(pp, m) micro-batches in flight, each layer at its smallest activation;
-    - the last stage holds the head (and MTP) and at least the last layer, 1 in flight;
+    - stage 0 holds the embedding and at least layer 0 (stages are non-empty) with its live
+      chunk-micro-batches in flight (min(pp, m) micro-batches under plain 1F1B), each layer
+      at its smallest activation;
+    - the last stage holds the head (and MTP) and at least the last layer, with its own;
     - some stage holds at least the average training state (total state / pp).
     Infeasible when it exceeds device memory; no split can do better."""
-    check_layout(model, cluster, parallel)
-    pp, m = parallel.pp, parallel.num_microbatches
+    model = with_mtp(model, training)
+    check_layout(model, cluster, parallel, training)
+    pp, m, vp = parallel.pp, parallel.num_microbatches, parallel.vp
     costs = layer_costs(model, cluster, training, parallel)
-    first = first_extras(model, training, parallel)
+    first = first_extras(model, cluster, training, parallel)
     last = last_extras(model, cluster, training, parallel)
     recompute = effective_recompute(training, parallel) != "none"
 
@@ -261,10 +288,12 @@ def memory_lower_bound_gib(
         return min(c.act.total, c.act_recompute.total) if recompute else c.act.total
 
     c0, cl = costs[0], costs[-1]
-    s0 = first.state.total + c0.state.total + min(pp, m) * (first.act_bytes + act(c0))
+    live_0 = interleave.live_chunks(0, pp, vp, m, training.a2a_overlap) / vp
+    live_last = interleave.live_chunks(pp - 1, pp, vp, m, training.a2a_overlap) / vp
+    s0 = first.state.total + c0.state.total + live_0 * (first.act_bytes + act(c0))
     if pp == 1:
-        s0 += last.state.total + last.act_bytes
-    s_last = last.state.total + cl.state.total + last.act_bytes + act(cl)
+        s0 += last.state.total + live_0 * last.act_bytes
+    s_last = last.state.total + cl.state.total + live_last * last.act_bytes + live_last * act(cl)
     total_state = sum(c.state.total for c in costs) + first.state.total + last.state.total
     bound = max(s0, s_last, total_state / pp)
     return bound / GIB + cluster.framework_overhead_gib
@@ -281,6 +310,8 @@ def estimate_to_dict(est: Estimate) -> dict:
         "slot_s": est.slot_s,
         "exposed_comm_s": est.exposed_comm_s,
         "dp_exposed_s": est.dp_exposed_s,
+        "unpaired_s": est.unpaired_s,
+        "fsdp_first_gather_s": est.fsdp_first_gather_s,
         "optimizer_s": est.optimizer_s,
         "model_flops_per_step": est.model_flops_per_step,
         "usable_memory_gib": est.usable_memory_gib,
@@ -298,6 +329,7 @@ def estimate_to_dict(est: Estimate) -> dict:
                 "total_gib": st.total_gib,
                 "time_s": dict(st.time_s),
                 "total_s": st.total_s,
+                "hidden_s": dict(st.hidden_s),
             }
             for st in est.stages
         ],
@@ -315,8 +347,9 @@ def predicted_traffic(
     """Bytes all ranks send in one optimizer step, by kind (planner.resources.traffic), for
     this layout and layer split; the parameters each stage reduces come from the same layer
     costs as `estimate` (so does the gradient time)."""
+    model = with_mtp(model, training)
     costs = layer_costs(model, cluster, training, parallel, "flat", accounting)
-    ends = (first_extras(model, training, parallel, accounting),
+    ends = (first_extras(model, cluster, training, parallel, accounting),
             last_extras(model, cluster, training, parallel, accounting))  # fmt: skip
     held = [
         held_params(layers, costs, stage_extras(i, parallel.pp, ends))

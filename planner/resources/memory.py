@@ -3,9 +3,10 @@
 Every formula is derived in planner/RESOURCE_MODEL.md (section "Memory"); the comments
 here give the one-line reason. All results are bytes held by ONE rank.
 
-Notation: b micro-batch (sequences per rank), s sequence length, d hidden size, T = b*s/tp
-tokens per rank (sequence parallel splits tokens over tp), k top-k, E routed experts,
-f expert ffn width, a = bytes per activation element (2 for bf16/fp16/fp8, 4 for fp32).
+Notation: b micro-batch (sequences per rank), s sequence length, d hidden size,
+T = b*s/(tp*cp) tokens per rank (sequence parallelism splits tokens over tp, context
+parallelism the sequence over cp), k top-k, E routed experts, f expert ffn width,
+a = bytes per activation element (2 for bf16/fp16/fp8/mxfp8, 4 for fp32).
 
 Two accountings:
 - "piper" (default): every tensor that the backward pass needs, from the layer's shapes.
@@ -20,11 +21,16 @@ from typing import Literal
 
 from planner.parallel import ParallelConfig
 from planner.resources.params import layer_params, mlp_params
+from planner.resources.recompute import kept_components
 from planner.specs import LayerSpec, ModelSpec, Recompute, TrainingSpec
 
 Accounting = Literal["piper", "paper"]
-OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master + Adam m + Adam v (4 + 4 + 4)
+MASTER_BYTES_PER_PARAM = 4  # fp32 master weights
 WEIGHT_BYTES_PER_PARAM = 2  # bf16 / fp16 weights
+# Adam m + v: fp32 (4 + 4) or bf16 (2 + 2, Megatron's --exp-avg-dtype/--exp-avg-sq-dtype bf16
+# with --use-precision-aware-optimizer)
+MOMENT_BYTES_PER_PARAM = {"fp32": 8, "bf16": 4}
+FSDP_GATHERED_UNITS = 2  # Megatron-FSDP: >= 2 units of un-sharded weights and gradients
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,21 @@ def act_bytes_per_element(training: TrainingSpec) -> int:
     return 4 if training.dtype == "fp32" else 2
 
 
+def rank_tokens(training: TrainingSpec, parallel: ParallelConfig) -> float:
+    """T = b s / (tp cp): the tokens one rank holds in a sequence-parallel region."""
+    return parallel.micro_batch * training.seq_len / (parallel.tp * parallel.cp)
+
+
+def optimizer_bytes_per_param(training: TrainingSpec) -> int:
+    """fp32 master weights + Adam moments: 12 B, or 8 B with bf16 moments."""
+    return MASTER_BYTES_PER_PARAM + MOMENT_BYTES_PER_PARAM[training.optimizer_dtype]
+
+
+def grad_bytes_per_param(training: TrainingSpec) -> int:
+    """2 (the paper's 16 B/param: bf16 gradients) or 4 (Megatron's 18: fp32 main grads)."""
+    return training.bytes_per_param - WEIGHT_BYTES_PER_PARAM - 12
+
+
 def state_bytes(
     params_dense: float,
     params_expert: float,
@@ -70,23 +91,37 @@ def state_bytes(
     parallel: ParallelConfig,
 ) -> StateBytes:
     """State of `params_dense` non-expert parameters (already divided by tp) and
-    `params_expert` expert parameters (already divided by ep) on one rank.
+    `params_expert` expert parameters (already divided by etp * ep) on one rank.
 
     Weights 2 B, gradients bytes_per_param - 14 B (2 bf16 in the paper's 16, 4 fp32 in
-    Megatron's 18), optimizer 12 B (fp32 master + m + v); with ZeRO / the distributed
-    optimizer the 12 B are sharded over dp for dense and over edp for expert parameters.
+    Megatron's 18), optimizer 12 B (fp32 master + m + v; 8 B with bf16 moments). The dense
+    parameters' data-parallel group is dp x cp (Megatron-Core reduces and shards them over
+    its dp-cp group, `distributed_data_parallel.py`), the experts' is edp. The distributed
+    optimizer (`zero`) shards the optimizer bytes over it: 6 + 12/d B per parameter with
+    Megatron's 18 (`docs/user-guide/features/dist_optimizer.md`). FSDP (Megatron-FSDP
+    optim_grads_params, `docs/user-guide/features/megatron_fsdp.md`) shards all three: 18/d.
     """
     params = params_dense + params_expert
-    grad_b = training.bytes_per_param - WEIGHT_BYTES_PER_PARAM - OPTIMIZER_BYTES_PER_PARAM
-    if training.zero:
-        opt_params = params_dense / parallel.dp + params_expert / parallel.edp
-    else:
-        opt_params = params
+    dense_dp = parallel.dp * parallel.cp
+    sharded = params_dense / dense_dp + params_expert / parallel.edp
+    opt_b = optimizer_bytes_per_param(training)
+    kept = sharded if training.fsdp else params
     return StateBytes(
-        weights=WEIGHT_BYTES_PER_PARAM * params,
-        grads=grad_b * params,
-        optimizer=OPTIMIZER_BYTES_PER_PARAM * opt_params,
+        weights=WEIGHT_BYTES_PER_PARAM * kept,
+        grads=grad_bytes_per_param(training) * kept,
+        optimizer=opt_b * (sharded if training.zero or training.fsdp else params),
     )
+
+
+def fsdp_gathered_bytes(params_unit: float, training: TrainingSpec) -> float:
+    """FSDP's working set: FSDP_GATHERED_UNITS un-sharded units (a layer, or the embedding
+    or head) of bf16 weights and of gradients while the next unit is prefetched
+    (`megatron_fsdp.md`: "at least two FSDP units worth of un-sharded weight memory ... and
+    gradient memory"). `params_unit`: the unit's parameters on this rank before sharding."""
+    if not training.fsdp:
+        return 0.0
+    per_param = WEIGHT_BYTES_PER_PARAM + grad_bytes_per_param(training)
+    return FSDP_GATHERED_UNITS * per_param * params_unit
 
 
 def layer_param_split(
@@ -96,13 +131,13 @@ def layer_param_split(
     accounting: Accounting = "piper",
 ) -> tuple[float, float]:
     """(non-expert, expert) parameters of one layer held by one rank: non-expert split over
-    tp, routed experts over ep (the layer lives on one pipeline stage). The paper's
-    accounting counts attention as 4 d^2 and ignores norms and the router."""
+    tp, routed experts over ep and each expert over etp (the layer lives on one pipeline
+    stage). The paper's accounting counts attention as 4 d^2 and ignores norms and the router."""
     p = layer_params(model, layer)
     dense = p.non_expert
     if accounting == "paper":
         dense = 4 * model.hidden_size**2 + p.dense_mlp
-    return dense / parallel.tp, p.experts_total / parallel.ep
+    return dense / parallel.tp, p.experts_total / (parallel.ep * parallel.etp)
 
 
 def layer_state(
@@ -122,10 +157,12 @@ def attention_activations(
 ) -> list[tuple[str, float]]:
     """Attention block: norm input + output, q/k/v, context (o-proj input), and the score
     matrices (2 x b H s^2 elements: scores and probabilities) or, with flash attention, the
-    fp32 log-sum-exp per head and query. For MHA this is 12 b s d + 4 b H s^2 bytes."""
-    att, d, s = layer.attention, model.hidden_size, training.seq_len
+    fp32 log-sum-exp per head and query. For MHA this is 12 b s d + 4 b H s^2 bytes. With
+    context parallelism a rank holds s / cp queries (and their keys and values)."""
+    att, d = layer.attention, model.hidden_size
     a, tp = act_bytes_per_element(training), parallel.tp
-    tokens = parallel.micro_batch * s / tp
+    tokens = rank_tokens(training, parallel)
+    queries = training.seq_len / parallel.cp
     if att.kind == "mla":
         qk = att.qk_nope_head_dim + att.qk_rope_head_dim
         q_out, k_out, v_out = att.num_heads * qk, att.num_heads * qk, att.num_heads * att.v_head_dim
@@ -136,9 +173,9 @@ def attention_activations(
         latent = 0
     heads_per_rank = att.num_heads / tp
     if training.flash_attention:
-        scores = 4.0 * parallel.micro_batch * heads_per_rank * s
+        scores = 4.0 * parallel.micro_batch * heads_per_rank * queries
     else:
-        scores = 2.0 * a * parallel.micro_batch * heads_per_rank * s * s
+        scores = 2.0 * a * parallel.micro_batch * heads_per_rank * queries * training.seq_len
     return [
         ("attn_norm", 2 * a * tokens * d),
         ("qkv", a * tokens * (q_out + k_out + v_out + latent)),
@@ -151,11 +188,13 @@ def mlp_activations(
     model: ModelSpec, layer: LayerSpec, training: TrainingSpec, parallel: ParallelConfig
 ) -> list[tuple[str, float]]:
     """MLP half of a layer. MoE: norm, router probabilities (fp32) and top-k weights/indices,
-    the k routed copies each rank receives (dispatch, x skew on the hot rank), the expert
-    intermediates (gate, up, act*up for gated experts; up, act otherwise; x skew), the
-    combine input (k expert outputs per token), shared experts; dense: the MLP intermediates."""
+    the routed copies each rank receives (dispatch: its T k copies, all-gathered over etp, x
+    skew on the hot rank), the expert intermediates (gate, up, act*up for gated experts; up,
+    act otherwise; etp T k rows of width f / etp, x skew), the combine input (k expert outputs
+    per token, for the gate gradient; none when the gate is applied in the activation,
+    TrainingSpec.gate_in_activation), shared experts; dense: the MLP intermediates."""
     d, a = model.hidden_size, act_bytes_per_element(training)
-    tokens = parallel.micro_batch * training.seq_len / parallel.tp
+    tokens = rank_tokens(training, parallel)
     out = [("mlp_norm", 2 * a * tokens * d)]
     if layer.dense_ffn:
         mats = 3 if layer.dense_gated else 2
@@ -167,9 +206,9 @@ def mlp_activations(
     mats = 3 if moe.gated else 2
     out += [
         ("router", tokens * (4 * moe.num_experts + 12 * k)),
-        ("dispatch", skew * a * tokens * k * d),
+        ("dispatch", skew * a * tokens * k * d * parallel.etp),
         ("experts", skew * a * tokens * k * mats * moe.expert_ffn),
-        ("combine", a * tokens * k * d),
+        ("combine", 0.0 if training.gate_in_activation else a * tokens * k * d),
     ]
     if moe.num_shared_experts:
         out.append(("shared", a * tokens * moe.num_shared_experts * mats * moe.shared_ffn))
@@ -206,12 +245,13 @@ def layer_activations(
 ) -> ActBytes:
     """Activation bytes one rank keeps per in-flight micro-batch for one layer.
 
-    recompute "selective" drops the attention score terms (recomputed in backward, as
-    Megatron's selective recompute does); "full" keeps only the layer input (a T d).
+    recompute "selective" drops what the layout's recompute modules rerun in backward
+    (core attention unless `parallel.recompute_modules` names others; see
+    planner.resources.recompute); "full" keeps only the layer input (a T d).
     """
     if recompute == "full":
         a = act_bytes_per_element(training)
-        tokens = parallel.micro_batch * training.seq_len / parallel.tp
+        tokens = rank_tokens(training, parallel)
         return ActBytes((("layer_input", a * tokens * model.hidden_size),))
     if accounting == "paper":
         parts = paper_activations(model, layer, training, parallel)
@@ -219,7 +259,9 @@ def layer_activations(
         parts = attention_activations(model, layer, training, parallel)
         parts += mlp_activations(model, layer, training, parallel)
     if recompute == "selective":
-        parts = [(n, 0.0 if n == "scores" else v) for n, v in parts]
+        modules = parallel.recompute_modules or ("core_attn",)
+        a, tokens = act_bytes_per_element(training), rank_tokens(training, parallel)
+        parts = kept_components(layer, parts, modules, a * tokens, model.hidden_size)
     return ActBytes(tuple(parts))
 
 
@@ -236,7 +278,7 @@ def embedding_held(model: ModelSpec, training: TrainingSpec, parallel: ParallelC
     """First stage: the vocab-parallel embedding (V d / tp parameters); activations: the int64
     token ids (the embedding output is the first layer's input, counted there)."""
     params = model.vocab_size * model.hidden_size / parallel.tp
-    ids = 8.0 * parallel.micro_batch * training.seq_len / parallel.tp
+    ids = 8.0 * rank_tokens(training, parallel)
     return Held(params, 0.0, ids)
 
 
@@ -246,7 +288,7 @@ def head_held(model: ModelSpec, training: TrainingSpec, parallel: ParallelConfig
     2d -> d projection, one layer like the last, its own fp32 logits)."""
     d, v, tp = model.hidden_size, model.vocab_size, parallel.tp
     a = act_bytes_per_element(training)
-    tokens = parallel.micro_batch * training.seq_len / tp
+    tokens = rank_tokens(training, parallel)
     untied_or_split = not model.tie_word_embeddings or parallel.pp > 1
     dense = (v * d if untied_or_split else 0) / tp + d
     expert = 0.0
@@ -256,7 +298,7 @@ def head_held(model: ModelSpec, training: TrainingSpec, parallel: ParallelConfig
         p = layer_params(model, last)
         per_dense = (3 * d + 2 * d * d + p.non_expert) / tp
         dense += model.num_mtp_layers * per_dense
-        expert += model.num_mtp_layers * p.experts_total / parallel.ep
+        expert += model.num_mtp_layers * p.experts_total / (parallel.ep * parallel.etp)
         layer_act = layer_activations(model, last, training, parallel).total
         per_act = layer_act + a * tokens * 2 * d + 4.0 * tokens * v
         act += model.num_mtp_layers * per_act

@@ -1,10 +1,13 @@
-"""One training step under 1F1B: per-stage memory and time, then the step time.
+"""One training step under (interleaved) 1F1B: per-stage memory and time, then the step time.
 
 `stage_estimate` adds up a stage's layers and roles (memory by component in GiB, time by
 component in s per micro-batch); `step_time` turns the stages into the step:
-    slot = max_i stage_time_i + p2p (forward activation + backward gradient per micro-batch)
-    step = (m + pp - 1) * slot + exposed gradient reduction + optimizer step
-Formulas: planner/RESOURCE_MODEL.md, "Step time and MFU".
+    slot = max_i stage_time_i + p2p (forward activation + backward gradient per micro-batch,
+           through each of the rank's vp chunks)
+    step = (m + (pp - 1) / vp) * slot + warm-up left unpaired by the all-to-all overlap
+           + FSDP's first gather + exposed gradient reduction + optimizer step
+Schedule counts: planner.resources.interleave. Formulas: planner/RESOURCE_MODEL.md,
+"Step time and MFU".
 """
 
 from __future__ import annotations
@@ -13,17 +16,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
-from planner.resources import comm, traffic
+from planner.resources import comm, interleave, traffic
 from planner.resources.compute import TRAIN_FACTOR
-from planner.resources.layer_cost import ExtrasCost, LayerCost
-from planner.resources.memory import StateBytes
+from planner.resources.layer_cost import ExtrasCost, LayerCost, fsdp_gather_s
+from planner.resources.memory import StateBytes, grad_bytes_per_param
 from planner.specs import GIB, ClusterSpec, ModelSpec, TrainingSpec
 
 
 @dataclass(frozen=True)
 class StageEstimate:
     """One pipeline stage on one rank. memory_gib: (component, GiB) incl. framework overhead;
-    time_s: (component, s) for one micro-batch, forward + backward."""
+    time_s: (component, s) for one micro-batch, forward + backward (steady phase); in_flight:
+    live chunk-micro-batches at peak (micro-batches when vp = 1); hidden_s: communication
+    hidden behind compute per micro-batch."""
 
     stage: int
     layers: tuple[int, ...]
@@ -33,6 +38,18 @@ class StageEstimate:
     total_gib: float
     time_s: tuple[tuple[str, float], ...]
     total_s: float
+    hidden_s: tuple[tuple[str, float], ...] = ()
+
+
+def _workspace_gib(
+    layers: tuple[int, ...], costs: tuple[LayerCost, ...], extras: list[ExtrasCost]
+) -> list[tuple[str, float]]:
+    """Per workspace kind, the largest of the stage's layers and roles (one runs at a time)."""
+    out: dict[str, float] = {}
+    for ws in [costs[i].workspace for i in layers] + [e.workspace for e in extras]:
+        for name, nbytes in ws:
+            out[name] = max(out.get(name, 0.0), nbytes / GIB)
+    return sorted(out.items())
 
 
 def stage_estimate(
@@ -43,8 +60,10 @@ def stage_estimate(
     extras: list[ExtrasCost],
     in_flight: int,
     cluster: ClusterSpec,
+    vp: int = 1,
 ) -> StageEstimate:
-    """Memory by component (GiB) and time by component (s) of one stage."""
+    """Memory by component (GiB) and time by component (s) of one stage; `in_flight` live
+    chunk-micro-batches, each holding 1/vp of the stage's activations per micro-batch."""
     state = sum((costs[i].state for i in layers), StateBytes())
     state = sum((e.state for e in extras), state)
     act = sum((costs[i].act_recompute if i in recomputed else costs[i].act).total for i in layers)
@@ -54,21 +73,27 @@ def stage_estimate(
         ("weights", state.weights / GIB),
         ("grads", state.grads / GIB),
         ("optimizer", state.optimizer / GIB),
-        ("activations", in_flight * act / GIB),
+        ("activations", in_flight * act / vp / GIB),
         ("recompute_workspace", max(rc, default=0.0) / GIB),
+        *_workspace_gib(layers, costs, extras),
         ("framework", cluster.framework_overhead_gib),
     )
     time: dict[str, float] = {}
+    hidden: dict[str, float] = {}
     for i in layers:
         for w in costs[i].work:
             time[w.name] = time.get(w.name, 0.0) + w.time_s
         for name, s in costs[i].comm_s:
             time[name] = time.get(name, 0.0) + s
+        for name, s in costs[i].hidden_s:
+            hidden[name] = hidden.get(name, 0.0) + s
         if i in recomputed:
             time["recompute"] = time.get("recompute", 0.0) + costs[i].recompute_extra_s
     for e in extras:
         for w in e.work:
             time[w.name] = time.get(w.name, 0.0) + w.time_s
+        for name, s in e.comm_s:
+            time[name] = time.get(name, 0.0) + s
     time_s = tuple(sorted(time.items()))
     return StageEstimate(
         stage=stage,
@@ -79,6 +104,7 @@ def stage_estimate(
         total_gib=sum(v for _, v in memory),
         time_s=time_s,
         total_s=sum(v for _, v in time_s),
+        hidden_s=tuple(sorted(hidden.items())),
     )
 
 
@@ -105,16 +131,21 @@ def _grad_sync_s(
     training: TrainingSpec,
     parallel: ParallelConfig,
 ) -> list[tuple[str, float]]:
-    """Gradient reduction of one stage at the end of the step: dense gradients over dp (ranks
-    tp apart), expert gradients over edp (ranks ep apart). All-reduce, or with ZeRO a
-    reduce-scatter of gradients + all-gather of updated weights: the same bytes (2 passes)."""
-    grad_b = traffic.grad_bytes_per_param(training)
+    """Gradient reduction of one stage at the end of the step: dense gradients over dp x cp
+    (ranks tp apart), expert gradients over edp (ranks etp x ep apart). All-reduce, or with
+    ZeRO a reduce-scatter of gradients + all-gather of updated weights: the same bytes (2
+    passes). FSDP reduce-scatters every micro-batch instead (in the layers' fsdp time)."""
+    if training.fsdp:
+        return []
+    grad_b = grad_bytes_per_param(training)
     dense, expert = held_params(layers, costs, extras)
     out = []
-    t, level = comm.ring_allreduce_s(cluster, parallel.dp, parallel.tp, grad_b * dense)
+    dense_dp = parallel.dp * parallel.cp
+    t, level = comm.ring_allreduce_s(cluster, dense_dp, parallel.tp, grad_b * dense)
     if level:
         out.append((f"dp_{level}", t))
-    t, level = comm.ring_allreduce_s(cluster, parallel.edp, parallel.ep, grad_b * expert)
+    stride = parallel.ep * parallel.etp
+    t, level = comm.ring_allreduce_s(cluster, parallel.edp, stride, grad_b * expert)
     if level:
         out.append((f"edp_{level}", t))
     return out
@@ -123,13 +154,22 @@ def _grad_sync_s(
 def _p2p_s(
     model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, parallel: ParallelConfig
 ) -> tuple[float, str, tuple[str, ...]]:
-    """Per micro-batch and stage boundary: the activation forward and its gradient backward,
-    a (b s / tp) d bytes each, between ranks dp*tp apart (the next stage's block)."""
+    """Per micro-batch: the activation forward and its gradient backward, a T d bytes each,
+    across every chunk boundary a rank sends over. Plain 1F1B: one send each way to the next
+    stage's block (ranks B = dp tp cp apart). Interleaved: rank 0 sends vp times to rank 1,
+    the last rank vp - 1 times back to rank 0 ((pp - 1) B apart), so a slot carries
+    max(vp t_next, (vp - 1) t_wrap) each way."""
     if parallel.pp == 1:
         return 0.0, "", ()
     nbytes = traffic.p2p_bytes(model, training, parallel)
-    t, level, tables = comm.p2p_time_s(cluster, (0, parallel.dp * parallel.tp), nbytes)
-    return 2 * t, level, tables
+    block = parallel.dp * parallel.tp * parallel.cp
+    t, level, tables = comm.p2p_time_s(cluster, (0, block), nbytes)
+    if parallel.vp == 1:
+        return 2 * t, level, tables
+    wrap, wrap_level, wrap_tables = comm.p2p_time_s(cluster, (0, (parallel.pp - 1) * block), nbytes)
+    if (parallel.vp - 1) * wrap > parallel.vp * t:
+        return 2 * (parallel.vp - 1) * wrap, wrap_level, tuple(sorted({*tables, *wrap_tables}))
+    return 2 * parallel.vp * t, level, tuple(sorted({*tables, *wrap_tables}))
 
 
 def _optimizer_s(stages: Sequence[StageEstimate], cluster: ClusterSpec) -> float:
@@ -144,7 +184,8 @@ def _optimizer_s(stages: Sequence[StageEstimate], cluster: ClusterSpec) -> float
 
 @dataclass(frozen=True)
 class StepTime:
-    """The step assembled from the stages (seconds; comm_s per step on the bottleneck stage)."""
+    """The step assembled from the stages (seconds; comm_s per step on the bottleneck stage,
+    exposed and hidden together)."""
 
     step_s: float
     slot_s: float
@@ -153,6 +194,8 @@ class StepTime:
     comm_s: tuple[tuple[str, float], ...]
     exposed_comm_s: float
     tables: tuple[str, ...]
+    unpaired_s: float = 0.0  # warm-up and cool-down the all-to-all overlap cannot pair
+    fsdp_first_gather_s: float = 0.0  # the step's first FSDP gather, before any compute
 
 
 def _grad_sync_all(
@@ -165,18 +208,55 @@ def _grad_sync_all(
     slot: float,
 ) -> tuple[float, dict[str, float]]:
     """(exposed seconds, per-name max over stages) of the end-of-step gradient reduction.
-    Stage i finishes its last backward about i slots before stage 0 does, so its reduction
-    hides behind i x 2/3 of a slot of backward work."""
+    Stage i finishes its last backward about i chunk-slots (slot / vp) before stage 0 does,
+    so its reduction hides behind i / vp x 2/3 of a slot of backward work."""
     pp = parallel.pp
     exposed, by_name = 0.0, {}
     for st in stages:
         extras = stage_extras(st.stage, pp, ends)
         sync = _grad_sync_s(st.layers, costs, extras, cluster, training, parallel)
         total = sum(s for _, s in sync)
-        exposed = max(exposed, total - st.stage * slot * 2 / TRAIN_FACTOR)
+        exposed = max(exposed, total - st.stage / parallel.vp * slot * 2 / TRAIN_FACTOR)
         for name, s in sync:
             by_name[name] = max(by_name.get(name, 0.0), s)
     return exposed, by_name
+
+
+def _unpaired_s(
+    stages: Sequence[StageEstimate], training: TrainingSpec, par: ParallelConfig
+) -> float:
+    """With the all-to-all overlap the stage times are steady-phase (paired) times; each rank's
+    W_r warm-up forwards and as many cool-down backwards run alone, exposing the all-to-all
+    time the pairing hides: max_r W_r / vp x hidden_r."""
+    if not training.a2a_overlap:
+        return 0.0
+    worst = 0.0
+    for st in stages:
+        hidden = sum(s for n, s in st.hidden_s if n.startswith("a2a_"))
+        chunks = interleave.unpaired_chunks(st.stage, par.pp, par.vp, par.num_microbatches)
+        worst = max(worst, chunks / par.vp * hidden)
+    return worst
+
+
+def _fsdp_first_s(
+    stages: Sequence[StageEstimate],
+    costs: tuple[LayerCost, ...],
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+) -> float:
+    """FSDP: the first unit's all-gather of the step has no compute to hide behind."""
+    if not training.fsdp:
+        return 0.0
+    worst = 0.0
+    for st in stages:
+        c = costs[st.layers[0]]
+        gather, _, _ = fsdp_gather_s(cluster, training, parallel, (c.params_dense, c.params_expert))
+        worst = max(worst, gather)
+    return worst
+
+
+COMM_PREFIXES = ("a2a_", "tp_", "etp_", "cp_", "fsdp_")
 
 
 def step_time(
@@ -188,23 +268,32 @@ def step_time(
     costs: tuple[LayerCost, ...],
     ends: Sequence[ExtrasCost],
 ) -> StepTime:
-    """1F1B step time from the stages; `ends` = (first-stage role, last-stage role)."""
-    pp, m = parallel.pp, parallel.num_microbatches
+    """(Interleaved) 1F1B step time from the stages; `ends` = (first-stage role, last-stage
+    role)."""
+    m = parallel.num_microbatches
+    slots = interleave.pipeline_slots(parallel.pp, parallel.vp, m)
     p2p_s, p2p_level, p2p_tables = _p2p_s(model, cluster, training, parallel)
     bottleneck = max(stages, key=lambda st: (st.total_s, -st.stage))
     slot = bottleneck.total_s + p2p_s
     dp_exposed, dp_comm = _grad_sync_all(stages, costs, ends, cluster, training, parallel, slot)
     optimizer_s = _optimizer_s(stages, cluster)
-    layer_comm = {n: m * s for n, s in bottleneck.time_s if n.startswith(("a2a_", "tp_"))}
-    per_slot_comm = sum(s for n, s in bottleneck.time_s if n.startswith(("a2a_", "tp_")))
+    unpaired = _unpaired_s(stages, training, parallel)
+    first_gather = _fsdp_first_s(stages, costs, cluster, training, parallel)
+    layer_comm = {n: m * s for n, s in bottleneck.time_s if n.startswith(COMM_PREFIXES)}
+    for n, s in bottleneck.hidden_s:
+        layer_comm[n] = layer_comm.get(n, 0.0) + m * s
+    per_slot_comm = sum(s for n, s in bottleneck.time_s if n.startswith(COMM_PREFIXES))
     if p2p_level:
         layer_comm[f"p2p_{p2p_level}"] = m * p2p_s
+    extra = unpaired + first_gather
     return StepTime(
-        step_s=(m + pp - 1) * slot + dp_exposed + optimizer_s,
+        step_s=slots * slot + dp_exposed + optimizer_s + extra,
         slot_s=slot,
         dp_exposed_s=dp_exposed,
         optimizer_s=optimizer_s,
         comm_s=tuple(sorted({**layer_comm, **dp_comm}.items())),
-        exposed_comm_s=(m + pp - 1) * (per_slot_comm + p2p_s) + dp_exposed,
+        exposed_comm_s=slots * (per_slot_comm + p2p_s) + dp_exposed + extra,
         tables=p2p_tables,
+        unpaired_s=unpaired,
+        fsdp_first_gather_s=first_gather,
     )
