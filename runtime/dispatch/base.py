@@ -144,7 +144,9 @@ class TokenDispatcher(Protocol):
           x_TD: this rank's tokens [T, D].
           expert_TK: top-k expert ids per token [T, K] (int).
           rank_of_expert_E: EP-group rank (0..S-1) of each expert [E]; identical on every rank
-            of the group (the routing table; migration swaps it).
+            of the group (the routing table; migration swaps it). The MoE layer passes its
+            expert slots as the experts (slot ids in expert_TK, the rank of each slot here:
+            runtime/model/replicas.py), so a replicated expert is several "experts" here.
 
         Returns:
           expert_input_ND: rows for this rank's local experts (experts whose rank is mine,

@@ -118,10 +118,22 @@ def _lines(results):
 
 
 @pytest.mark.slow
-def test_replicas_train_like_the_one_copy_oracle(run_distributed):
-    """dp = ep = 4 on two emulated nodes, ragged slots, layer 2 with uneven shares."""
+@pytest.mark.parametrize(
+    ("dispatcher", "direct_below_bytes"), [("halo", -1), ("flat", -1), ("halo-dedup", 0)]
+)
+def test_replicas_train_like_the_one_copy_oracle(run_distributed, dispatcher, direct_below_bytes):
+    """dp = ep = 4 on two emulated nodes, ragged slots, layer 2 with uneven shares; every
+    dispatcher (HALO-dedup forced through its three phases)."""
     load_corpus()
-    spec = _spec_with_slots(SLOTS, dp=4, ep=4, ranks_per_node=2, steps=4)
+    spec = _spec_with_slots(
+        SLOTS,
+        dp=4,
+        ep=4,
+        ranks_per_node=2,
+        steps=4,
+        dispatcher=dispatcher,
+        halo_direct_below_bytes=direct_below_bytes,
+    )
     uneven = _uneven(SLOTS, {0: [0.25, 0.75], 5: [0.5, 0.25, 0.25]})
     spec = replace(spec, slots=(spec.slots[0], (2, uneven)))
     results = run_distributed(train_body, 4, spec, timeout_s=240)
