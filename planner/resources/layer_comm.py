@@ -1,0 +1,180 @@
+"""Communication of one layer on one rank per micro-batch: what is exposed and what hides.
+
+The layer's four all-to-alls (flat or HALO from comm.py, DeepEP from deepep.py), its TP
+collectives, the expert-TP all-gather / reduce-scatter, the context-parallel K/V ring and
+FSDP's gathers; volumes from traffic.py, overlap with the layer's compute from overlap.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.parallel import ParallelConfig
+from planner.resources import comm, overlap, traffic
+from planner.resources.compute import Work
+from planner.resources.deepep import deepep_all_to_all_s
+from planner.resources.memory import WEIGHT_BYTES_PER_PARAM, grad_bytes_per_param, layer_param_split
+from planner.specs import ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
+
+DISPATCHERS: tuple[str, ...] = ("flat", "halo", "deepep")
+MLP_SIDE = ("experts", "shared")  # the all-to-all overlap's "mlp" node; the rest is pre-dispatch
+
+
+def _a2a_s(
+    model: ModelSpec,
+    layer: LayerSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    dispatcher: str,
+) -> tuple[float, str, tuple[str, ...]]:
+    """One of the layer's four all-to-alls (dispatch or combine, forward or backward) over the
+    ep ranks etp apart: (seconds, level, measured tables)."""
+    nbytes = traffic.a2a_bytes(model, layer, training, parallel)
+    if nbytes <= 0:
+        return 0.0, "", ()
+    if dispatcher != "deepep":
+        return comm.a2a_time_s(cluster, parallel.ep, nbytes, dispatcher, parallel.etp)
+    moe = layer.moe
+    assert moe is not None  # a2a_bytes is 0 without experts
+    span = comm.group_span(cluster, parallel.ep, parallel.etp)
+    t = deepep_all_to_all_s(
+        cluster, parallel.ep, nbytes / moe.top_k, moe.top_k, moe.num_experts, parallel.etp
+    )
+    return t, span.name if span else "", ()
+
+
+def _sides(work: tuple[Work, ...]) -> tuple[float, float, float, float]:
+    """(pre-dispatch forward, backward, mlp forward, backward) compute seconds."""
+    af = sum(w.forward_s for w in work if w.name not in MLP_SIDE)
+    ab = sum(w.time_s - w.forward_s for w in work if w.name not in MLP_SIDE)
+    mf = sum(w.forward_s for w in work if w.name in MLP_SIDE)
+    mb = sum(w.time_s - w.forward_s for w in work if w.name in MLP_SIDE)
+    return af, ab, mf, mb
+
+
+@dataclass(frozen=True)
+class LayerComm:
+    """A layer's communication per micro-batch (s): exposed and hidden by name, and the
+    forward collectives that recompute repeats."""
+
+    exposed: tuple[tuple[str, float], ...]
+    hidden: tuple[tuple[str, float], ...]
+    repeat_full_s: float  # forward collectives "full" recompute repeats
+    repeat_moe_s: float  # forward collectives "moe" recompute repeats
+    cp_fwd_s: float  # exposed forward ring: repeated with core attention
+    tables: tuple[str, ...]
+
+
+def layer_comm(
+    model: ModelSpec,
+    layer: LayerSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    dispatcher: str,
+    work: tuple[Work, ...],
+) -> LayerComm:
+    """Four all-to-alls per MoE layer (dispatch + combine, forward + backward), TP collectives
+    over tp, expert-TP all-gather/reduce-scatter over etp, the cp ring of K/V and FSDP's
+    gathers; volumes from planner.resources.traffic, overlap from planner.resources.overlap."""
+    exposed: list[tuple[str, float]] = []
+    hidden: list[tuple[str, float]] = []
+    t, level, tables = _a2a_s(model, layer, cluster, training, parallel, dispatcher)
+    a2a_full = 4 * t
+    if level:
+        shown = a2a_full
+        if training.a2a_overlap:
+            shown = overlap.paired_a2a_exposed_s(*_sides(work), t)
+            hidden.append((f"a2a_{level}", a2a_full - shown))
+        exposed.append((f"a2a_{level}", shown))
+    repeat = [a2a_full]
+    if parallel.tp > 1:
+        buf = traffic.tp_buffer_bytes(model, training, parallel)
+        t, level = comm.ring_allreduce_s(cluster, parallel.tp, 1, buf)
+        exposed.append((f"tp_{level}", traffic.tp_allreduces(layer) * t))
+        repeat.append(traffic.tp_allreduces(layer) * t)
+    etp_buf = traffic.etp_buffer_bytes(model, layer, training, parallel)
+    etp_s = 0.0
+    if etp_buf > 0:
+        t, level = comm.ring_allreduce_s(cluster, parallel.etp, 1, etp_buf, passes=1)
+        etp_s = 4 * t
+        exposed.append((f"etp_{level}", etp_s))
+        repeat.append(etp_s)
+    cp_fwd = _cp_ring(model, layer, cluster, training, parallel, work, exposed, hidden)
+    params = layer_param_split(model, layer, parallel)
+    _fsdp(cluster, training, parallel, work, params, exposed, hidden)
+    moe_s = (a2a_full + etp_s) / 2
+    return LayerComm(tuple(exposed), tuple(hidden), sum(repeat) / 2, moe_s, cp_fwd, tables)
+
+
+def _cp_ring(
+    model: ModelSpec,
+    layer: LayerSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    work: tuple[Work, ...],
+    exposed: list[tuple[str, float]],
+    hidden: list[tuple[str, float]],
+) -> float:
+    """Append the cp ring's exposed and hidden seconds; return its exposed forward part."""
+    kv = traffic.cp_kv_bytes(model, layer, training, parallel)
+    if kv <= 0:
+        return 0.0
+    cp = parallel.cp
+    step_s, level, _ = comm.p2p_time_s(cluster, (0, (cp - 1) * parallel.tp), kv)
+    core = next(w for w in work if w.name == "attn_core")
+    shown, fwd = overlap.ring_attention_exposed_s(
+        cp, step_s, core.forward_s, core.time_s - core.forward_s
+    )
+    exposed.append((f"cp_{level}", shown))
+    hidden.append((f"cp_{level}", 3 * (cp - 1) * step_s - shown))
+    return fwd
+
+
+def fsdp_gather_s(
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    params: tuple[float, float],
+) -> tuple[float, float, str]:
+    """(all-gather s, reduce-scatter s, level) of one FSDP unit holding `params` = (dense,
+    expert) parameters before sharding: bf16 weights gathered and gradients reduce-scattered
+    over dp x cp ranks tp apart (dense) and edp ranks etp x ep apart (experts)."""
+    groups = (
+        (parallel.dp * parallel.cp, parallel.tp, params[0]),
+        (parallel.edp, parallel.ep * parallel.etp, params[1]),
+    )
+    gather = reduce = 0.0
+    level, worst = "", -1.0
+    for size, stride, n in groups:
+        g, lv = comm.ring_allreduce_s(cluster, size, stride, WEIGHT_BYTES_PER_PARAM * n, 1)
+        r, _ = comm.ring_allreduce_s(cluster, size, stride, grad_bytes_per_param(training) * n, 1)
+        gather, reduce = gather + g, reduce + r
+        if lv and g > worst:
+            level, worst = lv, g
+    return gather, reduce, level
+
+
+def _fsdp(
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    work: tuple[Work, ...],
+    params: tuple[float, float],
+    exposed: list[tuple[str, float]],
+    hidden: list[tuple[str, float]],
+) -> None:
+    """Append FSDP's exposed and hidden seconds for one unit: forward gather, backward
+    gather and reduce-scatter, each behind that pass's compute."""
+    if not training.fsdp:
+        return
+    gather, reduce, level = fsdp_gather_s(cluster, training, parallel, params)
+    if not level:
+        return
+    fwd = sum(w.forward_s for w in work)
+    bwd = sum(w.time_s for w in work) - fwd
+    shown = overlap.prefetch_exposed_s(gather, reduce, fwd, bwd)
+    exposed.append((f"fsdp_{level}", shown))
+    hidden.append((f"fsdp_{level}", 2 * gather + reduce - shown))
