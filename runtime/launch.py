@@ -28,14 +28,17 @@ from runtime.metrics import ByteCounter
 from runtime.migrate import MigrationPolicy, plan_migration
 from runtime.model.transformer import StageModule
 from runtime.parallel.mesh import Mesh, build_mesh
+from runtime.parallel.pipeline import RankChunks
 from runtime.parallel.tensor_parallel import TPGroup
 from runtime.train import Trainer, train
 
 
-def build_stage(spec: RunSpec, mesh: Mesh, device: torch.device, counter=None) -> StageModule:
-    """This rank's StageModule with placements translated to EP group ranks; with tp > 1 its
-    attention and dense MLPs are sharded over the TP group (TP bytes go to `counter`)."""
-    s = mesh.me.stage
+def build_stage(
+    spec: RunSpec, mesh: Mesh, device: torch.device, counter=None
+) -> StageModule | RankChunks:
+    """This rank's StageModule (RankChunks of vp of them with vp > 1) with placements
+    translated to EP group ranks; with tp > 1 its attention and dense MLPs are sharded over
+    the TP group (TP bytes go to `counter`)."""
     tp = None
     if spec.tp > 1:
         tokens = spec.micro_batch * spec.seq_len
@@ -43,17 +46,21 @@ def build_stage(spec: RunSpec, mesh: Mesh, device: torch.device, counter=None) -
     tables = {
         layer: tuple(mesh.ep_group_rank(r) for r in table) for layer, table in spec.placements
     }
-    module = StageModule(
-        spec.model,
-        spec.stage_layers[s],
-        first=(s == 0),
-        last=(s == spec.pp - 1),
-        placements=tables,
-        ep_rank=mesh.ep_group_rank(mesh.me.ep_idx),
-        seed=spec.seed,
-        tp=tp,
-        recompute={i: spec.recompute for i in spec.recompute_layers},
-    )
+    chunks = [
+        StageModule(
+            spec.model,
+            layers,
+            first=(k == 0),
+            last=(k == spec.pp * spec.vp - 1),
+            placements=tables,
+            ep_rank=mesh.ep_group_rank(mesh.me.ep_idx),
+            seed=spec.seed,
+            tp=tp,
+            recompute={i: spec.recompute for i in spec.recompute_layers},
+        )
+        for k, layers in spec.chunks(mesh.me.stage)
+    ]
+    module = chunks[0] if len(chunks) == 1 else RankChunks(chunks)
     dispatcher = make_dispatcher(spec, mesh.ep_group)
     for moe in module.moe_layers().values():
         moe.dispatcher = dispatcher
@@ -114,6 +121,10 @@ def _run_info(spec: RunSpec) -> dict:
         "tp": spec.tp,
         "ep": spec.ep,
         "edp": spec.edp,
+        "vp": spec.vp,
+        "etp": spec.etp,
+        "fsdp": spec.fsdp,
+        "chunk_layers": [list(c) for c in spec.chunk_layers],
         "steps": spec.steps,
         "seq_len": spec.seq_len,
         "micro_batch": spec.micro_batch,

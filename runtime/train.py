@@ -30,8 +30,10 @@ from runtime.metrics import (
 )
 from runtime.migrate import MigrationPolicy, migrate_stage, pack_views, slot_state_views
 from runtime.model.transformer import StageModule
+from runtime.parallel.expert_tp import apply_expert_tp
+from runtime.parallel.fsdp import shard_chunk
 from runtime.parallel.mesh import Mesh
-from runtime.parallel.pipeline import PipelineRunner, sync_gradients
+from runtime.parallel.pipeline import PipelineRunner, chunks_of, sync_gradients
 from runtime.parallel.replicas import install_slots
 
 log = logging.getLogger(__name__)
@@ -106,15 +108,13 @@ class Trainer:
         self.migration = migration or MigrationPolicy()
         self.rank = mesh.me.physical
         install_slots(module, spec, mesh)  # replicas and free slots, before the optimizer
-        self.runner = PipelineRunner(
-            module,
-            mesh,
-            spec.micro_batch,
-            spec.num_microbatches,
-            spec.seq_len,
-            counter,
-            device,
-        )
+        if spec.etp > 1:  # slices of the final slots' experts
+            apply_expert_tp(module, mesh, counter)
+        if spec.fsdp:  # sharded parameters, before the optimizer holds them
+            for chunk in chunks_of(module):
+                shard_chunk(chunk, mesh, spec.dp, counter)
+        virtual = [k for k, _ in spec.chunks(mesh.me.stage)]
+        self.runner = PipelineRunner(module, mesh, virtual, spec.num_microbatches, counter, device)
         self.optimizer = torch.optim.Adam(module.parameters(), lr=spec.lr)
         moes = list(module.moe_layers().values())
         self.dispatcher = moes[0].dispatcher if moes else LocalDispatcher()
@@ -208,7 +208,8 @@ def train(trainer: Trainer, fail_migration_at: int = -1, plot: bool = False) -> 
         if png is not None:
             result.files["loss.png"] = png
     mesh, module = trainer.mesh, trainer.module
-    result.expert_state = _expert_state(module, trainer.optimizer, mesh)
+    if not spec.fsdp:  # FSDP holds shards of the experts, not whole ones
+        result.expert_state = _expert_state(module, trainer.optimizer, mesh)
     result.placements = {
         layer: [mesh.ep_idx_of_group_rank(r) for r in m.rank_of_expert_E]
         for layer, m in module.moe_layers().items()

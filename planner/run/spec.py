@@ -15,6 +15,13 @@ from dataclasses import dataclass, fields, replace
 from planner.migration.placement import EMPTY
 from planner.parallel import default_placement
 from planner.plan import ClusterEntry, Plan, load_plan
+from planner.run.layout import (
+    check_expert_tp,
+    check_fsdp,
+    rank_layers,
+    refuse_context_parallel,
+    virtual_stages,
+)
 from planner.run.options import Dispatcher, RunOptions
 from planner.run.scale import keep_layers, scale_layer, scale_width
 from planner.specs import ModelSpec, SpecError
@@ -78,7 +85,8 @@ class ExpertSlots:
 class RunSpec:
     """Everything one training run needs; identical on every rank.
 
-    stage_layers: run-model layer indices per pipeline stage. placements: (run layer,
+    stage_layers: run-model layer indices per pipeline rank (all its chunks; `chunks`).
+    placements: (run layer,
     rank_of_expert_E) per MoE layer (with replicas: the lowest EP rank holding each expert).
     slots: (run layer, ExpertSlots) for the layers with spare slots or replicas; a layer
     not listed holds its placement, E/ep experts per rank (`slots_of`).
@@ -99,6 +107,10 @@ class RunSpec:
     logical_of_physical: tuple[int, ...]
     ranks_per_node: int
     tp: int = 1
+    vp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    etp: int = 1  # expert tensor parallel: ranks splitting each routed expert's FFN width
+    fsdp: bool = False  # weights, gradients and optimizer state sharded (fully_shard)
+    chunk_layers: tuple[tuple[int, ...], ...] = ()  # per virtual stage k; () = stage_layers
     recompute: str = "none"  # the plan's policy: none | selective | full
     recompute_layers: tuple[int, ...] = ()  # run-model layers it applies to
     steps: int = 30
@@ -119,7 +131,7 @@ class RunSpec:
 
     @property
     def edp(self) -> int:
-        return self.dp * self.tp // self.ep
+        return self.dp * self.tp // (self.etp * self.ep)
 
     @property
     def tokens_per_step(self) -> int:
@@ -127,6 +139,12 @@ class RunSpec:
 
     def placement_of(self, layer: int) -> tuple[int, ...] | None:
         return dict(self.placements).get(layer)
+
+    def chunks(self, stage: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """(virtual stage k, run layers) of each model chunk pipeline rank `stage` runs;
+        chunk c is virtual stage c * pp + stage (planner/run/layout.py)."""
+        virtual = self.chunk_layers or self.stage_layers
+        return tuple((k, virtual[k]) for k in range(stage, self.pp * self.vp, self.pp))
 
     def slots_of(self, layer: int) -> ExpertSlots | None:
         """The slot table of MoE layer `layer` in plan EP indices (None: not an MoE layer)."""
@@ -138,30 +156,19 @@ class RunSpec:
 
 
 def _plan_stages(plan: Plan, model: ModelSpec, scale: float) -> list[tuple[int, ...]]:
-    """The plan's stage layers, after checking what the runtime can execute."""
+    """The plan's layers per virtual stage (pp * vp of them), after checking what the
+    runtime can execute."""
     par = plan.parallel
     if not 0.0 < scale <= 1.0:
         raise SpecError(f"--scale must be in (0, 1], got {scale}")
-    if par.cp > 1:
-        raise SpecError(
-            f"plan: cp={par.cp} (context parallel) does not run on this runtime; train it "
-            "with Megatron-LM: 'piper export PLAN --to megatron'"
-        )
-    for knob in ("vp", "etp"):
-        if getattr(par, knob) > 1:
-            raise SpecError(
-                f"plan: {knob}={getattr(par, knob)} does not run on this runtime yet; train it "
-                "with Megatron-LM: 'piper export PLAN --to megatron'"
-            )
+    refuse_context_parallel(par.cp)
     if len(plan.stages) != par.pp:
         raise SpecError(
             f"plan: {len(plan.stages)} stages but parallel.pp={par.pp}; "
             "regenerate it with 'piper plan'"
         )
     stages = [tuple(s.layers) for s in sorted(plan.stages, key=lambda s: s.stage)]
-    if [i for s in stages for i in s] != list(range(model.num_layers)):
-        raise SpecError(f"plan: stages must cover layers 0..{model.num_layers - 1} in order")
-    return stages
+    return virtual_stages(stages, par.vp, model.num_layers)
 
 
 def _placements(plan: Plan, model: ModelSpec, source: list[int]):
@@ -208,13 +215,19 @@ def run_spec_from_plan(
         hidden_size=scale_width(model.hidden_size, scale),
         num_mtp_layers=0,
     )
-    starts = [sum(len(s) for s in kept[:i]) for i in range(par.pp + 1)]
+    starts = [sum(len(s) for s in kept[:i]) for i in range(len(kept) + 1)]
+    virtual = tuple(tuple(range(starts[k], starts[k + 1])) for k in range(len(kept)))
     seq_len = int(plan.training.get("seq_len", 4096))
     num_mb = par.num_microbatches
     if scale < 1.0:
         seq_len = max(16, int(round(seq_len * scale)))
         num_mb = max(par.pp, int(round(num_mb * scale)))
+        if par.vp > 1:  # interleaved 1F1B runs micro-batches in groups of pp
+            num_mb = par.pp * max(1, int(round(par.num_microbatches * scale / par.pp)))
     _check_tp(run_model, par.tp)
+    check_expert_tp(run_model, par.etp)
+    fsdp = bool(plan.training.get("fsdp", False))
+    check_fsdp(fsdp, options.get("migrate_every", 0))
     placements, slots = _placements(plan, model, source)
     recomputed = {i for s in plan.stages for i in s.recompute_layers}
     recompute = par.recompute if recomputed and par.recompute != "none" else "none"
@@ -227,13 +240,17 @@ def run_spec_from_plan(
         micro_batch=par.micro_batch,
         num_microbatches=num_mb,
         seq_len=seq_len,
-        stage_layers=tuple(tuple(range(starts[i], starts[i + 1])) for i in range(par.pp)),
+        stage_layers=rank_layers(virtual, par.pp),
         placements=placements,
         slots=slots,
         source_layers=tuple(source),
         logical_of_physical=physical_order(plan),
         ranks_per_node=ranks_per_node or min(world, plan.cluster.gpus_per_node or world),
         tp=par.tp,
+        vp=par.vp,
+        etp=par.etp,
+        fsdp=fsdp,
+        chunk_layers=virtual if par.vp > 1 else (),
         recompute=recompute,
         recompute_layers=tuple(i for i, src in enumerate(source) if src in recomputed)
         if recompute != "none"

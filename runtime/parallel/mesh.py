@@ -1,12 +1,17 @@
 """Process groups from the plan: pipeline, data-parallel, tensor-parallel, stage, EP,
-expert-DP, node, rail.
+expert-TP, expert-DP, node, rail.
 
-Logical ranks follow the rank IP's (Megatron's) convention: logical r = stage * (dp * tp)
-+ j with j = dp_idx * tp + tp_idx the rank's place in its stage block; ep_idx = j % ep and
-edp_idx = j // ep (EP groups are ep consecutive ranks of the block). Process RANK p runs
-logical rank `spec.logical_of_physical[p]` and sits on emulated node p // ranks_per_node.
-Groups: pp (same j, every stage), dp (same stage and tp_idx: dense gradients), tp (same
-stage and dp_idx), stage (the whole block: routing statistics, migration decisions), ep, edp.
+Logical ranks follow the rank IP's (Megatron's) convention (planner/FORMULATION.md, "Logical
+rank convention"): logical r = stage * (dp * tp) + j with j = dp_idx * tp + tp_idx the rank's
+place in its stage block; the expert mesh etp x ep x edp folds over the same block:
+etp_idx = j % etp, ep_idx = (j // etp) % ep, edp_idx = j // (etp * ep). An EP group is ep
+ranks etp apart (with etp = 1, ep consecutive ranks), so it may span several data-parallel
+and tensor-parallel ranks; an expert-TP group is etp consecutive ranks holding the same
+experts. Process RANK p runs logical rank `spec.logical_of_physical[p]` and sits on emulated
+node p // ranks_per_node. Groups: pp (same j, every stage), dp (same stage and tp_idx: dense
+gradients), tp (same stage and dp_idx), stage (the whole block: routing statistics, migration
+decisions), ep (same stage, edp_idx and etp_idx), etp (same stage, edp_idx and ep_idx), edp
+(same stage, ep_idx and etp_idx: expert gradients).
 
 torch.distributed.new_group sorts its members, so a group's rank order can differ from the
 plan's order whenever the rank IP permuted devices; `Mesh` therefore keeps each group's
@@ -37,16 +42,20 @@ class RankCoord:
     edp_idx: int
     node: int
     local_rank: int
+    etp_idx: int = 0
 
 
 def rank_coords(spec: RunSpec) -> tuple[RankCoord, ...]:
     """Coordinates of every process, indexed by physical rank (pure; no process group)."""
     coords = []
-    g, ep = spec.ranks_per_node, spec.ep
+    g, ep, etp = spec.ranks_per_node, spec.ep, spec.etp
     for p, logical in enumerate(spec.logical_of_physical):
         stage, j = divmod(logical, spec.dp * spec.tp)
         dp_idx, tp_idx = divmod(j, spec.tp)
-        coords.append(RankCoord(p, logical, stage, dp_idx, tp_idx, j % ep, j // ep, p // g, p % g))
+        ep_idx, edp_idx = (j // etp) % ep, j // (etp * ep)
+        coords.append(
+            RankCoord(p, logical, stage, dp_idx, tp_idx, ep_idx, edp_idx, p // g, p % g, j % etp)
+        )
     return tuple(coords)
 
 
@@ -70,6 +79,8 @@ class Mesh:
     edp_ranks: list[int]  # by edp_idx
     node_group: object
     rail_group: object
+    etp_group: object  # None when etp = 1
+    etp_ranks: list[int]  # by etp_idx
 
     def node_of(self, physical: int) -> int:
         return self.coords[physical].node
@@ -82,45 +93,52 @@ class Mesh:
         return self.ep_ranks.index(sorted(self.ep_ranks)[group_rank])
 
 
+def group_members(spec: RunSpec) -> dict[str, list[list[int]]]:
+    """Every group of the run by kind, members as physical ranks in plan order (pure).
+
+    Kinds: pp, dp, tp, stage, ep, edp, node, rail and, with etp > 1, etp."""
+    phys = {c.logical: c.physical for c in rank_coords(spec)}
+    pp, dp, tp, ep, etp = spec.pp, spec.dp, spec.tp, spec.ep, spec.etp
+    block, mesh = dp * tp, etp * ep  # ranks per stage; per expert-mesh replica
+    replicas, stages = range(block // mesh), range(pp)
+
+    def expert(s: int, q: int, i: int, t: int) -> int:  # stage, edp_idx, ep_idx, etp_idx
+        return phys[s * block + q * mesh + i * etp + t]
+
+    g, world = spec.ranks_per_node, spec.world
+    nodes = range((world + g - 1) // g)
+    cube = [(s, q, i, t) for s in stages for q in replicas for i in range(ep) for t in range(etp)]
+    out = {
+        "pp": [[phys[s * block + j] for s in stages] for j in range(block)],
+        "dp": [
+            [phys[s * block + d * tp + t] for d in range(dp)] for s in stages for t in range(tp)
+        ],
+        "tp": [
+            [phys[s * block + d * tp + t] for t in range(tp)] for s in stages for d in range(dp)
+        ],
+        "stage": [[phys[s * block + j] for j in range(block)] for s in stages],
+        "ep": [[expert(s, q, i, t) for i in range(ep)] for s, q, i, t in cube if i == 0],
+        "edp": [[expert(s, q, i, t) for q in replicas] for s, q, i, t in cube if q == 0],
+        "node": [list(range(n * g, min(world, (n + 1) * g))) for n in nodes],
+        "rail": [[n * g + j for n in nodes if n * g + j < world] for j in range(g)],
+    }
+    if etp > 1:
+        out["etp"] = [[expert(s, q, i, t) for t in range(etp)] for s, q, i, t in cube if t == 0]
+    return out
+
+
 def build_mesh(spec: RunSpec, rank: int) -> Mesh:
     """Create every group (all processes call this in the same order) and return mine."""
     coords = rank_coords(spec)
-    phys = {c.logical: c.physical for c in coords}
-    me = coords[rank]
-    mine: dict[str, tuple[object, list[int]]] = {}
-
-    def make(kind: str, members: list[int]) -> None:
-        group = dist.new_group(members) if len(members) < dist.get_world_size() else None
-        group = group if group is not None else dist.group.WORLD
-        if rank in members:
-            mine[kind] = (group, members)
-
-    pp, dp, tp, ep = spec.pp, spec.dp, spec.tp, spec.ep
-    block = dp * tp
-    for j in range(block):
-        make("pp", [phys[s * block + j] for s in range(pp)])
-    for s in range(pp):
-        for t in range(tp):
-            make("dp", [phys[s * block + d * tp + t] for d in range(dp)])
-    for s in range(pp):
-        for d in range(dp):
-            make("tp", [phys[s * block + d * tp + t] for t in range(tp)])
-    for s in range(pp):
-        make("stage", [phys[s * block + j] for j in range(block)])
-    for s in range(pp):
-        for q in range(block // ep):
-            make("ep", [phys[s * block + q * ep + i] for i in range(ep)])
-    for s in range(pp):
-        for i in range(ep):
-            make("edp", [phys[s * block + q * ep + i] for q in range(block // ep)])
-    g, world = spec.ranks_per_node, len(coords)
-    nodes = (world + g - 1) // g
-    for n in range(nodes):
-        make("node", list(range(n * g, min(world, (n + 1) * g))))
-    for local in range(g):
-        make("rail", [n * g + local for n in range(nodes) if n * g + local < world])
+    mine: dict[str, tuple[object, list[int]]] = {"etp": (None, [rank])}  # etp = 1: no group
+    for kind, groups in group_members(spec).items():
+        for members in groups:
+            whole = len(members) == dist.get_world_size()
+            group = dist.group.WORLD if whole else dist.new_group(members)
+            if rank in members:
+                mine[kind] = (group, members)
     return Mesh(
-        me,
+        coords[rank],
         coords,
         *mine["pp"],
         *mine["dp"],
@@ -130,4 +148,5 @@ def build_mesh(spec: RunSpec, rank: int) -> Mesh:
         *mine["edp"],
         mine["node"][0],
         mine["rail"][0],
+        *mine["etp"],
     )

@@ -1,8 +1,14 @@
 """Pipeline stages and schedule (torch.distributed.pipelining) and the gradient sync.
 
-Each rank owns one stage (the plan has pp stages, one per pipeline rank); the schedule is
-`Schedule1F1B` from torch.distributed.pipelining (GPipe when micro-batches < pp, which 1F1B
-refuses), with the library's runtime shape inference.
+Each pipeline rank runs vp model chunks (StageModules); chunk c is virtual stage c * pp + s
+of pp * vp (planner/run/layout.py). With vp = 1 the schedule is `Schedule1F1B` from
+torch.distributed.pipelining (GPipe when micro-batches < pp, which 1F1B refuses); with vp > 1
+it is `ScheduleInterleaved1F1B` (Narayanan et al. 2021, "Efficient Large-Scale Language
+Model Training on GPU Clusters Using Megatron-LM", section 2.2), both with the library's
+runtime shape inference. The interleaved schedule assumes process-group rank g runs virtual
+stages g, g + pp, ...; when the plan's pipeline order is not the group's sorted order
+(a permuted rank table), `PlanOrderInterleaved1F1B` gives group rank g the actions of its
+plan position, and the library derives the stage -> rank map from those actions.
 (Declaring static shapes with input/output args and grads, in torch 2.13 on gloo, left the
 first stage with zero gradients, which the single-device oracle test caught; without grads
 the static path refuses to run backward.) pp = 1 runs the same micro-batch loop by hand
@@ -19,10 +25,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor
 
 from runtime.metrics import ByteCounter
 from runtime.model.transformer import StageModule, lm_loss
+from runtime.parallel.fsdp import gradient_sync
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.replicas import sum_replica_gradients
 
@@ -65,21 +79,60 @@ class CountingStage(PipelineStage):
         return self._count(super().get_bwd_send_ops(bwd_chunk_id))
 
 
+class RankChunks(nn.Module):
+    """The vp model chunks of one pipeline rank, seen as one module by the trainer: its
+    MoE layers, parameters and their kinds are those of all chunks (layers ascending)."""
+
+    def __init__(self, chunks: list[StageModule]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.first, self.last = chunks[0].first, chunks[-1].last
+
+    def moe_layers(self) -> dict:
+        return {i: m for c in self.chunks for i, m in c.moe_layers().items()}
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return [p for c in self.chunks for p in c.expert_parameters()]
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        return [p for c in self.chunks for p in c.dense_parameters()]
+
+    def tp_partial_parameters(self) -> list[nn.Parameter]:
+        return [p for c in self.chunks for p in c.tp_partial_parameters()]
+
+
+def chunks_of(module: StageModule | RankChunks) -> list[StageModule]:
+    """The model chunks of a rank's module, in chunk order."""
+    return list(module.chunks) if isinstance(module, RankChunks) else [module]
+
+
+class PlanOrderInterleaved1F1B(ScheduleInterleaved1F1B):
+    """Interleaved 1F1B where process-group rank g sits at plan pipeline position
+    `position_of_group_rank[g]` (the library's schedule assumes position g)."""
+
+    def __init__(self, stages, n_microbatches, loss_fn, position_of_group_rank: dict[int, int]):
+        self._position = position_of_group_rank
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn)
+
+    def _calculate_single_rank_operations(self, rank):
+        return super()._calculate_single_rank_operations(self._position[rank])
+
+
 class PipelineRunner:
     """Runs one optimizer step's forward/backward over the micro-batches of one replica.
 
     Args:
-        module: this rank's StageModule. mesh: its groups. micro_batch, num_microbatches,
-        seq_len: shapes. counter: where p2p bytes are recorded. device: torch device.
+        module: this rank's StageModule, or RankChunks with vp > 1. mesh: its groups.
+        virtual: the virtual stage index of each chunk (RunSpec.chunks). num_microbatches:
+        per step. counter: where p2p bytes are recorded. device: torch device.
     """
 
     def __init__(
         self,
-        module: StageModule,
+        module: StageModule | RankChunks,
         mesh: Mesh,
-        micro_batch: int,
+        virtual: list[int],
         num_microbatches: int,
-        seq_len: int,
         counter: ByteCounter,
         device: torch.device,
     ) -> None:
@@ -88,23 +141,27 @@ class PipelineRunner:
         self.schedule = None
         if pp == 1:
             return
-        stage = CountingStage(module, mesh.me.stage, pp, device, group=mesh.pp_group)
         order = sorted(mesh.pp_ranks)
-        stage.stage_index_to_group_rank = {s: order.index(r) for s, r in enumerate(mesh.pp_ranks)}
-        stage.counter = counter
+        group_rank = [order.index(r) for r in mesh.pp_ranks]  # by plan position
+        n = pp * len(virtual)
+        stages = []
+        for k, chunk in zip(virtual, chunks_of(module), strict=True):
+            stage = CountingStage(chunk, k, n, device, group=mesh.pp_group)
+            stage.stage_index_to_group_rank = {v: group_rank[v % pp] for v in range(n)}
+            stage.counter = counter
+            stages.append(stage)
+        if len(stages) > 1:
+            position = {g: s for s, g in enumerate(group_rank)}
+            self.schedule = PlanOrderInterleaved1F1B(stages, num_microbatches, lm_loss, position)
+            return
         # 1F1B needs at least pp micro-batches; fewer run as GPipe (same math, more memory)
         schedule = Schedule1F1B if num_microbatches >= pp else ScheduleGPipe
-        self.schedule = schedule(stage, num_microbatches, loss_fn=lm_loss)
+        self.schedule = schedule(stages[0], num_microbatches, loss_fn=lm_loss)
 
     def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float | None:
         """Forward + backward of every micro-batch; returns the mean loss on the last stage."""
         if self.schedule is None:
-            total = 0.0
-            for x, y in zip(inputs_BS.chunk(self.m), targets_BS.chunk(self.m), strict=True):
-                loss = lm_loss(self.module(x), y) / self.m
-                loss.backward()
-                total += float(loss.detach())
-            return total
+            return self._step_by_hand(inputs_BS, targets_BS)
         losses: list[torch.Tensor] = []
         if self.module.first:
             self.schedule.step(inputs_BS)
@@ -116,11 +173,25 @@ class PipelineRunner:
             return float(torch.stack([x.detach() for x in losses]).mean())
         return None
 
+    def _step_by_hand(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float:
+        """pp = 1: forward, backward of loss / m per micro-batch (FSDP units reduce-scatter
+        their gradients in the last backward only)."""
+        total, units = 0.0, list(self.module.modules())
+        pairs = list(zip(inputs_BS.chunk(self.m), targets_BS.chunk(self.m), strict=True))
+        for i, (x, y) in enumerate(pairs):
+            with gradient_sync(units, on=i == len(pairs) - 1):
+                loss = lm_loss(self.module(x), y) / self.m
+                loss.backward()
+            total += float(loss.detach())
+        return total
+
 
 def _allreduce_mean(
     params, group, members: list[int], divisor: int, counter: ByteCounter, kind: str
 ) -> None:
-    """Sum the grads of `params` over `group` in one flat buffer and divide by `divisor`."""
+    """Sum the grads of `params` over `group` in one flat buffer and divide by `divisor`;
+    FSDP's sharded parameters (DTensors) are skipped: their reduce-scatter did it."""
+    params = [p for p in params if not isinstance(p, DTensor)]  # FSDP reduced its own
     if not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

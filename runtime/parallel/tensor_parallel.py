@@ -37,6 +37,8 @@ class TPGroup:
     """This rank's tensor-parallel group: `ranks` are physical ranks in plan order.
 
     tokens: B * S, the tokens of one micro-batch (what the slices split); seq_len: S.
+    row_sizes: each member's rows when they are not the even split of `tokens` (the expert-TP
+    group's received rows, runtime/parallel/expert_tp.py). kind: the byte counter's kind.
     """
 
     group: object
@@ -44,7 +46,9 @@ class TPGroup:
     index: int  # my position in `ranks` (the plan's tp_idx)
     tokens: int
     seq_len: int
-    counter: object = None  # runtime.metrics.ByteCounter: TP bytes counted as kind "tp"
+    counter: object = None  # runtime.metrics.ByteCounter: bytes counted as `kind`
+    row_sizes: tuple[int, ...] | None = None
+    kind: str = "tp"
 
     @property
     def size(self) -> int:
@@ -52,6 +56,8 @@ class TPGroup:
 
     @property
     def sizes(self) -> list[int]:
+        if self.row_sizes is not None:
+            return list(self.row_sizes)
         return chunk_sizes(self.tokens, self.size)
 
     @property
@@ -64,7 +70,7 @@ class TPGroup:
 
     def _count(self, nbytes: int) -> None:
         if self.counter is not None:  # ring model: (n - 1) / n of the whole buffer
-            self.counter.add_ring("tp", nbytes, self.ranks, passes=1)
+            self.counter.add_ring(self.kind, nbytes, self.ranks, passes=1)
 
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[my slice, ...] -> [all tokens, ...], slices in plan order."""

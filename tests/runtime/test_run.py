@@ -15,6 +15,7 @@ from planner.migration.trace import load_trace
 from planner.plan import ClusterEntry, ModelEntry, ParallelPlan, RankPlan
 from planner.run.scale import keep_layers
 from planner.run.spec import run_spec_from_plan
+from planner.specs import SpecError
 from tests.runtime.tiny_plans import hand_plan
 
 
@@ -94,6 +95,45 @@ def test_bad_runs_exit_2_with_one_line(tmp_path, capsys, args, tp, msg):
     path, _ = _write_plan(tmp_path, pp=1 if tp == 3 else 2, **changes)
     assert main(["run", str(path), "--steps", "1", *args]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_context_parallel_is_refused_in_one_line_naming_the_megatron_export(tmp_path, capsys):
+    path, plan = _write_plan(tmp_path, pp=1, dp=2)
+    par = replace(plan.parallel, dp=1, cp=2)  # 2 ranks: one data-parallel rank of two cp
+    ranks = tuple(RankPlan(r, 0, r, 0, 0, 0, 0, cp=r) for r in range(2))
+    path.write_text(replace(plan, parallel=par, ranks=ranks).to_json())
+    assert main(["run", str(path), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cp=2 (context parallel) does not run on this runtime" in err
+    assert "'piper export PLAN --to megatron'" in err and "\n" not in err
+
+
+def test_interleaved_stages_take_their_chunk_sizes_in_virtual_order():
+    model = load_model("mixtral-8x7b")  # 32 layers
+    plan = hand_plan(model, pp=4, dp=1, ep=1, num_microbatches=8, vp=2)  # 8 layers a rank
+    spec = run_spec_from_plan(plan, model, 1.0, 4)
+    assert spec.chunks(1) == ((1, (4, 5, 6, 7)), (5, (20, 21, 22, 23)))
+    assert spec.stage_layers[1] == (4, 5, 6, 7, 20, 21, 22, 23)
+    # uneven stages: rank s runs its stage's layer count, chunk c the size of chunk c of
+    # stage s (virtual_chunks: earlier chunks take the extra layer)
+    runs = [range(0, 5), range(5, 12), range(12, 21), range(21, 32)]
+    uneven = replace(plan, stages=tuple(
+        replace(s, layers=tuple(r)) for s, r in zip(plan.stages, runs, strict=True)))  # fmt: skip
+    spec = run_spec_from_plan(uneven, model, 1.0, 4)
+    sizes = [len(layers) for layers in spec.chunk_layers]
+    assert sizes == [3, 4, 5, 6, 2, 3, 4, 5]  # in virtual order k = c * pp + s
+    assert [i for c in spec.chunk_layers for i in c] == list(range(32))
+    assert [len(s) for s in spec.stage_layers] == [5, 7, 9, 11]
+    # scaled: one layer per virtual stage, micro-batches a multiple of pp
+    small = run_spec_from_plan(plan, model, 0.25, 4)
+    assert [len(c) for c in small.chunk_layers] == [1] * 8 and small.num_microbatches == 4
+    assert small.source_layers == (0, 4, 8, 12, 16, 20, 24, 28)
+    assert small.chunks(0) == ((0, (0,)), (4, (4,)))  # plan layers 0 and 16
+    one = [range(0, 1), range(1, 12), *runs[2:]]  # stage 0: one layer for two chunks
+    lone = replace(plan, stages=tuple(
+        replace(s, layers=tuple(r)) for s, r in zip(plan.stages, one, strict=True)))  # fmt: skip
+    with pytest.raises(SpecError, match="holds 1 layers, fewer than vp=2 chunks"):
+        run_spec_from_plan(lone, model, 1.0, 4)
 
 
 def test_one_run_options_builds_both_parsers_and_the_torchrun_line():
@@ -204,6 +244,33 @@ def test_piper_run_end_to_end_through_torchrun(tmp_path, capsys):
     run = json.loads((out / "run.json").read_text())
     assert (run["pp"], run["hidden_size"], run["seq_len"], run["backend"]) == (2, 32, 32, "gloo")
     assert "4 steps: loss" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_piper_run_trains_a_vp2_fsdp_plan_like_the_oracle(tmp_path, capsys):
+    """`piper run` on a plan with interleaved 1F1B (pp=2 x vp=2) and FSDP over dp=2."""
+    from runtime.data import load_corpus
+    from tests.runtime.tiny_plans import reference_losses
+
+    model = load_model("tiny-moe")  # 4 layers: one per virtual stage
+    entry = ModelEntry("tiny-moe", model.source, model_config(model))
+    plan = hand_plan(model, 2, 2, 2, micro_batch=2, num_microbatches=2, seq_len=32,
+                     gpus_per_node=2, model_entry=entry, vp=2, fsdp=True)  # fmt: skip
+    path, out = tmp_path / "plan.json", tmp_path / "run"
+    path.write_text(plan.to_json())
+    rc = main(["run", str(path), "--steps", "3", "--out", str(out), "--force"])
+    assert rc == 0, capsys.readouterr().err
+    run = json.loads((out / "run.json").read_text())
+    assert (run["pp"], run["vp"], run["fsdp"], run["chunk_layers"]) == (
+        2,
+        2,
+        True,
+        [[0], [1], [2], [3]],
+    )
+    load_corpus()
+    spec = run_spec_from_plan(plan, model, 1.0, 2, steps=3)
+    losses = [d["loss"] for d in load_metrics(out / "metrics.jsonl")]
+    assert losses == pytest.approx(reference_losses(spec), rel=2e-3, abs=2e-3)
 
 
 def test_more_processes_than_memory_holds_are_refused(tmp_path, capsys, monkeypatch):

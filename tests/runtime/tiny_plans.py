@@ -43,9 +43,13 @@ def hand_plan(
     gpus_per_node: int = 8,
     model_entry: ModelEntry | None = None,
     tp: int = 1,
+    vp: int = 1,
+    etp: int = 1,
+    fsdp: bool = False,
 ) -> Plan:
     """A plan written by hand (no solver): even stages, contiguous expert blocks, ranks in
-    order. `model_entry` is plan.model (name, source, config)."""
+    order. `model_entry` is plan.model (name, source, config). vp > 1: the runtime interleaves
+    the stages' chunks (planner/run/layout.py)."""
     n = model.num_layers
     bounds = [round(s * n / pp) for s in range(pp + 1)]
     stages = tuple(StagePlan(s, tuple(range(bounds[s], bounds[s + 1]))) for s in range(pp))
@@ -57,7 +61,7 @@ def hand_plan(
     ranks = tuple(
         RankPlan(
             r, r // gpus_per_node, r % gpus_per_node, r // block, r % block // tp, r % tp,
-            r % block % ep,
+            r % block // etp % ep,
         )
         for r in range(pp * block)
     )  # fmt: skip
@@ -66,8 +70,20 @@ def hand_plan(
         cluster=ClusterEntry(
             "hand", gpus_per_node=gpus_per_node, nodes=-(-pp * block // gpus_per_node)
         ),
-        training={"seq_len": seq_len, "global_batch": dp * micro_batch * num_microbatches},
-        parallel=ParallelPlan(pp, dp, tp, ep, block // ep, micro_batch, num_microbatches, "none"),
+        training={"seq_len": seq_len, "global_batch": dp * micro_batch * num_microbatches}
+        | ({"fsdp": True} if fsdp else {}),
+        parallel=ParallelPlan(
+            pp,
+            dp,
+            tp,
+            ep,
+            block // (etp * ep),
+            micro_batch,
+            num_microbatches,
+            "none",
+            vp=vp,
+            etp=etp,
+        ),
         stages=stages,
         experts=experts,
         ranks=ranks,

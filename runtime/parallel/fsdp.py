@@ -1,0 +1,103 @@
+"""FSDP: weights, gradients and optimizer state sharded with torch's `fully_shard` (FSDP2).
+
+With the plan's `training.fsdp`, every model chunk of this rank is wrapped bottom-up, one
+FSDP unit per group of parameters that is replicated alike:
+- each MoE layer's routed experts over the expert-DP group (the replicas of those experts),
+  their reduce-scatter dividing by dp (summed over edp and divided by dp, as the replicated
+  sync does: each expert already holds its EP group's gradient);
+- each transformer block (attention, norms, dense MLP, router, shared experts) and then the
+  chunk itself (embedding, final norm, head) over the data-parallel group, averaged over dp.
+Parameters stay sharded on dim 0 between steps (DTensor shards), and the Adam state built on
+them is sharded alike. A unit all-gathers its parameters before its forward and again
+before its backward (reshard after forward; the chunk's root unit keeps its parameters
+between the two, FSDP2's default), and reduce-scatters its gradients once per step, after
+the last micro-batch's backward (the pipeline schedules do this for FSDP stage modules;
+`no_sync` does it for pp = 1).
+With tp > 1, the weights whose gradients are partial over the TP group (norms, routers,
+row-parallel biases, gates: StageModule.tp_partial_parameters) stay replicated (FSDP's
+ignored parameters) and are reduced by pipeline.sync_gradients as without FSDP; they are a
+few vectors per layer.
+
+Bytes are counted by the collectives FSDP calls (set_custom_all_gather /
+set_custom_reduce_scatter), ring model: each all-gather sends (n - 1)/n of the gathered
+buffer (kind "fsdp"), each reduce-scatter (n - 1)/n of the whole gradient buffer (kind
+grad_dense or grad_expert).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from runtime.metrics import ByteCounter
+from runtime.model.transformer import StageModule
+from runtime.parallel.mesh import Mesh
+
+
+class _CountingComm:
+    """An FSDP collective (all-gather or reduce-scatter) that records its bytes."""
+
+    def __init__(self, counter: ByteCounter, kind: str, members: list[int]) -> None:
+        self.counter, self.kind, self.members = counter, kind, members
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _count(self, whole: torch.Tensor) -> None:
+        self.counter.add_ring(self.kind, whole.numel() * whole.element_size(), self.members, 1)
+
+
+class _AllGather(_CountingComm):
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        self._count(output_tensor)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _ReduceScatter(_CountingComm):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self._count(input_tensor)
+        return dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+        )
+
+
+def _shard(module, mesh: DeviceMesh, members, counter, grad_kind, ignored) -> FSDPModule:
+    unit = fully_shard(module, mesh=mesh, ignored_params=ignored or None)
+    unit.set_custom_all_gather(_AllGather(counter, "fsdp", members))
+    unit.set_custom_reduce_scatter(_ReduceScatter(counter, grad_kind, members))
+    return unit
+
+
+def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -> None:
+    """Wrap one model chunk in FSDP units (module docstring), in place; before the optimizer
+    is built, since its parameters become DTensor shards."""
+    device = next(chunk.parameters()).device.type
+    dp_mesh = DeviceMesh.from_group(mesh.dp_group, device)
+    edp_mesh = DeviceMesh.from_group(mesh.edp_group, device)
+    ignored = set(chunk.tp_partial_parameters())
+    for block in chunk.blocks:
+        if block.moe is not None:
+            experts = _shard(
+                block.moe.experts, edp_mesh, mesh.edp_ranks, counter, "grad_expert", set()
+            )
+            experts.set_gradient_divide_factor(float(dp))
+        _shard(block, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored)
+    _shard(chunk, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored)
+
+
+@contextmanager
+def gradient_sync(modules, on: bool):
+    """Within: the FSDP units of `modules` reduce-scatter gradients in backward only if `on`
+    (off: they accumulate unsharded gradients, as FSDP's no_sync)."""
+    units = [m for m in modules if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_requires_gradient_sync(on)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True)
