@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from planner.parallel import ParallelConfig
+from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
 from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
 
 RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("bf16", "fp16", "fp8", "mxfp8", "fp32")
+DISPATCHERS = ("flat", "halo", "deepep")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,31 +23,59 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", required=True, help="model preset name or config path")
     p.add_argument("--cluster", required=True, help="cluster preset name or YAML path")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides dp*tp)")
-    p.add_argument("--gpus", type=int, default=None, help="check that pp*dp*tp equals this")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--num-microbatches", type=int, default=None, help="per data-parallel rank")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
-    p.add_argument("--recompute", choices=RECOMPUTE, default="none")
-    p.add_argument("--zero", action="store_true", help="distributed optimizer (shard Adam)")
-    p.add_argument("--bytes-per-param", type=int, choices=(16, 18), default=16)
-    p.add_argument("--routing-skew", type=float, default=1.0, help="hot rank load / mean")
-    p.add_argument("--no-flash", action="store_true", help="attention without flash kernels")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"))
-    p.add_argument("--dispatcher", choices=("flat", "halo"), default="flat")
+    _layout_arguments(p)
+    _training_arguments(p)
+    p.add_argument("--dispatcher", choices=DISPATCHERS, default="flat")
     p.add_argument("--accounting", choices=("piper", "paper"), default="piper")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="write estimate.json, memory/time/comm.csv here")
     p.set_defaults(func=run)
 
 
+def _layout_arguments(p: argparse.ArgumentParser) -> None:
+    sizes = (
+        ("--pp", "pipeline stages"),
+        ("--dp", "data-parallel degree"),
+        ("--tp", "tensor-parallel degree"),
+        ("--ep", "expert-parallel degree (etp*ep divides tp*cp*dp)"),
+        ("--vp", "interleaved model chunks per pipeline rank"),
+        ("--cp", "context-parallel degree"),
+        ("--etp", "expert tensor-parallel degree"),
+    )
+    for flag, text in sizes:
+        p.add_argument(flag, type=int, default=1, help=text)
+    p.add_argument("--gpus", type=int, default=None, help="check that pp*dp*tp*cp equals this")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--num-microbatches", type=int, default=None, help="per data-parallel rank")
+    p.add_argument("--recompute", choices=RECOMPUTE, default=None,
+                   help="default none; selective when --recompute-modules is given")  # fmt: skip
+    p.add_argument("--recompute-modules", default=None, metavar="LIST",
+                   help="selective recompute modules, comma-separated: "
+                   + ",".join(RECOMPUTE_MODULES))  # fmt: skip
+
+
+def _training_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--zero", action="store_true", help="distributed optimizer (shard Adam)")
+    p.add_argument("--fsdp", action="store_true", help="shard weights, gradients and optimizer")
+    p.add_argument("--optimizer-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="Adam moments dtype")  # fmt: skip
+    p.add_argument("--mtp-layers", type=int, default=None, help="MTP layers (default: model's)")
+    p.add_argument("--a2a-overlap", action="store_true",
+                   help="1F1B all-to-all overlap behind another micro-batch")  # fmt: skip
+    p.add_argument("--gate-in-activation", action="store_true",
+                   help="router weights applied in the expert activation")  # fmt: skip
+    p.add_argument("--bytes-per-param", type=int, choices=(16, 18), default=16)
+    p.add_argument("--routing-skew", type=float, default=1.0, help="hot rank load / mean")
+    p.add_argument("--no-flash", action="store_true", help="attention without flash kernels")
+    p.add_argument("--dtype", default="bf16", choices=DTYPES,
+                   help="fp8/mxfp8: the linear GEMMs in low precision")  # fmt: skip
+
+
 def _microbatches(args: argparse.Namespace) -> tuple[int, int]:
     """(num_microbatches, global_batch) from the flags; a mismatch is one error line."""
-    for flag in ("pp", "dp", "tp", "ep", "micro_batch"):
+    for flag in ("pp", "dp", "tp", "ep", "micro_batch", "vp", "cp", "etp"):
         if getattr(args, flag) < 1:
             name = flag.replace("_", "-")
             raise SpecError(f"--{name} must be >= 1, got {getattr(args, flag)}")
@@ -79,21 +109,40 @@ def _inputs(
     model, cluster = load_model(args.model), load_cluster(args.cluster)
     check_dtype(cluster, args.dtype, args.cluster)
     m, gb = _microbatches(args)
+    recompute, modules = _recompute(args)
     parallel = ParallelConfig(
         pp=args.pp, dp=args.dp, tp=args.tp, ep=args.ep, micro_batch=args.micro_batch,
-        num_microbatches=m, recompute=args.recompute,
+        num_microbatches=m, recompute=recompute, vp=args.vp, cp=args.cp, etp=args.etp,
+        recompute_modules=modules,
     )  # fmt: skip
     if args.gpus is not None and parallel.world != args.gpus:
         raise SpecError(
-            f"layout: pp*dp*tp = {parallel.world} but --gpus {args.gpus}; make them multiply "
+            f"layout: pp*dp*tp*cp = {parallel.world} but --gpus {args.gpus}; make them multiply "
             "to the GPU count"
         )
     training = TrainingSpec(
         seq_len=args.seq_len, global_batch=gb, dtype=args.dtype,
-        bytes_per_param=args.bytes_per_param, zero=args.zero, recompute=args.recompute,
-        flash_attention=not args.no_flash, routing_skew=args.routing_skew,
+        bytes_per_param=args.bytes_per_param, zero=args.zero, recompute=recompute,
+        flash_attention=not args.no_flash, routing_skew=args.routing_skew, fsdp=args.fsdp,
+        optimizer_dtype=args.optimizer_dtype, mtp_layers=args.mtp_layers,
+        a2a_overlap=args.a2a_overlap, gate_in_activation=args.gate_in_activation,
     )  # fmt: skip
     return model, cluster, training, parallel
+
+
+def _recompute(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    """(policy, modules) from --recompute and --recompute-modules; modules alone mean
+    selective recompute."""
+    if args.recompute_modules is None:
+        return args.recompute or "none", ()
+    modules = tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip())
+    if not modules:
+        raise SpecError("--recompute-modules is empty; list modules, e.g. core_attn,moe_act")
+    if args.recompute not in (None, "selective"):
+        raise SpecError(
+            f"--recompute-modules needs --recompute selective, not {args.recompute}; drop one"
+        )
+    return "selective", modules
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,12 +163,26 @@ def run(args: argparse.Namespace) -> int:
             "tp": parallel.tp,
             "ep": parallel.ep,
             "edp": parallel.edp,
+            "vp": parallel.vp,
+            "cp": parallel.cp,
+            "etp": parallel.etp,
             "micro_batch": parallel.micro_batch,
             "num_microbatches": m,
             "recompute": parallel.recompute,
+            "recompute_modules": list(parallel.selective_modules),
             "world": parallel.world,
         },  # fmt: skip
-        "training": {"seq_len": training.seq_len, "global_batch": gb, "zero": training.zero},
+        "training": {
+            "seq_len": training.seq_len,
+            "global_batch": gb,
+            "zero": training.zero,
+            "fsdp": training.fsdp,
+            "dtype": training.dtype,
+            "optimizer_dtype": training.optimizer_dtype,
+            "mtp_layers": model.num_mtp_layers if args.mtp_layers is None else args.mtp_layers,
+            "a2a_overlap": training.a2a_overlap,
+            "gate_in_activation": training.gate_in_activation,
+        },  # fmt: skip
         "dispatcher": args.dispatcher,
         "accounting": args.accounting,
         **estimate_to_dict(est),
@@ -166,12 +229,19 @@ def _files(data: dict) -> dict[str, str]:
 
 
 def _table(d: dict) -> str:
-    par = d["parallel"]
+    par, tr = d["parallel"], d["training"]
+    rc = par["recompute"]
+    if par["recompute_modules"]:
+        rc += f"({','.join(par['recompute_modules'])})"
+    sharding = "fsdp" if tr["fsdp"] else "distributed optimizer" if tr["zero"] else "replicated"
     lines = [
-        f"{d['model']} on {d['cluster']}: pp={par['pp']} dp={par['dp']} tp={par['tp']} "
-        f"ep={par['ep']} edp={par['edp']} micro-batch={par['micro_batch']} "
-        f"micro-batches={par['num_microbatches']} recompute={par['recompute']} "
-        f"({par['world']} GPUs, {d['dispatcher']} all-to-all)",
+        f"{d['model']} on {d['cluster']}: pp={par['pp']} vp={par['vp']} dp={par['dp']} "
+        f"tp={par['tp']} cp={par['cp']} ep={par['ep']} etp={par['etp']} edp={par['edp']} "
+        f"micro-batch={par['micro_batch']} micro-batches={par['num_microbatches']} "
+        f"recompute={rc} ({par['world']} GPUs, {d['dispatcher']} all-to-all"
+        f"{', overlapped' if tr['a2a_overlap'] else ''})",
+        f"  {tr['dtype']}, {sharding}, Adam moments {tr['optimizer_dtype']}, "
+        f"MTP layers {tr['mtp_layers']}",
         "",
     ]
     mem_keys = list(d["stages"][0]["memory_gib"])
@@ -187,13 +257,28 @@ def _table(d: dict) -> str:
     for st in d["stages"]:
         row = " ".join(f"{st['time_s'].get(k, 0.0) * 1e3:>11.2f}" for k in time_keys)
         lines.append(f"{st['stage']:>5} {row} {st['total_s'] * 1e3:>9.2f}")
+    hidden_keys = sorted({k for st in d["stages"] for k in st["hidden_s"]})
+    if hidden_keys:
+        lines += ["", "communication hidden behind compute, per micro-batch (ms)"]
+        lines.append(f"{'stage':>5} " + " ".join(f"{k[:11]:>11}" for k in hidden_keys))
+        for st in d["stages"]:
+            row = " ".join(f"{st['hidden_s'].get(k, 0.0) * 1e3:>11.2f}" for k in hidden_keys)
+            lines.append(f"{st['stage']:>5} {row}")
     lines += ["", "communication per step on the bottleneck stage (s)"]
     lines += [f"  {k:<24} {v:>10.4f}" for k, v in d["comm_s"].items()]
     tables = ", ".join(d["used_measured_tables"]) or "none (analytic defaults)"
+    extras = "".join(
+        f", {label} {d[key]:.4f} s"
+        for key, label in (
+            ("unpaired_s", "unpaired warm-up"),
+            ("fsdp_first_gather_s", "first FSDP gather"),
+        )
+        if d[key]
+    )
     lines += [
         "",
         f"step time        {d['step_time_s']:.4f} s  (bubble {d['bubble_fraction']:.1%}, "
-        f"exposed comm {d['exposed_comm_s']:.4f} s)",
+        f"exposed comm {d['exposed_comm_s']:.4f} s{extras})",
         f"tokens/s         {d['tokens_per_s']:,.0f}",
         f"TFLOPS per GPU   {d['tflops_per_gpu']:.1f}  (MFU {d['mfu']:.1%})",
         f"memory limit     {d['usable_memory_gib']:.1f} GiB per GPU (stage totals include "

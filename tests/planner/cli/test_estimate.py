@@ -72,3 +72,68 @@ def test_every_model_preset_on_every_cluster_gives_finite_numbers():
             est = estimate(model, cluster, tr, par)
             assert 0 < est.step_time_s < 1e6 and 0 < est.mfu < 1, (mname, cname)
             assert all(st.total_gib > 0 for st in est.stages)
+
+
+KNOBS = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--pp", "2", "--vp", "2",
+         "--dp", "4", "--tp", "2", "--cp", "2", "--ep", "8", "--etp", "2", "--seq-len", "8192",
+         "--global-batch", "64", "--recompute-modules", "layernorm,moe_act", "--zero",
+         "--bytes-per-param", "18", "--dispatcher", "deepep", "--a2a-overlap", "--dtype", "fp8",
+         "--optimizer-dtype", "bf16", "--mtp-layers", "0", "--gate-in-activation"]  # fmt: skip
+
+
+def test_every_knob_reaches_the_resource_model(capsys):
+    assert main([*KNOBS, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    par = ParallelConfig(
+        pp=2, dp=4, tp=2, ep=8, micro_batch=1, num_microbatches=16, recompute="selective",
+        vp=2, cp=2, etp=2, recompute_modules=("layernorm", "moe_act"),
+    )  # fmt: skip
+    tr = TrainingSpec(
+        seq_len=8192, global_batch=64, dtype="fp8", bytes_per_param=18, zero=True,
+        recompute="selective", optimizer_dtype="bf16", mtp_layers=0, a2a_overlap=True,
+        gate_in_activation=True,
+    )  # fmt: skip
+    est = estimate(load_model("qwen3-30b-a3b"), load_cluster("h100"), tr, par, dispatcher="deepep")
+    assert data["step_time_s"] == pytest.approx(est.step_time_s, rel=1e-8)
+    assert data["unpaired_s"] == pytest.approx(est.unpaired_s, rel=1e-8) and est.unpaired_s > 0
+    p = data["parallel"]
+    assert (p["vp"], p["cp"], p["etp"], p["edp"], p["world"]) == (2, 2, 2, 1, 32)
+    assert p["recompute_modules"] == ["layernorm", "moe_act"]
+    assert data["training"]["dtype"] == "fp8" and data["training"]["mtp_layers"] == 0
+    st = data["stages"][0]
+    assert {"quantize", "cp_node", "etp_node"} <= set(st["time_s"])
+    assert "cp_kv_buffers" in st["memory_gib"] and "a2a_leaf" in st["hidden_s"]
+    assert st["in_flight"] == 6  # 2 (pp - 1) + (vp - 1) pp + 1, + 1 for the overlap
+
+
+def test_table_shows_the_new_terms(capsys):
+    assert main(KNOBS) == 0
+    out = capsys.readouterr().out
+    assert "pp=2 vp=2 dp=4 tp=2 cp=2 ep=8 etp=2 edp=1" in out
+    assert (
+        "recompute=selective(layernorm,moe_act)" in out and "deepep all-to-all, overlapped" in out
+    )
+    assert "fp8, distributed optimizer, Adam moments bf16, MTP layers 0" in out
+    assert "communication hidden behind compute" in out and "unpaired warm-up" in out
+    assert "cp_kv_buffe" in out and "quantize" in out  # names cut to 11 characters
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--fsdp", "--zero"], "fsdp and zero"),
+        (["--recompute", "full", "--recompute-modules", "moe"], "needs --recompute selective"),
+        (["--recompute-modules", "attn"], "recompute module(s) attn unknown"),
+        (["--vp", "2"], "vp=2 needs pp > 1"),
+        (["--a2a-overlap"], "needs ep > 1"),
+        (["--cp", "3", "--gpus", "12", "--dp", "4"], "seq_len=4096 must be a multiple of 6"),
+        (["--dtype", "mxfp8", "--cluster", "h100"], "mxfp8"),
+        (["--dispatcher", "halo", "--a2a-overlap", "--ep", "2", "--dp", "2"], "not halo"),
+    ],
+)
+def test_bad_knob_combinations_are_one_line_exit_2(extra, match, capsys):
+    base = ["estimate", "--model", "mixtral-8x7b", "--cluster", "frontier", "--pp", "1",
+            "--dp", "8", "--global-batch", "64"]  # fmt: skip
+    rc = main([*base, *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and match in err, err
