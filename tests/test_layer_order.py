@@ -58,6 +58,8 @@ RUNTIME_RANKS = {
     "runtime.parallel.tensor_parallel": 12,
     "runtime.model": 13,
     "runtime.parallel.replicas": 13.5,  # slot tables on the model, replica gradient sums
+    "runtime.parallel.expert_tp": 13.5,  # expert TP: slices of the model's experts
+    "runtime.parallel.fsdp": 13.5,  # FSDP units over the model's blocks
     "runtime.parallel.pipeline": 14,
     "runtime.migrate": 14,
     "runtime.train": 15,
