@@ -229,12 +229,16 @@ def _workspace(
     params_unit: float,
 ) -> tuple[tuple[str, float], ...]:
     """Transient bytes while the layer runs: FSDP's gathered units; the cp ring's K/V buffers
-    (a send and a receive buffer of K/V and, in backward, of their gradients: 4 x one step)."""
+    (a send and a receive buffer of K/V and, in backward, of their gradients: 4 x one step);
+    with vp > 1 the receive buffers Megatron's interleaved schedule posts ahead for the next
+    chunk's input and gradient (`--overlap-p2p-communication`, on with vp): 2 x a T d."""
     out = []
     if training.fsdp:
         out.append(("fsdp_gathered", fsdp_gathered_bytes(params_unit, training)))
     if parallel.cp > 1:
         out.append(("cp_kv_buffers", 4 * traffic.cp_kv_bytes(model, layer, training, parallel)))
+    if parallel.vp > 1 and parallel.pp > 1:
+        out.append(("p2p_buffers", 2 * traffic.p2p_bytes(model, training, parallel)))
     return tuple(out)
 
 

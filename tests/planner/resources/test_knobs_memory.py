@@ -52,6 +52,8 @@ def test_interleaved_stage_activations_by_hand():
     assert [st.in_flight for st in est.stages] == [5, 3]
     assert _mem(est.stages[0])["activations"] == pytest.approx(5 / 2 * (4 * per_layer + ids))
     assert _mem(est.stages[1])["activations"] == pytest.approx(3 / 2 * (4 * per_layer + head))
+    # the receive buffers posted ahead for the next chunk's input and gradient: 2 a T d
+    assert _mem(est.stages[0])["p2p_buffers"] == pytest.approx(2 * 2 * 32 * D)
     inputs = stage_cost_inputs(model, make_cluster(), tr, par)
     assert inputs.in_flight(0) * sum(u.act_bytes for u in inputs.units[:4]) == pytest.approx(
         5 / 2 * 4 * per_layer

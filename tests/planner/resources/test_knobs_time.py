@@ -230,7 +230,8 @@ def test_stage_ip_with_interleaving_is_optimal_against_brute_force():
         splits.append((stages, mem, time))
         est = estimate(model, make_cluster(), tr, par, stage_layers=stages)
         for i, s in enumerate(stages):  # the contract: estimate's stage = the IP's stage
-            assert est.stages[i].total_gib == pytest.approx(
+            buffers = dict(est.stages[i].memory_gib)["p2p_buffers"]  # reserved from usable
+            assert est.stages[i].total_gib - buffers == pytest.approx(
                 stage_memory_bytes(big, i, s, ()) / GIB + 2.0
             )
     mems = sorted({m for _, m, _ in splits})
