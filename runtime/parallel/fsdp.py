@@ -10,9 +10,10 @@ FSDP unit per group of parameters that is replicated alike:
 Parameters stay sharded on dim 0 between steps (DTensor shards), and the Adam state built on
 them is sharded alike. A unit all-gathers its parameters before its forward and again
 before its backward (reshard after forward; the chunk's root unit keeps its parameters
-between the two, FSDP2's default), and reduce-scatters its gradients once per step, after
-the last micro-batch's backward (the pipeline schedules do this for FSDP stage modules;
-`no_sync` does it for pp = 1).
+between the two, FSDP2's default), and reduce-scatters its gradients after every
+micro-batch's backward, accumulating into its gradient shards, so gradients stay sharded
+too (ZeRO-3; with pp > 1 pipeline.CountingStage keeps that, where torch's pipelining would
+hold whole gradients until the step's last backward).
 With tp > 1, the weights whose gradients are partial over the TP group (norms, routers,
 row-parallel biases, gates: StageModule.tp_partial_parameters) stay replicated (FSDP's
 ignored parameters) and are reduced by pipeline.sync_gradients as without FSDP; they are a
@@ -25,8 +26,6 @@ grad_dense or grad_expert).
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -87,17 +86,3 @@ def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -
             experts.set_gradient_divide_factor(float(dp))
         _shard(block, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored)
     _shard(chunk, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored)
-
-
-@contextmanager
-def gradient_sync(modules, on: bool):
-    """Within: the FSDP units of `modules` reduce-scatter gradients in backward only if `on`
-    (off: they accumulate unsharded gradients, as FSDP's no_sync)."""
-    units = [m for m in modules if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.set_requires_gradient_sync(on)
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.set_requires_gradient_sync(True)

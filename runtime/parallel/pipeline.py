@@ -26,25 +26,47 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.pipelining.stage import stage_backward
 from torch.distributed.tensor import DTensor
 
 from runtime.metrics import ByteCounter
 from runtime.model.transformer import StageModule, lm_loss
-from runtime.parallel.fsdp import gradient_sync
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.replicas import sum_replica_gradients
 
 
 class CountingStage(PipelineStage):
-    """A PipelineStage that records the bytes of every activation / gradient it sends."""
+    """A PipelineStage that records the bytes of every activation / gradient it sends.
+
+    With an FSDP stage module, every micro-batch's backward reduce-scatters its gradients
+    into the shards, as without pipelining (runtime/parallel/fsdp.py); the library's default
+    instead keeps whole gradients until the step's last backward."""
 
     counter: ByteCounter | None = None
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
+        if not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if backward_type != "full":
+            raise NotImplementedError(f"FSDP stages run full backward, not {backward_type!r}")
+        grads = stage_backward(
+            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+        )
+        return grads, None
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """The step's end: FSDP reduced every backward already; only scale by 1 / m."""
+        if not isinstance(self.submod, FSDPModule):
+            return super().perform_reduce_grad(grad_scale_factor)
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
 
     def _count(self, ops):
         if self.counter is not None:
@@ -174,14 +196,11 @@ class PipelineRunner:
         return None
 
     def _step_by_hand(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float:
-        """pp = 1: forward, backward of loss / m per micro-batch (FSDP units reduce-scatter
-        their gradients in the last backward only)."""
-        total, units = 0.0, list(self.module.modules())
-        pairs = list(zip(inputs_BS.chunk(self.m), targets_BS.chunk(self.m), strict=True))
-        for i, (x, y) in enumerate(pairs):
-            with gradient_sync(units, on=i == len(pairs) - 1):
-                loss = lm_loss(self.module(x), y) / self.m
-                loss.backward()
+        """pp = 1: forward, backward of loss / m per micro-batch."""
+        total = 0.0
+        for x, y in zip(inputs_BS.chunk(self.m), targets_BS.chunk(self.m), strict=True):
+            loss = lm_loss(self.module(x), y) / self.m
+            loss.backward()
             total += float(loss.detach())
         return total
 

@@ -3,8 +3,9 @@
 Oracles: one step's gradients and the weights after one Adam step equal the single-device
 model's; parameters, gradients and Adam moments are shards (1/dp of the dense weights, 1/edp
 of the experts); a training run's loss sequence equals the oracle's; the gradients are
-reduce-scattered once per step (the bytes of one ring pass over the sharded units,
-counted by hand from the parameters), the parameters all-gathered per micro-batch.
+reduce-scattered after every micro-batch and the parameters all-gathered for its forward and
+backward (ring passes over the FSDP units, counted by hand from the parameters), with and
+without pipelining.
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ def test_weights_gradients_and_moments_are_shards(run_distributed):
         assert all(moment == local for _, local, _, moment in params)
 
 
-def test_fsdp_trains_like_the_oracle_and_its_collectives_move_the_units_bytes(run_distributed):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_fsdp_trains_like_the_oracle_and_its_collectives_move_the_units_bytes(run_distributed, pp):
     from runtime.model.transformer import StageModule
 
-    spec = _spec(dp=2, ep=1, m=3, steps=4)  # edp = 2: experts sharded over the pair too
+    spec = _spec(pp=pp, dp=2, ep=1, m=3 if pp == 1 else 4, steps=4)  # edp = 2: experts too
     results = run_distributed(train_body, spec.world, spec, timeout_s=240)
     lines = parse_metrics(results[0][1]["metrics.jsonl"])
     assert [d["loss"] for d in lines] == pytest.approx(reference_losses(spec), rel=2e-3, abs=2e-3)
@@ -100,9 +102,9 @@ def test_fsdp_trains_like_the_oracle_and_its_collectives_move_the_units_bytes(ru
     root = unit([p for n, p in model.named_parameters() if not n.startswith("blocks.")])
     expert = sum(unit(list(e.parameters())) for e in experts)
     kinds = lines[-1]["bytes_by_kind"]  # all on one emulated node: every key ends in _intra
-    # gradients: reduce-scattered once per step, after the last micro-batch's backward
-    assert kinds["grad_dense_intra"] == blocks + root
-    assert kinds["grad_expert_intra"] == expert
+    # gradients: reduce-scattered into the shards after every micro-batch's backward
+    assert kinds["grad_dense_intra"] == m * (blocks + root)
+    assert kinds["grad_expert_intra"] == m * expert
     # weights: every block and expert unit gathered for each micro-batch's forward and again
     # for its backward; the root unit (embedding, norm, head) kept from forward to backward
     assert kinds["fsdp_intra"] == m * (2 * (blocks + expert) + root)
