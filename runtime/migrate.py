@@ -9,8 +9,8 @@ expert-DP replicas) applies the same placement. A placement is a slot table per 
 placement may move an expert, add a copy of it in a free slot or a slot it takes over
 (a replica), or drop a copy (the slot is zeroed and stays free); every rank keeps its number
 of slots. A new copy receives the expert's weights, gradients and Adam moments from a current
-holder: one on the receiver's node if there is one, else the lowest EP rank. So the math of
-training is unchanged.
+holder: one on the receiver's node if there is one, else the lowest EP rank. An expert that
+stays on a rank keeps its slot (`arrange`). So the math of training is unchanged.
 
 Two phases: (1) every new copy is packed (weights, grads, moments) and sent point-to-point
 inside the EP group into staging buffers, with a float64 checksum; each receiver verifies
@@ -56,8 +56,10 @@ class MigrationPolicy:
     choose: a function with next_placement's signature: the planner's policy, or one a
         test passes in. A stage whose tables hold one copy of each expert and no free slot
         passes rank_of_expert_LE and reads `placement_LE`; a stage with replicas or free
-        slots passes each layer's slot rows (slots_LRS: per EP rank the experts of its
-        slots, EMPTY = -1 free) and reads `slots_LRS` in the same form.
+        slots passes each layer's slot rows (per EP rank the experts of its slots, EMPTY =
+        -1 free) and reads `slots_LRS`: per layer and EP rank the experts it holds next
+        (ragged, padded or not; entries below 0 hold nothing). The runtime arranges them
+        (`arrange`).
     """
 
     costs_by_stage: tuple[MoveCosts | None, ...] = ()
@@ -77,26 +79,44 @@ def _plain(table: ExpertSlots) -> bool:
     return EMPTY not in held and len(set(held)) == len(held)
 
 
+def arrange(old: ExpertSlots, held_R: Sequence[Sequence[int]]) -> ExpertSlots:
+    """The table in which EP rank r holds the experts held_R[r] (entries below 0 hold
+    nothing): an expert that stays keeps its slot, new ones fill the freed and free slots
+    in ascending id, the rest are EMPTY; every rank keeps its number of slots."""
+    rows = []
+    for r, (old_row, held) in enumerate(zip(old.slots_RS, held_R, strict=True)):
+        want = [int(e) for e in held if e >= 0]
+        if len(set(want)) < len(want) or len(want) > len(old_row):
+            raise ValueError(f"EP rank {r} gets {want} for {len(old_row)} slots")
+        incoming = sorted(set(want) - set(old_row))
+        row = [e if e in want else EMPTY for e in old_row]
+        for s in [s for s, e in enumerate(row) if e == EMPTY][: len(incoming)]:
+            row[s] = incoming.pop(0)
+        rows.append(row)
+    return ExpertSlots.even(rows)
+
+
 def ask_policy(
     migration: MigrationPolicy, costs, current: Sequence[ExpertSlots], history_TLE
 ) -> tuple[ExpertSlots, ...]:
     """The policy's tables for the next interval (plan EP indices); the current ones when it
-    fails or returns tables that change a rank's slot count or lose an expert."""
+    fails or returns a table that overfills a rank or loses an expert."""
     num_e = [1 + max(e for row in t.slots_RS for e in row) for t in current]
     ranks = len(current[0].slots_RS)
     try:
         if all(_plain(t) for t in current):
             rank_of = [t.rank_of_expert(n) for t, n in zip(current, num_e, strict=True)]
             decision = migration.choose(rank_of, history_TLE, costs, migration.options)
-            new = [ExpertSlots.of_ranks(row.tolist(), ranks) for row in decision.placement_LE]
+            held_LR = [
+                [[e for e, r in enumerate(row) if r == rank] for rank in range(ranks)]
+                for row in decision.placement_LE
+            ]
         else:
             slots = [[list(row) for row in t.slots_RS] for t in current]
-            decision = migration.choose(slots, history_TLE, costs, migration.options)
-            new = [ExpertSlots.even(rows) for rows in decision.slots_LRS]
-        for layer, (old, table, n) in enumerate(zip(current, new, num_e, strict=True)):
+            held_LR = migration.choose(slots, history_TLE, costs, migration.options).slots_LRS
+        new = [arrange(old, held) for old, held in zip(current, held_LR, strict=True)]
+        for layer, (table, n) in enumerate(zip(new, num_e, strict=True)):
             check_slots(table, n, ranks, layer)
-            if [len(r) for r in table.slots_RS] != [len(r) for r in old.slots_RS]:
-                raise ValueError(f"layer row {layer} changes a rank's number of slots")
     except Exception as exc:  # noqa: BLE001 - the other ranks wait for this broadcast
         log.warning("migration policy failed (%s); keeping the current placement", exc)
         return tuple(current)

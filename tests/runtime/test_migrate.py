@@ -19,7 +19,7 @@ from planner.resources.params import layer_params
 from planner.run.migration import run_move_costs
 from planner.run.spec import ExpertSlots, run_spec_from_plan
 from runtime.data import load_corpus
-from runtime.migrate import MigrationPolicy, copy_plan, decide, plan_migration
+from runtime.migrate import MigrationPolicy, arrange, copy_plan, decide, plan_migration
 from tests.runtime.tiny_plans import (
     SlotDecision,
     assert_experts_match_oracle,
@@ -95,7 +95,7 @@ def test_a_failing_policy_keeps_the_placement():
     assert tables == tuple(current)
 
 
-def test_a_policy_table_that_changes_slot_counts_or_loses_an_expert_is_refused():
+def test_a_policy_table_that_overfills_a_rank_or_loses_an_expert_is_refused():
     current = [ExpertSlots.even([[0, 1, 2], [2, 3]])]  # expert 2 replicated, ragged slots
     for bad in ([[0, 1], [2, 3, 1]], [[0, 1, 1], [2, 3]], [[0, 1, -1], [2, -1]]):
         policy = MigrationPolicy(choose=lambda *_a, rows=bad: SlotDecision((rows,)))
@@ -104,6 +104,17 @@ def test_a_policy_table_that_changes_slot_counts_or_loses_an_expert_is_refused()
     policy = MigrationPolicy(choose=lambda *_a: SlotDecision((good,)))
     (table,) = decide(_one_rank_mesh(), policy, current, [[[1, 1, 1, 1]]])
     assert table.slots_RS == ((0, 1, 3), (2, 3)) and table.holders(3) == ((0, 2), (1, 1))
+
+
+def test_arrange_keeps_staying_experts_in_their_slots():
+    old = ExpertSlots.even([[0, 1, 2], [2, 3, -1]])
+    # rank 0 drops 2 and gains 3 in its slot; rank 1 drops its copy of 2 (ascending rows,
+    # plan.json style, or padded with planner.migration.placement's ABSENT = -2)
+    new = arrange(old, [[0, 1, 3], [3, -2, -2]])
+    assert new.slots_RS == ((0, 1, 3), (-1, 3, -1))
+    assert new.share_RS == ((1.0, 1.0, 0.5), (0.0, 0.5, 0.0))
+    assert arrange(old, [[2, 1, 0], [2, 3]]) == old  # the same sets: nothing moves
+    assert arrange(old, [[1, 0], [4, 2, 3]]).slots_RS == ((0, 1, -1), (2, 3, 4))
 
 
 def test_copy_plan_takes_a_new_copy_from_a_holder_on_the_receivers_node():

@@ -180,11 +180,16 @@ class SlotDecision:
 
 def cycle_policy(cycle: list[list[list[int]]]):
     """A test policy over slot tables: every layer goes to the table after its current one
-    in `cycle` (per EP rank the experts of its slots), whatever the loads."""
+    in `cycle` (per EP rank the experts it holds, in any order), whatever the loads."""
+
+    def held(rows) -> list[list[int]]:
+        return [sorted(e for e in r if e >= 0) for r in rows]
 
     def choose(current_LRS, load_history_TLE, costs=None, options=None) -> SlotDecision:
-        rows = [[list(r) for r in layer] for layer in current_LRS]
-        return SlotDecision(tuple(cycle[(cycle.index(t) + 1) % len(cycle)] for t in rows))
+        order = [held(t) for t in cycle]
+        return SlotDecision(
+            tuple(cycle[(order.index(held(t)) + 1) % len(cycle)] for t in current_LRS)
+        )
 
     return choose
 
