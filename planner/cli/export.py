@@ -1,12 +1,13 @@
-"""`piper export PLAN --to megatron|torchtitan|slurm [--out FILE] [--command CMD]`."""
+"""`piper export PLAN --to megatron|torchtitan|slurm [--out FILE] [--trainer T] [--command CMD]`."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from planner.outputs.export import EXPORT_TARGETS, export_plan
+from planner.outputs.export import DEFAULT_FILENAMES, EXPORT_TARGETS, TRAINERS, export_plan
 from planner.outputs.files import write_atomic
 from planner.plan import load_plan
 
@@ -14,7 +15,7 @@ from planner.plan import load_plan
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "export",
-        help="turn a plan.json into Megatron-LM flags, a torchtitan TOML or a Slurm script",
+        help="turn a plan.json into Megatron-LM or torchtitan arguments or a Slurm script",
         description="Export a plan for Megatron-LM, torchtitan or Slurm. Anything the target "
         "cannot express is listed as NOTE lines in the output.",
     )
@@ -22,16 +23,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--to", required=True, choices=EXPORT_TARGETS, help="export target")
     p.add_argument("--out", help="write to FILE (default: print to stdout)")
     p.add_argument(
+        "--trainer",
+        choices=TRAINERS,
+        default="piper",
+        help="slurm only: what each rank runs: Piper's runtime (default), Megatron-LM or "
+        "torchtitan (the script sources that export, see --args-file)",
+    )
+    p.add_argument(
+        "--args-file",
+        help="slurm only, --trainer megatron|torchtitan: the export the script sources "
+        "(default: megatron_args.sh / torchtitan_args.sh beside --out, or in the current "
+        "directory)",
+    )
+    p.add_argument(
         "--command",
-        help="slurm only: the per-rank trainer command "
-        "(default: python -m runtime.launch --plan PLAN --out results/run)",
+        help="slurm only: the per-rank trainer command (default: the trainer's own, e.g. "
+        "python -m runtime.launch --plan PLAN --out results/run)",
     )
     p.set_defaults(func=run)
 
 
+def _args_file(args: argparse.Namespace) -> str | None:
+    """The absolute path of the file the Slurm script sources for its trainer."""
+    if args.trainer == "piper":
+        return None
+    if args.args_file:
+        return str(Path(args.args_file).resolve())
+    folder = Path(args.out).resolve().parent if args.out else Path.cwd()
+    return str(folder / DEFAULT_FILENAMES[args.trainer])
+
+
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
-    result = export_plan(plan, args.to, plan_path=args.plan, command=args.command)
+    result = export_plan(
+        plan,
+        args.to,
+        plan_path=str(Path(args.plan).resolve()),  # the script runs from anywhere
+        command=args.command,
+        trainer=args.trainer,
+        args_file=_args_file(args),
+    )
     if args.out:
         write_atomic(args.out, result.text)
         if args.to == "slurm":

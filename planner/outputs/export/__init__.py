@@ -2,8 +2,10 @@
 
 `export_plan(plan, target)` renders one file as text plus the notes on what the target cannot
 express; every note is also written into the file as a comment. Each target is one module:
-megatron (flags), torchtitan (a TOML job config), slurm (an sbatch script that launches one
-task per rank with the rank-to-node order of the rank IP).
+megatron (a bash file: environment and MEGATRON_ARGS), torchtitan (a bash file:
+TORCHTITAN_ARGS for torchtitan 0.3's ConfigManager), slurm (an sbatch script that launches
+one task per rank with the rank-to-node order of the rank IP, for Piper's runtime, Megatron-LM
+or torchtitan).
 """
 
 from __future__ import annotations
@@ -11,17 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.outputs.export.megatron import megatron_script
-from planner.outputs.export.slurm import slurm_script
-from planner.outputs.export.torchtitan import torchtitan_toml
+from planner.outputs.export.slurm import TRAINERS, Trainer, slurm_script
+from planner.outputs.export.torchtitan import torchtitan_script
 from planner.plan.schema import Plan
 from planner.specs import SpecError
 
 EXPORT_TARGETS = ("megatron", "torchtitan", "slurm")
 DEFAULT_FILENAMES = {
     "megatron": "megatron_args.sh",
-    "torchtitan": "torchtitan.toml",
+    "torchtitan": "torchtitan_args.sh",
     "slurm": "piper.sbatch",
 }
+
+__all__ = ["DEFAULT_FILENAMES", "EXPORT_TARGETS", "TRAINERS", "ExportResult", "export_plan"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,12 @@ class ExportResult:
 
 
 def export_plan(
-    plan: Plan, target: str, plan_path: str = "plan.json", command: str | None = None
+    plan: Plan,
+    target: str,
+    plan_path: str = "plan.json",
+    command: str | None = None,
+    trainer: Trainer = "piper",
+    args_file: str | None = None,
 ) -> ExportResult:
     """Render `plan` for `target` (megatron | torchtitan | slurm).
 
@@ -43,16 +52,18 @@ def export_plan(
         plan: a loaded plan.json.
         target: one of EXPORT_TARGETS.
         plan_path: how the Slurm script refers to the plan file.
-        command: the Slurm script's per-rank trainer command (default: Piper's runtime).
+        command: the Slurm script's per-rank trainer command (default: the trainer's).
+        trainer: the Slurm script's trainer: piper | megatron | torchtitan.
+        args_file: the Megatron or torchtitan export the Slurm script sources.
     """
     if target not in EXPORT_TARGETS:
         raise SpecError(
             f"export: unknown target '{target}'; use one of {', '.join(EXPORT_TARGETS)}"
         )
     if target == "slurm":
-        text, notes = slurm_script(plan, plan_path, command)
+        text, notes = slurm_script(plan, plan_path, command, trainer, args_file)
     elif target == "megatron":
         text, notes = megatron_script(plan, plan.model_spec())
     else:
-        text, notes = torchtitan_toml(plan, plan.model_spec())
+        text, notes = torchtitan_script(plan, plan.model_spec())
     return ExportResult(target, text, notes, DEFAULT_FILENAMES[target])

@@ -1,9 +1,16 @@
 """Megatron-LM (Megatron-Core) command-line arguments for a plan, and what they cannot say.
 
+The export is a bash file: the environment Megatron needs (CUDA_DEVICE_MAX_CONNECTIONS) and
+an array MEGATRON_ARGS with the layout (tp, pp, cp, ep, etp, vp, batch sizes, sequence
+parallel), recompute, the optimizer sharding (distributed optimizer or Megatron-FSDP), the
+precision recipe, the MoE dispatcher and all-to-all overlap, and the model
+(planner.outputs.export.megatron_model). Tokenizer and data flags are the user's.
+
 Pipeline split: an even split needs no flag; an uneven one whose middle stages are equal uses
-`--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`; any other split
-uses `--pipeline-model-parallel-layout` (Megatron-Core >= 0.13, E = embedding, t = layer,
-m = MTP, L = loss, '|' between stages), with a note.
+`--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`; any other split,
+and every interleaved one whose virtual stages differ in size, uses
+`--pipeline-model-parallel-layout` (E = embedding, t = layer, m = MTP, L = loss, '|' between
+virtual stages in Megatron's order: virtual stage k = c * pp + s is chunk c of rank s).
 """
 
 from __future__ import annotations
@@ -12,22 +19,57 @@ import shlex
 from dataclasses import dataclass
 
 from planner.outputs.export.describe import noncontiguous_expert_layers, plan_title
+from planner.outputs.export.megatron_model import model_args
+from planner.outputs.export.model_settings import model_settings
 from planner.plan.schema import Plan
+from planner.run.layout import virtual_stages
 from planner.specs import ModelSpec
 
-_DTYPE_FLAGS = {"bf16": "--bf16", "fp16": "--fp16"}
+# Megatron-Core release that introduced a flag (checked in the core_r0.13.0 .. core_r0.16.0
+# branches of Megatron-LM); every other flag exported here exists since 0.13.
+FLAG_SINCE = {
+    "--overlap-moe-expert-parallel-comm": (0, 14),
+    "--use-megatron-fsdp": (0, 14),
+    "--softmax-type": (0, 15),
+    "--glu-linear-offset": (0, 15),
+    "--activation-func-clamp-value": (0, 15),
+    "--window-attn-skip-freq": (0, 15),
+    "--moe-flex-dispatcher-backend": (0, 16),
+}
+BASE_VERSION = (0, 13)
+MTP_LAYOUT_VERSION = (0, 14)  # 'm' in --pipeline-model-parallel-layout
+CHECKED_VERSION = "0.16"  # megatron-core in the tests, Megatron-LM core_r0.16.0 in the benchmark
+# Precision recipes (planner/resources/precision.py): fp8 = per-tensor current scaling.
+_PRECISION = {
+    "bf16": ["--bf16"],
+    "fp16": ["--fp16"],
+    "fp32": [],
+    "fp8": ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
+    "mxfp8": ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"],
+}
 
 
 @dataclass(frozen=True)
 class MegatronArgs:
-    """Flags in order (flag, then its value when it takes one) and notes for the user."""
+    """Flags in order (flag, then its value when it takes one), the environment Megatron
+    needs, notes for the user and the oldest Megatron-Core release with every flag."""
 
     args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
     notes: tuple[str, ...]
+    min_version: tuple[int, int]
+
+
+def layout_string(counts: list[int], mtp_layers: int) -> str:
+    """Megatron's pipeline layout for layers per (virtual) stage `counts`, in stage order."""
+    stages = ["t" * c for c in counts]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "m" * mtp_layers + "L"
+    return "|".join(stages)
 
 
 def pipeline_split_args(counts: list[int], mtp_layers: int) -> tuple[list[str], list[str]]:
-    """Flags expressing layers per stage `counts`, and notes."""
+    """Flags expressing layers per stage `counts` (vp = 1), and notes."""
     pp = len(counts)
     if pp == 1 or len(set(counts)) == 1:
         return [], []
@@ -41,26 +83,34 @@ def pipeline_split_args(counts: list[int], mtp_layers: int) -> tuple[list[str], 
         if counts[-1] != middle[0]:
             args += ["--decoder-last-pipeline-num-layers", str(counts[-1])]
         return args, []
-    stages = ["t" * c for c in counts]
-    stages[0] = "E" + stages[0]
-    stages[-1] += "m" * mtp_layers + "L"
-    note = (
-        "middle pipeline stages hold unequal layer counts "
-        f"{counts}; expressed with --pipeline-model-parallel-layout (Megatron-Core >= 0.13)"
-    )
-    return ["--pipeline-model-parallel-layout", "|".join(stages)], [note]
+    note = f"middle pipeline stages hold unequal layer counts {counts}: a layout string"
+    return ["--pipeline-model-parallel-layout", layout_string(counts, mtp_layers)], [note]
+
+
+def virtual_split_args(plan: Plan, model: ModelSpec, mtp_layers: int) -> list[str]:
+    """Interleaved 1F1B (vp > 1): layers per virtual stage, or a layout when they differ."""
+    stages = [s.layers for s in sorted(plan.stages, key=lambda s: s.stage)]
+    virtual = virtual_stages(stages, plan.parallel.vp, model.num_layers)
+    counts = [len(v) for v in virtual]
+    if len(set(counts)) == 1:
+        return ["--num-layers-per-virtual-pipeline-stage", str(counts[0])]
+    return ["--pipeline-model-parallel-layout", layout_string(counts, mtp_layers)]
 
 
 def recompute_args(plan: Plan) -> tuple[list[str], list[str]]:
-    """Recompute flags: per-stage layer choices as Megatron's block method when it fits."""
+    """Recompute flags: policy, Megatron's modules, or per-stage layers as the block method."""
     stages = sorted(plan.stages, key=lambda s: s.stage)
     chosen = [len(s.recompute_layers) for s in stages]
+    par = plan.parallel
     if not any(chosen):
-        if plan.parallel.recompute == "full":
+        if par.recompute == "full":
             return ["--recompute-granularity", "full", "--recompute-method", "uniform",
                     "--recompute-num-layers", "1"], []  # fmt: skip
-        if plan.parallel.recompute == "selective":
-            return ["--recompute-granularity", "selective"], []
+        if par.recompute == "selective":
+            modules = list(par.recompute_modules)
+            return ["--recompute-granularity", "selective"] + (
+                ["--recompute-modules", *modules] if modules else []
+            ), []
         return [], []
     n = max(chosen)
     prefix = all(tuple(s.recompute_layers) == tuple(s.layers[: len(s.recompute_layers)])
@@ -75,80 +125,98 @@ def recompute_args(plan: Plan) -> tuple[list[str], list[str]]:
             "--recompute-num-layers", str(n)], notes  # fmt: skip
 
 
-def _attention_args(model: ModelSpec) -> tuple[list[str], list[str]]:
-    att = model.layers[0].attention
-    args = ["--num-attention-heads", str(att.num_heads)]
-    notes = []
-    if att.kind == "mla":
-        args += ["--multi-latent-attention", "--kv-lora-rank", str(att.kv_lora_rank),
-                 "--qk-head-dim", str(att.qk_nope_head_dim),
-                 "--qk-pos-emb-head-dim", str(att.qk_rope_head_dim),
-                 "--v-head-dim", str(att.v_head_dim)]  # fmt: skip
-        if att.q_lora_rank:
-            args += ["--q-lora-rank", str(att.q_lora_rank)]
-        return args, notes
-    if att.num_kv_heads < att.num_heads:
-        args += ["--group-query-attention", "--num-query-groups", str(att.num_kv_heads)]
-    if att.head_dim * att.num_heads != model.hidden_size:
-        args += ["--kv-channels", str(att.head_dim)]
-    if att.qk_norm:
-        args.append("--qk-layernorm")
-    if att.bias and not att.o_bias:
-        args.append("--add-qkv-bias")
-    if att.sinks or any(layer.attention.sliding_window for layer in model.layers):
-        notes.append("attention sinks / sliding windows are not exported; add them by hand")
-    return args, notes
+def _parallel_args(plan: Plan) -> list[str]:
+    p = plan.parallel
+    gbs = p.dp * p.micro_batch * p.num_microbatches
+    args = ["--tensor-model-parallel-size", str(p.tp), "--pipeline-model-parallel-size", str(p.pp),
+            "--context-parallel-size", str(p.cp), "--expert-model-parallel-size", str(p.ep),
+            "--expert-tensor-parallel-size", str(p.etp),
+            "--micro-batch-size", str(p.micro_batch), "--global-batch-size", str(gbs)]  # fmt: skip
+    if p.tp > 1:  # the resource model splits tokens over tp (and Megatron wants it with MoE)
+        args.append("--sequence-parallel")
+    return args
 
 
-def _moe_args(model: ModelSpec) -> tuple[list[str], list[str]]:
-    moe = model.first_moe
-    if moe is None:
+def _optimizer_args(plan: Plan) -> list[str]:
+    """Distributed optimizer or Megatron-FSDP (ZeRO-3), and the Adam moments' dtype."""
+    t = plan.training
+    args = []
+    if t.get("fsdp"):
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                 "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]  # fmt: skip
+    elif t.get("zero"):
+        args.append("--use-distributed-optimizer")
+    if t.get("optimizer_dtype") == "bf16":
+        args += ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+                 "--exp-avg-sq-dtype", "bf16"]  # fmt: skip
+    return args
+
+
+def _moe_comm_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
+    """The token dispatcher (plan.extra['dispatcher']) and the 1F1B all-to-all overlap."""
+    if model.first_moe is None:
         return [], []
-    args = ["--num-experts", str(moe.num_experts), "--moe-router-topk", str(moe.top_k),
-            "--moe-ffn-hidden-size", str(moe.expert_ffn),
-            "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]  # fmt: skip
+    dispatcher = plan.extra.get("dispatcher", "flat")
     notes = []
-    pattern = [1 if layer.kind == "moe" else 0 for layer in model.layers]
-    freq = "1" if all(pattern) else "[" + ",".join(map(str, pattern)) + "]"
-    args += ["--moe-layer-freq", freq]
-    if moe.num_shared_experts:
-        shared = moe.num_shared_experts * moe.shared_ffn
-        args += ["--moe-shared-expert-intermediate-size", str(shared)]
-    if moe.router_bias and model.family in ("deepseek_v3", "kimi_k2"):
-        args.append("--moe-router-enable-expert-bias")
-    if moe.shared_gate or moe.expert_bias or (moe.router_bias and "--moe-router-enable-expert-bias"
-                                              not in args):  # fmt: skip
-        notes.append("shared-expert gate / expert biases / router bias are not exported")
-    if any(layer.kind == "moe" and layer.dense_ffn for layer in model.layers):
-        notes.append("Arctic's dense residual MLP beside the MoE has no Megatron flag")
+    if dispatcher == "deepep":
+        args = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+    else:
+        args = ["--moe-token-dispatcher-type", "alltoall"]
+        if dispatcher == "halo":
+            notes.append(
+                "Piper's HALO dispatch is not in Megatron: alltoall is exported; the "
+                "flex dispatcher with DeepEP is its node-deduplicated counterpart"
+            )
+    if plan.training.get("a2a_overlap"):
+        args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+        if plan.parallel.pp > 1 and plan.parallel.vp == 1:
+            notes.append("Megatron overlaps the all-to-all with pp > 1 only under interleaved "
+                         "1F1B (vp > 1); re-plan with --vp or drop --a2a-overlap")  # fmt: skip
     return args, notes
 
 
-def model_args(model: ModelSpec, seq_len: int) -> tuple[list[str], list[str]]:
-    """Architecture flags of `model` for Megatron-Core's GPT model."""
-    dense = next((layer.dense_ffn for layer in model.layers if layer.kind == "dense"), 0)
-    gated = model.layers[0].moe.gated if model.layers[0].moe else model.layers[0].dense_gated
-    ffn = dense or (model.first_moe.expert_ffn if model.first_moe else 0)
-    args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
-            "--ffn-hidden-size", str(ffn),
-            "--seq-length", str(seq_len), "--max-position-embeddings",
-            str(max(seq_len, model.max_position_embeddings)),
-            "--position-embedding-type", "rope", "--normalization", "RMSNorm"]  # fmt: skip
-    att_args, notes = _attention_args(model)
-    args += att_args
-    if gated:
-        args.append("--swiglu")
-    if not model.tie_word_embeddings:
-        args.append("--untie-embeddings-and-output-weights")
-    if not model.layers[0].attention.bias:
-        args.append("--disable-bias-linear")
-    moe_args, moe_notes = _moe_args(model)
-    args += moe_args
-    notes += moe_notes
-    if model.num_mtp_layers:
-        args += ["--mtp-num-layers", str(model.num_mtp_layers)]
-    notes.append(f"tokenizer flags are yours to add (the model's vocab_size is {model.vocab_size})")
-    return args, notes
+def megatron_env(plan: Plan) -> tuple[tuple[str, str], ...]:
+    """CUDA_DEVICE_MAX_CONNECTIONS: 1 keeps TP/CP communication ahead of compute (Megatron's
+    validate_args asserts it on Hopper); FSDP and the all-to-all overlap need more streams
+    (32, as Megatron's MoE recipes set for --overlap-moe-expert-parallel-comm)."""
+    t = plan.training
+    many = t.get("fsdp") or (t.get("a2a_overlap") and plan.parallel.ep > 1)
+    return (("CUDA_DEVICE_MAX_CONNECTIONS", "32" if many else "1"),)
+
+
+def min_version(args: list[str]) -> tuple[int, int]:
+    """The oldest Megatron-Core release that has every flag in `args`."""
+    versions = [FLAG_SINCE.get(a, BASE_VERSION) for a in args if a.startswith("--")]
+    layout = [args[i + 1] for i, a in enumerate(args) if a == "--pipeline-model-parallel-layout"]
+    if any("m" in lay for lay in layout):
+        versions.append(MTP_LAYOUT_VERSION)
+    return max(versions, default=BASE_VERSION)
+
+
+def megatron_args(plan: Plan, model: ModelSpec) -> MegatronArgs:
+    """All Megatron-LM flags for `plan` (layout, recompute, optimizer, precision, MoE, model)."""
+    p, training = plan.parallel, plan.training
+    gbs = p.dp * p.micro_batch * p.num_microbatches
+    notes = []
+    if training.get("global_batch") not in (None, gbs):
+        notes.append(f"global batch is dp*micro_batch*num_microbatches = {gbs} as planned, not "
+                     f"the requested {training['global_batch']}")  # fmt: skip
+    mtp = training.get("mtp_layers")
+    mtp_layers = model.num_mtp_layers if mtp is None else int(mtp)
+    if p.vp > 1:
+        split, split_notes = virtual_split_args(plan, model, mtp_layers), []
+    else:
+        counts = [len(s.layers) for s in sorted(plan.stages, key=lambda s: s.stage)]
+        split, split_notes = pipeline_split_args(counts, mtp_layers)
+    rc, rc_notes = recompute_args(plan)
+    seq_len = int(training.get("seq_len", 4096))
+    margs, mnotes = model_args(model, model_settings(plan, model), seq_len, mtp_layers)
+    comm, comm_notes = _moe_comm_args(plan, model)
+    precision = _PRECISION.get(str(training.get("dtype", "bf16")), ["--bf16"])
+    args = _parallel_args(plan) + split + rc + _optimizer_args(plan) + precision + comm + margs
+    notes += split_notes + rc_notes + comm_notes + mnotes + _placement_notes(plan)
+    notes.append(f"tokenizer and data flags are yours to add (vocab_size {model.vocab_size})")
+    return MegatronArgs(tuple(args), megatron_env(plan), tuple(notes), min_version(args))
 
 
 def _placement_notes(plan: Plan) -> list[str]:
@@ -160,58 +228,42 @@ def _placement_notes(plan: Plan) -> list[str]:
             f"{permuted} of {len(plan.experts)} MoE layers use a non-contiguous expert placement; "
             "Megatron puts expert e on EP rank e // (E/ep): permute the experts in the checkpoint"
         )
-    moved = [r.rank for r in plan.ranks if r.rank != r.tp + p.tp * (r.dp + p.dp * r.stage)]
+    moved = [r.rank for r in plan.ranks
+             if r.rank != r.tp + p.tp * (r.cp + p.cp * (r.dp + p.dp * r.stage))]  # fmt: skip
     if moved:
         notes.append(
-            f"{len(moved)} ranks differ from Megatron's tp-cp-ep-dp-pp rank order; launch with "
+            f"{len(moved)} ranks differ from Megatron's tp-cp-dp-pp rank order; launch with "
             "the slurm export's hostfile so each rank lands on the node the plan chose"
         )
     return notes
 
 
-def megatron_args(plan: Plan, model: ModelSpec) -> MegatronArgs:
-    """All Megatron-LM flags for `plan` (parallel sizes, batch, recompute, model, MoE)."""
-    p, training = plan.parallel, plan.training
-    gbs = p.dp * p.micro_batch * p.num_microbatches
-    args = ["--tensor-model-parallel-size", str(p.tp), "--pipeline-model-parallel-size", str(p.pp),
-            "--expert-model-parallel-size", str(p.ep), "--expert-tensor-parallel-size", "1",
-            "--micro-batch-size", str(p.micro_batch), "--global-batch-size", str(gbs)]  # fmt: skip
-    if p.tp > 1:  # the resource model splits tokens over tp (and Megatron wants it with MoE)
-        args.append("--sequence-parallel")
-    notes = []
-    if training.get("global_batch") not in (None, gbs):
-        notes.append(f"global batch is dp*micro_batch*num_microbatches = {gbs} as planned, not "
-                     f"the requested {training['global_batch']}")  # fmt: skip
-    counts = [len(s.layers) for s in sorted(plan.stages, key=lambda s: s.stage)]
-    split, split_notes = pipeline_split_args(counts, model.num_mtp_layers)
-    rc, rc_notes = recompute_args(plan)
-    margs, mnotes = model_args(model, int(training.get("seq_len", 4096)))
-    args += split + rc + margs
-    dtype_flag = _DTYPE_FLAGS.get(str(training.get("dtype", "bf16")))
-    if dtype_flag:
-        args.append(dtype_flag)
-    if training.get("zero"):
-        args.append("--use-distributed-optimizer")
-    notes += split_notes + rc_notes + mnotes + _placement_notes(plan)
-    return MegatronArgs(tuple(args), tuple(notes))
-
-
 def megatron_script(plan: Plan, model: ModelSpec) -> tuple[str, tuple[str, ...]]:
-    """The bash snippet of Megatron-LM flags for `plan` (notes as comments) and the notes."""
+    """The bash file of Megatron-LM flags for `plan` (notes as comments) and the notes."""
     m = megatron_args(plan, model)
-    return render_megatron(plan, m.args, m.notes), m.notes
+    return render_megatron(plan, m), m.notes
 
 
-def render_megatron(plan: Plan, args: tuple[str, ...], notes: tuple[str, ...]) -> str:
-    """A bash snippet defining MEGATRON_ARGS; use: source it, then pretrain_gpt.py "${...[@]}"."""
-    lines = [f"# Megatron-LM arguments for {plan_title(plan)}", "# generated by 'piper export'"]
-    lines += [f"# NOTE: {n}" for n in notes]
+def render_megatron(plan: Plan, m: MegatronArgs) -> str:
+    """A bash file exporting Megatron's environment and defining MEGATRON_ARGS; use: source
+    it, then `torchrun ... pretrain_gpt.py "${MEGATRON_ARGS[@]}" <tokenizer and data flags>`."""
+    version = ".".join(map(str, m.min_version))
+    lines = [
+        f"# Megatron-LM arguments for {plan_title(plan)}",
+        "# generated by 'piper export'; source it, then run",
+        '#   torchrun ... pretrain_gpt.py "${MEGATRON_ARGS[@]}" <tokenizer and data flags>',
+        f"# needs Megatron-Core >= {version} (checked with {CHECKED_VERSION})",
+    ]
+    lines += [f"# NOTE: {n}" for n in m.notes]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in m.env]
     lines.append("MEGATRON_ARGS=(")
+    args = m.args
     i = 0
     while i < len(args):
-        flag = args[i]
-        value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
-        lines.append(f"  {flag}" + (f" {shlex.quote(value)}" if value is not None else ""))
-        i += 2 if value is not None else 1
+        j = i + 1
+        while j < len(args) and not args[j].startswith("--"):
+            j += 1
+        lines.append("  " + " ".join([args[i], *(shlex.quote(v) for v in args[i + 1 : j])]))
+        i = j
     lines.append(")")
     return "\n".join(lines) + "\n"

@@ -1,148 +1,225 @@
-"""A torchtitan job config (TOML) for a plan, and what it cannot say.
+"""torchtitan 0.3 command-line arguments for a plan, and what they cannot say.
 
-torchtitan builds its meshes from data-parallel replicate x shard (HSDP), tensor, context,
-pipeline and expert degrees; Piper's layout (world = pp * dp * tp, ep inside dp * tp) maps
-onto them with the FSDP shard degree chosen so that ep divides shard * tp. Pipeline stages
-become `module_fqns_per_model_part`; per-layer recompute becomes torchtitan's mode 'full'.
+torchtitan 0.3 reads its job from `--module M --config F` (a model package and one of its
+`config_registry` functions, which fix the model's shapes) plus `--section.key value`
+overrides, parsed by its ConfigManager (`torchtitan/config/manager.py`, tyro). The export is
+a bash file defining `TORCHTITAN_ARGS=( ... )`; use: `torchrun ... -m torchtitan.train
+"${TORCHTITAN_ARGS[@]}"`.
+
+Mapping (torchtitan's ParallelismConfig / TrainingConfig, `torchtitan/config/configs.py`):
+- dp = data_parallel_replicate_degree x data_parallel_shard_degree; torchtitan shards
+  parameters with FSDP (ZeRO-3). With ZeRO or FSDP the whole dp is sharded; without, the
+  shard degree is the least divisor of dp with ep | shard * cp * tp (torchtitan borrows its
+  expert-parallel ranks from shard, cp and tp) and the rest is replicated (HSDP).
+- local_batch_size is per data-parallel rank per gradient-accumulation step; with pp > 1 it
+  holds all of a step's micro-batches (split by pipeline_parallel_microbatch_size), with
+  pp = 1 it is one micro-batch and torchtitan accumulates num_microbatches of them.
+- Pipeline stages become module_fqns_per_model_part (tok_embeddings on the first, norm and
+  lm_head on the last), pp * vp parts in virtual order for Interleaved1F1B.
+- CUDA graphs (on by default) refuse pipeline parallelism and the expert-parallel
+  dispatchers that synchronize with the host, so they are turned off when pp > 1 or ep > 1.
+Models torchtitan 0.3 lacks (Mixtral, Llama-4, ...) go through its experimental HF
+transformers backend (`torchtitan/experiments/transformers_modeling_backend`), with a note.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
+import shlex
+from dataclasses import dataclass
 
 from planner.outputs.export.describe import noncontiguous_expert_layers, plan_title
 from planner.parallel import divisors
 from planner.plan.schema import Plan
+from planner.run.layout import virtual_stages
 from planner.specs import ModelSpec
 
-# Piper family -> torchtitan model name (torchtitan/models/*); others need a custom model.
-TORCHTITAN_MODELS = {
-    "llama": "llama3",
-    "deepseek_v2": "deepseek_v3",
-    "deepseek_v3": "deepseek_v3",
-    "kimi_k2": "deepseek_v3",
-    "qwen3_moe": "qwen3",
-    "llama4": "llama4",
+HF_BACKEND = "transformers_modeling_backend"
+TORCHTITAN_VERSION = "0.3.0"
+
+
+@dataclass(frozen=True)
+class TitanModel:
+    """A torchtitan model package and its config function for one model (shapes fixed)."""
+
+    module: str
+    config: str
+    fp8_config: str = ""  # the config function with FP8 converters, where one exists
+
+
+# (Piper family, layers, hidden) -> torchtitan 0.3's own model (models/*/config_registry.py).
+TITAN_MODELS = {
+    ("deepseek_v3", 61, 7168): TitanModel(
+        "deepseek_v3", "deepseek_v3_671b", "deepseek_v3_671b_float8"
+    ),  # fmt: skip
+    ("deepseek_v2", 27, 2048): TitanModel("deepseek_v3", "deepseek_v3_16b"),
+    ("qwen3_moe", 48, 2048): TitanModel("qwen3", "qwen3_30b_a3b"),
+    ("gpt_oss", 24, 2880): TitanModel("gpt_oss", "gpt_oss_20b"),
+    ("gpt_oss", 36, 2880): TitanModel("gpt_oss", "gpt_oss_120b"),
+    ("llama", 32, 4096): TitanModel("llama3", "llama3_8b"),
 }
+# Hugging Face ids of Piper's presets, for the HF backend's --hf_model.
+HF_IDS = {
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+    "mixtral-8x22b": "mistralai/Mixtral-8x22B-v0.1",
+    "llama4-scout": "meta-llama/Llama-4-Scout-17B-16E",
+    "llama4-maverick": "meta-llama/Llama-4-Maverick-17B-128E",
+    "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
+    "qwen2-57b-a14b": "Qwen/Qwen2-57B-A14B",
+    "qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B",
+    "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924",
+    "dbrx": "databricks/dbrx-base",
+    "deepseek-v2": "deepseek-ai/DeepSeek-V2",
+    "kimi-k2": "moonshotai/Kimi-K2-Base",
+    "phi-3.5-moe": "microsoft/Phi-3.5-MoE-instruct",
+}
+_TITAN_DTYPES = {"fp32": "float32"}  # everything else trains with bf16 parameters
 
 
-def _stage_fqns(plan: Plan) -> list[list[str]]:
-    """torchtitan module names per pipeline stage (embedding first, norm + output last)."""
-    parts = []
-    last = len(plan.stages) - 1
-    for stage in sorted(plan.stages, key=lambda s: s.stage):
-        fqns = [f"layers.{i}" for i in stage.layers]
-        if stage.stage == 0:
-            fqns.insert(0, "tok_embeddings")
-        if stage.stage == last:
-            fqns += ["norm", "output"]
-        parts.append(fqns)
+def titan_model(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
+    """`--module/--config` (and `--hf_model` for the HF backend) for the plan's model, notes."""
+    native = TITAN_MODELS.get((model.family, model.num_layers, model.hidden_size))
+    fp8 = str(plan.training.get("dtype", "bf16")) in ("fp8", "mxfp8")
+    if native is not None:
+        config = native.fp8_config if fp8 and native.fp8_config else native.config
+        notes = []
+        if fp8 and not native.fp8_config:
+            notes.append("torchtitan sets FP8 in the config function's model converters and "
+                         f"{native.module} has none for this model: it trains in bf16")  # fmt: skip
+        elif fp8:
+            notes.append("torchtitan's FP8 converter scales row-wise, not Megatron's recipe")
+        return ["--module", native.module, "--config", config], notes
+    name = plan.model.name or model.name
+    hf = HF_IDS.get(name) or plan.model.source.removeprefix("preset:") or name
+    config = f"{HF_BACKEND}_full_moe" if model.first_moe else f"{HF_BACKEND}_full"
+    note = (f"torchtitan {TORCHTITAN_VERSION} has no model for family '{model.family}'; the "
+            f"export uses its experimental HF transformers backend with --hf_model {hf} "
+            "(install transformers; check it builds this model before a long run)")  # fmt: skip
+    return ["--module", HF_BACKEND, "--config", config, "--hf_model", hf], [note]
+
+
+def shard_degree(dp: int, cp: int, tp: int, ep: int, sharded: bool) -> int:
+    """FSDP degree: all of dp when Piper shards (ZeRO / FSDP), else the least that lets ep
+    fit in shard * cp * tp (torchtitan's rule dp_shard * cp * tp == efsdp * ep)."""
+    if sharded:
+        return dp
+    return next((s for s in divisors(dp) if (s * cp * tp) % ep == 0), dp)
+
+
+def _stage_fqns(plan: Plan, model: ModelSpec) -> list[list[str]]:
+    """torchtitan module names per (virtual) pipeline stage, in stage order."""
+    stages = [s.layers for s in sorted(plan.stages, key=lambda s: s.stage)]
+    virtual = virtual_stages(stages, plan.parallel.vp, model.num_layers)
+    parts = [[f"layers.{i}" for i in layers] for layers in virtual]
+    parts[0].insert(0, "tok_embeddings")
+    parts[-1] += ["norm", "lm_head"]
     return parts
 
 
-def _shard_degree(dp: int, tp: int, ep: int, zero: bool) -> int:
-    """FSDP degree: all of dp with ZeRO, else the least that lets ep fit in shard x tp.
+def _parallelism(plan: Plan, model: ModelSpec, shard: int) -> list[str]:
+    p = plan.parallel
+    schedule = "Interleaved1F1B" if p.vp > 1 else "1F1B"
+    args = ["--parallelism.data_parallel_replicate_degree", str(p.dp // shard),
+            "--parallelism.data_parallel_shard_degree", str(shard),
+            "--parallelism.tensor_parallel_degree", str(p.tp),
+            "--parallelism.context_parallel_degree", str(p.cp),
+            "--parallelism.pipeline_parallel_degree", str(p.pp),
+            "--parallelism.pipeline_parallel_schedule", schedule,
+            "--parallelism.pipeline_parallel_microbatch_size", str(p.micro_batch),
+            "--parallelism.expert_parallel_degree", str(p.ep)]  # fmt: skip
+    if p.pp > 1:
+        args += ["--parallelism.module_fqns_per_model_part"]
+        args += [",".join(part) for part in _stage_fqns(plan, model)]
+    return args
 
-    torchtitan builds its expert-parallel mesh from the shard (and, with expert TP 1, the
-    tensor-parallel) dimensions, so ep must divide shard * tp.
-    """
-    if zero:
-        return dp
-    return next((s for s in divisors(dp) if (s * tp) % ep == 0), dp)
+
+def _training(plan: Plan) -> list[str]:
+    p, t = plan.parallel, plan.training
+    per_step = p.micro_batch * p.num_microbatches
+    local = per_step if p.pp > 1 else p.micro_batch
+    args = ["--training.local_batch_size", str(local),
+            "--training.global_batch_size", str(p.dp * per_step),
+            "--training.seq_len", str(int(t.get("seq_len", 4096))),
+            "--training.mixed_precision_param",
+            _TITAN_DTYPES.get(str(t.get("dtype", "bf16")), "bfloat16")]  # fmt: skip
+    if p.pp > 1 or p.ep > 1:
+        args.append("--training.disable_cuda_graphs")
+    if t.get("optimizer_dtype") == "bf16":
+        args += ["--optimizer.implementation", "fused_opt_states_bf16"]
+    return args
 
 
-def torchtitan_config(plan: Plan, model: ModelSpec) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The torchtitan job config as nested dicts (one per TOML table) and the notes."""
-    p, training = plan.parallel, plan.training
-    notes = []
-    zero = bool(training.get("zero", False))
-    shard = _shard_degree(p.dp, p.tp, p.ep, zero)
-    replicate = p.dp // shard
-    if not zero and shard > 1:
-        notes.append(
-            f"torchtitan shards parameters with FSDP (ZeRO-3) over {shard} data-parallel ranks "
-            f"and replicates over {replicate} (HSDP); Piper planned no ZeRO"
-        )
-    name = TORCHTITAN_MODELS.get(model.family)
-    if name is None:
-        name = "custom"
-        notes.append(f"torchtitan has no model for family '{model.family}'; register one")
-    any_rc = any(s.recompute_layers for s in plan.stages)
-    mode = "full" if any_rc else p.recompute
-    if any_rc:
-        notes.append(
-            "per-layer recompute becomes mode 'full' on every layer (torchtitan cannot choose "
+def _recompute(plan: Plan) -> tuple[str, list[str]]:
+    """The activation-checkpoint subcommand (torchtitan's AC policies) and notes."""
+    par = plan.parallel
+    if any(s.recompute_layers for s in plan.stages):
+        return "full", [
+            "per-layer recompute becomes torchtitan's full AC on every layer (it cannot choose "
             "layers); memory is lower and compute higher than planned"
-        )
-    doc: dict[str, Any] = {
-        "job": {"description": plan_title(plan)},
-        "model": {"name": name, "flavor": plan.model.name or model.name},
-        "training": {
-            "local_batch_size": p.micro_batch * p.num_microbatches,
-            "global_batch_size": p.dp * p.micro_batch * p.num_microbatches,
-            "seq_len": int(training.get("seq_len", 4096)),
-            "mixed_precision_param": _TITAN_DTYPES.get(
-                str(training.get("dtype", "bf16")), "bfloat16"
-            ),
-        },
-        "parallelism": _titan_parallelism(plan, shard, replicate),
-        "activation_checkpoint": {"mode": mode},
-    }
+        ]
+    if par.recompute == "selective" and par.recompute_modules:
+        return "selective", [
+            f"Megatron's recompute modules {', '.join(par.recompute_modules)} have no torchtitan "
+            "equivalent; its selective AC saves matmul outputs and recomputes the rest"
+        ]
+    return par.recompute, []
+
+
+def _knob_notes(plan: Plan, model: ModelSpec, shard: int) -> list[str]:
+    p, t = plan.parallel, plan.training
+    notes = []
+    if not (t.get("zero") or t.get("fsdp")) and shard > 1:
+        notes.append(f"torchtitan shards parameters with FSDP (ZeRO-3) over {shard} data-parallel "
+                     f"ranks and replicates over {p.dp // shard} (HSDP); Piper planned no "
+                     "sharding")  # fmt: skip
+    if p.etp > 1:
+        notes.append(f"torchtitan {TORCHTITAN_VERSION} has no expert tensor parallelism: "
+                     f"etp={p.etp} is not exported")  # fmt: skip
+    if t.get("a2a_overlap"):
+        notes.append("torchtitan has no 1F1B all-to-all overlap; the all-to-all is exposed")
+    if plan.extra.get("dispatcher") in ("deepep", "halo"):
+        notes.append(f"the '{plan.extra['dispatcher']}' dispatcher is chosen in torchtitan's "
+                     "model definition (config functions such as qwen3_moe_deepep), not by a "
+                     "flag: the config's own dispatcher is used")  # fmt: skip
+    mtp = t.get("mtp_layers")
+    if (model.num_mtp_layers if mtp is None else mtp) and model.family != "deepseek_v3":
+        notes.append("torchtitan trains multi-token prediction for deepseek_v3 only")
     permuted = noncontiguous_expert_layers(plan)
     if permuted:
         notes.append(
-            f"{permuted} MoE layers use a non-contiguous expert placement; torchtitan places "
-            "experts contiguously, so permute the experts in the checkpoint to match"
+            f"{permuted} MoE layers use a non-contiguous expert placement; torchtitan "
+            "places experts contiguously, so permute the experts in the checkpoint"
         )
-    return doc, tuple(notes)
+    return notes
 
 
-def _titan_parallelism(plan: Plan, shard: int, replicate: int) -> dict[str, Any]:
+def torchtitan_args(plan: Plan, model: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """torchtitan 0.3's arguments for `plan` (the AC subcommand last) and the notes."""
+    t = plan.training
     p = plan.parallel
-    interleaved = plan.training.get("schedule") == "interleaved"
-    out: dict[str, Any] = {
-        "data_parallel_replicate_degree": replicate,
-        "data_parallel_shard_degree": shard,
-        "tensor_parallel_degree": p.tp,
-        "context_parallel_degree": 1,
-        "pipeline_parallel_degree": p.pp,
-        "pipeline_parallel_schedule": "Interleaved1F1B" if interleaved else "1F1B",
-        "pipeline_parallel_microbatch_size": p.micro_batch,
-        "expert_parallel_degree": p.ep,
-        "expert_tensor_parallel_degree": 1,
-    }
-    if p.pp > 1:
-        out["module_fqns_per_model_part"] = _stage_fqns(plan)
-    return out
+    shard = shard_degree(p.dp, p.cp, p.tp, p.ep, bool(t.get("zero") or t.get("fsdp")))
+    head, notes = titan_model(plan, model)
+    mode, rc_notes = _recompute(plan)
+    args = head + _parallelism(plan, model, shard) + _training(plan)
+    args.append(f"activation_checkpoint:{mode}")
+    return tuple(args), tuple(notes + rc_notes + _knob_notes(plan, model, shard))
 
 
-_TITAN_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # TOML basic strings share JSON's escapes
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
-
-
-def render_toml(doc: dict[str, dict[str, Any]], notes: tuple[str, ...], title: str) -> str:
-    """TOML text of a two-level document (tables of scalars and lists), notes as comments."""
-    lines = [f"# torchtitan job config for {title}", "# generated by 'piper export'"]
+def torchtitan_script(plan: Plan, model: ModelSpec) -> tuple[str, tuple[str, ...]]:
+    """The bash file defining TORCHTITAN_ARGS (notes as comments) and the notes."""
+    args, notes = torchtitan_args(plan, model)
+    lines = [
+        f"# torchtitan {TORCHTITAN_VERSION} arguments for {plan_title(plan)}",
+        "# generated by 'piper export'; source it, then run",
+        '#   torchrun ... -m torchtitan.train "${TORCHTITAN_ARGS[@]}"',
+    ]
     lines += [f"# NOTE: {n}" for n in notes]
-    for table, values in doc.items():
-        lines += ["", f"[{table}]"]
-        lines += [f"{key} = {_toml_value(v)}" for key, v in values.items()]
-    return "\n".join(lines) + "\n"
-
-
-def torchtitan_toml(plan: Plan, model: ModelSpec) -> tuple[str, tuple[str, ...]]:
-    """The torchtitan TOML text for `plan` (notes as comments inside it) and the notes."""
-    doc, notes = torchtitan_config(plan, model)
-    return render_toml(doc, notes, plan_title(plan)), notes
+    lines.append("TORCHTITAN_ARGS=(")
+    i = 0
+    while i < len(args):
+        j = i + 1
+        while j < len(args) and not args[j].startswith("--") and ":" not in args[j]:
+            j += 1
+        lines.append("  " + " ".join(shlex.quote(a) for a in args[i:j]))
+        i = j
+    lines.append(")")
+    return "\n".join(lines) + "\n", notes

@@ -1,110 +1,42 @@
-"""Exports parsed back (argparse, tomllib, bash) and compared value by value with the plan."""
+"""The Megatron-LM export parsed back (bash, then Megatron's flag names and types) and compared
+value by value with the plan and the model; Megatron-Core's TransformerConfig accepts it."""
 
 from __future__ import annotations
 
-import argparse
-import os
-import shlex
-import stat
-import subprocess
-import tomllib
+import json
 from dataclasses import replace
 
 import pytest
 
-from planner.cli import main
-from planner.inputs.models import load_model, model_config
+from planner.inputs.models import load_model, model_config, resolve_model
 from planner.outputs.export import export_plan
-from planner.outputs.export.megatron import pipeline_split_args
-from planner.outputs.export.slurm import comm_env
-from planner.plan import (
-    ClusterEntry,
-    ExpertPlacement,
-    ModelEntry,
-    ParallelPlan,
-    Plan,
-    Predicted,
-    RankPlan,
-    SolveReport,
-    StagePlan,
-    load_plan,
-)
+from planner.outputs.export.megatron import megatron_args, pipeline_split_args
+from planner.outputs.export.model_settings import model_settings
+from planner.plan import ExpertPlacement, ModelEntry, StagePlan
 from planner.specs import SpecError
-
-STAGES = ((0, 1, 2), (3, 4), (5, 6), (7,))  # first 3, middle 2 and 2, last 1
-# node of each rank (2 ranks per node), deliberately not in rank order
-NODE_OF_RANK = (2, 2, 0, 0, 3, 3, 1, 1)
-LOCAL_OF_RANK = (1, 0, 0, 1, 0, 1, 1, 0)
-
-
-def make_plan(stages=STAGES, recompute=(), zero=False, cluster="cpu-gloo", experts=None) -> Plan:
-    """tiny-moe-deep on 8 ranks: pp 4, dp 2, tp 1, ep 2, by hand."""
-    model = load_model("tiny-moe-deep")
-    ranks = tuple(
-        RankPlan(rank=r, node=NODE_OF_RANK[r], local_rank=LOCAL_OF_RANK[r], stage=r // 2,
-                 dp=r % 2, tp=0, ep=r % 2)
-        for r in range(8)
-    )  # fmt: skip
-    if experts is None:
-        experts = tuple(ExpertPlacement(layer, (0, 0, 0, 0, 1, 1, 1, 1)) for layer in range(1, 8))
-    rc = dict(recompute)
-    return Plan(
-        model=ModelEntry(model.name, model.source, model_config(model)),
-        cluster=ClusterEntry(cluster, gpus_per_node=2, profile={"num_nodes": 4}),
-        training={"seq_len": 128, "global_batch": 32, "dtype": "bf16", "zero": zero},
-        parallel=ParallelPlan(
-            pp=4, dp=2, tp=1, ep=2, edp=1, micro_batch=2, num_microbatches=8, recompute="none"
-        ),  # fmt: skip
-        stages=tuple(StagePlan(i, layers, rc.get(i, ())) for i, layers in enumerate(stages)),
-        experts=experts,
-        ranks=ranks,
-        predicted=Predicted(1.0, 0.5, 100.0, 1e5, 0.1, (1.0, 1.0, 1.0, 1.0), 60.0),
-        solver=SolveReport("cpsat", "OPTIMAL", 1.0, 1.0, 0.0),
-        inputs_sha256="ab" * 32,
-    )
+from tests.planner.outputs.export_plans import (
+    KNOB_STAGES,
+    KNOBS,
+    bash_array,
+    knob_plan,
+    make_plan,
+)
+from tests.planner.outputs.megatron_core import megatron_namespace, transformer_config
 
 
-def megatron_parser() -> argparse.ArgumentParser:
-    """The subset of Megatron-LM's arguments the export may emit (names as Megatron spells them)."""
-    p = argparse.ArgumentParser(allow_abbrev=False)
-    for flag in (
-        "tensor-model-parallel-size pipeline-model-parallel-size expert-model-parallel-size "
-        "expert-tensor-parallel-size micro-batch-size global-batch-size num-layers hidden-size "
-        "ffn-hidden-size seq-length max-position-embeddings num-attention-heads num-query-groups "
-        "num-experts moe-router-topk moe-ffn-hidden-size moe-shared-expert-intermediate-size "
-        "decoder-first-pipeline-num-layers decoder-last-pipeline-num-layers recompute-num-layers "
-        "kv-channels mtp-num-layers q-lora-rank kv-lora-rank qk-head-dim qk-pos-emb-head-dim "
-        "v-head-dim"
-    ).split():
-        p.add_argument(f"--{flag}", type=int)
-    for flag in ("moe-layer-freq", "pipeline-model-parallel-layout", "recompute-granularity",
-                 "recompute-method", "moe-token-dispatcher-type", "position-embedding-type",
-                 "normalization"):  # fmt: skip
-        p.add_argument(f"--{flag}")
-    for flag in ("group-query-attention", "swiglu", "untie-embeddings-and-output-weights",
-                 "disable-bias-linear", "bf16", "fp16", "use-distributed-optimizer",
-                 "moe-grouped-gemm", "multi-latent-attention", "qk-layernorm", "add-qkv-bias",
-                 "moe-router-enable-expert-bias", "sequence-parallel"):  # fmt: skip
-        p.add_argument(f"--{flag}", action="store_true")
-    return p
-
-
-def bash_array(text: str, name: str) -> list[str]:
-    out = subprocess.run(["bash", "-c", f'{text}\nprintf "%s\\n" "${{{name}[@]}}"'],
-                         capture_output=True, text=True, check=True)  # fmt: skip
-    return out.stdout.splitlines()
+def megatron(plan):
+    """(namespace of the exported flags as Megatron-LM parses them, export result)."""
+    result = export_plan(plan, "megatron")
+    return megatron_namespace(bash_array(result.text, "MEGATRON_ARGS")), result
 
 
 def test_megatron_flags_match_plan():
     plan = make_plan()
-    result = export_plan(plan, "megatron")
-    args = bash_array(result.text, "MEGATRON_ARGS")  # what bash really passes to Megatron
-    ns, unknown = megatron_parser().parse_known_args(args)
-    assert unknown == []
+    ns, result = megatron(plan)
     p = plan.parallel
     assert (ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size) == (p.tp, p.pp)
     assert (ns.expert_model_parallel_size, ns.expert_tensor_parallel_size) == (p.ep, 1)
-    assert ns.micro_batch_size == p.micro_batch
+    assert ns.context_parallel_size == 1 and ns.micro_batch_size == p.micro_batch
     assert ns.global_batch_size == p.dp * p.micro_batch * p.num_microbatches == 32
     assert (ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers) == (3, 1)
     assert ns.pipeline_model_parallel_layout is None
@@ -114,19 +46,24 @@ def test_megatron_flags_match_plan():
     assert (ns.num_attention_heads, ns.num_query_groups, ns.group_query_attention) == (4, 2, True)
     assert ns.ffn_hidden_size == m.layers[0].dense_ffn == 128
     assert (ns.num_experts, ns.moe_router_topk, ns.moe_ffn_hidden_size) == (8, 2, 64)
-    assert ns.moe_layer_freq == "[0,1,1,1,1,1,1,1]"
+    assert ns.moe_layer_freq == [0, 1, 1, 1, 1, 1, 1, 1]
     assert ns.moe_shared_expert_intermediate_size == 64
     assert ns.swiglu and ns.untie_embeddings_and_output_weights and ns.bf16
     assert not ns.use_distributed_optimizer and ns.recompute_granularity is None
+    assert ns.moe_token_dispatcher_type == "alltoall"
+    # Piper's generic MoE: softmax router renormalized over the top-k, the class-default aux
+    assert (ns.moe_router_score_function, ns.moe_router_pre_softmax) == ("softmax", False)
+    assert (ns.moe_router_load_balancing_type, ns.moe_aux_loss_coeff) == (["aux_loss"], 0.001)
     # the contiguous placement and Megatron's rank order need no notes about them
     assert not any("placement" in n or "rank order" in n for n in result.notes)
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1\n" in result.text
+    assert "# needs Megatron-Core >= 0.13 (checked with 0.16)" in result.text
 
 
 def test_megatron_zero_recompute_and_placement_notes():
     experts = tuple(ExpertPlacement(layer, (1, 0, 0, 0, 1, 1, 1, 0)) for layer in range(1, 8))
     plan = make_plan(zero=True, recompute={0: (0, 1), 1: (3,)}, experts=experts)
-    result = export_plan(plan, "megatron")
-    ns, _ = megatron_parser().parse_known_args(bash_array(result.text, "MEGATRON_ARGS"))
+    ns, result = megatron(plan)
     assert ns.use_distributed_optimizer
     assert (ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers) == (
         "full", "block", 2,
@@ -137,19 +74,6 @@ def test_megatron_zero_recompute_and_placement_notes():
     titan = export_plan(plan, "torchtitan")
     assert any("7 MoE layers use a non-contiguous" in n for n in titan.notes)
     assert not any("non-contiguous" in n for n in export_plan(make_plan(), "torchtitan").notes)
-
-
-def test_megatron_model_flags_for_mla_and_mtp():
-    model = load_model("deepseek-v3")
-    plan = make_plan()
-    plan = replace(plan, model=ModelEntry("deepseek-v3", config=model_config(model)))
-    text = export_plan(plan, "megatron").text
-    ns, unknown = megatron_parser().parse_known_args(bash_array(text, "MEGATRON_ARGS"))
-    assert unknown == []
-    assert ns.multi_latent_attention and (ns.q_lora_rank, ns.kv_lora_rank) == (1536, 512)
-    assert (ns.qk_head_dim, ns.qk_pos_emb_head_dim, ns.v_head_dim) == (128, 64, 128)
-    assert ns.mtp_num_layers == 1 and ns.moe_router_enable_expert_bias
-    assert ns.moe_layer_freq == "[" + ",".join(["0"] * 3 + ["1"] * 58) + "]"
 
 
 @pytest.mark.parametrize(
@@ -168,162 +92,190 @@ def test_pipeline_split_cases(counts, mtp, expected):
     assert bool(notes) == ("--pipeline-model-parallel-layout" in args)
 
 
-def test_torchtitan_toml_matches_plan():
-    plan = make_plan(zero=True)
-    doc = tomllib.loads(export_plan(plan, "torchtitan").text)
-    par, tr = doc["parallelism"], doc["training"]
-    p = plan.parallel
-    assert par["pipeline_parallel_degree"] == p.pp and par["expert_parallel_degree"] == p.ep
-    assert par["tensor_parallel_degree"] == p.tp
-    assert par["data_parallel_shard_degree"] * par["data_parallel_replicate_degree"] == p.dp
-    assert par["data_parallel_shard_degree"] % p.ep == 0
-    assert par["pipeline_parallel_microbatch_size"] == p.micro_batch
-    assert par["pipeline_parallel_schedule"] == "1F1B"
-    assert tr["local_batch_size"] == p.micro_batch * p.num_microbatches
-    assert tr["global_batch_size"] == 32 and tr["seq_len"] == 128
-    assert tr["mixed_precision_param"] == "bfloat16"
-    assert doc["activation_checkpoint"]["mode"] == "none"
-    parts = par["module_fqns_per_model_part"]
-    assert [[int(f.split(".")[1]) for f in part if f.startswith("layers.")] for part in parts] == [
-        list(s) for s in STAGES
-    ]
-    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
-
-
-def test_torchtitan_without_zero_uses_hsdp_inside_expert_groups():
-    doc = tomllib.loads(export_plan(make_plan(zero=False), "torchtitan").text)
-    par = doc["parallelism"]
-    assert (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"]) == (2, 1)
-    rc = tomllib.loads(export_plan(make_plan(recompute={2: (5,)}), "torchtitan").text)
-    assert rc["activation_checkpoint"]["mode"] == "full"
-
-
 def test_megatron_sequence_parallel_with_tensor_parallelism():
     plan = make_plan()
     par = replace(plan.parallel, dp=1, tp=2, edp=1)  # the planner's model splits tokens over tp
-    args = bash_array(export_plan(replace(plan, parallel=par), "megatron").text, "MEGATRON_ARGS")
-    ns, unknown = megatron_parser().parse_known_args(args)
-    assert unknown == [] and ns.tensor_model_parallel_size == 2 and ns.sequence_parallel
+    ns, result = megatron(replace(plan, parallel=par))
+    assert ns.tensor_model_parallel_size == 2 and ns.sequence_parallel
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1\n" in result.text  # Megatron needs it with TP
 
 
-@pytest.mark.parametrize(("dp", "tp", "ep", "shard"), [(4, 1, 2, 2), (1, 4, 4, 1), (2, 2, 2, 1)])
-def test_torchtitan_shard_degree_lets_ep_fit(dp, tp, ep, shard):
-    plan = make_plan()
-    par = ParallelPlan(pp=4, dp=dp, tp=tp, ep=ep, edp=dp * tp // ep, micro_batch=2,
-                       num_microbatches=8, recompute="none")  # fmt: skip
-    doc = tomllib.loads(export_plan(replace(plan, parallel=par), "torchtitan").text)["parallelism"]
-    assert doc["data_parallel_shard_degree"] == shard
-    assert doc["data_parallel_shard_degree"] * doc["data_parallel_replicate_degree"] == dp
-    assert (doc["data_parallel_shard_degree"] * tp) % ep == 0
+def test_megatron_every_knob():
+    """vp (a layout string: the virtual stages differ), cp, etp, recompute modules, FSDP,
+    bf16 moments, FP8, the all-to-all overlap, DeepEP and MTP, each landing in its flag."""
+    plan = knob_plan("fp8")
+    ns, result = megatron(plan)
+    k = KNOBS
+    assert (ns.pipeline_model_parallel_size, ns.context_parallel_size) == (k["pp"], k["cp"])
+    assert (ns.tensor_model_parallel_size, ns.expert_model_parallel_size) == (k["tp"], k["ep"])
+    assert ns.expert_tensor_parallel_size == k["etp"]
+    # virtual stage c*pp+s holds chunk c of rank s: ranks of 8 layers split 4+4, of 7 into 4+3
+    chunks = [[4, 4] if n == 8 else [4, 3] for n in KNOB_STAGES]
+    virtual = [chunks[s][c] for c in range(k["vp"]) for s in range(k["pp"])]
+    stages = ns.pipeline_model_parallel_layout.split("|")
+    assert [s.count("t") for s in stages] == virtual and len(stages) == k["pp"] * k["vp"]
+    assert stages[0].startswith("E") and stages[-1].endswith("mL")
+    assert ns.recompute_granularity == "selective"
+    assert ns.recompute_modules == ["moe_act", "layernorm"]
+    assert ns.use_megatron_fsdp and not ns.use_distributed_optimizer
+    assert (ns.data_parallel_sharding_strategy, ns.ckpt_format) == (
+        "optim_grads_params", "fsdp_dtensor",
+    )  # fmt: skip
+    assert ns.use_precision_aware_optimizer
+    assert (ns.exp_avg_dtype, ns.exp_avg_sq_dtype) == ("bf16", "bf16")
+    assert ns.bf16 and (ns.fp8, ns.fp8_recipe) == ("e4m3", "tensorwise")
+    assert ns.overlap_moe_expert_parallel_comm and ns.delay_wgrad_compute
+    assert (ns.moe_token_dispatcher_type, ns.moe_flex_dispatcher_backend) == ("flex", "deepep")
+    assert ns.mtp_num_layers == 1
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=32\n" in result.text  # FSDP and the overlap
+    assert "# needs Megatron-Core >= 0.16" in result.text  # the flex dispatcher's backend flag
+    mx, _ = megatron(knob_plan("mxfp8"))
+    assert (mx.fp8, mx.fp8_recipe) == ("e4m3", "mxfp8")
 
 
-def _fake_slurm_bin(tmp_path, hosts):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    scripts = {
-        "scontrol": "#!/bin/bash\n" + "".join(f"echo {h}\n" for h in hosts),
-        # run every task in turn with its SLURM_PROCID, after dropping srun's options
-        "srun": "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
-        'for ((i = 0; i < WORLD_SIZE; i++)); do SLURM_PROCID=$i "$@"; done\n',
+def test_megatron_equal_virtual_stages_use_layers_per_virtual_stage():
+    plan = make_plan(stages=((0, 1), (2, 3), (4, 5), (6, 7)))
+    par = replace(plan.parallel, vp=2)
+    ns, _ = megatron(replace(plan, parallel=par))
+    assert ns.num_layers_per_virtual_pipeline_stage == 1
+    assert ns.pipeline_model_parallel_layout is None
+
+
+def test_megatron_model_settings_of_deepseek_v3(first_plans):
+    ns, result = megatron(first_plans["deepseek-v3"])
+    assert ns.multi_latent_attention and (ns.q_lora_rank, ns.kv_lora_rank) == (1536, 512)
+    assert (ns.qk_head_dim, ns.qk_pos_emb_head_dim, ns.v_head_dim) == (128, 64, 128)
+    assert ns.qk_layernorm and ns.mtp_num_layers == 1
+    assert ns.moe_layer_freq == [0] * 3 + [1] * 58
+    # sigmoid scores with expert bias (noaux_tc), 8 groups top-4, scaled by 2.5
+    assert (ns.moe_router_score_function, ns.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert (ns.moe_router_num_groups, ns.moe_router_group_topk) == (8, 4)
+    assert ns.moe_router_topk_scaling_factor == 2.5
+    assert (ns.moe_router_load_balancing_type, ns.moe_aux_loss_coeff) == (["seq_aux_loss"], 1e-4)
+    assert (ns.rotary_base, ns.layernorm_epsilon, ns.rope_type) == (10000, 1e-6, "rope")
+    assert not ns.apply_rope_fusion  # Megatron fuses MLA's RoPE only for YaRN
+    assert ns.moe_router_dtype == "fp32"
+
+
+def test_megatron_model_settings_of_the_first_plans(first_plans):
+    qwen, _ = megatron(first_plans["qwen3-30b-a3b"])
+    # norm_topk_prob true: the top-k are renormalized, so no pre-softmax
+    assert (qwen.rotary_base, qwen.qk_layernorm, qwen.moe_router_pre_softmax) == (
+        1000000, True, False,
+    )  # fmt: skip
+    assert (qwen.moe_aux_loss_coeff, qwen.layernorm_epsilon) == (0.001, 1e-6)
+    scout, _ = megatron(first_plans["llama4-scout"])
+    assert (scout.moe_router_score_function, scout.moe_router_topk) == ("sigmoid", 1)
+    assert scout.qk_l2_norm and not scout.qk_layernorm and scout.rotary_interleaved
+    assert scout.no_rope_freq == 4 and scout.moe_apply_probs_on_input
+    assert (scout.rotary_base, scout.moe_shared_expert_intermediate_size) == (500000, 8192)
+    assert scout.use_distributed_optimizer and scout.recompute_granularity == "full"
+    gpt, result = megatron(first_plans["gpt-oss-20b"])
+    assert gpt.quick_geglu and not gpt.swiglu and gpt.glu_linear_offset == 1.0
+    assert gpt.activation_func_clamp_value == 7.0 and gpt.softmax_type == "learnable"
+    assert gpt.window_size == (128, 0) and gpt.window_attn_skip_freq == [1, 0] * 12
+    assert not gpt.disable_bias_linear  # attention and expert biases: Megatron's add_bias_linear
+    assert (gpt.rotary_base, gpt.moe_aux_loss_coeff) == (150000, 0.9)
+    assert "# needs Megatron-Core >= 0.15" in result.text
+    mixtral, _ = megatron(first_plans["default"])
+    assert (mixtral.moe_aux_loss_coeff, mixtral.rotary_base) == (0.02, 1000000)
+
+
+def test_megatron_rope_scaling_from_the_config_file(tmp_path):
+    """A config that has DeepSeek-V3's YaRN scaling exports it (MLA's yarn rope type)."""
+    cfg, _, _ = resolve_model("deepseek-v3")
+    cfg["rope_scaling"] = {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
     }
-    for name, text in scripts.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    return bin_dir
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    model = load_model(str(path))
+    plan = replace(make_plan(), model=ModelEntry("dsv3", str(path), model_config(model)))
+    ns, result = megatron(plan)
+    assert (ns.rope_type, ns.rotary_scaling_factor) == ("yarn", 40.0)
+    assert (ns.mscale, ns.mscale_all_dim, ns.apply_rope_fusion) == (1.0, 1.0, True)
+    assert not any("rope_scaling" in n for n in result.notes)
+    cfg["rope_scaling"]["beta_fast"] = 16
+    path.write_text(json.dumps(cfg))
+    notes = " ".join(export_plan(plan, "megatron").notes)
+    assert "beta_fast=16.0" in notes and "differs from Megatron's fixed" in notes
 
 
-def test_slurm_script_hostfile_and_task_environment(tmp_path):
+def test_model_settings_wrong_type_is_one_line(tmp_path):
+    cfg, _, _ = resolve_model("qwen3-30b-a3b")
+    cfg["rope_theta"] = "a lot"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    entry = ModelEntry("q", str(path), model_config(load_model(str(path))))
+    plan = replace(make_plan(), model=entry)
+    with pytest.raises(SpecError, match="rope_theta' must be a number") as err:
+        model_settings(plan, plan.model_spec())
+    assert "\n" not in str(err.value)
+
+
+def test_megatron_a2a_overlap_needs_vp_with_pipelining_note():
     plan = make_plan()
-    cmd = "sh -c 'echo task $RANK $LOCAL_RANK $WORLD_SIZE $MASTER_ADDR'"
-    text = export_plan(plan, "slurm", plan_path="run/plan.json", command=cmd).text
-    script = tmp_path / "job.sbatch"
-    script.write_text(text)
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    sbatch = dict(line[len("#SBATCH --"):].split("=", 1) for line in text.splitlines()
-                  if line.startswith("#SBATCH --") and "=" in line)  # fmt: skip
-    assert (sbatch["nodes"], sbatch["ntasks"], sbatch["ntasks-per-node"]) == ("4", "8", "2")
-    hosts = ["h-a", "h-b", "h-c", "h-d"]
-    bin_dir = _fake_slurm_bin(tmp_path, hosts)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "SLURM_JOB_NODELIST": "h-[a-d]",
-        "PIPER_HOSTFILE": str(tmp_path / "hostfile"),
-    }
-    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
-                         check=True)  # fmt: skip
-    hostfile = (tmp_path / "hostfile").read_text().splitlines()
-    assert hostfile == [hosts[r.node] for r in sorted(plan.ranks, key=lambda r: r.rank)]
-    tasks = [line.split() for line in out.stdout.splitlines()]
-    master = hosts[NODE_OF_RANK[0]]
-    assert tasks == [["task", str(r), str(LOCAL_OF_RANK[r]), "8", master] for r in range(8)]
+    plan = replace(plan, training={**plan.training, "a2a_overlap": True})
+    notes = " ".join(megatron_args(plan, plan.model_spec()).notes)
+    assert "only under interleaved 1F1B" in notes
 
 
-def test_slurm_dry_run_and_default_command(tmp_path):
-    text = export_plan(make_plan(), "slurm", plan_path="my plan.json").text
-    script = tmp_path / "job.sbatch"
-    script.write_text(text)
-    env = {**os.environ, "PATH": f"{_fake_slurm_bin(tmp_path, ['a', 'b', 'c', 'd'])}:"
-           f"{os.environ['PATH']}", "PIPER_DRY_RUN": "1", "PIPER_HOSTFILE": str(tmp_path / "h"),
-           "SLURM_JOB_NODELIST": "x"}  # fmt: skip
-    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True)
-    words = shlex.split(out.stdout)
-    assert "--distribution=arbitrary" in words
-    assert words[-5:] == ["runtime.launch", "--plan", "my plan.json", "--out", "results/run"]
+CORE_PLANS = ["deepseek-v3", "qwen3-30b-a3b", "llama4-scout", "gpt-oss-20b", "default"]
 
 
-def test_comm_env_by_cluster():
-    def env(section: dict) -> dict[str, str]:
-        return comm_env(ClusterEntry.from_dict(section))
+@pytest.mark.parametrize("name", CORE_PLANS)
+def test_megatron_core_accepts_the_first_plans(name, first_plans, monkeypatch):
+    """Megatron-Core's TransformerConfig.__post_init__ validates each export."""
+    pytest.importorskip("megatron.core")
+    plan = first_plans[name]
+    args = bash_array(export_plan(plan, "megatron").text, "MEGATRON_ARGS")
+    config = transformer_config(args, monkeypatch)
+    p, model = plan.parallel, plan.model_spec()
+    assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (p.tp, p.pp)
+    assert (config.expert_model_parallel_size, config.num_moe_experts) == (p.ep, model.num_experts)
+    assert config.moe_router_topk == model.top_k
+    settings = model_settings(plan, model)
+    assert config.moe_router_score_function == settings.router_score
+    assert config.layernorm_epsilon == settings.norm_eps
 
-    assert env({"name": "frontier"})["NCCL_SOCKET_IFNAME"] == "hsn0"
-    assert env({"name": "gb200-nvl72"})["NCCL_MNNVL_ENABLE"] == "1"
-    assert env({"name": "h100"})["NCCL_IB_HCA"] == "mlx5"
-    assert env({"name": "h100", "env": {"NCCL_IB_HCA": "mlx5_0"}})["NCCL_IB_HCA"] == "mlx5_0"
+
+@pytest.mark.parametrize("dtype", ["fp8", "mxfp8", "bf16"])
+def test_megatron_core_accepts_every_knob(dtype, monkeypatch):
+    pytest.importorskip("megatron.core")
+    args = bash_array(export_plan(knob_plan(dtype), "megatron").text, "MEGATRON_ARGS")
+    config = transformer_config(args, monkeypatch)
+    k = KNOBS
+    assert type(config).__name__ == "MLATransformerConfig"
+    assert (config.context_parallel_size, config.expert_tensor_parallel_size) == (k["cp"], k["etp"])
+    assert config.overlap_moe_expert_parallel_comm and config.mtp_num_layers == 1
+    assert config.recompute_modules == ["moe_act", "layernorm"]
+    assert (config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend) == (
+        "flex", "deepep",
+    )  # fmt: skip
+    layout = config.pipeline_model_parallel_layout
+    assert [len(chunks) for chunks in layout.layout] == [k["vp"]] * k["pp"]  # [rank][chunk]
+    assert config.fp8 == (None if dtype == "bf16" else "e4m3")
 
 
-def test_slurm_rejects_incomplete_ranks_table():
+def test_megatron_core_refuses_a_broken_export(first_plans, monkeypatch):
+    """The check has teeth: expert bias with a softmax router is Megatron-Core's error."""
+    pytest.importorskip("megatron.core")
+    args = bash_array(export_plan(first_plans["deepseek-v3"], "megatron").text, "MEGATRON_ARGS")
+    i = args.index("--moe-router-score-function")
+    args[i + 1] = "softmax"
+    with pytest.raises(ValueError, match="Expert bias for aux-loss-free routing"):
+        transformer_config(args, monkeypatch)
+
+
+def test_stage_layers_of_a_permuted_plan_are_refused():
     plan = make_plan()
-    broken = replace(plan, ranks=plan.ranks[:-1])
-    with pytest.raises(SpecError, match="ranks 0..7"):
-        export_plan(broken, "slurm")
-
-
-def test_cli_export_round_trip(tmp_path, capsys):
-    path = tmp_path / "plan.json"
-    path.write_text(make_plan().to_json())
-    assert load_plan(path).parallel.pp == 4
-    out = tmp_path / "tt.toml"
-    assert main(["export", str(path), "--to", "torchtitan", "--out", str(out)]) == 0
-    assert tomllib.loads(out.read_text())["parallelism"]["pipeline_parallel_degree"] == 4
-    assert main(["export", str(path), "--to", "megatron"]) == 0
-    assert "MEGATRON_ARGS=(" in capsys.readouterr().out
-    assert main(["export", str(tmp_path / "missing.json"), "--to", "slurm"]) == 2
-
-
-def test_end_to_end_piper_plan_then_every_export(tmp_path, capsys):
-    out = tmp_path / "run"
-    sizes = ["--pp", "2", "--dp", "4", "--tp", "1", "--ep", "2", "--micro-batch", "2"]
-    argv = ["plan", "--model", "tiny-moe-deep", "--cluster", "cpu-gloo", "--gpus", "8",
-            "--seq-len", "64", "--global-batch", "16", *sizes, "--out", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    plan = load_plan(out / "plan.json")
-    p = plan.parallel
-    mega = export_plan(plan, "megatron")
-    ns, unknown = megatron_parser().parse_known_args(bash_array(mega.text, "MEGATRON_ARGS"))
-    assert unknown == []
-    assert (ns.pipeline_model_parallel_size, ns.tensor_model_parallel_size) == (p.pp, p.tp)
-    assert (ns.expert_model_parallel_size, ns.micro_batch_size) == (p.ep, p.micro_batch)
-    assert ns.global_batch_size == p.dp * p.micro_batch * p.num_microbatches
-    titan = tomllib.loads(export_plan(plan, "torchtitan").text)["parallelism"]
-    assert titan["pipeline_parallel_degree"] == p.pp and titan["expert_parallel_degree"] == p.ep
-    assert titan["tensor_parallel_degree"] == p.tp
-    parts = titan.get("module_fqns_per_model_part", [])
-    assert [len([f for f in part if f.startswith("layers.")]) for part in parts] == [
-        len(s.layers) for s in plan.stages
-    ]
-    script = tmp_path / "job.sbatch"
-    script.write_text(export_plan(plan, "slurm", plan_path=str(out / "plan.json")).text)
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    nodes = {r.node for r in plan.ranks}
-    assert f"#SBATCH --nodes={len(nodes)}" in script.read_text()
+    bad = replace(plan, parallel=replace(plan.parallel, vp=2),
+                  stages=tuple(StagePlan(i, (i,)) for i in range(4)))  # fmt: skip
+    with pytest.raises(SpecError, match="stages must cover layers 0..7 in order"):
+        export_plan(bad, "megatron")

@@ -1,0 +1,146 @@
+"""The torchtitan 0.3 export parsed back (bash, then torchtitan's flag names) and compared with
+the plan; torchtitan's own ConfigManager accepts it where torchtitan is installed."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import pytest
+
+from planner.outputs.export import export_plan
+from planner.plan import ParallelPlan
+from tests.planner.outputs.export_plans import KNOBS, STAGES, bash_array, knob_plan, make_plan
+
+PAR = "parallelism."
+INTS = ("data_parallel_replicate_degree data_parallel_shard_degree tensor_parallel_degree "
+        "context_parallel_degree pipeline_parallel_degree pipeline_parallel_microbatch_size "
+        "expert_parallel_degree").split()  # fmt: skip
+
+
+def titan_namespace(args: list[str]) -> argparse.Namespace:
+    """The exported arguments under torchtitan 0.3's names (unknown names fail)."""
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    p.add_argument("--module")
+    p.add_argument("--config")
+    p.add_argument("--hf_model")
+    for name in INTS:
+        p.add_argument(f"--{PAR}{name}", dest=name, type=int)
+    p.add_argument(f"--{PAR}pipeline_parallel_schedule", dest="schedule")
+    p.add_argument(f"--{PAR}module_fqns_per_model_part", dest="parts", nargs="+")
+    for name in ("local_batch_size", "global_batch_size", "seq_len"):
+        p.add_argument(f"--training.{name}", dest=name, type=int)
+    p.add_argument("--training.mixed_precision_param", dest="param_dtype")
+    p.add_argument("--training.disable_cuda_graphs", dest="no_graphs", action="store_true")
+    p.add_argument("--optimizer.implementation", dest="optimizer")
+    p.add_argument("ac", choices=[f"activation_checkpoint:{m}" for m in
+                                  ("none", "selective", "full")])  # fmt: skip
+    return p.parse_args(args)
+
+
+def titan(plan):
+    result = export_plan(plan, "torchtitan")
+    return titan_namespace(bash_array(result.text, "TORCHTITAN_ARGS")), result
+
+
+def test_torchtitan_args_match_plan():
+    plan = make_plan(zero=True)
+    ns, result = titan(plan)
+    p = plan.parallel
+    assert (ns.pipeline_parallel_degree, ns.expert_parallel_degree) == (p.pp, p.ep)
+    assert (ns.tensor_parallel_degree, ns.context_parallel_degree) == (p.tp, p.cp)
+    assert ns.data_parallel_shard_degree * ns.data_parallel_replicate_degree == p.dp
+    assert ns.data_parallel_shard_degree == p.dp  # ZeRO: all of dp sharded
+    assert ns.pipeline_parallel_microbatch_size == p.micro_batch
+    assert ns.schedule == "1F1B"
+    # pp > 1: a step's micro-batches all go through the pipeline at once
+    assert ns.local_batch_size == p.micro_batch * p.num_microbatches == 16
+    assert (ns.global_batch_size, ns.seq_len, ns.param_dtype) == (32, 128, "bfloat16")
+    assert ns.no_graphs  # CUDA graphs refuse pipeline parallelism
+    assert ns.ac == "activation_checkpoint:none"
+    parts = [part.split(",") for part in ns.parts]
+    assert [[int(f.split(".")[1]) for f in part if f.startswith("layers.")] for part in parts] == [
+        list(s) for s in STAGES
+    ]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "lm_head"]
+    # tiny-moe-deep is no torchtitan model: the HF backend, with a note
+    assert (ns.module, ns.config) == ("transformers_modeling_backend",
+                                      "transformers_modeling_backend_full_moe")  # fmt: skip
+    assert any("has no model for family 'moe'" in n for n in result.notes)
+
+
+def test_torchtitan_without_pipelining_accumulates_micro_batches():
+    plan = make_plan()
+    par = replace(plan.parallel, pp=1, dp=8, edp=4)
+    ns, _ = titan(replace(plan, parallel=par, stages=(replace(plan.stages[0], layers=tuple(
+        range(8))),), ranks=()))  # fmt: skip
+    assert ns.local_batch_size == par.micro_batch == 2  # torchtitan accumulates 8 of them
+    assert ns.global_batch_size == 8 * 2 * 8
+    assert ns.parts is None and ns.no_graphs  # ep = 2 still turns CUDA graphs off
+
+
+def test_torchtitan_recompute_and_hsdp():
+    ns, result = titan(make_plan(zero=False))
+    assert (ns.data_parallel_shard_degree, ns.data_parallel_replicate_degree) == (2, 1)
+    assert any("FSDP (ZeRO-3) over 2" in n for n in result.notes)
+    rc, notes = titan(make_plan(recompute={2: (5,)}))
+    assert rc.ac == "activation_checkpoint:full"
+    assert any("per-layer recompute" in n for n in notes.notes)
+
+
+@pytest.mark.parametrize(("dp", "tp", "ep", "shard"), [(4, 1, 2, 2), (1, 4, 4, 1), (2, 2, 2, 1)])
+def test_torchtitan_shard_degree_lets_ep_fit(dp, tp, ep, shard):
+    plan = make_plan()
+    par = ParallelPlan(pp=4, dp=dp, tp=tp, ep=ep, edp=dp * tp // ep, micro_batch=2,
+                       num_microbatches=8, recompute="none")  # fmt: skip
+    ns, _ = titan(replace(plan, parallel=par))
+    assert ns.data_parallel_shard_degree == shard
+    assert ns.data_parallel_shard_degree * ns.data_parallel_replicate_degree == dp
+    assert (ns.data_parallel_shard_degree * tp) % ep == 0
+
+
+def test_torchtitan_every_knob():
+    """torchtitan's equivalents where it has them (vp, cp, FSDP, bf16 moments, its own model
+    and FP8 config), a note for each knob it lacks (etp, overlap, DeepEP by flag, modules)."""
+    ns, result = titan(knob_plan("fp8"))
+    k = KNOBS
+    assert (ns.module, ns.config) == ("deepseek_v3", "deepseek_v3_671b_float8")
+    assert ns.schedule == "Interleaved1F1B" and len(ns.parts) == k["pp"] * k["vp"]
+    assert ns.context_parallel_degree == k["cp"] and ns.data_parallel_shard_degree == k["dp"]
+    assert ns.optimizer == "fused_opt_states_bf16"
+    assert ns.ac == "activation_checkpoint:selective"
+    notes = " ".join(result.notes)
+    for lacking in ("expert tensor parallelism", "all-to-all overlap", "'deepep' dispatcher",
+                    "recompute modules moe_act, layernorm"):  # fmt: skip
+        assert lacking in notes
+    bf16, _ = titan(knob_plan("bf16"))
+    assert bf16.config == "deepseek_v3_671b"
+
+
+PLANS = ["deepseek-v3", "qwen3-30b-a3b", "llama4-scout", "gpt-oss-20b", "default"]
+NATIVE = {"deepseek-v3": "deepseek_v3", "qwen3-30b-a3b": "qwen3", "gpt-oss-20b": "gpt_oss"}
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_torchtitan_config_manager_accepts_the_first_plans(name, first_plans):
+    """torchtitan 0.3's ConfigManager parses each export; every value lands where meant."""
+    manager = pytest.importorskip("torchtitan.config.manager")
+    if name not in NATIVE:
+        pytest.importorskip("transformers")  # the HF backend's config imports it
+    plan = first_plans[name]
+    args = bash_array(export_plan(plan, "torchtitan").text, "TORCHTITAN_ARGS")
+    config = manager.ConfigManager().parse_args(args)
+    p, par, tr = plan.parallel, config.parallelism, config.training
+    assert (par.pipeline_parallel_degree, par.tensor_parallel_degree) == (p.pp, p.tp)
+    assert (par.context_parallel_degree, par.expert_parallel_degree) == (p.cp, p.ep)
+    assert par.data_parallel_replicate_degree * par.data_parallel_shard_degree == p.dp
+    assert par.pipeline_parallel_microbatch_size == p.micro_batch
+    assert tr.global_batch_size == p.dp * p.micro_batch * p.num_microbatches
+    assert tr.local_batch_size == p.micro_batch * (p.num_microbatches if p.pp > 1 else 1)
+    assert tr.disable_cuda_graphs == (p.pp > 1 or p.ep > 1)
+    if p.pp > 1:
+        assert len(par.module_fqns_per_model_part) == p.pp * p.vp
+    ac = type(config.activation_checkpoint).__qualname__
+    assert ac == {"none": "NoneType", "full": "FullAC.Config"}[p.recompute]
+    if name in NATIVE:
+        assert config.model_spec.name == NATIVE[name]
