@@ -111,7 +111,7 @@ def check_layout(par: ParallelConfig, model: ModelSpec, training: TrainingSpec) 
 
     cp splits the sequence into 2 * cp load-balanced chunks (rank r holds chunks r and
     2cp-1-r, Megatron-Core's causal balancing); ep divides the routed experts; etp divides
-    every routed expert's FFN width; vp chunks need at least vp layers per pipeline rank.
+    every routed expert's FFN width; pp*vp chunks need num_layers + 2 pipeline units.
     Raises SpecError naming the knob and the fix.
     """
     if par.cp > 1 and training.seq_len % (2 * par.cp):
@@ -131,10 +131,14 @@ def check_layout(par: ParallelConfig, model: ModelSpec, training: TrainingSpec) 
                 f"parallel: etp={par.etp} must divide layer {i}'s expert FFN width "
                 f"{layer.moe.expert_ffn}; pick etp from its divisors"
             )
-    if par.vp > 1 and model.num_layers < par.pp * par.vp:
+    # Megatron-Core may count the embedding and the loss as one pipeline layer each
+    # (--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split), so a
+    # chunk can hold the embedding or the loss alone: pp*vp chunks need num_layers + 2 units.
+    if par.vp > 1 and model.num_layers + 2 < par.pp * par.vp:
         raise SpecError(
-            f"parallel: pp={par.pp} x vp={par.vp} model chunks need at least {par.pp * par.vp} "
-            f"layers; the model has {model.num_layers}"
+            f"parallel: pp={par.pp} x vp={par.vp} model chunks need at least "
+            f"{par.pp * par.vp - 2} layers (the embedding and the loss count as one each); "
+            f"the model has {model.num_layers}"
         )
 
 
