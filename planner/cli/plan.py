@@ -12,6 +12,9 @@ import sys
 import time
 from typing import Any
 
+from planner.cli.estimate import DTYPES
+from planner.parallel import RECOMPUTE_MODULES
+from planner.search.space import DISPATCHERS, sharding_choices
 from planner.specs import ModelSpec, SpecError, TrainingSpec
 
 DEFAULTS = {"model": "mixtral-8x7b", "cluster": "frontier", "gpus": 64}
@@ -21,26 +24,82 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plan",
         help="find the best parallel layout and placement (writes plan.json and reports)",
-        description="Search (pp, dp, tp, ep, micro-batch, recompute), solve the stage, expert "
-        "and rank integer programs, and write plan.json, candidates.csv, stages.csv, "
-        "memory.csv, comm.csv, summary.md and plots. See planner/PLANNING.md.",
+        description="Search (pp, dp, tp, cp, ep, etp, vp, micro-batch, recompute and its "
+        "modules, optimizer sharding, the all-to-all overlap and the dispatcher), solve the "
+        "stage, expert and rank integer programs, and write plan.json, candidates.csv, "
+        "stages.csv, memory.csv, comm.csv, summary.md and plots. See planner/PLANNING.md.",
     )
     p.add_argument("--model", default=DEFAULTS["model"], help="preset name or config.json path")
     p.add_argument("--cluster", default=DEFAULTS["cluster"], help="preset name or cluster YAML")
     p.add_argument("--gpus", type=int, default=DEFAULTS["gpus"], help="devices to plan for")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
-    for name in ("pp", "dp", "tp", "ep"):
-        p.add_argument(f"--{name}", type=int, default=None, help=f"fix {name} (default: search)")
+    sizes = {"vp": "interleaved chunks per pipeline rank", "cp": "context-parallel size",
+             "etp": "expert tensor-parallel size"}  # fmt: skip
+    for name in ("pp", "dp", "tp", "ep", "vp", "cp", "etp"):
+        what = sizes.get(name, name)
+        p.add_argument(f"--{name}", type=int, default=None, help=f"fix {what} (default: search)")
     p.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch size")
     p.add_argument(
         "--recompute",
         choices=("none", "selective", "full"),
         default=None,
-        help="activation recompute policy (default: search none and per-layer full)",
+        help="activation recompute policy (default: search none, full and selective module "
+        "sets, chosen per layer)",
+    )
+    p.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="fix the selective recompute modules, Megatron-Core's names, space- or "
+        f"comma-separated: {', '.join(RECOMPUTE_MODULES)}",
     )
     p.add_argument("--max-ep", type=int, default=None, help="largest EP group allowed")
-    p.add_argument("--zero", action="store_true", help="shard optimizer state over data ranks")
+    p.add_argument(
+        "--zero",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fix the distributed optimizer on (or off with --no-zero; default: search it "
+        "against --fsdp)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fix FSDP (weights, gradients and optimizer sharded) on or off (default: "
+        "searched without pipelining)",
+    )
+    p.add_argument(
+        "--a2a-overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fix the 1F1B all-to-all overlap on or off (default: searched where Megatron-LM "
+        "allows it)",
+    )
+    p.add_argument(
+        "--dispatcher",
+        choices=DISPATCHERS,
+        default=None,
+        help="fix the MoE dispatcher priced (default: search them)",
+    )
+    p.add_argument(
+        "--mtp-layers", type=int, default=None, help="MTP layers trained (default: the config's)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="bf16",
+        help="fp8/mxfp8: the linear GEMMs in low precision",
+    )
+    p.add_argument(
+        "--optimizer-dtype", choices=("fp32", "bf16"), default="fp32", help="Adam moments dtype"
+    )
+    p.add_argument(
+        "--gate-in-activation",
+        action="store_true",
+        help="router weights applied in the expert activation",
+    )
     p.add_argument("--bytes-per-param", type=int, choices=(16, 18), default=16)
     p.add_argument("--solver", choices=("cpsat", "cbc"), default="cpsat")
     p.add_argument("--time-limit-s", type=float, default=10.0, help="limit for each IP solve")
@@ -60,12 +119,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="dp",
         help="find candidates' splits with the exact DP (default; the winner is re-solved by "
         "the stage IP) or with the stage IP for every candidate (slower, same plan)",
-    )
-    p.add_argument(
-        "--dispatcher",
-        choices=("flat", "halo"),
-        default="flat",
-        help="all-to-all priced for the MoE dispatch/combine (default flat)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
@@ -112,19 +165,30 @@ class _Progress:
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec]:
-    from planner.inputs.clusters import load_cluster
+    from planner.inputs.clusters import check_dtype, load_cluster
     from planner.inputs.models import load_model
 
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
+    check_dtype(cluster, args.dtype, args.cluster)
     training = TrainingSpec(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
-        zero=args.zero,
+        dtype=args.dtype,
         recompute=args.recompute or "none",
         bytes_per_param=args.bytes_per_param,
+        mtp_layers=args.mtp_layers,
+        optimizer_dtype=args.optimizer_dtype,
+        gate_in_activation=args.gate_in_activation,
     )
     return model, cluster, training
+
+
+def recompute_modules(values: list[str] | None) -> list[str] | None:
+    """`--recompute-modules a b` or `a,b` as one list (None when not given)."""
+    if values is None:
+        return None
+    return [m for v in values for m in v.split(",") if m]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.gpus}; lower --gpus or allocate more nodes"
             )
     loads = trace_loads(args.trace, model) if args.trace else None
-    fixed = {"pp": args.pp, "dp": args.dp, "tp": args.tp, "ep": args.ep}
+    fixed = {k: getattr(args, k) for k in ("pp", "dp", "tp", "ep", "vp", "cp", "etp")}
     fixed["micro_batch"] = args.micro_batch
     progress = _Progress()
     try:
@@ -162,9 +226,12 @@ def run(args: argparse.Namespace) -> int:
             loads,
             progress,
             recompute=[args.recompute] if args.recompute else None,
+            recompute_modules=recompute_modules(args.recompute_modules),
+            sharding=sharding_choices(args.zero, args.fsdp),
+            a2a_overlap=args.a2a_overlap,
+            dispatchers=[args.dispatcher] if args.dispatcher else None,
             max_ep=args.max_ep,
             score=args.score,
-            dispatcher=args.dispatcher,
         )
     finally:
         progress.close()

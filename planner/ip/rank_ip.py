@@ -2,12 +2,15 @@
 
 Entry point `solve_ranks(parallel, cluster, allocation, options) -> RankSolution`.
 
-Logical ranks follow Megatron's order: r = stage*(dp*tp) + dp_idx*tp + tp_idx; the EP group
-of r is the `ep` consecutive ranks of its stage block (ep_idx = (dp_idx*tp + tp_idx) % ep).
-Ranks are cut into node-sized *chunks* of consecutive ranks (chunk c = ranks [c*g, (c+1)*g)),
-so local rank = r % g, TP/EP groups that fit in a node stay inside one, and rail peers share
-a local index (GPU-NIC affinity). The IP places chunks on switches; nodes of one switch are
-interchangeable, so a chunk's node follows in allocation order.
+Logical ranks follow Megatron-Core's order (FORMULATION.md, section 3): with B = tp*cp*dp
+ranks per stage, r = stage*B + j, j = dp_idx*(cp*tp) + cp_idx*tp + tp_idx; the expert mesh
+folds over the same block, ep_idx = (j // etp) % ep, so an EP group is `ep` ranks `etp`
+apart inside the block (ep may exceed dp*tp). TP groups are tp consecutive ranks, CP groups cp
+ranks tp apart, expert-TP groups etp consecutive ranks. Ranks are cut into node-sized
+*chunks* of consecutive ranks (chunk c = ranks [c*g, (c+1)*g)), so local rank = r % g, groups
+whose span fits in a node stay inside one, and rail peers share a local index (GPU-NIC
+affinity). The IP places chunks on switches; nodes of one switch are interchangeable, so a
+chunk's node follows in allocation order.
 
 Shape letters: C = chunks (used nodes), W = switches, K = multi-chunk groups.
 """
@@ -26,21 +29,27 @@ from planner.specs import ClusterSpec, SpecError
 
 log = logging.getLogger(__name__)
 
-KIND_WEIGHT = {"tp": 4, "ep": 2, "pp": 1}  # relative traffic of the group kinds
+# Relative traffic of the group kinds: tensor-parallel collectives (attention and expert TP)
+# every layer, the context-parallel K/V ring every attention layer, the all-to-alls every
+# MoE layer, one activation per micro-batch between pipeline neighbours.
+KIND_WEIGHT = {"tp": 4, "etp": 4, "cp": 3, "ep": 2, "pp": 1}
 LEVEL_WEIGHT = {"switch": 1, "group": 3}  # crossing a dragonfly group costs more
-# Pipeline neighbours exchange one activation per micro-batch (little traffic): they are kept
-# inside a dragonfly group, but not pushed onto one switch (that would split EP groups).
-COUNTED = {("tp", "switch"), ("ep", "switch"), ("tp", "group"), ("ep", "group"), ("pp", "group")}
+# Pipeline neighbours are kept inside a dragonfly group, but not pushed onto one switch (that
+# would split the other groups).
+COUNTED = {(k, lv) for k in KIND_WEIGHT for lv in LEVEL_WEIGHT} - {("pp", "switch")}
+GROUP_KINDS = ("tp", "cp", "etp", "ep")  # the groups counted as straddling
 MAX_IP_CELLS = 40_000  # chunk x switch variables above which the greedy answer is kept
 
 
 @dataclass(frozen=True)
 class RankSolution:
-    """One RankPlan per logical rank, and how many TP/EP groups straddle a switch.
+    """One RankPlan per logical rank, and how many groups straddle a switch.
 
-    straddling_groups: TP and EP groups whose nodes hang off more than one switch.
-    groups_total: TP and EP groups of size > 1.
-    straddling_by_level: (kind, level, count) for kind in tp/ep/pp, level node/switch/group.
+    straddling_groups: TP, CP, expert-TP and EP groups whose nodes hang off more than one
+        switch.
+    groups_total: those groups of size > 1.
+    straddling_by_level: (kind, level, count) for kind in tp/cp/etp/ep/pp, level
+        node/switch/group.
     hostnames: node index -> hostname of the allocation used.
     """
 
@@ -55,8 +64,41 @@ class RankSolution:
 
 @dataclass(frozen=True)
 class _Group:
-    kind: str  # "tp" | "ep" | "pp"
+    kind: str  # "tp" | "cp" | "etp" | "ep" | "pp"
     chunks: tuple[int, ...]  # distinct chunks, ascending
+
+
+def logical_rank(par: ParallelConfig, r: int) -> tuple[int, int, int, int, int]:
+    """(stage, dp_idx, cp_idx, tp_idx, ep_idx) of global rank r (Megatron-Core's order)."""
+    stage, j = divmod(r, par.tp * par.cp * par.dp)
+    dp_idx, rest = divmod(j, par.cp * par.tp)
+    cp_idx, tp_idx = divmod(rest, par.tp)
+    return stage, dp_idx, cp_idx, tp_idx, (j // par.etp) % par.ep
+
+
+def group_ranks(par: ParallelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Every TP, CP, expert-TP and EP group (kind, ranks) of size > 1: the ranks that share
+    every index but the group's own, in rank order."""
+    out = []
+    for kind, size in (("tp", par.tp), ("cp", par.cp), ("etp", par.etp), ("ep", par.ep)):
+        if size == 1:
+            continue
+        members: dict[tuple[int, ...], list[int]] = {}
+        for r in range(par.world):
+            members.setdefault(_group_key(par, kind, r), []).append(r)
+        out += [(kind, tuple(ranks)) for ranks in members.values()]
+    return out
+
+
+def _group_key(par: ParallelConfig, kind: str, r: int) -> tuple[int, ...]:
+    stage, j = divmod(r, par.tp * par.cp * par.dp)
+    if kind in ("tp", "etp"):  # consecutive ranks
+        size = par.tp if kind == "tp" else par.etp
+        return (stage, j // size)
+    if kind == "cp":  # same dp and tp index
+        dp_idx, rest = divmod(j, par.cp * par.tp)
+        return (stage, dp_idx, rest % par.tp)
+    return (stage, j % par.etp, j // (par.etp * par.ep))  # ep: same etp and edp index
 
 
 def solve_ranks(
@@ -65,11 +107,11 @@ def solve_ranks(
     allocation: Allocation | None,
     options: SolverOptions,
 ) -> RankSolution:
-    """Place logical ranks on nodes so TP, EP groups and pipeline neighbours cross as few
-    slow (switch, then group) boundaries as possible.
+    """Place logical ranks on nodes so TP, CP, expert-TP and EP groups and pipeline
+    neighbours cross as few slow (switch, then group) boundaries as possible.
 
     Args:
-        parallel: the layout (pp, dp, tp, ep).
+        parallel: the layout (pp, dp, tp, cp, ep, etp).
         cluster: node size (gpus_per_node) and, without an allocation, the topology.
         allocation: the job's nodes with switch/group ids; None = first nodes of the cluster.
         options: backend, time limit (s), threads, seed.
@@ -151,15 +193,9 @@ def _switches(alloc: Allocation) -> list[_Switch]:
 
 
 def _groups(par: ParallelConfig, g: int) -> list[_Group]:
-    """TP groups, EP groups and pipeline-neighbour pairs, as sets of chunks (all of them)."""
-    out: list[_Group] = []
-    for kind, size in (("tp", par.tp), ("ep", par.ep)):
-        if size > 1:
-            for start in range(0, par.world, size):
-                out.append(
-                    _Group(kind, tuple(sorted({r // g for r in range(start, start + size)})))
-                )
-    block = par.dp * par.tp
+    """TP, CP, expert-TP and EP groups and pipeline-neighbour pairs, as sets of chunks."""
+    out = [_Group(kind, tuple(sorted({r // g for r in ranks}))) for kind, ranks in group_ranks(par)]
+    block = par.dp * par.tp * par.cp
     pairs = {
         (r // g, (r + block) // g) for r in range(par.world - block)
     }  # rank r and its next-stage peer
@@ -266,7 +302,7 @@ def _lower_bound(groups: list[_Group], switches: list[_Switch]) -> int:
 
 
 def _greedy(groups: list[_Group], num_chunks: int, switches: list[_Switch], par, g) -> list[int]:
-    """Blocks of consecutive chunks (one EP/TP group each), taken column by column (block j
+    """Blocks of consecutive chunks (one group span each), taken column by column (block j
     of stage 0, 1, ... in a row, so pipeline neighbours follow each other), go onto the
     previous block's switch, else best-fit in its dragonfly group; a column starts on the
     best-fitting switch that holds it whole, if any. A block that fits nowhere whole fills
@@ -310,7 +346,8 @@ def _place_block(size: int, free: list[int], switches, last_w: int, last_group: 
 def _block_columns(num_chunks: int, span: int, par, g: int) -> list[list[list[int]]]:
     """Chunk blocks grouped in columns (block j of every stage) when stages split evenly
     into blocks; otherwise one column of consecutive blocks."""
-    per_stage = par.dp * par.tp // g if (par.dp * par.tp) % g == 0 else 0
+    block = par.dp * par.tp * par.cp
+    per_stage = block // g if block % g == 0 else 0
     if not per_stage or per_stage % span:
         return [[list(range(c, min(c + span, num_chunks))) for c in range(0, num_chunks, span)]]
     return [
@@ -330,18 +367,16 @@ def _result(par, g, alloc, switches, groups, chunk_switch, report) -> RankSoluti
             node_of_chunk[c] = node
     ranks = []
     for r in range(par.world):
-        stage, rest = divmod(r, par.dp * par.tp)
-        dp_idx, tp_idx = divmod(rest, par.tp)
-        ranks.append(
-            RankPlan(r, node_of_chunk[r // g], r % g, stage, dp_idx, tp_idx, rest % par.ep)
-        )
+        stage, dp_idx, cp_idx, tp_idx, ep_idx = logical_rank(par, r)
+        node = node_of_chunk[r // g]
+        ranks.append(RankPlan(r, node, r % g, stage, dp_idx, tp_idx, ep_idx, cp_idx))
     by_level = _straddles(groups, chunk_switch, switches)
     straddling = sum(n for kind, level, n in by_level if kind != "pp" and level == "switch")
     total = sum(1 for k in groups if k.kind != "pp")
     note = ""
     if straddling:
         note = (
-            f"{straddling} of {total} TP/EP groups straddle switches on "
+            f"{straddling} of {total} TP/CP/EP groups straddle switches on "
             f"{len(alloc)} nodes over {alloc.num_switches} switches"
         )
     return RankSolution(
@@ -357,7 +392,7 @@ def _result(par, g, alloc, switches, groups, chunk_switch, report) -> RankSoluti
 
 def _straddles(groups, chunk_switch, switches) -> tuple[tuple[str, str, int], ...]:
     rows = []
-    for kind in ("tp", "ep", "pp"):
+    for kind in (*GROUP_KINDS, "pp"):
         mine = [k for k in groups if k.kind == kind]
         rows.append((kind, "node", sum(len(k.chunks) > 1 for k in mine)))
         rows.append(

@@ -63,6 +63,18 @@ class StageData:
     recompute_allowed: bool
     max_time_q: int
     class_of: tuple[int, ...]  # L: layer class id
+    min_layers: int = 1  # per stage: a rank's vp interleaved chunks hold a layer each
+
+    def starts(self, s: int) -> range:
+        """Where stage s may start: s earlier stages and pp - s stages from it need
+        min_layers layers each."""
+        n = self.min_layers
+        return range(s * n, self.num_layers - (self.pp - s) * n + 1)
+
+    def ends(self, s: int, a: int) -> range:
+        """Where stage s starting at layer a may end (exclusive): the later stages need room."""
+        n = self.min_layers
+        return range(a + n, self.num_layers - (self.pp - 1 - s) * n + 1)
 
     def extra_time_q(self, s: int) -> int:
         return (self.first_q[0] if s == 0 else 0) + (self.last_q[0] if s == self.pp - 1 else 0)
@@ -152,6 +164,7 @@ def quantize_inputs(inputs: StageCostInputs) -> StageData:
         recompute_allowed=inputs.recompute_allowed,
         max_time_q=sum(t + d for t, d in zip(time_q, dtime_q, strict=True)) + first[0] + last[0],
         class_of=class_of,
+        min_layers=inputs.vp,
     )
 
 
@@ -166,8 +179,13 @@ class DPResult:
 def solve_dp(data: StageData) -> DPResult:
     """Min-bottleneck split, then fewest recomputed layers, then smallest early stages."""
     start = time.perf_counter()
-    if data.pp > data.num_layers:
-        reason = f"pp={data.pp} exceeds the {data.num_layers} layers; every stage needs one"
+    if data.pp * data.min_layers > data.num_layers:
+        reason = (
+            f"pp={data.pp} exceeds the {data.num_layers} layers; every stage needs one"
+            if data.min_layers == 1
+            else f"pp={data.pp} stages of >= {data.min_layers} layers (one per interleaved "
+            f"chunk) need {data.pp * data.min_layers} layers; the model has {data.num_layers}"
+        )
         return DPResult(None, True, reason, time.perf_counter() - start)
     table = _IntervalTable(data)
     best_t = _min_bottleneck(data, table)
@@ -287,13 +305,13 @@ def _min_bottleneck(data: StageData, table: _IntervalTable) -> int | None:
     num_l, num_s, inf = data.num_layers, data.pp, math.inf
     best = [[inf] * (num_l + 1) for _ in range(num_s)]
     for s in range(num_s):
-        for a in range(s, num_l - (num_s - 1 - s)):
+        for a in data.starts(s):
             before = 0 if s == 0 else best[s - 1][a]
             if s == 0 and a > 0:
                 break
             if before == inf:
                 continue
-            for b in range(a + 1, num_l - (num_s - 1 - s) + 1):
+            for b in data.ends(s, a):
                 if s == num_s - 1 and b != num_l:
                     continue
                 front = table.front(s, a, b)
@@ -314,8 +332,8 @@ def _canonical_split(data: StageData, table: _IntervalTable, limit_t: int) -> Sp
     h[num_s][num_l] = 0
     choice: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
     for s in range(num_s - 1, -1, -1):
-        for a in range(s, num_l - (num_s - 1 - s)):
-            for b in range(a + 1, num_l - (num_s - 1 - s) + 1):
+        for a in data.starts(s):
+            for b in data.ends(s, a):
                 front = table.front(s, a, b)
                 if not front or front[0][0] > limit_t:
                     break  # longer stages need more memory and at least as much time
@@ -342,9 +360,11 @@ def _infeasible_reason(data: StageData, table: _IntervalTable) -> str:
     best = [[inf] * (num_l + 1) for _ in range(num_s)]
     arg: dict[tuple[int, int], tuple[int, int]] = {}
     for s in range(num_s):
-        for a in [0] if s == 0 else range(s, num_l - (num_s - 1 - s)):
+        for a in [0] if s == 0 else data.starts(s):
             before = -inf if s == 0 else best[s - 1][a]
-            for b in range(a + 1, num_l - (num_s - 1 - s) + 1):
+            if before == inf:
+                continue
+            for b in data.ends(s, a):
                 mem = table.min_mem(s, a, b)
                 if max(before, mem) < best[s][b]:
                     best[s][b], arg[(s, b)] = max(before, mem), (a, mem)

@@ -43,7 +43,8 @@ class StageSolution:
 
 
 def solve_stages(inputs: StageCostInputs, options: SolverOptions) -> StageSolution:
-    """Optimal contiguous stage split (min bottleneck stage time) that fits in memory.
+    """Optimal contiguous stage split (min bottleneck stage time) that fits in memory; each
+    stage holds at least `inputs.vp` layers (one per interleaved chunk).
 
     Args:
         inputs: per-layer costs, stage extras, usable memory (bytes), pp, micro-batches.
@@ -165,21 +166,24 @@ def _build_model(data: StageData, hint: Split):
 
 
 def _order_constraints(model: LinearModel, data: StageData, v: _Vars) -> None:
-    """C1-C4: contiguous, ordered, non-empty stages; recompute only where the layer is."""
-    num_l, num_s, ge = data.num_layers, data.pp, v.ge
+    """C1-C4: contiguous, ordered stages of at least min_layers layers; recompute only where
+    the layer is."""
+    num_l, num_s, ge, n = data.num_layers, data.pp, v.ge, data.min_layers
     # C1: stages are contiguous: once a layer is in stage >= s, every later layer is too.
     for s in range(1, num_s):
         for i in range(num_l - 1):
             model.add([(1, ge[s][i]), (-1, ge[s][i + 1])], "<=", 0, f"C1_s{s}_l{i}")
-    # C2: stages are ordered and non-empty: if layer i+1 is in stage >= s+1, layer i is in >= s.
+    # C2: stages are ordered and hold >= n layers: if layer i+n is in stage >= s+1, layer i is
+    # in stage >= s (n = 1: non-empty).
     for s in range(1, num_s - 1):
-        for i in range(num_l - 1):
-            model.add([(1, ge[s + 1][i + 1]), (-1, ge[s][i])], "<=", 0, f"C2_s{s}_l{i}")
-    # C3: layer 0 is in stage 0 and the last layer in the last stage.
+        for i in range(num_l - n):
+            model.add([(1, ge[s + 1][i + n]), (-1, ge[s][i])], "<=", 0, f"C2_s{s}_l{i}")
+    # C3: the first n layers are in stage 0 and the last n in the last stage.
     for s in range(1, num_s):
-        model.add([(1, ge[s][0])], "==", 0, f"C3_first_s{s}")
+        for i in range(min(n, num_l)):
+            model.add([(1, ge[s][i])], "==", 0, f"C3_first_s{s}_l{i}")
     if num_s > 1:
-        model.add([(1, ge[num_s - 1][num_l - 1])], "==", 1, "C3_last")
+        model.add([(1, ge[num_s - 1][num_l - n])], "==", 1, "C3_last")
     # C4: a layer is recomputed only in the stage that holds it.
     for (i, s), r in v.rec.items():
         terms, const = v.in_stage(i, s)

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from planner.search.baselines import Baseline
-from planner.search.branch_bound import CandidateRow, describe
 from planner.search.evaluator import EstimateView
 from planner.search.make_plan import PlanResult
+from planner.search.rows import CandidateRow, describe
 
 CANDIDATE_COLUMNS = (
     "rank",
@@ -30,6 +30,13 @@ CANDIDATE_COLUMNS = (
     "micro_batch",
     "num_microbatches",
     "recompute",
+    "recompute_modules",
+    "vp",
+    "cp",
+    "etp",
+    "sharding",
+    "a2a_overlap",
+    "dispatcher",
     "step_time_s",
     "tokens_per_s",
     "mfu",
@@ -59,10 +66,11 @@ def _csv(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def candidates_csv(rows: Sequence[CandidateRow]) -> str:
-    """One row per evaluated layout, ranked (rows come ranked from the search)."""
+    """One row per candidate, ranked (rows come ranked from the search); feasible is 1 only
+    when the candidate is known to fit (a pruned family's unchecked members say 0)."""
     out = []
     for rank, r in enumerate(rows, start=1):
-        p, e = r.parallel, r.estimate
+        p, e, k = r.parallel, r.estimate, r.knobs
         out.append(
             [
                 rank,
@@ -74,13 +82,20 @@ def candidates_csv(rows: Sequence[CandidateRow]) -> str:
                 p.micro_batch,
                 p.num_microbatches,
                 p.recompute,
+                " ".join(p.recompute_modules),
+                p.vp,
+                p.cp,
+                p.etp,
+                k.sharding,
+                int(k.a2a_overlap),
+                k.dispatcher,
                 fmt(e.step_time_s) if e else "",
                 fmt(e.tokens_per_s) if e else "",
                 fmt(e.mfu, 4) if e else "",
                 fmt(e.tflops_per_gpu, 4) if e else "",
                 fmt(e.memory_gib_per_stage[0], 4) if e and e.memory_gib_per_stage else "",
                 fmt(r.bound_step_time_s),
-                int(r.feasible),
+                int(bool(r.feasible)),
                 r.status,
                 r.solver_status,
                 r.reason,
@@ -145,7 +160,7 @@ def _baseline_rows(baselines: Sequence[Baseline], step_s: float) -> list[list[st
     rows = []
     for b in baselines:
         e = b.estimate
-        layout = describe(b.parallel) + (" zero" if b.zero else "") if b.parallel else "-"
+        layout = describe(b.parallel, b.knobs) if b.parallel else "-"
         fits = "yes" if e and e.fits else "no"
         speed = b.speedup(step_s)
         rows.append(
@@ -183,11 +198,12 @@ def summary_md(result: PlanResult) -> str:
     t = plan.training
     lines += [
         f"Training: sequence {t['seq_len']}, global batch {t['global_batch']} sequences, "
-        f"{t['dtype']}, {t['bytes_per_param']} B/param, ZeRO {'on' if t['zero'] else 'off'}.",
+        f"{t['dtype']}, {t['bytes_per_param']} B/param, optimizer sharding "
+        f"{'FSDP' if t.get('fsdp') else 'ZeRO (distributed optimizer)' if t['zero'] else 'off'}.",
         "",
         "## Chosen layout",
         "",
-        f"`{describe(par)}` (edp={par.edp}); stages: "
+        f"`{describe(par, best.knobs)}` (edp={par.edp}); stages: "
         + ", ".join(f"{s.layers[0]}-{s.layers[-1]}" for s in plan.stages)
         + f"; recomputed layers: {sum(len(s.recompute_layers) for s in plan.stages)}.",
         "",
@@ -272,7 +288,7 @@ def _top_candidates(rows: Sequence[CandidateRow], n: int = 10) -> str:
         out.append(
             [
                 rank,
-                describe(r.parallel),
+                describe(r.parallel, r.knobs),
                 fmt(e.step_time_s, 4) if e else "-",
                 fmt(e.tflops_per_gpu, 4) if e else "-",
                 fmt(e.memory_gib_per_stage[0], 4) if e else "-",
@@ -310,7 +326,7 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
         lines.append("interrupted: best plan found so far (search stopped by Ctrl-C)")
     lines += [
         f"{plan.model.name} on {result.gpus} GPUs of {plan.cluster.name}: "
-        f"{describe(best.parallel)}",
+        f"{describe(best.parallel, best.knobs)}",
         f"  step {est.step_time_s:.4g} s, {est.tokens_per_s:.4g} tokens/s, "
         f"{est.tflops_per_gpu:.4g} TFLOPS/GPU, MFU {100 * est.mfu:.1f}%, "
         f"max stage memory {max(est.memory_gib_per_stage):.1f} GiB of {_capacity(est):.1f}",

@@ -6,22 +6,28 @@
   all GPUs (the largest ep dividing both the GPU count and the experts), ZeRO turned on if
   that is what makes it fit;
 - megatron: a Megatron-LM rule of thumb: EP x TP fills one node, PP is the smallest that fits
-  memory with an even split, micro-batch 1, recompute only if needed.
-Each is scored by the same resource model as Piper's plan; speedup = its step / Piper's step.
+  memory with an even split, micro-batch 1, recompute only if needed, the distributed
+  optimizer unless the user turned it off.
+Each is scored by the same resource model as Piper's plan, with the flat all-to-all unless
+the user fixed the dispatcher, no interleaving, context or expert tensor parallelism and no
+all-to-all overlap; speedup = its step / Piper's step. The uniform split is taken among the
+candidates the search costed and screened (a pruned family's other members are never costed).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig, divisors
 from planner.resources.cost import even_split
 from planner.resources.stage_inputs import StageCostInputs
 from planner.search import bounds
-from planner.search.branch_bound import SearchContext, training_for
+from planner.search.branch_bound import SearchContext
+from planner.search.costing import training_for
 from planner.search.evaluator import EstimateView
+from planner.search.space import Candidate, Knobs
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class Baseline:
     zero: bool
     estimate: EstimateView | None
     note: str = ""  # why there is no estimate, or what was needed to make it fit
+    knobs: Knobs = Knobs()
 
     def speedup(self, piper_step_s: float) -> float:
         """How many times faster Piper's step is (nan when the baseline does not fit)."""
@@ -44,8 +51,7 @@ class Baseline:
 class _Scored:
     step_s: float
     order: int
-    par: ParallelConfig
-    zero: bool
+    cand: Candidate
 
 
 TITLES = {
@@ -56,44 +62,56 @@ TITLES = {
 
 
 def _even_score(inputs: StageCostInputs, par: ParallelConfig) -> float | None:
-    """1F1B step of an even split with all-or-nothing recompute; None if it does not fit."""
+    """Step of an even split with all-or-nothing recompute; None if it does not fit."""
     split = even_split(len(inputs.units), par.pp)
     mem, time = bounds.split_cost(inputs, split, par.recompute != "none")
     if max(mem) > inputs.usable_memory_bytes:
         return None
-    return (par.num_microbatches + par.pp - 1) * max(time)
+    return inputs.pipeline_slots * max(time)
 
 
-def _finish(ctx: SearchContext, name: str, best: _Scored | None, note: str) -> Baseline:
+def _finish(
+    ctx: SearchContext, name: str, best: _Scored | None, note: str, fit_note: str = ""
+) -> Baseline:
     if best is None:
-        return Baseline(name, TITLES[name], None, ctx.training.zero, None, note)
-    training = replace(training_for(ctx.training, best.par), zero=best.zero)
-    n = len(ctx.model.layers)
-    layers = even_split(n, best.par.pp)
-    rc = layers if best.par.recompute != "none" else tuple(() for _ in layers)
-    est = ctx.evaluator.estimate(ctx.model, ctx.cluster, training, best.par, layers, rc)
-    note = "needs ZeRO to fit" if best.zero and not ctx.training.zero else ""
-    return Baseline(name, TITLES[name], best.par, best.zero, est, note)
+        return Baseline(name, TITLES[name], None, False, None, note)
+    par, knobs = best.cand.parallel, best.cand.knobs
+    layers = even_split(len(ctx.model.layers), par.pp)
+    rc = layers if par.recompute != "none" else tuple(() for _ in layers)
+    training = training_for(ctx.training, best.cand)
+    est = ctx.evaluator.estimate(
+        ctx.model, ctx.cluster, training, par, layers, rc, knobs.dispatcher
+    )
+    return Baseline(name, TITLES[name], par, knobs.sharding == "zero", est, fit_note, knobs)
 
 
-def uniform(ctx: SearchContext, inputs: Mapping[ParallelConfig, StageCostInputs]) -> Baseline:
-    """The best even-split layout among the search's memory-screened candidates."""
+def _dispatcher(ctx: SearchContext) -> str:
+    """The user's fixed dispatcher, else the flat all-to-all."""
+    d = ctx.space.dispatchers
+    return d[0] if len(d) == 1 else "flat"
+
+
+def uniform(ctx: SearchContext, inputs: Mapping[Candidate, StageCostInputs]) -> Baseline:
+    """The best even-split candidate among the search's memory-screened candidates."""
     best = None
-    for order, (par, inp) in enumerate(inputs.items()):
-        step = _even_score(inp, par)
+    for order, (cand, inp) in enumerate(inputs.items()):
+        step = _even_score(inp, cand.parallel)
         if step is not None and (best is None or (step, order) < (best.step_s, best.order)):
-            best = _Scored(step, order, par, ctx.training.zero)
+            best = _Scored(step, order, cand)
     return _finish(ctx, "uniform", best, "no layout fits with an even split")
 
 
 def _best_of(ctx: SearchContext, layouts: Iterable[tuple[ParallelConfig, bool]]) -> _Scored | None:
     best = None
     for order, (par, zero) in enumerate(layouts):
-        training = replace(training_for(ctx.training, par), zero=zero)
-        inp = ctx.evaluator.cost_inputs(ctx.model, ctx.cluster, training, par)
+        cand = Candidate(par, Knobs("zero" if zero else "none", False, _dispatcher(ctx)))
+        training = training_for(ctx.training, cand)
+        inp = ctx.evaluator.cost_inputs(
+            ctx.model, ctx.cluster, training, par, cand.knobs.dispatcher
+        )
         step = _even_score(inp, par)
         if step is not None and (best is None or (step, order) < (best.step_s, best.order)):
-            best = _Scored(step, order, par, zero)
+            best = _Scored(step, order, cand)
     return best
 
 
@@ -104,20 +122,23 @@ def xmoe(ctx: SearchContext) -> Baseline:
         return Baseline("xmoe", TITLES["xmoe"], None, False, None, "GPUs do not divide the batch")
     ep = max(d for d in divisors(gpus) if max(ctx.model.num_experts, 1) % d == 0)
     per_dp = batch // gpus
-    zeros = sorted({ctx.training.zero, True})
     layouts = [
-        (ParallelConfig(1, gpus, 1, ep, mb, per_dp // mb, rc), zero)
-        for zero in zeros
+        ParallelConfig(1, gpus, 1, ep, mb, per_dp // mb, rc)
         for rc in ("none", "full")
         for mb in divisors(per_dp)
     ]
-    fit_plain = _best_of(ctx, [lz for lz in layouts if lz[1] == ctx.training.zero])
-    best = fit_plain or _best_of(ctx, layouts)
-    return _finish(ctx, "xmoe", best, "does not fit even with ZeRO and full recompute")
+    plain = _best_of(ctx, [(par, False) for par in layouts])
+    if plain is not None:
+        return _finish(ctx, "xmoe", plain, "")
+    best = _best_of(ctx, [(par, True) for par in layouts])
+    return _finish(
+        ctx, "xmoe", best, "does not fit even with ZeRO and full recompute", "needs ZeRO to fit"
+    )
 
 
 def megatron(ctx: SearchContext) -> Baseline:
-    """EP x TP = one node (as far as experts and heads allow), smallest PP that fits, mb=1."""
+    """EP x TP = one node (as far as experts and heads allow), smallest PP that fits, mb=1;
+    the distributed optimizer when the search may use it."""
     g, gpus = ctx.cluster.gpus_per_node, ctx.space.gpus
     experts = max(ctx.model.num_experts, 1)
     heads = ctx.model.layers[0].attention.num_heads
@@ -129,13 +150,14 @@ def megatron(ctx: SearchContext) -> Baseline:
             if pp > ctx.model.num_layers or ctx.training.global_batch % dp or (dp * tp) % ep:
                 continue
             m = ctx.training.global_batch // dp
-            best = _best_of(ctx, [(ParallelConfig(pp, dp, tp, ep, 1, m, rc), ctx.training.zero)])
+            par = ParallelConfig(pp, dp, tp, ep, 1, m, rc)
+            best = _best_of(ctx, [(par, "zero" in ctx.space.sharding)])
             if best is not None:
                 return _finish(ctx, "megatron", best, "")
     return _finish(ctx, "megatron", None, "no pipeline depth fits with an even split")
 
 
 def all_baselines(
-    ctx: SearchContext, inputs: Mapping[ParallelConfig, StageCostInputs]
+    ctx: SearchContext, inputs: Mapping[Candidate, StageCostInputs]
 ) -> tuple[Baseline, ...]:
     return (uniform(ctx, inputs), xmoe(ctx), megatron(ctx))

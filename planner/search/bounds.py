@@ -6,9 +6,12 @@ only make it easier, so they are valid:
   fits (every layer at its smallest activation, i.e. recomputed when recompute is allowed).
   If it exceeds usable memory, the candidate is infeasible without solving anything.
 - `bottleneck_time_lower_bound_s`: the smallest possible slowest-stage time per micro-batch
-  (every layer at its fastest, memory ignored). The 1F1B step is at least
-  (num_microbatches + pp - 1) times it, so a candidate whose bound is not below the best
-  step time found so far cannot win and is not solved.
+  (every layer at its fastest, memory ignored). The step is at least
+  `pipeline_slots` = m + (pp - 1) / vp times it (1F1B: m + pp - 1; interleaved with vp
+  chunks per rank: the bubble shrinks by vp; StageCostInputs.pipeline_slots), so a
+  candidate whose bound is not below the best step time found so far cannot win and is not
+  solved. With the all-to-all overlap the units' times are the steady phase's paired times,
+  the shortest a micro-batch takes, so the bound still holds.
 
 A greedy that fills each stage with the longest prefix that fits decides the relaxed
 problems exactly: stage costs are monotone in the set of layers, so a greedy stage never ends
@@ -118,12 +121,28 @@ def memory_may_fit(inputs: StageCostInputs) -> bool:
 
 def bottleneck_time_lower_bound_s(inputs: StageCostInputs) -> float:
     """Lower bound (s) on the slowest stage's time per micro-batch, memory ignored."""
-    return _time(inputs).minimum()[0]
+    return max(_time(inputs).minimum()[0], _quick_bottleneck_s(inputs))
+
+
+def _quick_bottleneck_s(inputs: StageCostInputs) -> float:
+    """The largest of the average stage (all work over pp stages), the slowest layer and the
+    first and last stages' extras: each a stage's time at least."""
+    rc = inputs.recompute_allowed
+    times = [min(u.time_s, u.time_recompute_s) if rc else u.time_s for u in inputs.units]
+    ends = (inputs.first.time_s, inputs.last.time_s)
+    return max((sum(times) + sum(ends)) / inputs.pp, max(times, default=0.0), *ends)
 
 
 def step_time_lower_bound_s(inputs: StageCostInputs) -> float:
-    """Lower bound (s) on the 1F1B step: (num_microbatches + pp - 1) x bottleneck bound."""
-    return (inputs.num_microbatches + inputs.pp - 1) * bottleneck_time_lower_bound_s(inputs)
+    """Lower bound (s) on the step: pipeline_slots (m + (pp - 1) / vp) x bottleneck bound."""
+    return inputs.pipeline_slots * bottleneck_time_lower_bound_s(inputs)
+
+
+def quick_step_time_bound_s(inputs: StageCostInputs) -> float:
+    """A weaker lower bound (s) on the step in O(layers), no bisection: pipeline_slots x the
+    largest of the average stage (all work over pp stages), the slowest layer and the first
+    and last stages' extras. Never above step_time_lower_bound_s."""
+    return inputs.pipeline_slots * _quick_bottleneck_s(inputs)
 
 
 def split_cost(

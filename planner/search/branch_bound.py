@@ -1,22 +1,25 @@
-"""Candidates of the outer search: screening by cheap bounds and branch and bound on the split.
+"""The outer search: families of candidates, bounds, and branch and bound on the split.
 
 Steps (planner/PLANNING.md describes them for users):
-1. Enumerate valid layouts (planner.search.enumerate) within the user's fixed sizes.
-2. Screen each with its StageCostInputs: a memory lower bound rejects layouts no split can fit;
-   a step-time lower bound orders the rest (planner.search.bounds).
-3. Branch and bound: find each candidate's optimal split in bound order (the exact DP, or the
-   stage IP where the DP is not exact or score="ip"), in fixed-size batches (threads work on
-   a batch concurrently, each solver single-threaded, so the set of candidates scored and
-   every answer are the same for any --threads); predict each split with the resource model;
-   a candidate whose bound is not below the best predicted step time is not scored and gets
-   a "pruned" row. The winner's split is then re-solved by the stage IP (confirm_with_ip).
+1. Enumerate the candidates as families (planner.search.enumerate) within the fixed sizes.
+2. Bound each family by costing its fastest member (planner.search.families); compare the
+   dispatchers once per MoE shape and drop the dominated ones (planner.search.costing).
+3. Branch and bound, in bound order: a family whose bound can still beat the best step
+   found is expanded (its members costed and screened by the memory bound); a candidate gets
+   its optimal split (the exact DP, or the stage IP where the DP is not exact or
+   score="ip") and a prediction, in fixed-size batches (threads work on a batch
+   concurrently, each solver single-threaded, so the set of candidates scored and every
+   answer are the same for any --threads). A family or candidate whose bound is not below
+   the best predicted step time gets "pruned" rows. The winner's split is then re-solved by
+   the stage IP (confirm_with_ip).
+4. When nothing fits and cp was searched, a second pass tries the fallback cp sizes.
 Ctrl-C during step 3 stops the search and keeps the best candidate found so far.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
-import math
 import signal
 import threading
 import time
@@ -26,12 +29,16 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from planner.ip.solvers import SolverOptions
-from planner.parallel import ParallelConfig
 from planner.resources.stage_inputs import StageCostInputs
 from planner.search import bounds
-from planner.search.enumerate import SearchSpace, enumerate_layouts, make_space
-from planner.search.evaluator import EstimateView, Evaluator, StageChoice, gib
-from planner.specs import ClusterSpec, ModelSpec, Recompute, SpecError, TrainingSpec
+from planner.search import space as sp
+from planner.search.costing import Costing, Screened, training_for
+from planner.search.enumerate import enumerate_families
+from planner.search.evaluator import Evaluator, StageChoice, gib
+from planner.search.families import Bounded, bound_families, expand, unexpanded_rows
+from planner.search.rows import CandidateRow, describe, rank_rows
+from planner.search.space import Candidate, SearchSpace
+from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 from planner.topology import check_fits
 
 log = logging.getLogger(__name__)
@@ -41,44 +48,15 @@ Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
-class CandidateRow:
-    """One evaluated layout: a row of candidates.csv."""
-
-    order: int  # position in the enumeration (deterministic tie-break)
-    parallel: ParallelConfig
-    bound_step_time_s: float  # lower bound on the step; nan when not computed
-    feasible: bool  # fits memory (by the IP and the resource model; pruned rows: by the bound)
-    status: str  # "solved" | "pruned" | "infeasible" | "interrupted"
-    reason: str
-    solver_status: str = ""
-    memory_need_gib: float = math.nan  # lower bound on the fullest stage (infeasible rows)
-    usable_memory_gib: float = math.nan
-    estimate: EstimateView | None = None
-    stages: StageChoice | None = None
-
-    @property
-    def step_time_s(self) -> float:
-        return self.estimate.step_time_s if self.estimate else math.nan
-
-
-@dataclass(frozen=True)
-class Screened:
-    order: int
-    parallel: ParallelConfig
-    inputs: StageCostInputs
-    bound_s: float
-
-
-@dataclass(frozen=True)
 class SearchOutcome:
-    """Steps 1-3: ranked rows, the winner's row, whether Ctrl-C stopped the search, wall
-    times (s) and counts, and the screened candidates' cost inputs (for the baselines)."""
+    """Ranked rows, the winner's row, whether Ctrl-C stopped the search, wall times (s) and
+    counts, and the screened candidates' cost inputs (for the baselines)."""
 
     rows: tuple[CandidateRow, ...]
     best: CandidateRow | None
     interrupted: bool
     timings: dict[str, float]
-    inputs: Mapping[ParallelConfig, StageCostInputs]
+    inputs: Mapping[Candidate, StageCostInputs]
 
 
 @dataclass(frozen=True)
@@ -92,79 +70,8 @@ class SearchContext:
     score: Literal["dp", "ip"] = "dp"  # how candidates' splits are found (winner: always IP)
 
 
-def rank_rows(rows: Sequence[CandidateRow]) -> tuple[CandidateRow, ...]:
-    """Feasible solved rows by step time, then pruned and interrupted by bound, then the rest."""
-    group = {"pruned": 1, "interrupted": 2}  # everything else not feasible: 3
-
-    def key(r: CandidateRow) -> tuple:
-        ok = r.status == "solved" and r.feasible
-        g = 0 if ok else group.get(r.status, 3)
-        value = r.step_time_s if ok else r.bound_step_time_s
-        if r.status == "infeasible" and not math.isnan(r.memory_need_gib):
-            value = r.memory_need_gib
-        return (g, math.inf if math.isnan(value) else value, r.order)
-
-    return tuple(sorted(rows, key=key))
-
-
-def training_for(training: TrainingSpec, par: ParallelConfig) -> TrainingSpec:
-    """The training spec a layout is costed with (the layout's recompute policy)."""
-    return replace(training, recompute=par.recompute)
-
-
-def screen(ctx: SearchContext, layouts: Sequence[ParallelConfig]) -> tuple[list, list]:
-    """Cost inputs and bounds for every layout -> (screened candidates, infeasible rows).
-
-    Activation memory per stage, min(pp - s, m) x act(micro_batch), never shrinks as the
-    micro-batch grows (m = batch / micro_batch), so once a micro-batch cannot fit, the larger
-    ones of the same layout are rejected without costing them.
-    """
-    cache: dict[tuple, StageCostInputs] = {}
-    too_big: dict[tuple, tuple[int, float, float]] = {}  # layout -> (micro-batch, need, usable)
-    survivors, rejected = [], []
-    for order, par in enumerate(layouts):
-        key = (par.pp, par.dp, par.tp, par.ep, par.recompute)
-        if key in too_big and par.micro_batch > too_big[key][0]:
-            mb, need, usable = too_big[key]
-            reason = (
-                f"micro-batch {par.micro_batch} > {mb}, which already needs >= {need:.1f} GiB "
-                f"> {usable:.1f} GiB usable"
-            )
-            rejected.append(
-                CandidateRow(order, par, math.nan, False, "infeasible", reason, "", need, usable)
-            )
-            continue
-        try:
-            inputs = _cost_inputs(ctx, par, cache)
-        except SpecError as exc:  # a rule of the resource model the enumeration does not know
-            rejected.append(CandidateRow(order, par, math.nan, False, "infeasible", str(exc)))
-            continue
-        if not bounds.memory_may_fit(inputs):
-            need = gib(bounds.min_peak_memory_bytes(inputs))
-            usable = gib(inputs.usable_memory_bytes)
-            too_big.setdefault(key, (par.micro_batch, need, usable))
-            reason = f"needs >= {need:.1f} GiB on its fullest stage > {usable:.1f} GiB usable"
-            rejected.append(
-                CandidateRow(order, par, math.nan, False, "infeasible", reason, "", need, usable)
-            )
-            continue
-        survivors.append(Screened(order, par, inputs, bounds.step_time_lower_bound_s(inputs)))
-    survivors.sort(key=lambda c: (c.bound_s, c.order))
-    return survivors, rejected
-
-
-def _cost_inputs(ctx: SearchContext, par: ParallelConfig, cache: dict) -> StageCostInputs:
-    """StageCostInputs of a layout (cached: the layouts of one search repeat sizes)."""
-    key = (par.pp, par.dp, par.tp, par.ep, par.micro_batch, par.num_microbatches, par.recompute)
-    if key not in cache:
-        cache[key] = ctx.evaluator.cost_inputs(
-            ctx.model, ctx.cluster, training_for(ctx.training, par), par
-        )
-    return cache[key]
-
-
 def _evaluate(ctx: SearchContext, cand: Screened) -> CandidateRow:
-    """Solve the stage IP of one candidate and predict its split."""
+    """Solve the stage split of one candidate and predict it."""
     opts = replace(ctx.options, threads=1)
     if ctx.score == "ip":
         choice = ctx.evaluator.solve_stages(cand.inputs, opts)
@@ -175,53 +82,41 @@ def _evaluate(ctx: SearchContext, cand: Screened) -> CandidateRow:
 
 def _row(ctx: SearchContext, cand: Screened, choice: StageChoice) -> CandidateRow:
     """The row of a candidate whose split has been chosen: infeasible, or predicted."""
-    rep = choice.report
+    rep, par, knobs = choice.report, cand.candidate.parallel, cand.candidate.knobs
     if not rep.has_solution:
         usable = gib(cand.inputs.usable_memory_bytes)
         why = (
-            f"stage IP: no contiguous split of non-empty stages fits {usable:.1f} GiB usable"
+            f"stage IP: no contiguous split of stages with >= {cand.inputs.vp} layers fits "
+            f"{usable:.1f} GiB usable"
             if rep.status == "INFEASIBLE"
             else rep.message or f"stage IP: {rep.status}"
         )
         need = gib(bounds.min_peak_memory_bytes(cand.inputs))
         return CandidateRow(
-            cand.order,
-            cand.parallel,
-            cand.bound_s,
-            False,
-            "infeasible",
-            why,
-            rep.status,
-            need,
-            usable,
-        )
+            cand.order, par, cand.bound_s, False, "infeasible", why, rep.status, need, usable,
+            knobs=knobs,
+        )  # fmt: skip
     est = ctx.evaluator.estimate(
         ctx.model,
         ctx.cluster,
-        training_for(ctx.training, cand.parallel),
-        cand.parallel,
+        training_for(ctx.training, cand.candidate),
+        par,
         choice.stage_layers,
         choice.recompute_layers,
+        knobs.dispatcher,
     )
     if est.step_time_s < cand.bound_s * (1 - 1e-6):
         log.warning(
             "bound %.6g s above the predicted step %.6g s for %s; pruning may be unsafe",
             cand.bound_s,
             est.step_time_s,
-            cand.parallel,
+            describe(par, knobs),
         )
     reason = "" if est.fits else est.reason
     return CandidateRow(
-        cand.order,
-        cand.parallel,
-        cand.bound_s,
-        est.fits,
-        "solved",
-        reason,
-        rep.status,
-        estimate=est,
-        stages=choice,
-    )
+        cand.order, par, cand.bound_s, est.fits, "solved", reason, rep.status,
+        estimate=est, stages=choice, knobs=knobs,
+    )  # fmt: skip
 
 
 def _better(row: CandidateRow, best: CandidateRow | None) -> bool:
@@ -245,47 +140,97 @@ def reinstall_sigint() -> None:
         signal.signal(signal.SIGINT, handler)
 
 
+class _Queue:
+    """Families and screened candidates by (bound, order); a family before its members."""
+
+    def __init__(self, families: Sequence[Bounded], single: Sequence[Screened]) -> None:
+        self.heap: list[tuple[float, int, int, Bounded | Screened]] = []
+        self.pushed = 0
+        self.screened: dict[int, Screened] = {}  # every candidate that passed the memory bound
+        for b in families:
+            self.push(b)
+        for c in single:
+            self.push(c)
+
+    def push(self, item: Bounded | Screened) -> None:
+        self.pushed += 1
+        if isinstance(item, Bounded):
+            order = item.family.first_order + item.members[0]
+            heapq.heappush(self.heap, (item.bound_s, order, 0, item))
+        else:
+            self.screened[item.order] = item
+            heapq.heappush(self.heap, (item.bound_s, item.order, 1, item))
+
+    def pop(self) -> Bounded | Screened:
+        return heapq.heappop(self.heap)[3]
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+
+def _pruned_reason(bound_s: float, best: CandidateRow) -> str:
+    return f"pruned: bound {bound_s:.4g} s >= best {best.step_time_s:.4g} s"
+
+
+def _leftover_rows(item: Bounded | Screened, status: str, reason: str) -> list[CandidateRow]:
+    if isinstance(item, Bounded):
+        return unexpanded_rows(item, status, reason)
+    c = item.candidate
+    return [CandidateRow(item.order, c.parallel, item.bound_s, True, status, reason, knobs=c.knobs)]
+
+
 def branch_and_bound(
-    ctx: SearchContext, survivors: Sequence[Screened], progress: Progress | None = None
+    ctx: SearchContext,
+    costing: Costing,
+    queue: _Queue,
+    progress: Progress | None = None,
 ) -> tuple[list[CandidateRow], CandidateRow | None, bool]:
-    """Step 3: solve in bound order, prune what cannot beat the incumbent; Ctrl-C stops it."""
+    """Step 3: expand and solve in bound order, prune what cannot beat the incumbent;
+    Ctrl-C stops it. Returns (rows, best, interrupted)."""
     rows: list[CandidateRow] = []
+    solving: list[Screened] = []
     best: CandidateRow | None = None
     pool = ThreadPoolExecutor(max_workers=ctx.options.threads)
-    i, interrupted = 0, False
+    interrupted = False
     try:
-        while i < len(survivors):
+        while len(queue):
             batch: list[Screened] = []
-            while i < len(survivors) and len(batch) < BATCH:
-                cand = survivors[i]
-                i += 1
-                if best is not None and cand.bound_s >= best.step_time_s:
-                    reason = f"pruned: bound {cand.bound_s:.4g} s >= best {best.step_time_s:.4g} s"
-                    rows.append(
-                        CandidateRow(
-                            cand.order, cand.parallel, cand.bound_s, True, "pruned", reason
-                        )
-                    )
+            while len(queue) and len(batch) < BATCH:
+                item = queue.pop()
+                if best is not None and item.bound_s >= best.step_time_s:
+                    reason = _pruned_reason(item.bound_s, best)
+                    rows += _leftover_rows(item, "pruned", reason)
+                elif not item.refined:  # the quick bound can win: compute the exact one
+                    queue.push(item.refine(costing) if isinstance(item, Bounded) else item.refine())
+                elif isinstance(item, Bounded):
+                    items, decided = expand(costing, item)
+                    rows += decided
+                    for queued in items:
+                        queue.push(queued)
                 else:
-                    batch.append(cand)
+                    batch.append(item)
+                    solving.append(item)
             for row in pool.map(lambda c: _evaluate(ctx, c), batch):
                 rows.append(row)
                 if _better(row, best):
                     best = row
             reinstall_sigint()
             if progress:
-                progress(i, len(survivors))
+                progress(queue.pushed - len(queue), queue.pushed)
     except KeyboardInterrupt:
         interrupted = True
         done = {r.order for r in rows}
-        for cand in survivors:
-            if cand.order not in done:
-                reason = "interrupted: not evaluated (Ctrl-C)"
-                rows.append(
-                    CandidateRow(
-                        cand.order, cand.parallel, cand.bound_s, True, "interrupted", reason
-                    )
-                )
+        for item in [c for c in solving if c.order not in done]:
+            c = item.candidate
+            reason = "interrupted: not evaluated (Ctrl-C)"
+            rows.append(
+                CandidateRow(item.order, c.parallel, item.bound_s, True, "interrupted", reason,
+                             knobs=c.knobs)
+            )  # fmt: skip
+        while len(queue):
+            rows += _leftover_rows(
+                queue.pop(), "interrupted", "interrupted: not evaluated (Ctrl-C)"
+            )
     finally:
         pool.shutdown(wait=not interrupted, cancel_futures=True)
     return rows, best, interrupted
@@ -305,51 +250,71 @@ def confirm_with_ip(ctx: SearchContext, best: CandidateRow, cand: Screened) -> C
     return _row(ctx, cand, choice)
 
 
-def search_layouts(ctx: SearchContext, progress: Progress | None = None) -> SearchOutcome:
-    """Steps 1-3: enumerate, screen, branch and bound (and confirm the winner by the IP)."""
+@dataclass(frozen=True)
+class _Pass:
+    rows: list[CandidateRow]
+    best: CandidateRow | None
+    interrupted: bool
+    screened: list[Screened]
+    candidates: int
+    costed: int
+    times: dict[str, float]
+
+
+def _one_pass(ctx: SearchContext, progress: Progress | None, offset: int) -> _Pass:
     t0 = time.perf_counter()
-    layouts = enumerate_layouts(ctx.model, ctx.cluster, ctx.training, ctx.space)
+    families = enumerate_families(ctx.model, ctx.cluster, ctx.training, ctx.space)
+    if offset:
+        families = [replace(f, first_order=f.first_order + offset) for f in families]
+    costing = Costing(ctx.model, ctx.cluster, ctx.training, ctx.evaluator)
     t1 = time.perf_counter()
-    survivors, rejected = screen(ctx, layouts)
+    bounded, single, decided = bound_families(costing, families)
+    queue = _Queue(bounded, single)
     t2 = time.perf_counter()
-    rows, best, interrupted = branch_and_bound(ctx, survivors, progress)
-    if best is not None and ctx.score == "dp" and not interrupted:
-        best = confirm_with_ip(ctx, best, {c.order: c for c in survivors}[best.order])
-        rows = [best if r.order == best.order else r for r in rows]
+    rows, best, interrupted = branch_and_bound(ctx, costing, queue, progress)
     t3 = time.perf_counter()
-    timings = {
-        "enumerate_s": t1 - t0,
-        "screen_s": t2 - t1,
-        "stage_search_s": t3 - t2,
-        "layouts": float(len(layouts)),
-        "candidates_scored": float(sum(r.status in ("solved", "infeasible") for r in rows)),
-        "candidates_pruned": float(sum(r.status == "pruned" for r in rows)),
-    }
-    inputs = {c.parallel: c.inputs for c in survivors}
-    return SearchOutcome(rank_rows([*rows, *rejected]), best, interrupted, timings, inputs)
+    times = {"enumerate_s": t1 - t0, "screen_s": t2 - t1, "stage_search_s": t3 - t2}
+    count = sum(len(f.members) for f in families)
+    screened = list(queue.screened.values())
+    return _Pass([*rows, *decided], best, interrupted, screened, count, costing.calls, times)
+
+
+def search_layouts(ctx: SearchContext, progress: Progress | None = None) -> SearchOutcome:
+    """Steps 1-4: enumerate, bound, branch and bound (and confirm the winner by the IP)."""
+    passes = [_one_pass(ctx, progress, 0)]
+    fallback = sp.cp_fallback(ctx.space, ctx.model, ctx.training, ctx.cluster.gpus_per_node)
+    if passes[0].best is None and not passes[0].interrupted and fallback:
+        wide = replace(ctx, space=replace(ctx.space, cp_fallback=fallback))
+        passes.append(_one_pass(wide, progress, passes[0].candidates))
+    last = passes[-1]
+    rows = [r for p in passes for r in p.rows]
+    screened = [c for p in passes for c in p.screened]
+    best, interrupted = last.best, last.interrupted
+    t3 = time.perf_counter()
+    if best is not None and ctx.score == "dp" and not interrupted:
+        best = confirm_with_ip(ctx, best, {c.order: c for c in screened}[best.order])
+        rows = [best if r.order == best.order else r for r in rows]
+    timings = {k: sum(p.times[k] for p in passes) for k in last.times}
+    timings["stage_search_s"] += time.perf_counter() - t3
+    timings.update(
+        layouts=float(sum(p.candidates for p in passes)),
+        costed=float(sum(p.costed for p in passes)),
+        candidates_scored=float(sum(r.status == "solved" or bool(r.solver_status) for r in rows)),
+        candidates_pruned=float(sum(r.status == "pruned" for r in rows)),
+    )
+    inputs = {c.candidate: c.inputs for c in screened}
+    return SearchOutcome(rank_rows(rows), best, interrupted, timings, inputs)
 
 
 def new_context(
     model: ModelSpec,
     cluster: ClusterSpec,
     training: TrainingSpec,
-    gpus: int,
-    fixed: Mapping[str, int | None] | None,
+    space: SearchSpace,
     options: SolverOptions,
     evaluator: Evaluator,
-    recompute: Sequence[Recompute] | None = None,
-    max_ep: int | None = None,
     score: Literal["dp", "ip"] = "dp",
 ) -> SearchContext:
-    """Validate the request (GPU count, fixed sizes) and bundle it for the search."""
-    check_fits(cluster, gpus)
-    space = make_space(gpus, fixed, recompute, max_ep)
+    """Validate the request (the GPU count fits the cluster) and bundle it for the search."""
+    check_fits(cluster, space.gpus)
     return SearchContext(model, cluster, training, space, options, evaluator, score)
-
-
-def describe(par: ParallelConfig) -> str:
-    """pp=4 dp=16 tp=1 ep=8 mb=2 m=32 recompute=none"""
-    return (
-        f"pp={par.pp} dp={par.dp} tp={par.tp} ep={par.ep} mb={par.micro_batch} "
-        f"m={par.num_microbatches} recompute={par.recompute}"
-    )

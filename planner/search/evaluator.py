@@ -1,7 +1,7 @@
 """What the search needs from the resource model and the integer programs, in one place.
 
-The search (planner.search.make_plan) talks to a `Evaluator`: five calls whose results are the small
-frozen types below. `default_evaluator()` wires them to the real modules
+The search (planner.search.make_plan) talks to an `Evaluator`: a few calls whose results are
+the small frozen types below. `default_evaluator()` wires them to the real modules
 (planner.resources.cost, planner.ip.stage_ip / expert_ip / rank_ip); tests pass stubs. This
 module is the only place that knows the shapes of those modules' result types.
 
@@ -63,8 +63,16 @@ class RankChoice:
 
 
 class Evaluator(Protocol):
+    """`dispatcher` names the all-to-all priced for the MoE dispatch/combine:
+    "flat" | "halo" | "deepep" (planner.search.space.DISPATCHERS)."""
+
     def cost_inputs(
-        self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, par: ParallelConfig
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        training: TrainingSpec,
+        par: ParallelConfig,
+        dispatcher: str,
     ) -> StageCostInputs: ...
 
     def solve_stages(self, inputs: StageCostInputs, options: SolverOptions) -> StageChoice: ...
@@ -81,6 +89,7 @@ class Evaluator(Protocol):
         par: ParallelConfig,
         stage_layers: tuple[tuple[int, ...], ...],
         recompute_layers: tuple[tuple[int, ...], ...],
+        dispatcher: str,
     ) -> EstimateView: ...
 
     def place_experts(

@@ -18,16 +18,16 @@ from planner.plan.schema import ClusterEntry, ModelEntry, Plan, Predicted
 from planner.search import assemble
 from planner.search.baselines import Baseline, all_baselines
 from planner.search.branch_bound import (
-    CandidateRow,
     Progress,
     SearchContext,
-    describe,
     new_context,
     reinstall_sigint,
     search_layouts,
-    training_for,
 )
+from planner.search.costing import training_for
 from planner.search.evaluator import Evaluator
+from planner.search.rows import CandidateRow, describe
+from planner.search.space import Candidate, Sharding, make_space
 from planner.specs import ClusterSpec, ModelSpec, Recompute, TrainingSpec
 
 
@@ -57,29 +57,40 @@ def make_plan(
     progress: Progress | None = None,
     *,
     recompute: Sequence[Recompute] | None = None,
+    recompute_modules: Sequence[str] | None = None,
+    sharding: Sequence[Sharding] | None = None,
+    a2a_overlap: bool | None = None,
+    dispatchers: Sequence[str] | None = None,
     max_ep: int | None = None,
     evaluator: Evaluator | None = None,
     score: Literal["dp", "ip"] = "dp",
-    dispatcher: Literal["flat", "halo"] = "flat",
 ) -> PlanResult:
     """Find the layout and placement with the best predicted step time that fits in memory.
 
     Args:
         model, cluster, training: the inputs (training.global_batch in sequences).
         gpus: devices to use (<= cluster.total_gpus).
-        fixed: sizes the user fixed, any of pp, dp, tp, ep, micro_batch (None = searched).
+        fixed: sizes the user fixed, any of pp, dp, tp, ep, micro_batch, vp, cp, etp
+            (None = searched).
         options: solver backend, per-IP time limit (s), threads (candidates solved at once),
             seed.
         allocation: a real node allocation for the rank IP (None = the first `gpus` devices).
         trace_loads: transformer layer index -> tokens per expert (load_E); None = uniform.
         progress: called with (candidates done, candidates to solve) during the search.
-        recompute: recompute policies to try (default: none and full, chosen per layer).
+        recompute: recompute policies to try (default: none, full and selective, chosen per
+            layer).
+        recompute_modules: the selective recompute modules (Megatron-Core's names); None =
+            search planner.search.space.module_sets.
+        sharding: optimizer sharding choices among "none", "zero", "fsdp" (default: zero,
+            and fsdp without pipelining).
+        a2a_overlap: fix the 1F1B all-to-all overlap on or off; None = search it where
+            Megatron-LM allows it.
+        dispatchers: the MoE dispatchers to try among "flat", "halo", "deepep" (default: all).
         max_ep: largest EP group allowed (keep EP inside a fast domain); None = no limit.
         evaluator: the resource model and IPs (default: the real ones; tests pass stubs).
         score: "dp" finds each candidate's split with the exact DP (the stage IP where the DP
             is not exact) and re-solves the winner with the stage IP; "ip" solves every
             candidate with the stage IP. Both give the same plan; "dp" is much faster.
-        dispatcher: the all-to-all priced by the default evaluator ("flat" or "halo").
     Returns:
         PlanResult; plan is None when nothing fits (message says what would) or when Ctrl-C
         came before any candidate was solved (interrupted is then True).
@@ -87,11 +98,19 @@ def make_plan(
     if evaluator is None:
         from planner.search.model_evaluator import default_evaluator
 
-        evaluator = default_evaluator(dispatcher)
+        evaluator = default_evaluator()
     t0 = time.perf_counter()
-    ctx = new_context(
-        model, cluster, training, gpus, fixed, options, evaluator, recompute, max_ep, score
+    space = make_space(
+        gpus,
+        fixed,
+        recompute,
+        max_ep,
+        recompute_modules=recompute_modules,
+        sharding=sharding,
+        a2a_overlap=a2a_overlap,
+        dispatchers=dispatchers,
     )
+    ctx = new_context(model, cluster, training, space, options, evaluator, score)
     found = search_layouts(ctx, progress)
     rows, best, interrupted, timings = found.rows, found.best, found.interrupted, found.timings
     t1 = time.perf_counter()
@@ -126,7 +145,7 @@ def _plan_document(
     interrupted: bool,
 ) -> Plan:
     assert best.estimate is not None and best.stages is not None
-    par, est = best.parallel, best.estimate
+    par, est, knobs = best.parallel, best.estimate, best.knobs
     placement = assemble.place(
         ctx.evaluator, ctx.model, par, ctx.cluster, allocation, trace_loads, ctx.options
     )
@@ -140,14 +159,20 @@ def _plan_document(
             "nodes_used": -(-ctx.space.gpus // g),
         }
     )
+    space = ctx.space
     sizes = {
-        "gpus": ctx.space.gpus,
-        "fixed": dict(ctx.space.fixed),
-        "recompute": list(ctx.space.recompute),
-        "max_ep": ctx.space.max_ep,
+        "gpus": space.gpus,
+        "fixed": dict(space.fixed),
+        "recompute": list(space.recompute),
+        "recompute_modules": None
+        if space.recompute_modules is None
+        else list(space.recompute_modules),
+        "sharding": list(space.sharding),
+        "a2a_overlap": space.a2a_overlap,
+        "dispatchers": list(space.dispatchers),
+        "max_ep": space.max_ep,
         "solver": ctx.options.backend,
         "seed": ctx.options.seed,
-        "dispatcher": getattr(ctx.evaluator, "dispatcher", ""),
         "trace": {str(k): list(v) for k, v in sorted((trace_loads or {}).items())},
         "allocation": repr(getattr(allocation, "nodes", allocation)) if allocation else None,
     }
@@ -163,14 +188,14 @@ def _plan_document(
         tuple(sorted(est.comm_s)),
     )
     extra = {
-        "dispatcher": sizes["dispatcher"],
+        "dispatcher": knobs.dispatcher,
         "interrupted": interrupted,
         "baselines": [_baseline_doc(b, est.step_time_s) for b in baselines],
     }
     return assemble.build_plan(
         model=model,
         cluster=cluster,
-        training=training_for(ctx.training, par),
+        training=training_for(ctx.training, best_candidate(best)),
         par=par,
         stage_layers=best.stages.stage_layers,
         recompute_layers=best.stages.recompute_layers,
@@ -182,11 +207,15 @@ def _plan_document(
     )
 
 
+def best_candidate(row: CandidateRow) -> Candidate:
+    return Candidate(row.parallel, row.knobs)
+
+
 def _baseline_doc(b: Baseline, piper_step_s: float) -> dict[str, Any]:
     est = b.estimate
     return {
         "name": b.name,
-        "layout": describe(b.parallel) if b.parallel else "",
+        "layout": describe(b.parallel, b.knobs) if b.parallel else "",
         "zero": b.zero,
         "fits": bool(est and est.fits),
         "step_time_s": est.step_time_s if est else None,
@@ -196,19 +225,29 @@ def _baseline_doc(b: Baseline, piper_step_s: float) -> dict[str, Any]:
     }
 
 
+def _shortfall(row: CandidateRow) -> tuple[float, float, int]:
+    """How far a candidate is from fitting: memory needed over usable (inf when nothing is
+    usable), then the need."""
+    usable = row.usable_memory_gib
+    ratio = row.memory_need_gib / usable if usable > 0 else math.inf
+    return (ratio, row.memory_need_gib, row.order)
+
+
 def no_fit_message(ctx: SearchContext, rows: Sequence[CandidateRow]) -> str:
     """One line: the closest candidate, how far it is from fitting, and what would help."""
     need = [r for r in rows if not math.isnan(r.memory_need_gib)]
     tips = []
     if "full" not in ctx.space.recompute:
         tips.append("--recompute full")
-    if not ctx.training.zero:
+    if "zero" not in ctx.space.sharding and "fsdp" not in ctx.space.sharding:
         tips.append("--zero")
+    elif len(ctx.space.sharding) > 1:
+        tips.append("--fsdp (searched only without pipelining)")
     if not need:
         closest_text = "no candidate"
         tips.append("more GPUs")
     else:
-        closest = min(need, key=lambda r: (r.memory_need_gib, r.order))
+        closest = min(need, key=_shortfall)
         usable = closest.usable_memory_gib
         ratio = closest.memory_need_gib / usable if usable > 0 else math.inf
         if closest.parallel.micro_batch > 1:
@@ -219,8 +258,8 @@ def no_fit_message(ctx: SearchContext, rows: Sequence[CandidateRow]) -> str:
         else:  # overhead + recompute workspace leave nothing: more GPUs cannot help
             tips.append("a device with more memory or a smaller framework_overhead_gib")
         closest_text = (
-            f"closest is {describe(closest.parallel)} needing {closest.memory_need_gib:.1f} GiB "
-            f"> {usable:.1f} GiB usable"
+            f"closest is {describe(closest.parallel, closest.knobs)} needing "
+            f"{closest.memory_need_gib:.1f} GiB > {usable:.1f} GiB usable"
         )
     if ctx.space.fixed:
         tips.append("fewer fixed sizes")

@@ -17,21 +17,19 @@ from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 
 
 class ModelEvaluator:
-    """Evaluator protocol (planner.search.evaluator) over the project's modules.
-
-    `dispatcher` ("flat" | "halo") is the all-to-all the resource model prices for every
-    candidate and baseline.
-    """
-
-    def __init__(self, dispatcher: str = "flat") -> None:
-        self.dispatcher = dispatcher
+    """Evaluator protocol (planner.search.evaluator) over the project's modules."""
 
     def cost_inputs(
-        self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, par: ParallelConfig
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        training: TrainingSpec,
+        par: ParallelConfig,
+        dispatcher: str,
     ) -> StageCostInputs:
         from planner.resources.cost import stage_cost_inputs
 
-        return stage_cost_inputs(model, cluster, training, par, dispatcher=self.dispatcher)
+        return stage_cost_inputs(model, cluster, training, par, dispatcher=dispatcher)
 
     def solve_stages(self, inputs: StageCostInputs, options: SolverOptions) -> StageChoice:
         from planner.ip.stage_ip import solve_stages
@@ -61,12 +59,11 @@ class ModelEvaluator:
         par: ParallelConfig,
         stage_layers: tuple[tuple[int, ...], ...],
         recompute_layers: tuple[tuple[int, ...], ...],
+        dispatcher: str,
     ) -> EstimateView:
         from planner.resources.cost import estimate
 
-        est = estimate(
-            model, cluster, training, par, stage_layers, recompute_layers, self.dispatcher
-        )
+        est = estimate(model, cluster, training, par, stage_layers, recompute_layers, dispatcher)
         return view_of(est, cluster)
 
     def place_experts(
@@ -83,7 +80,7 @@ class ModelEvaluator:
         from planner.ip.rank_ip import solve_ranks
 
         sol = solve_ranks(par, cluster, allocation, options)
-        note = f"{sol.straddling_groups} of {sol.groups_total} TP/EP groups straddle a switch"
+        note = f"{sol.straddling_groups} of {sol.groups_total} TP/CP/EP groups straddle a switch"
         return RankChoice(tuple(sol.ranks), sol.report, "; ".join(filter(None, [note, sol.note])))
 
     def describe_model(self, model: ModelSpec) -> dict[str, Any]:
@@ -145,5 +142,5 @@ def view_of(est: Any, cluster: ClusterSpec) -> EstimateView:
     )
 
 
-def default_evaluator(dispatcher: str = "flat") -> ModelEvaluator:
-    return ModelEvaluator(dispatcher)
+def default_evaluator() -> ModelEvaluator:
+    return ModelEvaluator()

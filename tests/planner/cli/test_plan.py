@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_default_plan_writes_every_output_and_a_valid_plan(default_run, capsys):
     assert plan.model.name == "mixtral-8x7b" and plan.cluster.name == "frontier"
     assert plan.training["seq_len"] == 4096 and plan.training["global_batch"] == 1024
     par = plan.parallel
-    assert par.pp * par.dp * par.tp == 64
+    assert par.pp * par.dp * par.tp * par.cp == 64
     assert par.dp * par.micro_batch * par.num_microbatches == 1024
     assert [layer for s in plan.stages for layer in s.layers] == list(range(32))
     assert len(plan.ranks) == 64 and sorted(r.rank for r in plan.ranks) == list(range(64))
@@ -92,7 +93,7 @@ def test_nothing_fits_exits_2_with_the_closest_candidate_and_fixes(tmp_path, cap
     err = capsys.readouterr().err
     assert code == 2
     assert len(err.strip().splitlines()) == 1
-    assert "closest is pp=" in err and "GiB" in err and "--gpus" in err and "--zero" in err
+    assert "closest is pp=" in err and "GiB" in err and "--gpus" in err and "--fsdp" in err
     assert not (tmp_path / "plan.json").exists()
 
 
@@ -125,6 +126,67 @@ def _pairings(items):
         rest = items[1:k] + items[k + 1 :]
         for tail in _pairings(rest):
             yield [(first, items[k]), *tail]
+
+
+TINY = ["plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", "8", "--seq-len", "128",
+        "--global-batch", "16"]  # fmt: skip
+
+
+def test_every_knob_is_fixed_by_its_flag(tmp_path):
+    """--vp --etp --recompute-modules --fsdp --a2a-overlap --dispatcher --mtp-layers --dtype:
+    the plan and every candidate row carry them."""
+    flags = ["--pp", "2", "--vp", "2", "--etp", "2", "--ep", "2", "--recompute-modules",
+             "moe_act,layernorm", "--fsdp", "--a2a-overlap", "--dispatcher", "deepep",
+             "--mtp-layers", "0", "--optimizer-dtype", "bf16"]  # fmt: skip
+    assert main([*TINY, *flags, "--out", str(tmp_path)]) == 0
+    plan = load_plan(tmp_path / "plan.json")
+    par = plan.parallel
+    assert (par.pp, par.vp, par.etp, par.ep, par.recompute) == (2, 2, 2, 2, "selective")
+    assert par.recompute_modules == ("layernorm", "moe_act")
+    assert plan.training["fsdp"] and not plan.training["zero"] and plan.training["a2a_overlap"]
+    assert plan.training["mtp_layers"] == 0 and plan.training["optimizer_dtype"] == "bf16"
+    assert plan.extra["dispatcher"] == "deepep"
+    assert all(len(s.layers) >= 2 for s in plan.stages)  # one layer per interleaved chunk
+    rows = list(csv.DictReader((tmp_path / "candidates.csv").open()))
+    assert rows and all(
+        (r["vp"], r["etp"], r["sharding"], r["a2a_overlap"], r["dispatcher"])
+        == ("2", "2", "fsdp", "1", "deepep")
+        and r["recompute_modules"] == "layernorm moe_act"
+        for r in rows
+    )
+
+
+def test_the_search_varies_the_knobs_when_nothing_is_fixed(tmp_path):
+    assert main([*TINY, "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "candidates.csv").open()))
+    for column, values in (
+        ("vp", {"1", "2"}),
+        ("sharding", {"zero", "fsdp"}),
+        ("a2a_overlap", {"0", "1"}),
+        ("dispatcher", {"flat", "halo", "deepep"}),
+        ("recompute", {"none", "full", "selective"}),
+    ):
+        assert {r[column] for r in rows} >= values, column
+    assert {r["status"] for r in rows} >= {"solved", "pruned"}
+    assert all(r["reason"] for r in rows if r["status"] != "solved" or r["feasible"] == "0")
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--zero", "--fsdp"], "give one of them"),
+        (["--recompute", "full", "--recompute-modules", "moe"], "needs --recompute selective"),
+        (["--recompute-modules", "attention"], "--recompute-modules attention"),
+        (["--pp", "1", "--vp", "2"], "vp > 1: pp > 1"),
+        (["--mtp-layers", "-1"], "mtp_layers must be >= 0"),
+        (["--dtype", "mxfp8"], "mxfp8"),
+    ],
+)
+def test_bad_knob_flags_exit_2_with_one_line(tmp_path, capsys, flags, words):
+    assert main([*TINY, *flags, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_ctrl_c_before_any_solution_exits_130_and_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -177,9 +239,9 @@ def test_trace_for_a_dense_layer_is_a_one_line_error(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "layer 0 is not an MoE layer" in err
 
 
-def test_dispatcher_is_priced_and_recorded(tmp_path):
+def test_a_fixed_dispatcher_is_priced_and_recorded(tmp_path):
     small = ["plan", "--model", "deepseek-v2-lite", "--gpus", "32", "--ep", "32"]
-    assert main([*small, "--out", str(tmp_path / "flat")]) == 0
+    assert main([*small, "--dispatcher", "flat", "--out", str(tmp_path / "flat")]) == 0
     assert main([*small, "--dispatcher", "halo", "--out", str(tmp_path / "halo")]) == 0
     flat, halo = (
         load_plan(tmp_path / "flat" / "plan.json"),

@@ -43,14 +43,42 @@ def fragmented(sizes: list[int], groups: list[int] | None = None) -> Allocation:
     return Allocation(tuple(nodes), "test")
 
 
+def indices(par: ParallelConfig, r: int) -> dict[str, int]:
+    """FORMULATION.md's convention: r = stage*B + j, B = tp*cp*dp,
+    j = dp*(cp*tp) + cp*tp + tp; etp = j % etp, ep = (j // etp) % ep, edp = j // (etp*ep)."""
+    block = par.tp * par.cp * par.dp
+    stage, j = divmod(r, block)
+    return {
+        "stage": stage,
+        "dp": j // (par.cp * par.tp),
+        "cp": (j // par.tp) % par.cp,
+        "tp": j % par.tp,
+        "etp": j % par.etp,
+        "ep": (j // par.etp) % par.ep,
+        "edp": j // (par.etp * par.ep),
+    }
+
+
+SHARED = {  # a group's ranks share these indices
+    "tp": ("stage", "dp", "cp"),
+    "cp": ("stage", "dp", "tp"),
+    "etp": ("stage", "ep", "edp"),
+    "ep": ("stage", "etp", "edp"),
+}
+
+
 def group_members(par: ParallelConfig) -> list[tuple[str, list[int]]]:
-    """TP groups, EP groups (consecutive blocks) and pipeline pairs, straight from the
-    convention r = stage*(dp*tp) + dp_idx*tp + tp_idx."""
+    """TP, CP, expert-TP and EP groups and pipeline pairs, straight from the convention."""
     out = []
-    for kind, size in (("tp", par.tp), ("ep", par.ep)):
+    for kind, size in (("tp", par.tp), ("cp", par.cp), ("etp", par.etp), ("ep", par.ep)):
         if size > 1:
-            out += [(kind, list(range(s, s + size))) for s in range(0, par.world, size)]
-    block = par.dp * par.tp
+            groups: dict[tuple, list[int]] = {}
+            for r in range(par.world):
+                idx = indices(par, r)
+                groups.setdefault(tuple(idx[k] for k in SHARED[kind]), []).append(r)
+            assert all(len(v) == size for v in groups.values())
+            out += [(kind, v) for v in groups.values()]
+    block = par.dp * par.tp * par.cp
     out += [("pp", [r, r + block]) for r in range(par.world - block)]
     return out
 
@@ -89,34 +117,45 @@ def check_rows(sol, par: ParallelConfig, g: int) -> None:
     slots = {(r.node, r.local_rank) for r in sol.ranks}
     assert len(slots) == par.world  # one rank per device
     for r in sol.ranks:
-        assert r.rank == r.stage * par.dp * par.tp + r.dp * par.tp + r.tp
-        assert r.ep == (r.dp * par.tp + r.tp) % par.ep
+        want = indices(par, r.rank)
+        assert (r.stage, r.dp, r.cp, r.tp, r.ep) == tuple(
+            want[k] for k in ("stage", "dp", "cp", "tp", "ep")
+        )
         assert r.local_rank == r.rank % g
 
 
-def _random_case(rng: random.Random):
-    g = rng.choice([1, 2])
+def _random_case(rng: random.Random, folded: bool = False):
+    """A tiny fragmented allocation and a layout; `folded`: cp or etp > 1 and often
+    ep > dp*tp (the expert mesh folded over tp*cp*dp)."""
+    g = rng.choice([1, 2, 4] if folded else [1, 2])
     sizes = [rng.randint(1, 3) for _ in range(rng.randint(2, 3))]
     groups = [rng.randint(0, 1) for _ in sizes]
     alloc = fragmented(sizes, groups)
     max_chunks = min(len(alloc), 5)
-    for _ in range(50):
+    for _ in range(200):
         pp, dp, tp = rng.randint(1, 3), rng.choice([1, 2, 4]), rng.choice([1, 2])
-        if math.ceil(pp * dp * tp / g) <= max_chunks and pp * dp * tp > 1:
-            eps = [e for e in (1, 2, 4) if (dp * tp) % e == 0]
-            return g, alloc, ParallelConfig(pp=pp, dp=dp, tp=tp, ep=rng.choice(eps))
+        cp, etp = (rng.choice([1, 2]), rng.choice([1, 2])) if folded else (1, 1)
+        world = pp * dp * tp * cp
+        if folded and cp == etp == 1 or (tp * cp * dp) % etp:
+            continue
+        if math.ceil(world / g) <= max_chunks and world > 1:
+            eps = [e for e in (1, 2, 4, 8) if (tp * cp * dp) % (etp * e) == 0]
+            ep = rng.choice(eps)
+            return g, alloc, ParallelConfig(pp=pp, dp=dp, tp=tp, ep=ep, cp=cp, etp=etp)
     return g, alloc, ParallelConfig(pp=2, dp=1)
 
 
+@pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("force_ip", [False, True])
-def test_rank_ip_equals_brute_force(force_ip, monkeypatch):
+def test_rank_ip_equals_brute_force(force_ip, folded, monkeypatch):
     """40 tiny fragmented allocations: IP objective = enumeration; straddle counts add up.
-    force_ip disables the greedy-meets-lower-bound shortcut so every case goes to CP-SAT."""
+    force_ip disables the greedy-meets-lower-bound shortcut so every case goes to CP-SAT;
+    folded layouts have cp or etp = 2 and EP groups over several data-parallel ranks."""
     if force_ip:
         monkeypatch.setattr(rank_ip, "_lower_bound", lambda groups, switches: -1)
-    rng = random.Random(21)
+    rng = random.Random(21 + folded)
     for _ in range(40):
-        g, alloc, par = _random_case(rng)
+        g, alloc, par = _random_case(rng, folded)
         sol = solve_ranks(par, cluster(g), alloc, CPSAT)
         check_rows(sol, par, g)
         node_of_rank = [r.node for r in sol.ranks]
@@ -134,7 +173,7 @@ def test_thirteen_nodes_three_switches():
         sol = solve_ranks(par, cluster(8, nodes_per_switch=5), fragmented([5, 5, 3]), opts)
         assert sol.straddling_groups == 1 and sol.groups_total == 6
         assert sol.report.status == "OPTIMAL"
-        assert "1 of 6 TP/EP groups straddle" in sol.note
+        assert "1 of 6 TP/CP/EP groups straddle" in sol.note
         check_rows(sol, par, 8)
 
 
@@ -175,3 +214,35 @@ def test_pipeline_neighbours_share_a_switch_when_they_can():
     counts = {(k, lv): n for k, lv, n in sol.straddling_by_level}
     assert counts[("pp", "switch")] == 0 and counts[("pp", "node")] == 3
     assert len({r.node for r in sol.ranks}) == 4
+
+
+def test_folded_ep_group_over_cp_and_dp_stays_in_its_node():
+    """tp=2 cp=2 dp=2: ep=8 > dp*tp folds over the context-parallel ranks; each stage block
+    of 8 ranks is one node of 8, so no TP, CP or EP group leaves its node."""
+    par = ParallelConfig(pp=2, dp=2, tp=2, cp=2, ep=8)
+    assert par.ep > par.dp * par.tp and par.edp == 1
+    sol = solve_ranks(par, cluster(8, 4, 2), None, CPSAT)
+    check_rows(sol, par, 8)
+    counts = {(k, lv): n for k, lv, n in sol.straddling_by_level}
+    assert counts[("ep", "node")] == counts[("cp", "node")] == counts[("tp", "node")] == 0
+    assert sol.groups_total == 8 + 8 + 2  # 16 ranks: tp groups of 2, cp groups of 2, ep of 8
+    assert {r.cp for r in sol.ranks} == {0, 1}
+
+
+def test_two_node_ep_groups_take_the_switches_that_hold_them_whole():
+    """EP groups of 16 ranks (ep=16 over tp=2, cp=2, dp=4) span 2 nodes of 8; on switches of
+    2, 1 and 2 nodes each group sits on a 2-node switch: nothing straddles, as brute force."""
+    par = ParallelConfig(pp=2, dp=4, tp=2, cp=2, ep=16)
+    alloc = fragmented([2, 1, 2])
+    for opts in (CPSAT, CBC):
+        sol = solve_ranks(par, cluster(8, nodes_per_switch=2), alloc, opts)
+        check_rows(sol, par, 8)
+        counts = {(k, lv): n for k, lv, n in sol.straddling_by_level}
+        assert counts[("ep", "switch")] == 0 and counts[("ep", "node")] == 2
+        assert sol.report.objective == brute_force(par, alloc, 8)
+        ep_switches = [
+            {alloc.nodes[sol.ranks[r].node].switch for r in ranks}
+            for kind, ranks in group_members(par)
+            if kind == "ep"
+        ]
+        assert all(len(s) == 1 for s in ep_switches)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -53,10 +54,11 @@ def random_inputs(
     return StageCostInputs(tuple(units), first, last, cap, pp, m, rec)
 
 
-def _splits(num_layers: int, pp: int):
+def _splits(num_layers: int, pp: int, min_layers: int = 1):
     for cuts in itertools.combinations(range(1, num_layers), pp - 1):
         bounds = (0,) + cuts + (num_layers,)
-        yield [tuple(range(a, b)) for a, b in itertools.pairwise(bounds)]
+        if all(b - a >= min_layers for a, b in itertools.pairwise(bounds)):
+            yield [tuple(range(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
 def _recompute_sets(inputs: StageCostInputs):
@@ -81,9 +83,10 @@ def _memory_range(inputs: StageCostInputs) -> tuple[float, float]:
 
 
 def brute_force(inputs: StageCostInputs) -> float:
-    """Min bottleneck time over every contiguous split and recompute set that fits (inf: none)."""
+    """Min bottleneck time over every contiguous split (stages of >= vp layers) and recompute
+    set that fits (inf: none)."""
     best = math.inf
-    for stages in _splits(len(inputs.units), inputs.pp):
+    for stages in _splits(len(inputs.units), inputs.pp, inputs.vp):
         for rec in _recompute_sets(inputs):
             mems = [stage_memory_bytes(inputs, s, lay, rec) for s, lay in enumerate(stages)]
             if max(mems) > inputs.usable_memory_bytes:
@@ -96,7 +99,8 @@ def check_solution(inputs: StageCostInputs, sol) -> None:
     """The returned split is contiguous, covers all layers, fits, and its numbers add up."""
     flat = [i for stage in sol.stage_layers for i in stage]
     assert flat == list(range(len(inputs.units)))
-    assert len(sol.stage_layers) == inputs.pp and all(sol.stage_layers)
+    assert len(sol.stage_layers) == inputs.pp
+    assert all(len(stage) >= inputs.vp for stage in sol.stage_layers)
     for s, (lay, rec) in enumerate(zip(sol.stage_layers, sol.recompute_layers, strict=True)):
         assert set(rec) <= set(lay)
         assert not rec or inputs.recompute_allowed
@@ -141,6 +145,29 @@ def test_dp_equals_brute_force():
         assert sol.report.status == "OPTIMAL" and sol.report.backend == "dp"
         assert sol.bottleneck_s == pytest.approx(want, rel=1e-5)
         check_solution(inputs, sol)
+
+
+@pytest.mark.parametrize("vp", [2, 3])
+def test_stages_keep_one_layer_per_interleaved_chunk(vp):
+    """With vp chunks per pipeline rank every stage holds >= vp layers: IP and DP equal the
+    enumeration of such splits on 40 random instances (in-flight counts of interleaved 1F1B);
+    pp * vp > layers has no split."""
+    rng = random.Random(vp)
+    for _ in range(40):
+        pp = rng.randint(2, 3)
+        base = random_inputs(rng, rng.randint(pp * vp, pp * vp + 3), pp, rng.choice([None, 2]))
+        inputs = replace(base, vp=vp, num_microbatches=pp * rng.randint(1, 3))
+        want = brute_force(inputs)
+        for sol in (solve_stages(inputs, CPSAT), stage_solution_dp(inputs)):
+            if want == math.inf:
+                assert sol.report.status == "INFEASIBLE"
+                continue
+            assert sol.report.status == "OPTIMAL", sol.report
+            assert sol.bottleneck_s == pytest.approx(want, rel=1e-5)
+            check_solution(inputs, sol)
+    too_deep = replace(_uniform(5, 3, 1000), vp=vp)
+    sol = stage_solution_dp(too_deep)
+    assert sol.report.status == "INFEASIBLE" and f">= {vp} layers" in sol.reason
 
 
 def test_ip_without_exact_dp_still_optimal(monkeypatch):

@@ -1,16 +1,21 @@
 """Hand-made inputs and an analytic toy backend for the search tests (no resource model needed).
 
 The toy backend keeps the contract of planner.search.evaluator.Evaluator with simple formulas:
-per layer, time = tokens x cost / tp (+ an all-to-all term / ep for MoE layers), state =
-16 B x (attention / tp + experts / ep), activations = tokens x d x 34 / tp (2 x d kept when
-recomputed). Its estimate() is the 1F1B step of the given split, so it is consistent with the
-bounds the search prunes with. The stage IP is the real one (planner.ip.stage_ip).
+per layer, time = tokens x cost / (tp cp) (+ an all-to-all term for MoE layers, + an etp
+and a cp term), state = 16 B x (attention / tp + experts / (etp ep)), activations =
+tokens x d x 34 / (tp cp vp) per live chunk (2 x d kept with full recompute, 60% with a
+module set). Knobs: ZeRO quarters the state; FSDP eighths it and adds a gather per layer;
+the all-to-all overlap halves the all-to-all; HALO makes it 0.8x when the EP group leaves a
+node; DeepEP 0.9x with a dispatch buffer. Its estimate() is pipeline_slots x the slowest
+stage of the given split (+ a dp term), consistent with the bounds the search prunes with.
+The stage IP is the real one (planner.ip.stage_ip).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.ip.rank_ip import logical_rank
 from planner.ip.solvers import SolveReport, SolverOptions
 from planner.ip.stage_ip import solve_stages
 from planner.parallel import ParallelConfig
@@ -61,47 +66,60 @@ class ToyEvaluator:
     interrupt_after: int | None = None
     solves: int = 0
     estimates: int = 0
+    costed: int = 0
 
-    def cost_inputs(self, model, cluster, training, par: ParallelConfig) -> StageCostInputs:
+    def cost_inputs(
+        self, model, cluster, training, par: ParallelConfig, dispatcher: str
+    ) -> StageCostInputs:
+        self.costed += 1
         d = model.hidden_size
-        tokens = par.micro_batch * training.seq_len
+        tokens = par.micro_batch * training.seq_len / par.cp
+        shard = 4 if training.zero else 8 if training.fsdp else 1
         units = []
         for i, layer in enumerate(model.layers):
             attn = 4 * d * d
             mlp = 3 * d * layer.dense_ffn if layer.kind == "dense" else 0
             experts = 3 * d * layer.moe.expert_ffn * layer.moe.num_experts if layer.moe else 0
-            state = 16.0 * ((attn + mlp) / par.tp + experts / par.ep)
+            state = 16.0 * ((attn + mlp) / par.tp + experts / (par.ep * par.etp)) / shard
             t = tokens * (
                 attn + mlp + (experts / max(layer.moe.num_experts, 1) * 2 if layer.moe else 0)
             )
-            t = 6 * t / par.tp / 1e14
+            t = 6 * t / par.tp / 1e14 + 1e-4 * (par.cp - 1) + 2e-4 * (par.etp - 1) * bool(layer.moe)
             if layer.moe:
-                t += tokens * d * 2 * 4 * (par.ep - 1) / par.ep / 1e10 * (1 + par.ep // 4)
-            act = tokens * d * 34.0 / par.tp
-            rc = par.recompute != "none"
-            units.append(
-                UnitCost(i, layer.kind, t, t * 4 / 3, state, act, tokens * d * 2.0 if rc else act)
-            )
-        emb = 16.0 * model.vocab_size * d / par.tp
-        first = StageExtras(tokens * 1e-12, emb, tokens * d * 2.0)
-        last = StageExtras(tokens * model.vocab_size * d * 6 / 1e14, emb, tokens * d * 8.0)
+                t += self._a2a_s(tokens, d, par, cluster, training, dispatcher)
+            if training.fsdp:
+                t += state * 1e-12
+            act = tokens * d * 34.0 / par.tp / par.vp
+            if layer.moe and dispatcher == "deepep" and par.ep > 1:
+                act += tokens * d * 2.0 / par.vp
+            kept = self._kept(par, tokens, d, act)
+            extra = 4 / 3 if par.recompute == "full" else 1.05
+            units.append(UnitCost(i, layer.kind, t, t * extra, state, act, kept))
+        emb = 16.0 * model.vocab_size * d / par.tp / shard
+        first = StageExtras(tokens * 1e-12, emb, tokens * d * 2.0 / par.vp)
+        last = StageExtras(tokens * model.vocab_size * d * 6 / 1e14, emb, tokens * d * 8.0 / par.vp)
         usable = (cluster.device.memory_gib - cluster.framework_overhead_gib) * GIB
-        if training.zero:
-            units = [
-                UnitCost(
-                    u.layer,
-                    u.kind,
-                    u.time_s,
-                    u.time_recompute_s,
-                    u.state_bytes / 4,
-                    u.act_bytes,
-                    u.act_recompute_bytes,
-                )
-                for u in units
-            ]
         return StageCostInputs(
-            tuple(units), first, last, usable, par.pp, par.num_microbatches, par.recompute != "none"
-        )
+            tuple(units), first, last, usable, par.pp, par.num_microbatches,
+            par.recompute != "none", par.vp, training.a2a_overlap,
+        )  # fmt: skip
+
+    @staticmethod
+    def _a2a_s(tokens, d, par, cluster, training, dispatcher) -> float:
+        t = tokens * d * 2 * 4 * (par.ep - 1) / par.ep / 1e10 * (1 + par.ep // 4)
+        if dispatcher == "halo" and par.ep * par.etp > cluster.gpus_per_node:
+            t *= 0.8
+        if dispatcher == "deepep":
+            t *= 0.9
+        return t / 2 if training.a2a_overlap else t
+
+    @staticmethod
+    def _kept(par: ParallelConfig, tokens: float, d: int, act: float) -> float:
+        if par.recompute == "full":
+            return tokens * d * 2.0 / par.tp / par.vp
+        if par.recompute == "selective":
+            return act * 0.6
+        return act
 
     def solve_stages(self, inputs: StageCostInputs, options: SolverOptions) -> StageChoice:
         self.solves += 1
@@ -117,10 +135,11 @@ class ToyEvaluator:
         return ModelEvaluator().score_stages(inputs, options)
 
     def estimate(
-        self, model, cluster, training, par, stage_layers, recompute_layers
+        self, model, cluster, training, par, stage_layers, recompute_layers, dispatcher
     ) -> EstimateView:
         self.estimates += 1
-        inputs = self.cost_inputs(model, cluster, training, par)
+        inputs = self.cost_inputs(model, cluster, training, par, dispatcher)
+        self.costed -= 1
         mem, time = [], []
         for s, (layers, rc) in enumerate(zip(stage_layers, recompute_layers, strict=True)):
             k = inputs.in_flight(s)
@@ -140,7 +159,7 @@ class ToyEvaluator:
                     t += extra.time_s
             mem.append(m / GIB)
             time.append(t)
-        step = (par.num_microbatches + par.pp - 1) * max(time) + 1e-3 * par.dp
+        step = inputs.pipeline_slots * max(time) + 1e-3 * par.dp
         usable = inputs.usable_memory_bytes / GIB
         fits = max(mem) <= usable * (1 + 1e-9)
         tokens = training.global_batch * training.seq_len
@@ -150,7 +169,7 @@ class ToyEvaluator:
             tokens / step,
             tflops / 100.0,
             tflops,
-            (par.pp - 1) / (par.num_microbatches + par.pp - 1),
+            (par.pp - 1) / par.vp / inputs.pipeline_slots,
             tuple(mem),
             usable,
             (("a2a", 0.1 * step), ("p2p", 0.01 * step)),
@@ -177,19 +196,9 @@ class ToyEvaluator:
     def place_ranks(self, par, cluster, allocation, options) -> RankChoice:
         rows = []
         for r in range(par.world):
-            stage, rest = divmod(r, par.dp * par.tp)
-            dp, tp = divmod(rest, par.tp)
-            rows.append(
-                RankPlan(
-                    r,
-                    r // cluster.gpus_per_node,
-                    r % cluster.gpus_per_node,
-                    stage,
-                    dp,
-                    tp,
-                    (dp * par.tp + tp) % par.ep,
-                )
-            )
+            stage, dp, cp, tp, ep = logical_rank(par, r)
+            g = cluster.gpus_per_node
+            rows.append(RankPlan(r, r // g, r % g, stage, dp, tp, ep, cp))
         return RankChoice(tuple(rows), SolveReport(options.backend, "OPTIMAL", 0.0, 0.0, 0.0, 0.0))
 
     def describe_model(self, model):

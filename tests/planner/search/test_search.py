@@ -1,5 +1,5 @@
-"""The outer search: enumeration rules, bounds vs brute force, branch and bound vs exhaustive
-evaluation, determinism across --threads, fixed sizes, Ctrl-C and infeasibility messages.
+"""The outer search: bounds vs brute force, branch and bound vs exhaustive evaluation,
+determinism across --threads, fixed sizes, Ctrl-C and infeasibility messages.
 
 Uses the analytic toy backend of plan_stubs (the real stage IP, a made-up resource model).
 """
@@ -20,49 +20,16 @@ from planner.ip.solvers import LinearModel, SolverOptions, solve
 from planner.resources.cost import even_split
 from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
 from planner.search import bounds
-from planner.search.branch_bound import _evaluate, new_context, screen
-from planner.search.enumerate import enumerate_layouts, make_space
+from planner.search.branch_bound import _evaluate, new_context
+from planner.search.costing import Costing, Screened
+from planner.search.enumerate import enumerate_layouts
 from planner.search.make_plan import make_plan
 from planner.search.model_evaluator import ModelEvaluator
+from planner.search.space import make_space
 from planner.specs import SpecError
 from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
 OPTS = SolverOptions("cpsat", 10.0, 1, 0)
-
-
-# ----------------------------------------------------------------------------- enumeration
-
-
-def test_enumeration_equals_brute_force_over_all_tuples():
-    model, cluster, training = toy_model(layers=6, experts=8), toy_cluster(), toy_training()
-    got = {
-        (p.pp, p.dp, p.tp, p.ep, p.micro_batch, p.num_microbatches, p.recompute)
-        for p in enumerate_layouts(model, cluster, training, make_space(16))
-    }
-    want = set()
-    for pp, dp, tp, ep, mb in itertools.product(
-        range(1, 17), range(1, 17), (1, 2, 4, 8), range(1, 17), range(1, 33)
-    ):
-        if pp * dp * tp != 16 or pp > 6 or tp > cluster.gpus_per_node or 8 % tp:
-            continue
-        if (dp * tp) % ep or 8 % ep or 32 % (dp * mb):
-            continue
-        for rc in ("none", "full"):
-            want.add((pp, dp, tp, ep, mb, 32 // (dp * mb), rc))
-    assert got == want
-    assert all(pp * dp * tp == 16 for pp, dp, tp, *_ in got)
-
-
-def test_fixed_sizes_restrict_enumeration_and_bad_ones_name_the_flag():
-    model, cluster, training = toy_model(), toy_cluster(), toy_training()
-    layouts = enumerate_layouts(model, cluster, training, make_space(16, {"pp": 2, "ep": 4}))
-    assert layouts and all(p.pp == 2 and p.ep == 4 for p in layouts)
-    with pytest.raises(SpecError, match="--pp 3"):
-        enumerate_layouts(model, cluster, training, make_space(16, {"pp": 3}))
-    with pytest.raises(SpecError, match="--ep 3"):
-        enumerate_layouts(model, cluster, training, make_space(16, {"ep": 3}))
-    with pytest.raises(SpecError, match="no valid layout"):
-        enumerate_layouts(model, cluster, training, make_space(16, {"pp": 2, "dp": 2, "tp": 2}))
 
 
 # ----------------------------------------------------------------------------- bounds
@@ -76,17 +43,19 @@ def _random_inputs(rng: random.Random, n: int, pp: int, m: int, rc: bool) -> Sta
         units.append(UnitCost(i, "moe", t, t * 1.3, rng.uniform(1, 5), act, act * 0.2))
     first = StageExtras(rng.uniform(0, 1), rng.uniform(0, 3), rng.uniform(0, 1))
     last = StageExtras(rng.uniform(0, 1), rng.uniform(0, 3), rng.uniform(0, 1))
-    return StageCostInputs(tuple(units), first, last, rng.uniform(8, 30), pp, m, rc)
+    vp = rng.choice([1, 2]) if pp > 1 else 1
+    m = m * pp if vp > 1 else m
+    overlap = rng.random() < 0.3
+    return StageCostInputs(tuple(units), first, last, rng.uniform(8, 30), pp, m, rc, vp, overlap)
 
 
-def _brute(inputs: StageCostInputs, allow_empty: bool) -> tuple[float, float]:
+def _brute(inputs: StageCostInputs, min_layers: int) -> tuple[float, float]:
     """(min over splits of max stage memory, min of max stage time) by enumeration."""
     n, pp = len(inputs.units), inputs.pp
     best_mem = best_time = math.inf
-    lo = 0 if allow_empty else 1
     for cuts in itertools.combinations_with_replacement(range(n + 1), pp - 1):
         edges = (0, *cuts, n)
-        if any(b - a < lo for a, b in itertools.pairwise(edges)):
+        if any(b - a < min_layers for a, b in itertools.pairwise(edges)):
             continue
         split = tuple(tuple(range(a, b)) for a, b in itertools.pairwise(edges))
         mem_min, _ = bounds.split_cost(inputs, split, inputs.recompute_allowed)
@@ -98,15 +67,22 @@ def _brute(inputs: StageCostInputs, allow_empty: bool) -> tuple[float, float]:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_bounds_equal_the_relaxed_brute_force_and_never_exceed_the_real_one(seed):
+    """Interleaved (vp = 2) and overlapped in-flight counts included: the bounds solve the
+    relaxation (empty stages allowed) exactly and stay below every real split (>= vp layers
+    per stage); the step bound is pipeline_slots x the bottleneck, the quick one below it."""
     rng = random.Random(seed)
     n, pp = rng.randint(1, 7), rng.randint(1, 4)
     inputs = _random_inputs(rng, n, pp, rng.randint(1, 6), rng.random() < 0.5)
-    relaxed_mem, relaxed_time = _brute(inputs, allow_empty=True)
+    relaxed_mem, relaxed_time = _brute(inputs, 0)
     assert bounds.min_peak_memory_bytes(inputs) == pytest.approx(relaxed_mem, rel=1e-6)
     assert bounds.bottleneck_time_lower_bound_s(inputs) == pytest.approx(relaxed_time, rel=1e-6)
     assert bounds.memory_may_fit(inputs) == (relaxed_mem <= inputs.usable_memory_bytes)
-    if pp <= n:
-        real_mem, real_time = _brute(inputs, allow_empty=False)
+    step = bounds.step_time_lower_bound_s(inputs)
+    assert step == pytest.approx(inputs.pipeline_slots * relaxed_time, rel=1e-6)
+    assert inputs.pipeline_slots == inputs.num_microbatches + (pp - 1) / inputs.vp
+    assert bounds.quick_step_time_bound_s(inputs) <= step * (1 + 1e-9)
+    if pp * inputs.vp <= n:
+        real_mem, real_time = _brute(inputs, inputs.vp)
         assert bounds.min_peak_memory_bytes(inputs) <= real_mem * (1 + 1e-9)
         assert bounds.bottleneck_time_lower_bound_s(inputs) <= real_time
 
@@ -119,30 +95,55 @@ def test_even_split_sizes():
 # ----------------------------------------------------------------------------- search
 
 
-def _exhaustive_best(model, cluster, training, gpus, backend):
-    ctx = new_context(model, cluster, training, gpus, None, OPTS, backend)
-    layouts = enumerate_layouts(model, cluster, training, ctx.space)
-    survivors, _ = screen(ctx, layouts)
-    rows = [_evaluate(ctx, c) for c in survivors]
+def exhaustive_best(model, cluster, training, gpus, backend, **space_kw):
+    """Every candidate costed, screened and solved: (best row, candidates screened, all)."""
+    space = make_space(gpus, None, **space_kw)
+    ctx = new_context(model, cluster, training, space, OPTS, backend)
+    costing = Costing(model, cluster, training, backend)
+    layouts = enumerate_layouts(model, cluster, training, space)
+    screened = [costing.screen(i, c) for i, c in enumerate(layouts)]
+    rows = [_evaluate(ctx, s) for s in screened if isinstance(s, Screened)]
     ok = [r for r in rows if r.feasible and r.estimate]
-    return min(ok, key=lambda r: (r.step_time_s, r.order)), len(survivors)
+    best = min(ok, key=lambda r: (r.step_time_s, r.order))
+    return best, sum(isinstance(s, Screened) for s in screened), layouts, rows
 
 
 @pytest.mark.parametrize("memory_gib", [3.0, 8.0])
 def test_branch_and_bound_finds_the_exhaustive_optimum_with_fewer_solves(memory_gib):
+    """Every knob searched (vp, etp, folded ep, recompute modules, FSDP, overlap, three
+    dispatchers): the same optimum as solving every candidate, with fewer solves and fewer
+    costings than candidates; pruned rows' bounds are not below the best."""
     model, cluster, training = toy_model(), toy_cluster(memory_gib), toy_training()
-    want, survivors = _exhaustive_best(model, cluster, training, 16, ToyEvaluator())
+    want, survivors, layouts, _ = exhaustive_best(model, cluster, training, 16, ToyEvaluator())
     backend = ToyEvaluator()
     result = make_plan(model, cluster, training, 16, None, OPTS, evaluator=backend)
     assert result.best.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
+    assert (result.best.parallel, result.best.knobs) == (want.parallel, want.knobs)
     assert result.plan.predicted.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
-    assert backend.solves < survivors
+    assert backend.solves < survivors / 3
+    assert backend.costed < len(layouts) / 3
     pruned = [r for r in result.rows if r.status == "pruned"]
     assert pruned and all(r.bound_step_time_s >= result.best.step_time_s for r in pruned)
     assert all(r.reason.startswith("pruned: bound") for r in pruned)
-    # every layout enumerated is a row, ranked: feasible solved rows first by step time
-    assert len(result.rows) == len(enumerate_layouts(model, cluster, training, make_space(16)))
+    assert {r.status for r in result.rows} >= {"solved", "pruned", "dominated"}
+    # every candidate enumerated is a row, ranked: feasible solved rows first by step time
+    assert sorted(r.order for r in result.rows) == list(range(len(layouts)))
     assert result.rows[0].order == result.best.order
+
+
+def test_dominated_dispatchers_are_rows_with_the_reason():
+    """HALO is the toy's 0.8x all-to-all for EP groups beyond a node (same memory as flat):
+    flat and DeepEP (0.9x, a dispatch buffer) are dominated there; inside a node HALO is not
+    enumerated and DeepEP trades memory for time against flat, so both stay."""
+    result = make_plan(
+        toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, evaluator=ToyEvaluator()
+    )
+    dominated = [r for r in result.rows if r.status == "dominated"]
+    assert {r.knobs.dispatcher for r in dominated} == {"flat", "deepep"}
+    assert all(r.parallel.ep * r.parallel.etp > 4 for r in dominated)
+    assert all("dispatcher halo is no slower" in r.reason for r in dominated)
+    inside = [r for r in result.rows if r.parallel.ep * r.parallel.etp <= 4]
+    assert not any(r.knobs.dispatcher == "halo" for r in inside)
 
 
 def test_small_memory_forces_recompute_or_deeper_pipeline():
@@ -151,8 +152,22 @@ def test_small_memory_forces_recompute_or_deeper_pipeline():
     tight = make_plan(model, toy_cluster(2.2), training, 16, None, OPTS, evaluator=ToyEvaluator())
     assert tight.best.step_time_s >= roomy.best.step_time_s
     assert max(tight.plan.predicted.memory_gib_per_stage) <= tight.plan.predicted.usable_memory_gib
-    infeasible = [r for r in tight.rows if not r.feasible]
+    infeasible = [r for r in tight.rows if r.status == "infeasible"]
     assert infeasible and all("GiB" in r.reason for r in infeasible)
+
+
+def test_nothing_fits_without_cp_so_a_second_pass_tries_it():
+    """Sequence 12288 (cp is not searched below 16384): no layout fits 1.15 GiB until cp
+    splits the activations; the second pass's rows follow the first's."""
+    model, training, cluster = toy_model(), toy_training(seq_len=12288), toy_cluster(1.15)
+    space = make_space(16, {"cp": 1})
+    fixed = make_plan(model, cluster, training, 16, {"cp": 1}, OPTS, evaluator=ToyEvaluator())
+    assert fixed.plan is None and "closest is" in fixed.message
+    result = make_plan(model, cluster, training, 16, None, OPTS, evaluator=ToyEvaluator())
+    assert result.plan is not None and result.plan.parallel.cp == 2
+    first = len(enumerate_layouts(model, cluster, training, space))
+    assert all(r.parallel.cp == 1 for r in result.rows if r.order < first)
+    assert all(r.parallel.cp > 1 for r in result.rows if r.order >= first)
 
 
 def test_fixed_pp_and_ep_are_honoured():
@@ -168,6 +183,7 @@ def test_fixed_pp_and_ep_are_honoured():
     assert (result.plan.parallel.pp, result.plan.parallel.ep) == (2, 2)
     assert all(r.parallel.pp == 2 and r.parallel.ep == 2 for r in result.rows)
     assert len(result.plan.stages) == 2
+    assert all(len(s.layers) >= result.plan.parallel.vp for s in result.plan.stages)
 
 
 def test_outputs_do_not_depend_on_threads():
@@ -189,6 +205,7 @@ def test_ctrl_c_keeps_the_best_plan_so_far():
     assert result.interrupted and result.plan is not None
     assert result.plan.extra["interrupted"] is True
     assert any(r.status == "interrupted" for r in result.rows)
+    assert len(result.rows) == len(full.rows)
     assert result.best.step_time_s >= full.best.step_time_s
     none = make_plan(*args, evaluator=ToyEvaluator(interrupt_after=0))
     assert none.interrupted and none.plan is None
@@ -196,16 +213,19 @@ def test_ctrl_c_keeps_the_best_plan_so_far():
 
 def test_nothing_fits_explains_the_closest_candidate_and_the_fixes():
     result = make_plan(
-        toy_model(), toy_cluster(1.2), toy_training(), 4, None, OPTS, evaluator=ToyEvaluator()
+        toy_model(), toy_cluster(1.05), toy_training(), 4, None, OPTS, evaluator=ToyEvaluator()
     )
     assert result.plan is None and not result.interrupted
     msg = result.message
-    assert "closest is pp=" in msg and "--zero" in msg
-    closest = min(result.rows, key=lambda r: r.memory_need_gib)
+    assert "closest is pp=" in msg and "--fsdp" in msg
+    closest = min(result.rows, key=lambda r: (r.memory_need_gib / r.usable_memory_gib, r.order))
     need, usable = closest.memory_need_gib, closest.usable_memory_gib
     assert f"needing {need:.1f} GiB > {usable:.1f} GiB usable" in msg
     # the memory needed grows ~1/GPUs: suggest the next power of two that covers the ratio
     assert f"--gpus {4 * 2 ** math.ceil(math.log2(need / usable))}" in msg
+    plain = make_plan(toy_model(), toy_cluster(1.05), toy_training(), 4, None, OPTS,
+                      evaluator=ToyEvaluator(), sharding=("none",))  # fmt: skip
+    assert "--zero" in plain.message
 
 
 def test_baselines_are_scored_and_never_beat_piper():
@@ -219,6 +239,7 @@ def test_baselines_are_scored_and_never_beat_piper():
         assert (xmoe.parallel.pp, xmoe.parallel.tp, xmoe.parallel.dp) == (1, 1, 16)
     mega = result.baselines[2]
     assert mega.parallel.ep * mega.parallel.tp <= 4 and mega.parallel.micro_batch == 1
+    assert mega.knobs.sharding == "zero" and mega.knobs.dispatcher == "flat"
     for b in result.baselines:
         if b.estimate is not None and b.estimate.fits:
             assert b.speedup(result.best.step_time_s) >= 1 - 1e-9
@@ -265,27 +286,6 @@ def test_ctrl_c_after_a_cp_sat_solve_still_raises_keyboard_interrupt():
         time.sleep(1.0)
 
 
-def test_pruning_is_safe_with_the_real_resource_model():
-    """On a real model, branch and bound finds the exhaustive optimum, and every candidate's
-    step-time bound is below its predicted step time."""
-    from planner.inputs.clusters import load_cluster
-    from planner.inputs.models import load_model
-    from planner.specs import TrainingSpec
-
-    model, cluster = load_model("qwen1.5-moe-a2.7b"), load_cluster("frontier")
-    training = TrainingSpec(global_batch=64)
-    ctx = new_context(model, cluster, training, 8, None, OPTS, ModelEvaluator())
-    survivors, _ = screen(ctx, enumerate_layouts(model, cluster, training, ctx.space))
-    rows = [_evaluate(ctx, c) for c in survivors]
-    for cand, row in zip(survivors, rows, strict=True):
-        if row.estimate is not None:
-            assert cand.bound_s <= row.step_time_s * (1 + 1e-9)
-    want = min((r for r in rows if r.feasible), key=lambda r: (r.step_time_s, r.order))
-    got = make_plan(model, cluster, training, 8, None, OPTS)
-    assert got.best.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
-    assert got.best.parallel == want.parallel
-
-
 def test_a_tiny_time_limit_still_returns_a_plan_with_its_gap():
     opts = SolverOptions("cpsat", 0.001, 1, 0)
     result = make_plan(
@@ -306,14 +306,15 @@ def test_a_tiny_time_limit_still_returns_a_plan_with_its_gap():
 
 def test_a_layout_the_resource_model_rejects_becomes_an_infeasible_row():
     class Picky(ToyEvaluator):
-        def cost_inputs(self, model, cluster, training, par):
+        def cost_inputs(self, model, cluster, training, par, dispatcher):
             if par.tp == 2:
                 raise SpecError("layout: tp=2 is not supported here")
-            return super().cost_inputs(model, cluster, training, par)
+            return super().cost_inputs(model, cluster, training, par, dispatcher)
 
     result = make_plan(
         toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, evaluator=Picky()
     )
-    rows = [r for r in result.rows if r.parallel.tp == 2]
-    assert rows and all(not r.feasible and "tp=2 is not supported" in r.reason for r in rows)
+    rows = [r for r in result.rows if r.parallel.tp == 2 and r.status != "pruned"]
+    assert rows and all(not r.feasible for r in rows)
+    assert any("tp=2 is not supported" in r.reason for r in rows)
     assert result.plan.parallel.tp != 2
