@@ -1,16 +1,22 @@
 """The resource model's communication volumes against the bytes a real run sends.
 
 For a few layouts of tiny-moe on the cpu-gloo cluster (pipeline, data, tensor and expert
-parallel), plans with `piper plan` (sizes fixed), trains 2 steps with `piper run` (flat
-all-to-all) and prints, per kind, the bytes all ranks sent in the last step (metrics.jsonl)
-beside the bytes the planner's model moves for that step (planner.resources.cost.
-predicted_traffic, with the run's fp32 activations and gradients), and their ratio.
+parallel; interleaved 1F1B, expert TP, FSDP), plans with `piper plan` (every size and knob
+fixed), trains 2 steps with `piper run` (flat all-to-all) and prints, per kind, the bytes all
+ranks sent in the last step (metrics.jsonl) beside the bytes the planner's model moves for
+that step (planner.resources.cost.predicted_traffic, with the run's fp32 activations and
+gradients), and their ratio.
 
 Where they differ, by design: `tp` - the runtime also all-gathers the embedding's gradient
 slices and the slices before the head (one ring pass per stage end); `grad_dense` with
 tp > 1 - the runtime replicates the embedding, head and norms on every TP rank, the model
-splits the embedding and head over the vocabulary. Bytes are deterministic, so the ratios
-do not depend on the machine.
+splits the embedding and head over the vocabulary; `dispatch` and `etp` - the model's rows
+are the mean routing, the run's its actual routing (expert TP also pads each all-gather to
+the largest member's rows and gathers the per-slot row counts); with FSDP, `param_gather`
+- the model gathers bf16 weights twice per micro-batch, the run its fp32 weights, and
+FSDP2's root unit (embedding, final norm, head) only once (kept from forward to backward),
+and `grad_*` - FSDP pads each parameter's dim 0 to a multiple of the group size. Bytes
+are deterministic, so the ratios do not depend on the machine.
 
 Usage: python benchmarks/runtime_bytes.py [--out DIR] [--results FILE]
 Runs go to DIR (default a temporary directory); what it prints goes to
@@ -38,8 +44,16 @@ from planner.plan import load_plan  # noqa: E402
 from planner.resources.cost import predicted_traffic  # noqa: E402
 from planner.resources.traffic import KINDS  # noqa: E402
 
-# (gpus, pp, dp, tp, ep)
-LAYOUTS = ((8, 2, 4, 1, 2), (8, 2, 2, 2, 4), (8, 2, 2, 2, 2), (4, 4, 1, 1, 1))
+# (gpus, pp, dp, tp, ep, vp, etp, fsdp)
+LAYOUTS = (
+    (8, 2, 4, 1, 2, 1, 1, False),
+    (8, 2, 2, 2, 4, 1, 1, False),
+    (8, 2, 2, 2, 2, 1, 1, False),
+    (4, 4, 1, 1, 1, 1, 1, False),
+    (4, 2, 2, 1, 2, 2, 1, False),
+    (4, 2, 2, 1, 1, 1, 2, False),
+    (4, 2, 2, 1, 1, 1, 1, True),
+)
 
 
 def _piper(*args: str) -> None:
@@ -61,11 +75,15 @@ def predicted(plan_path: Path) -> dict[str, float]:
     return predicted_traffic(model, cluster, training, parallel, [s.layers for s in plan.stages])
 
 
-def run_layout(root: Path, gpus: int, pp: int, dp: int, tp: int, ep: int):
+def run_layout(root: Path, gpus: int, pp: int, dp: int, tp: int, ep: int, vp=1, etp=1, fsdp=False):
     name = f"pp{pp}-dp{dp}-tp{tp}-ep{ep}"
+    name += (f"-vp{vp}" if vp > 1 else "") + (f"-etp{etp}" if etp > 1 else "")
+    name += "-fsdp" if fsdp else ""
     plan_dir, run_dir = root / f"plan-{name}", root / f"run-{name}"
     _piper("plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", str(gpus),
            "--pp", str(pp), "--dp", str(dp), "--tp", str(tp), "--ep", str(ep),
+           "--vp", str(vp), "--etp", str(etp), "--cp", "1",
+           "--fsdp" if fsdp else "--no-fsdp",
            "--micro-batch", "2", "--seq-len", "128", "--global-batch", str(4 * dp),
            "--out", str(plan_dir))  # fmt: skip
     _piper("run", str(plan_dir / "plan.json"), "--steps", "2", "--dispatcher", "flat",
@@ -88,14 +106,14 @@ def main() -> int:
 def compare(root: Path) -> None:
     """Plan and run every layout under `root`; print predicted and measured bytes by kind."""
     print(f"tiny-moe on cpu-gloo, micro-batch 2 x seq 128, 2 steps; runs in {root}")
-    print(f"{'layout':<18} {'kind':<12} {'predicted':>13} {'measured':>13} {'meas/pred':>9}")
+    print(f"{'layout':<23} {'kind':<12} {'predicted':>13} {'measured':>13} {'meas/pred':>9}")
     for layout in LAYOUTS:
         name, pred, meas = run_layout(root, *layout)
         for kind in KINDS:
             if not pred[kind] and not meas[kind]:
                 continue
             ratio = f"{meas[kind] / pred[kind]:9.3f}" if pred[kind] else f"{'-':>9}"
-            print(f"{name:<18} {kind:<12} {pred[kind]:>13,.0f} {meas[kind]:>13,} {ratio}")
+            print(f"{name:<23} {kind:<12} {pred[kind]:>13,.0f} {meas[kind]:>13,} {ratio}")
 
 
 if __name__ == "__main__":

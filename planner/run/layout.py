@@ -48,6 +48,13 @@ def virtual_stages(
     if [i for s in stages for i in s] != list(range(num_layers)):
         raise SpecError(f"plan: stages must cover layers 0..{num_layers - 1} in order")
     pp = len(stages)
+    for s, layers in enumerate(stages):
+        if len(layers) < vp:  # planner.parallel.check_layout lets a chunk hold no layer
+            raise SpecError(
+                f"plan: stage {s} holds {len(layers)} layers for vp={vp} chunks; this runtime "
+                f"gives every chunk a layer (no chunk of only the embedding or the loss); "
+                f"{EXPORT_HINT}"
+            )
     chunks = [virtual_chunks(tuple(s), vp) for s in stages]
     out, start = [], 0
     for size in (len(chunks[s][c]) for c in range(vp) for s in range(pp)):

@@ -21,8 +21,8 @@ few vectors per layer.
 
 Bytes are counted by the collectives FSDP calls (set_custom_all_gather /
 set_custom_reduce_scatter), ring model: each all-gather sends (n - 1)/n of the gathered
-buffer (kind "fsdp"), each reduce-scatter (n - 1)/n of the whole gradient buffer (kind
-grad_dense or grad_expert).
+buffer (kind param_gather, planner.resources.traffic's name), each reduce-scatter
+(n - 1)/n of the whole gradient buffer (kind grad_dense or grad_expert).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class _ReduceScatter(_CountingComm):
 
 def _shard(module, mesh: DeviceMesh, members, counter, grad_kind, ignored) -> FSDPModule:
     unit = fully_shard(module, mesh=mesh, ignored_params=ignored or None)
-    unit.set_custom_all_gather(_AllGather(counter, "fsdp", members))
+    unit.set_custom_all_gather(_AllGather(counter, "param_gather", members))
     unit.set_custom_reduce_scatter(_ReduceScatter(counter, grad_kind, members))
     return unit
 

@@ -50,3 +50,31 @@ def test_planner_bytes_match_a_real_run(tmp_path):
     assert meas["tp"] == pytest.approx(pred["tp"] + 2 * per_pass)
     # the runtime replicates embedding, head and norms on each TP rank: more dense gradients
     assert meas["grad_dense"] >= pred["grad_dense"]
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_sends_the_models_p2p(tmp_path):
+    name, pred, meas = rb.run_layout(tmp_path, 4, 2, 2, 1, 2, vp=2)  # pp x dp, 2 chunks a rank
+    assert name == "pp2-dp2-tp1-ep2-vp2"
+    # by hand: fp32 [b s d] forward and backward over each of the pp * vp - 1 chunk
+    # boundaries, m = 2 micro-batches, on each of the dp = 2 pipelines
+    act = 4 * 2 * 128 * 64
+    assert meas["p2p"] == pred["p2p"] == 2 * 2 * (2 * 2 - 1) * 2 * act
+    assert meas["dispatch"] == pytest.approx(pred["dispatch"], rel=0.05)  # routing varies
+    assert meas["grad_dense"] == pred["grad_dense"]
+
+
+@pytest.mark.slow
+def test_fsdp_collectives_against_the_model(tmp_path):
+    name, pred, meas = rb.run_layout(tmp_path, 4, 2, 2, 1, 1, fsdp=True)  # edp = dp = 2
+    assert name == "pp2-dp2-tp1-ep1-fsdp"
+    # a reduce-scatter per micro-batch (one ring pass each), as the model counts
+    assert meas["grad_dense"] == pred["grad_dense"] > 0
+    assert meas["grad_expert"] == pred["grad_expert"] > 0
+    # all-gathers: the model moves bf16 weights twice per micro-batch; the run gathers its
+    # fp32 weights, and FSDP2's root unit (embedding; final norm + head) once per micro-batch
+    model = load_model("tiny-moe")
+    d, v, m, dp = model.hidden_size, model.vocab_size, 2, 2
+    root = v * d + (d + d * v)  # the two stages' root units
+    once = dp * (dp - 1) / dp * 4 * m * root  # the root gathers the run does not repeat
+    assert meas["param_gather"] == 2 * pred["param_gather"] - once

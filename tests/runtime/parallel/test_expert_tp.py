@@ -135,3 +135,17 @@ def test_pp2_etp2_trains_like_the_oracle_and_counts_expert_tp_bytes(run_distribu
     per_call = 4 * rows * spec.model.hidden_size * 4 + spec.model.num_experts * 8
     moe_layers = sum(layer.moe is not None for layer in spec.model.layers)
     assert etp_bytes == spec.dp * moe_layers * spec.num_microbatches * per_call
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_corpus")
+def test_etp2_with_live_migration_trains_like_the_oracle(run_distributed):
+    """dp = 4, ep = 2, etp = 2: both expert-TP slices of a moved expert move along their own
+    EP groups (ranks 0, 2 and 1, 3) with the stage's one decision."""
+    from tests.runtime.tiny_plans import rotate_policy
+
+    spec = _spec(dp=4, tp=1, ep=2, etp=2, steps=5, model=tiny_model(), migrate_every=2)
+    results = run_distributed(train_body, spec.world, spec, -1, rotate_policy, timeout_s=240)
+    lines = parse_metrics(results[0][1]["metrics.jsonl"])
+    assert [d["loss"] for d in lines] == pytest.approx(reference_losses(spec), rel=1e-4, abs=1e-4)
+    assert [d["migrated_experts"] for d in lines] == [0, 24, 0, 24, 0]  # 3 MoE layers x 8

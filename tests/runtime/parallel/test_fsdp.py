@@ -107,7 +107,7 @@ def test_fsdp_trains_like_the_oracle_and_its_collectives_move_the_units_bytes(ru
     assert kinds["grad_expert_intra"] == m * expert
     # weights: every block and expert unit gathered for each micro-batch's forward and again
     # for its backward; the root unit (embedding, norm, head) kept from forward to backward
-    assert kinds["fsdp_intra"] == m * (2 * (blocks + expert) + root)
+    assert kinds["param_gather_intra"] == m * (2 * (blocks + expert) + root)
 
 
 def test_fsdp_with_live_migration_is_refused():
