@@ -81,10 +81,17 @@ def check_expert_tp(model: ModelSpec, etp: int) -> None:
             )
 
 
-def check_fsdp(fsdp: bool, migrate_every: int) -> None:
-    """FSDP shards each expert's weights over its replicas; live migration moves whole ones."""
+def check_fsdp(fsdp: bool, migrate_every: int, replicas: bool) -> None:
+    """FSDP shards each expert's weights over its expert-DP group; live migration and the
+    replicas' gradient sum (runtime/parallel/replicas.py) work on whole experts."""
     if fsdp and migrate_every > 0:
         raise SpecError(
             "--migrate-every with training.fsdp: live migration moves whole experts, FSDP "
             "shards them; leave out --migrate-every or re-plan without --fsdp"
+        )
+    if fsdp and replicas:
+        raise SpecError(
+            "plan: training.fsdp with redundant expert slots (experts[].slots): the copies' "
+            "gradients are summed as whole experts, FSDP shards them; re-plan without --fsdp "
+            "or without replicas"
         )

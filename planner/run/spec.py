@@ -227,8 +227,8 @@ def run_spec_from_plan(
     _check_tp(run_model, par.tp)
     check_expert_tp(run_model, par.etp)
     fsdp = bool(plan.training.get("fsdp", False))
-    check_fsdp(fsdp, options.get("migrate_every", 0))
     placements, slots = _placements(plan, model, source)
+    check_fsdp(fsdp, options.get("migrate_every", 0), bool(slots))
     recomputed = {i for s in plan.stages for i in s.recompute_layers}
     recompute = par.recompute if recomputed and par.recompute != "none" else "none"
     world = par.pp * par.dp * par.tp

@@ -110,8 +110,14 @@ def test_fsdp_trains_like_the_oracle_and_its_collectives_move_the_units_bytes(ru
     assert kinds["param_gather_intra"] == m * (2 * (blocks + expert) + root)
 
 
-def test_fsdp_with_live_migration_is_refused():
+def test_fsdp_with_live_migration_or_replicas_is_refused():
+    from dataclasses import replace
+
     model = tiny_model()
     plan = hand_plan(model, 1, 2, 2, gpus_per_node=2, fsdp=True)
     with pytest.raises(SpecError, match="--migrate-every with training.fsdp"):
         run_spec_from_plan(plan, model, 1.0, 2, migrate_every=2)
+    slots = ((0, 1, 2, 3, 4), (4, 5, 6, 7, 0))  # experts 0 and 4 on both EP ranks
+    layer = replace(plan.experts[0], slots=slots)
+    with pytest.raises(SpecError, match="training.fsdp with redundant expert slots"):
+        run_spec_from_plan(replace(plan, experts=(layer, *plan.experts[1:])), model, 1.0, 2)
