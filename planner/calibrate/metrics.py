@@ -3,14 +3,15 @@
 `piper run` writes one JSON object per step (runtime/metrics.py, rank 0): step (0, 1, 2, ...
 in order), loss (finite), step_time_s (slowest rank), tokens_per_s, peak_memory_bytes
 (largest rank), dispatch_s and combine_s (slowest rank), bytes_intra_node and
-bytes_inter_node (summed over ranks), all numbers >= 0; and bytes_by_kind,
-migrated_experts and per_rank (the same quantities for every rank, with rank and stage).
+bytes_inter_node (summed over ranks), all finite numbers >= 0; and bytes_by_kind,
+migrated_experts and per_rank (the same quantities for every rank, with rank and stage;
+calibration reads per_rank's stage, peak_memory_bytes, dispatch_s and combine_s, so those are
+checked where per_rank is present).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,27 @@ REQUIRED_KEYS = (
     "loss",
 )
 RERUN = "re-run 'piper run'"
+MAX_VALUE = 1e30  # above any time, byte count or rate a run records
+PER_RANK_KEYS = ("peak_memory_bytes", "dispatch_s", "combine_s")
+
+
+def _number(value: Any) -> bool:
+    """A JSON number in [0, MAX_VALUE] (not a bool, not NaN or infinite)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and 0 <= value <= MAX_VALUE
+
+
+def _check_per_rank(d: dict[str, Any], where: str) -> None:
+    ranks = d.get("per_rank", [])
+    if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
+        raise SpecError(f"{where}: 'per_rank' must be a list of objects; {RERUN}")
+    for i, r in enumerate(ranks):
+        stage = r.get("stage", 0)
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < 1 << 24:
+            raise SpecError(f"{where}: per_rank[{i}].stage must be an integer >= 0; {RERUN}")
+        bad = next((k for k in PER_RANK_KEYS if not _number(r.get(k))), None)
+        if bad:
+            raise SpecError(f"{where}: per_rank[{i}].{bad} must be a number >= 0; {RERUN}")
 
 
 def _check_step(d: Any, where: str, index: int) -> None:
@@ -40,19 +62,21 @@ def _check_step(d: Any, where: str, index: int) -> None:
         raise SpecError(f"{where}: missing '{missing[0]}'; {RERUN}")
     for key in REQUIRED_KEYS[:-1]:
         value = d[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-            raise SpecError(f"{where}: '{key}' must be a number >= 0, got {value!r}; {RERUN}")
+        if not _number(value):
+            shown = repr(value)[:40]
+            raise SpecError(f"{where}: '{key}' must be a number >= 0, got {shown}; {RERUN}")
     if d["step"] != index:
         raise SpecError(
             f"{where}: step {d['step']}, expected {index}; metrics.jsonl lists steps 0, 1, 2, "
             f"... in order: {RERUN} into an empty --out"
         )
     loss = d["loss"]
-    if isinstance(loss, bool) or not isinstance(loss, int | float) or not math.isfinite(loss):
+    if isinstance(loss, bool) or not isinstance(loss, int | float) or not abs(loss) <= MAX_VALUE:
         raise SpecError(
-            f"{where}: loss must be a finite number, got {loss!r}; the run diverged or recorded "
-            f"no loss: {RERUN} (a lower --lr keeps it finite)"
+            f"{where}: loss must be a finite number, got {repr(loss)[:40]}; the run diverged or "
+            f"recorded no loss: {RERUN} (a lower --lr keeps it finite)"
         )
+    _check_per_rank(d, where)
 
 
 def parse_metrics(text: str, source: str = "metrics.jsonl") -> list[dict[str, Any]]:
@@ -67,7 +91,7 @@ def parse_metrics(text: str, source: str = "metrics.jsonl") -> list[dict[str, An
             continue
         try:
             d = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, a > 4300-digit number, deep nesting
             raise SpecError(
                 f"{source} line {n}: not JSON; metrics.jsonl has one object per line"
             ) from None
@@ -82,11 +106,13 @@ def load_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Read and validate a metrics.jsonl file (parse_metrics)."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
         raise SpecError(
             f"{p}: not a text file; metrics.jsonl has one JSON object per line"
         ) from None
-    except OSError:
+    except FileNotFoundError:
         raise SpecError(f"{p}: no such metrics file; produce one with 'piper run'") from None
+    except OSError as exc:  # a directory, no permission
+        raise SpecError(f"{p}: cannot read the metrics ({exc.strerror or exc})") from None
     return parse_metrics(text, str(p))

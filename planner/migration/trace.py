@@ -13,12 +13,14 @@ import csv
 import io
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from planner.specs import SpecError
 
 COLUMNS = ("interval", "layer", "expert", "tokens")
+MAX_VALUE = 2**62  # ids and token counts (int64 with headroom for sums)
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,11 +62,23 @@ def _parse_int(text: str, path: str, row: int, column: str) -> int:
             f"{path}: row {row}: column '{column}' is negative ({value}); token counts and "
             f"ids must be >= 0"
         )
+    if value > MAX_VALUE:
+        raise SpecError(
+            f"{path}: row {row}: column '{column}' is {str(value)[:24]}..., above {MAX_VALUE} "
+            "(more than any trace holds); fix that row"
+        )
     return value
 
 
 def _read_rows(text: str, path: str) -> list[tuple[int, int, int, int]]:
-    reader = csv.reader(io.StringIO(text))
+    try:
+        return _csv_rows(csv.reader(io.StringIO(text)), path)
+    except csv.Error as exc:  # a field over the csv module's size limit, a stray quote
+        header = ",".join(COLUMNS)
+        raise SpecError(f"{path}: not a trace CSV ({exc}); a trace is {header}") from None
+
+
+def _csv_rows(reader: Any, path: str) -> list[tuple[int, int, int, int]]:
     header = next(reader, None)
     if header is None:
         raise SpecError(f"{path}: empty file; a trace needs the header {','.join(COLUMNS)}")
@@ -100,19 +114,24 @@ def trace_from_rows(rows: list[tuple[int, int, int, int]], path: str) -> Trace:
     intervals = np.unique(arr[:, 0])
     layer_ids = np.unique(arr[:, 1])
     experts = np.unique(arr[:, 2])
-    expected = np.arange(int(intervals[-1]) + 1)
-    if len(intervals) != len(expected):
-        gap = sorted(set(expected.tolist()) - set(intervals.tolist()))[0]
+    if len(intervals) != int(intervals[-1]) + 1:  # the first gap, without building the range
+        gap = next(i for i, v in enumerate(intervals.tolist()) if v != i)
         raise SpecError(
             f"{path}: interval {gap} is missing (intervals must run 0..{int(intervals[-1])} "
             f"without gaps); add its rows or renumber the intervals"
         )
     num_e = int(experts[-1]) + 1
     if len(experts) != num_e:
-        gap = sorted(set(range(num_e)) - set(experts.tolist()))[0]
+        gap = next(i for i, v in enumerate(experts.tolist()) if v != i)
         raise SpecError(
             f"{path}: expert {gap} never appears (experts must be 0..{num_e - 1}); "
             f"add rows with tokens 0 for it"
+        )
+    cells = len(intervals) * len(layer_ids) * num_e
+    if cells > 16 * len(rows) + (1 << 20):  # rows are missing: do not allocate every cell
+        raise SpecError(
+            f"{path}: {len(rows)} rows for {len(intervals)} intervals x {len(layer_ids)} layers "
+            f"x {num_e} experts = {cells}; every interval must list every expert of every layer"
         )
     tokens = np.full((len(intervals), len(layer_ids), num_e), -1, dtype=np.int64)
     li = np.searchsorted(layer_ids, arr[:, 1])

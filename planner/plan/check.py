@@ -12,7 +12,6 @@ so a new field is checked where it is declared. It does not re-parse the model c
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -28,9 +27,14 @@ from planner.plan.schema import (
     SolveReport,
     json_fields,
 )
-from planner.specs import SpecError
+from planner.specs import SpecError, TrainingSpec
 
 _FIX = "regenerate it with 'piper plan'"
+# No plan has a size, a count or a shape above these; bounding them keeps every consumer's
+# arithmetic (divisors, products, arrays) finite for any file.
+MAX_SIZE = 1 << 24  # a parallel degree, micro-batches, the world
+MAX_COUNT = 1 << 40  # a training integer (sequence length, batch)
+MAX_VALUE = 1e30  # a predicted quantity
 
 
 def _json_kind(hint: Any) -> type | tuple[type, ...]:
@@ -73,6 +77,12 @@ _ENTRIES = {
 }
 
 
+def _short(value: Any) -> str:
+    """A value for an error line: its repr, cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 class _Checker:
     def __init__(self, path: str) -> None:
         self.path = path
@@ -86,13 +96,17 @@ class _Checker:
             raise self.fail(field, "is missing")
         value = d[key]
         if isinstance(value, bool) and typ is not bool or not isinstance(value, typ):
-            raise self.fail(field, f"has the wrong type ({type(value).__name__} {value!r})")
+            raise self.fail(field, f"has the wrong type ({type(value).__name__} {_short(value)})")
         return value
 
-    def int_at_least(self, d: dict[str, Any], key: str, where: str, minimum: int) -> int:
+    def int_at_least(
+        self, d: dict[str, Any], key: str, where: str, minimum: int, maximum: int = MAX_SIZE
+    ) -> int:
         value = self.get(d, key, where, int)
         if value < minimum:
             raise self.fail(f"{where}{key}", f"must be >= {minimum}, got {value}")
+        if value > maximum:
+            raise self.fail(f"{where}{key}", f"is {value}, above {maximum} (no cluster has that)")
         return value
 
     def number(self, d: dict[str, Any], key: str, where: str) -> float:
@@ -100,9 +114,9 @@ class _Checker:
 
     def nonnegative(self, value: Any, field: str) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(field, f"has the wrong type ({type(value).__name__} {value!r})")
-        if math.isnan(value) or value < 0:
-            raise self.fail(field, f"must be a number >= 0, got {value}")
+            raise self.fail(field, f"has the wrong type ({type(value).__name__} {_short(value)})")
+        if not 0 <= value <= MAX_VALUE:  # NaN and infinities fail too
+            raise self.fail(field, f"must be a number in [0, {MAX_VALUE:g}], got {str(value)[:40]}")
         return float(value)
 
     def items(self, d: dict[str, Any], key: str) -> list[dict[str, Any]]:
@@ -143,6 +157,9 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
     c = _Checker(path)
     for key in _SECTIONS:
         c.get(d, key, "", dict)
+    for key, kind in (("inputs_sha256", str), ("extra", dict)):  # optional
+        if key in d:
+            c.get(d, key, "", kind)
     par = d["parallel"]
     sizes = {  # a knob a plan leaves out has its default (vp, cp, etp = 1)
         k: c.int_at_least(par, k, "parallel.", 1) if k in par or k not in _SIZE_DEFAULTS
@@ -156,6 +173,7 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
             if m not in _MODULES:
                 raise c.fail("parallel.recompute_modules", f"holds {m!r}, not one of {_MODULES}")
     _check_sizes(c, sizes)
+    _check_training(c, d["training"])
     _check_stages(c, c.items(d, "stages"), sizes["pp"])
     _check_experts(c, c.items(d, "experts"), sizes["ep"])
     _check_ranks(c, c.items(d, "ranks"), sizes)
@@ -164,6 +182,39 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
         c.get(d["solver"], key, "solver.", kind)
     for section, kinds in _ENTRIES.items():
         _check_entry(c, d[section], section, kinds)
+
+
+_TRAINING = {f.name: t for f, t in zip(fields(TrainingSpec), get_type_hints(TrainingSpec).values(),
+                                       strict=True)}  # fmt: skip
+
+
+def _check_training(c: _Checker, training: dict[str, Any]) -> None:
+    """The TrainingSpec fields the plan holds: JSON types, bounds, then TrainingSpec's rules."""
+    kw: dict[str, Any] = {}
+    for key, hint in _TRAINING.items():
+        if key not in training or (training[key] is None and type(None) in get_args(hint)):
+            continue
+        field, value = f"training.{key}", training[key]
+        if key == "extra":
+            pairs = c.get(training, key, "training.", list)
+            if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                       for p in pairs):  # fmt: skip
+                raise c.fail(field, "must be a list of [name, value] string pairs")
+            kw[key] = tuple(tuple(p) for p in pairs)
+            continue
+        kind = _json_kind(hint)
+        value = c.get(training, key, "training.", kind)
+        if get_origin(hint) is Literal and value not in get_args(hint):
+            raise c.fail(field, f"is {_short(value)}, not one of {get_args(hint)}")
+        if kind is int and not -MAX_COUNT <= value <= MAX_COUNT:
+            raise c.fail(field, f"is {str(value)[:40]}, beyond any training run")
+        if kind == (int, float):
+            c.nonnegative(value, field)
+        kw[key] = value
+    try:
+        TrainingSpec(**kw)
+    except SpecError as exc:
+        raise SpecError(f"{c.path}: {exc}; fix the plan or {_FIX}") from None
 
 
 def _check_entry(c: _Checker, entry: dict[str, Any], section: str, kinds: dict[str, Any]) -> None:
@@ -176,6 +227,9 @@ def _check_entry(c: _Checker, entry: dict[str, Any], section: str, kinds: dict[s
 
 
 def _check_sizes(c: _Checker, s: dict[str, int]) -> None:
+    world = s["pp"] * s["dp"] * s["tp"] * s["cp"]
+    if world > MAX_SIZE:
+        raise c.fail("parallel", f"spans pp*dp*tp*cp = {world} ranks, above {MAX_SIZE}")
     group, experts = s["tp"] * s["cp"] * s["dp"], s["etp"] * s["ep"]
     if group % experts:
         raise c.fail("parallel.ep", f"times etp is {experts} and must divide tp*cp*dp = {group}")

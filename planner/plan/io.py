@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from planner.inputs.paths import read_text_file
 from planner.plan.check import check_plan_dict
 from planner.plan.schema import (
     ClusterEntry,
@@ -82,10 +83,13 @@ def _known(cls: type, entry: dict[str, Any]) -> dict[str, Any]:
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan.json file (see plan_from_dict)."""
     p = Path(path)
+    if not p.exists():
+        raise SpecError(f"{p}: no such plan file; create one with 'piper plan --out DIR'")
+    text = read_text_file(p, "plan")
     try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"{p}: no such plan file; create one with 'piper plan --out DIR'") from None
+        d = json.loads(text)
     except json.JSONDecodeError as exc:
         raise SpecError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (ValueError, RecursionError):  # a number of > 4300 digits, nesting past the stack
+        raise SpecError(f"{p}: not a plan (a number or nesting too large to read)") from None
     return plan_from_dict(d, str(p))

@@ -98,19 +98,24 @@ def virtual_split_args(plan: Plan, model: ModelSpec, mtp_layers: int) -> list[st
 
 
 def recompute_args(plan: Plan) -> tuple[list[str], list[str]]:
-    """Recompute flags: policy, Megatron's modules, or per-stage layers as the block method."""
+    """Recompute flags: the policy, Megatron's modules, per-stage full layers as the block
+    method (Megatron applies selective recompute to every layer)."""
     stages = sorted(plan.stages, key=lambda s: s.stage)
     chosen = [len(s.recompute_layers) for s in stages]
     par = plan.parallel
+    if par.recompute == "selective":
+        modules = list(par.recompute_modules)
+        args = ["--recompute-granularity", "selective"]
+        args += ["--recompute-modules", *modules] if modules else []
+        layers = sum(len(s.layers) for s in stages)
+        if any(chosen) and sum(chosen) < layers:
+            return args, [f"the plan recomputes {modules or ['core_attn']} on {sum(chosen)} of "
+                          f"{layers} layers; Megatron recomputes them on every layer"]  # fmt: skip
+        return args, []
     if not any(chosen):
         if par.recompute == "full":
             return ["--recompute-granularity", "full", "--recompute-method", "uniform",
                     "--recompute-num-layers", "1"], []  # fmt: skip
-        if par.recompute == "selective":
-            modules = list(par.recompute_modules)
-            return ["--recompute-granularity", "selective"] + (
-                ["--recompute-modules", *modules] if modules else []
-            ), []
         return [], []
     n = max(chosen)
     prefix = all(tuple(s.recompute_layers) == tuple(s.layers[: len(s.recompute_layers)])
@@ -168,11 +173,28 @@ def _moe_comm_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
                 "flex dispatcher with DeepEP is its node-deduplicated counterpart"
             )
     if plan.training.get("a2a_overlap"):
-        args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+        refused = _overlap_refused(plan)
+        if refused:
+            notes.append(f"Megatron refuses the 1F1B all-to-all overlap with {refused}: "
+                         "exported without it (the plan's step time assumes it)")  # fmt: skip
+        else:
+            args += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
         if plan.parallel.pp > 1 and plan.parallel.vp == 1:
             notes.append("Megatron overlaps the all-to-all with pp > 1 only under interleaved "
                          "1F1B (vp > 1); re-plan with --vp or drop --a2a-overlap")  # fmt: skip
     return args, notes
+
+
+def _overlap_refused(plan: Plan) -> str:
+    """What in the plan Megatron's overlap refuses (transformer_config.py: no full recompute,
+    no 'moe' module recompute), or ''."""
+    par = plan.parallel
+    if par.recompute == "full" or (par.recompute != "selective" and
+                                   any(s.recompute_layers for s in plan.stages)):  # fmt: skip
+        return "full recompute"
+    if par.recompute == "selective" and "moe" in par.recompute_modules:
+        return "the 'moe' recompute module"
+    return ""
 
 
 def megatron_env(plan: Plan) -> tuple[tuple[str, str], ...]:
