@@ -1,13 +1,16 @@
-"""Planning wall time of `piper plan` for DeepSeek-V3 on Frontier at growing GPU counts.
+"""Wall time of the whole `piper plan` command for DeepSeek-V3, on Frontier and on H100s.
 
-Prints, per GPU count: wall time of the whole make_plan() (search + placement + baselines), the
-candidates enumerated / solved / pruned, the chosen layout, the stage IP's status and gap
-(the winner is always solved by the stage IP), and the targets (1024 GPUs <= 10 s,
-16384 <= 60 s). With --compare-ip it also plans with the stage IP on every candidate
-(`--score ip`) up to --compare-up-to GPUs and prints the time ratio and whether the plans
-agree byte for byte.
+Runs `piper plan --model deepseek-v3 --cluster C --gpus N --out TMP` as a user does (a fresh
+process: start-up, search, placement, baselines, every output file and plot) --repeats times
+per case and prints the median with each run, the targets (1024 GPUs <= 10 s on either
+cluster, 16384 <= 60 s), the 1-minute load average around each case (the machine is
+shared), and from the last run's timings.json and plan.json: the candidates enumerated,
+costed by the resource model, scored (split solved and predicted) and pruned, the chosen
+layout and the stage IP's status and gap. With --compare-ip it also plans with the stage IP
+on every candidate (`--score ip`) up to --compare-up-to GPUs and prints the time ratio and
+whether plan.json is byte-identical.
 
-    OMP_NUM_THREADS=1 python benchmarks/plan_speed.py [--gpus 64 256 ...] [--compare-ip]
+    OMP_NUM_THREADS=1 python3 benchmarks/plan_speed.py [--repeats 3] [--compare-ip]
 
 Writes what it prints to results/plan_speed.md (--results FILE elsewhere, --no-results not).
 """
@@ -15,31 +18,71 @@ Writes what it prints to results/plan_speed.md (--results FILE elsewhere, --no-r
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from results_md import recorded
 
-from planner.inputs.clusters import load_cluster
-from planner.inputs.models import load_model
-from planner.ip.solvers import SolverOptions
-from planner.search.branch_bound import describe
-from planner.search.make_plan import make_plan
-from planner.specs import TrainingSpec
-
 TARGET_S = {1024: 10.0, 16384: 60.0}
+DEFAULT_CASES = ("frontier:64", "frontier:256", "frontier:1024", "h100:1024", "frontier:4096",
+                 "frontier:16384")  # fmt: skip
 
 
-def _one(model, cluster, gpus: int, score: str, options: SolverOptions):
+def _command(model: str, cluster: str, gpus: int, out: Path, extra: list[str]) -> list[str]:
+    piper = shutil.which("piper")
+    head = [piper] if piper else [sys.executable, "-c", "import sys; from planner.cli import "
+                                  "main; sys.exit(main(sys.argv[1:]))"]  # fmt: skip
+    args = ["plan", "--model", model, "--cluster", cluster, "--gpus", str(gpus)]
+    return [*head, *args, "--out", str(out), *extra]
+
+
+def _run(cmd: list[str]) -> tuple[float, int, str]:
+    """(wall seconds, exit code, the last line of stderr) of one command."""
     t0 = time.perf_counter()
-    result = make_plan(model, cluster, TrainingSpec(), gpus, None, options, score=score)
-    return result, time.perf_counter() - t0
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    err = done.stderr.strip().splitlines()
+    return wall, done.returncode, err[-1] if err else ""
+
+
+def _summary(out: Path) -> tuple[dict, str, str]:
+    """(timings.json, the stage IP's 'STATUS, gap G', the plan's layout) of a finished run."""
+    timings = json.loads((out / "timings.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    s = plan["solver"]
+    p, t = plan["parallel"], plan["training"]
+    sharding = "fsdp" if t.get("fsdp") else "zero" if t["zero"] else "none"
+    layout = (
+        f"pp={p['pp']} vp={p['vp']} dp={p['dp']} tp={p['tp']} cp={p['cp']} ep={p['ep']} "
+        f"etp={p['etp']} mb={p['micro_batch']} m={p['num_microbatches']} "
+        f"recompute={p['recompute']}{_modules(p['recompute_modules'])} "
+        f"{sharding} overlap={int(t['a2a_overlap'])} {plan['extra']['dispatcher']}"
+    )
+    tflops = plan["predicted"]["tflops_per_gpu"]
+    step = plan["predicted"]["step_time_s"]
+    return (
+        timings,
+        f"{s['status']}, gap {s['gap']:.2g}",
+        f"{layout}; {step:.4g} s, {tflops:.1f} TFLOPS/GPU",
+    )
+
+
+def _modules(names: list[str]) -> str:
+    return f"({','.join(names)})" if names else ""
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="deepseek-v3")
-    ap.add_argument("--cluster", default="frontier")
-    ap.add_argument("--gpus", type=int, nargs="+", default=[64, 256, 1024, 4096, 16384])
+    ap.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="CLUSTER:GPUS")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per case (median reported)")
     ap.add_argument("--solver", default="cpsat", choices=("cpsat", "cbc"))
     ap.add_argument("--compare-ip", action="store_true", help="also time --score ip")
     ap.add_argument("--compare-up-to", type=int, default=1024)
@@ -51,41 +94,45 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    """Plan at every GPU count and print one row each."""
-    model, cluster = load_model(args.model), load_cluster(args.cluster)
-    options = SolverOptions(args.solver, 10.0, 1, 0)
-    print(f"{model.name} on {cluster.name}, seq 4096, global batch 1024, solver {args.solver}")
-    head = f"{'GPUs':>6} {'wall_s':>7} {'target':>7} {'layouts':>7} {'scored':>6} {'pruned':>6}"
+    """Plan every case --repeats times and print one row each."""
+    print(f"{args.model}, seq 4096, global batch 1024, solver {args.solver}, "
+          f"{args.repeats} runs per case; whole `piper plan` command")  # fmt: skip
+    head = (f"{'cluster':>8} {'GPUs':>6} {'median_s':>8} {'target':>6}  {'runs (s)':<20} "
+            f"{'load':>9} {'cands':>6} {'costed':>6} {'scored':>6} {'pruned':>6}")  # fmt: skip
     print(f"{head}  stage IP (status, gap)  plan")
-    for gpus in args.gpus:
-        result, wall = _one(model, cluster, gpus, "dp", options)
-        counts = {s: sum(r.status == s for r in result.rows) for s in ("solved", "pruned")}
-        scored = counts["solved"] + sum(
-            r.status == "infeasible" and bool(r.solver_status) for r in result.rows
-        )
-        target = TARGET_S.get(gpus)
-        mark = f"{target:>6.0f}s" if target else f"{'-':>7}"
-        if result.plan is None:
-            tail = f"no fit: {result.message}"
-            ip = "-"
-        else:
-            s = result.plan.solver
-            ip = f"{s.status}, gap {s.gap:.2g}"
-            e = result.best.estimate
-            tail = f"{describe(result.best.parallel)}  {e.tflops_per_gpu:.1f} TFLOPS/GPU"
-        print(
-            f"{gpus:>6} {wall:>7.2f} {mark} {len(result.rows):>7} {scored:>6} "
-            f"{counts['pruned']:>6}  {ip:<22} {tail}"
-        )
-        if args.compare_ip and gpus <= args.compare_up_to:
-            by_ip, wall_ip = _one(model, cluster, gpus, "ip", options)
-            same = (by_ip.plan.to_json() if by_ip.plan else None) == (
-                result.plan.to_json() if result.plan else None
-            )
-            print(
-                f"{'':>6} --score ip: {wall_ip:.2f} s ({wall_ip / wall:.1f}x the DP-scored "
-                f"search), same plan.json: {same}"
-            )
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in args.cases:
+            cluster, gpus = case.split(":")[0], int(case.split(":")[1])
+            _case(args, cluster, gpus, Path(tmp) / case.replace(":", "-"))
+
+
+def _case(args: argparse.Namespace, cluster: str, gpus: int, out: Path) -> None:
+    extra = ["--solver", args.solver]
+    load_before = os.getloadavg()[0]
+    walls, code, err = [], 0, ""
+    for _ in range(args.repeats):
+        wall, code, err = _run(_command(args.model, cluster, gpus, out, extra))
+        walls.append(wall)
+    load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
+    median = statistics.median(walls)
+    target = TARGET_S.get(gpus)
+    mark = f"{target:>5.0f}s" if target else f"{'-':>6}"
+    runs = " ".join(f"{w:.2f}" for w in walls)
+    row = f"{cluster:>8} {gpus:>6} {median:>8.2f} {mark}  {runs:<20} {load:>9}"
+    if code != 0:
+        print(f"{row} {'':>27}  -                       exit {code}: {err}")
+        return
+    t, ip, layout = _summary(out)
+    counts = (t["layouts"], t["costed"], t["candidates_scored"], t["candidates_pruned"])
+    print(f"{row} " + " ".join(f"{int(c):>6}" for c in counts) + f"  {ip:<22} {layout}")
+    if args.compare_ip and gpus <= args.compare_up_to:
+        wall_ip, _, _ = _run(_command(args.model, cluster, gpus, out.with_name(out.name + "-ip"),
+                                      [*extra, "--score", "ip"]))  # fmt: skip
+        same = (out / "plan.json").read_bytes() == (
+            out.with_name(out.name + "-ip") / "plan.json"
+        ).read_bytes()
+        print(f"{'':>15} --score ip: {wall_ip:.2f} s ({wall_ip / median:.1f}x the DP-scored "
+              f"search), same plan.json: {same}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,13 +13,23 @@ only make it easier, so they are valid:
   solved. With the all-to-all overlap the units' times are the steady phase's paired times,
   the shortest a micro-batch takes, so the bound still holds.
 
+`can_beat(inputs, step_s)` tightens the step bound where memory forces recompute: a stage's
+time is its layers' plus the cheapest *fractional* recompute that brings its memory within
+usable memory (layers recomputed in order of extra time per byte saved; a fraction of a
+layer allowed), which is at most what any real recompute choice costs. When no split (empty
+stages allowed) keeps every stage within step_s / pipeline_slots that way, the candidate
+cannot beat step_s.
+
 A greedy that fills each stage with the longest prefix that fits decides the relaxed
-problems exactly: stage costs are monotone in the set of layers, so a greedy stage never ends
-before the same stage of any feasible split (exchange argument).
+problems exactly: stage costs are monotone in the set of layers (adding a layer adds its
+time and at least the bytes its recompute could save), so a greedy stage never ends before
+the same stage of any feasible split (exchange argument).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 
 from planner.resources.stage_inputs import StageCostInputs
@@ -29,9 +39,10 @@ _REL_TOL = 1e-7  # bisection stops when the bracket is this tight (relative)
 
 @dataclass(frozen=True)
 class _Costs:
-    """Stage s holding units [a, b) costs (pa[b] - pa[a]) + w[s] (pb[b] - pb[a]) + extra[s]."""
+    """Stage s holding units [a, b) costs (pa[b] - pa[a]) + w[s] (pb[b] - pb[a]) + extra[s];
+    pa and pb are prefix sums (length n + 1) of non-negative values."""
 
-    pa: tuple[float, ...]  # prefix sums, length n + 1
+    pa: tuple[float, ...]
     pb: tuple[float, ...]
     w: tuple[float, ...]  # per stage
     extra: tuple[float, ...]  # per stage
@@ -46,14 +57,15 @@ class _Costs:
         for s in range(pp - 1):
             if self.extra[s] > cap:
                 return False
-            lo, hi = start, n  # largest end in [start, n] with stage cost <= cap
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if self.stage(s, start, mid) <= cap:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            start = lo
+            # the largest end in [start, n] with stage cost <= cap (costs grow with the end)
+            if self.pb[-1] == 0.0:  # times: the stage cost is a difference of pa
+                limit = self.pa[start] + (cap - self.extra[s])
+                start = max(start, bisect.bisect_right(self.pa, limit, lo=start) - 1)
+                continue
+            end = bisect.bisect_right(
+                range(start, n + 1), cap, key=lambda b, s=s, a=start: self.stage(s, a, b)
+            )
+            start += max(end - 1, 0)
         return self.stage(pp - 1, start, n) <= cap
 
     def minimum(self) -> tuple[float, float]:
@@ -101,12 +113,8 @@ def _time(inputs: StageCostInputs) -> _Costs:
     rc = inputs.recompute_allowed
     times = [min(u.time_s, u.time_recompute_s) if rc else u.time_s for u in inputs.units]
     zeros = (0.0,) * (len(times) + 1)
-    return _Costs(
-        _prefix(times),
-        zeros,
-        (0.0,) * inputs.pp,
-        _extras(inputs, inputs.first.time_s, inputs.last.time_s),
-    )
+    extra = _extras(inputs, inputs.first.time_s, inputs.last.time_s)
+    return _Costs(_prefix(times), zeros, (0.0,) * inputs.pp, extra)
 
 
 def min_peak_memory_bytes(inputs: StageCostInputs) -> float:
@@ -143,6 +151,90 @@ def quick_step_time_bound_s(inputs: StageCostInputs) -> float:
     largest of the average stage (all work over pp stages), the slowest layer and the first
     and last stages' extras. Never above step_time_lower_bound_s."""
     return inputs.pipeline_slots * _quick_bottleneck_s(inputs)
+
+
+@dataclass(frozen=True)
+class _Fractional:
+    """Stage times with the cheapest fractional recompute that fits memory (inf: none).
+    Layers with identical costs form a class; counts_C are prefix counts per class."""
+
+    classes: tuple[tuple[float, float, float, float, float], ...]  # t, dt, state, act, dact
+    by_ratio: tuple[int, ...]  # recomputable classes, least extra time per byte saved first
+    counts_C: tuple[tuple[int, ...], ...]
+    flight: tuple[int, ...]  # per stage
+    extra_time: tuple[float, ...]  # per stage
+    extra_mem: tuple[float, ...]  # per stage: extras' state + in-flight activations
+    cap: float
+
+    def stage(self, s: int, a: int, b: int) -> float:
+        k = self.flight[s]
+        n_C = [cnt[b] - cnt[a] for cnt in self.counts_C]
+        time = self.extra_time[s] + sum(n * c[0] for n, c in zip(n_C, self.classes, strict=True))
+        mem = self.extra_mem[s] + sum(
+            n * (c[2] + k * c[3]) for n, c in zip(n_C, self.classes, strict=True)
+        )
+        need = mem - self.cap
+        for c in self.by_ratio:
+            if need <= 0:
+                break
+            _, dt, _, _, dact = self.classes[c]
+            save = n_C[c] * k * dact
+            if save >= need:
+                return time + need / (k * dact) * dt
+            time, need = time + n_C[c] * dt, need - save
+        return time if need <= 0 else math.inf
+
+    def fits(self, limit_s: float) -> bool:
+        """Can every stage stay within limit_s (empty stages allowed)?"""
+        pp, n = len(self.flight), len(self.counts_C[0]) - 1 if self.counts_C else 0
+        start = 0
+        for s in range(pp - 1):
+            end = bisect.bisect_right(
+                range(start, n + 1), limit_s, key=lambda b, s=s, a=start: self.stage(s, a, b)
+            )
+            if end == 0:
+                return False
+            start += end - 1
+        return self.stage(pp - 1, start, n) <= limit_s
+
+
+def _fractional(inputs: StageCostInputs) -> _Fractional:
+    keys = [
+        (
+            u.time_s,
+            max(0.0, u.time_recompute_s - u.time_s) if inputs.recompute_allowed else 0.0,
+            u.state_bytes,
+            u.act_bytes,
+            max(0.0, u.act_bytes - u.act_recompute_bytes) if inputs.recompute_allowed else 0.0,
+        )
+        for u in inputs.units
+    ]
+    classes = tuple(dict.fromkeys(keys))
+    of = [classes.index(k) for k in keys]
+    counts = tuple(_prefix(float(c == j) for c in of) for j in range(len(classes)))
+    savers = [j for j, c in enumerate(classes) if c[4] > 0]
+    flight = tuple(inputs.in_flight(s) for s in range(inputs.pp))
+    f, la = inputs.first, inputs.last
+    return _Fractional(
+        classes,
+        tuple(sorted(savers, key=lambda j: (classes[j][1] / classes[j][4], j))),
+        tuple(tuple(int(x) for x in cnt) for cnt in counts),
+        flight,
+        _extras(inputs, f.time_s, la.time_s),
+        tuple(
+            (f.state_bytes + k * f.act_bytes if s == 0 else 0.0)
+            + (la.state_bytes + k * la.act_bytes if s == inputs.pp - 1 else 0.0)
+            for s, k in enumerate(flight)
+        ),
+        inputs.usable_memory_bytes,
+    )
+
+
+def can_beat(inputs: StageCostInputs, step_s: float) -> bool:
+    """False only when no split, even with the cheapest fractional recompute that fits
+    memory, keeps the slowest stage below step_s / pipeline_slots: then the candidate's step
+    is at least step_s."""
+    return _fractional(inputs).fits(step_s / inputs.pipeline_slots)
 
 
 def split_cost(

@@ -172,6 +172,20 @@ def _pruned_reason(bound_s: float, best: CandidateRow) -> str:
     return f"pruned: bound {bound_s:.4g} s >= best {best.step_time_s:.4g} s"
 
 
+def _may_beat(item: Screened, best: CandidateRow | None) -> bool:
+    return best is None or bounds.can_beat(item.inputs, best.step_time_s)
+
+
+def _memory_pruned_row(item: Screened, best: CandidateRow) -> CandidateRow:
+    """A candidate whose memory forces enough recompute (or a split slow enough) that even
+    the cheapest fractional recompute keeps it from the best step: its bound is that step."""
+    c = item.candidate
+    reason = f"pruned: bound >= best {best.step_time_s:.4g} s with the recompute its memory needs"
+    return CandidateRow(
+        item.order, c.parallel, best.step_time_s, True, "pruned", reason, knobs=c.knobs
+    )
+
+
 def _leftover_rows(item: Bounded | Screened, status: str, reason: str) -> list[CandidateRow]:
     if isinstance(item, Bounded):
         return unexpanded_rows(item, status, reason)
@@ -202,6 +216,8 @@ def branch_and_bound(
                     rows += _leftover_rows(item, "pruned", reason)
                 elif not item.refined:  # the quick bound can win: compute the exact one
                     queue.push(item.refine(costing) if isinstance(item, Bounded) else item.refine())
+                elif isinstance(item, Screened) and not _may_beat(item, best):
+                    rows.append(_memory_pruned_row(item, best))
                 elif isinstance(item, Bounded):
                     items, decided = expand(costing, item)
                     rows += decided

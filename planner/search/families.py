@@ -152,10 +152,15 @@ def bound_families(
 
 
 def _bound_one(costing: Costing, fam: Family) -> Bounded | list[CandidateRow | Screened]:
-    """Screen the leanest members; bound the family by its fastest member, or by a costed
-    leanest member with the same knobs (only the recompute policy differs, which does not
-    change a layer's time without recompute)."""
-    lean = leanest(fam)
+    """Bound a family, or find it cannot fit. When a leanest member has the fastest member's
+    knobs (only the recompute policy differs, which leaves a layer's time without recompute
+    as it is), it is screened first and bounds the family; otherwise the fastest member is
+    screened first, and the leanest only when it does not fit."""
+    rep, lean = fam.members[0], leanest(fam)
+    same = [i for i in lean if fam.members[i].knobs == rep.knobs]
+    source = fam.members[same[0]] if same else rep
+    if not same and isinstance(costing.screen(fam.first_order, rep), Screened):
+        lean = []
     lean_rows = {}
     for i in lean:
         got = costing.screen(fam.first_order + i, fam.members[i])
@@ -164,9 +169,6 @@ def _bound_one(costing: Costing, fam: Family) -> Bounded | list[CandidateRow | S
     whole = _infeasible_family(fam, lean_rows, lean)
     if whole is not None:
         return list(whole)
-    rep = fam.members[0]
-    same = [fam.members[i] for i in lean if fam.members[i].knobs == rep.knobs]
-    source = same[0] if same and same[0] in costing.inputs else rep
     try:
         inputs = costing.cost_inputs(source)
     except SpecError:

@@ -27,6 +27,8 @@ from planner.search.make_plan import make_plan
 from planner.search.model_evaluator import ModelEvaluator
 from planner.search.space import make_space
 from planner.specs import SpecError
+from tests.planner.ip.test_stage_ip import brute_force
+from tests.planner.ip.test_stage_ip import random_inputs as random_stage_inputs
 from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
 OPTS = SolverOptions("cpsat", 10.0, 1, 0)
@@ -85,6 +87,28 @@ def test_bounds_equal_the_relaxed_brute_force_and_never_exceed_the_real_one(seed
         real_mem, real_time = _brute(inputs, inputs.vp)
         assert bounds.min_peak_memory_bytes(inputs) <= real_mem * (1 + 1e-9)
         assert bounds.bottleneck_time_lower_bound_s(inputs) <= real_time
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_recompute_aware_pruning_never_cuts_the_optimum_and_is_tighter(seed):
+    """can_beat (fractional recompute to fit memory, empty stages allowed) against the stage
+    split enumeration of tests/planner/ip: true at the real optimum's step, false below the
+    relaxation; on instances where memory forces recompute it prunes steps the time-only
+    bound lets through."""
+    rng = random.Random(100 + seed)
+    tighter = 0
+    for _ in range(25):
+        pp = rng.randint(1, 3)
+        inputs = random_stage_inputs(rng, rng.randint(pp, 6), pp, rng.choice([None, 2]))
+        best = brute_force(inputs)
+        if best == math.inf:
+            continue
+        slots = inputs.pipeline_slots
+        assert bounds.can_beat(inputs, slots * best * (1 + 1e-9))
+        relaxed = bounds.step_time_lower_bound_s(inputs)
+        assert not bounds.can_beat(inputs, relaxed * (1 - 1e-6))
+        tighter += not bounds.can_beat(inputs, 0.5 * (relaxed + slots * best))
+    assert tighter >= 1
 
 
 def test_even_split_sizes():
