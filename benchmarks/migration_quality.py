@@ -1,13 +1,18 @@
 """Expert-migration quality: Piper vs the paper's greedy swap vs an EPLB re-pack, side by side.
 
-For each configuration (experts / EP ranks / top-k, priced with a model of that shape on
-frontier, EP rank r on device r, 100 steps of 8 x 4096 tokens per rank per interval) and
-several seeds of a drifting synthetic trace, replay every policy and print mean realized
-imbalance, p95, experts moved, transfer and total seconds, then the issue's ratios:
-  Piper imbalance <= swap's while moving no more experts than swap;
-  Piper imbalance within 0.01 of the re-pack's while moving <= 1/4 of its experts.
+Cases: drifting synthetic traces (several seeds) at 64 experts / 8 EP ranks, 128 / 16 and
+256 / 64, and 256 / 64 with 32 redundant slots (DeepSeek-V3's 288 slots); then each
+recorded trace (profiles/traces/*.csv, made by `piper run`, see its README) at its shape.
+Every case is priced with a model of that shape on frontier (EP rank r on device r, 100
+steps of 8 x 4096 tokens per rank per interval). Every policy is replayed; the table shows
+mean realized imbalance, p95, experts moved, transfer and total priced seconds (hottest-rank
+expert compute + transfers), then the issue's criteria per case as pass/fail:
+  imbalance within +0.01 of the re-pack's while moving <= 1/4 of its experts;
+  imbalance <= the swap heuristic's while moving fewer experts than it;
+  total priced cost below every baseline;
+  with redundant slots: imbalance <= the re-pack's without replicas.
 
-Run: python3 benchmarks/migration_quality.py [--seeds 3] [--intervals 32] [--quick]
+Run: python3 benchmarks/migration_quality.py [--seeds 5] [--trace FILE --ep R ...] [--quick]
 Writes what it prints to results/migration_quality.md (--results FILE, --no-results).
 """
 
@@ -15,108 +20,184 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-from results_md import recorded
+from results_md import ROOT, recorded
 
 from planner.migration.inputs import migrate_setup
 from planner.migration.policies import POLICIES, MigrationOptions
 from planner.migration.run import replay_all
 from planner.migration.synth import SynthOptions, synth_trace
+from planner.migration.trace import Trace, load_trace
 
-CONFIGS = (  # (experts, ranks, top_k, model preset with that many experts and top-k)
-    (64, 8, 6, "deepseek-v2-lite"),
-    (128, 16, 8, "qwen3-30b-a3b"),
-    (256, 64, 8, "deepseek-v3"),
-)
 METRICS = ("mean_imbalance", "p95_imbalance", "experts_moved", "transfer_s", "total_cost_s")
+MODEL_FOR = {64: "deepseek-v2-lite", 128: "qwen3-30b-a3b", 256: "deepseek-v3"}
+TRACE_MODEL_FOR = {64: "olmoe-1b-7b", 256: "deepseek-v3"}  # the recorded traces' shapes
+RANKS_FOR = {64: 8, 128: 16, 256: 64}
 
 
-def run_config(cfg, args) -> dict[str, np.ndarray]:
-    experts, ranks, top_k, model = cfg
-    per_seed: dict[str, list[list[float]]] = {p: [] for p in POLICIES}
-    for seed in range(args.seeds):
-        synth = SynthOptions(
-            layers=args.layers, experts=experts, intervals=args.intervals, tokens=args.tokens,
-            top_k=top_k, skew=args.skew, drift=args.drift, seed=seed,
+@dataclass(frozen=True)
+class Case:
+    """One row group of the report: traces, ranks, redundant slots, the pricing model."""
+
+    name: str
+    traces: tuple[Trace, ...]
+    ranks: int
+    model: str
+    redundant_slots: int = 0
+    baseline_of: str = ""  # name of the case without replicas this one is compared with
+
+
+def synthetic_cases(args) -> list[Case]:
+    shapes = ((64, 8, 6), (128, 16, 8), (256, 64, 8))
+    if args.quick:
+        shapes = shapes[:1]
+    cases = []
+    for experts, ranks, top_k in shapes:
+        traces = tuple(
+            synth_trace(
+                SynthOptions(
+                    layers=args.layers,
+                    experts=experts,
+                    intervals=args.intervals,
+                    tokens=args.tokens,
+                    top_k=top_k,
+                    skew=args.skew,
+                    drift=args.drift,
+                    seed=s,
+                )
+            )  # fmt: skip
+            for s in range(args.seeds)
+        )
+        name = f"synthetic {experts}/{ranks} top-{top_k}"
+        cases.append(Case(name, traces, ranks, MODEL_FOR[experts]))
+        if experts == 256 and not args.quick:
+            slots = ranks // 2
+            cases.append(
+                Case(f"{name} +{slots} slots", traces, ranks, MODEL_FOR[experts], slots, name)
+            )
+    return cases
+
+
+def trace_cases(args) -> list[Case]:
+    paths = args.trace or sorted(str(p) for p in (ROOT / "profiles" / "traces").glob("*-bias*.csv"))
+    cases = []
+    for i, path in enumerate(paths):
+        trace = load_trace(path)
+        experts = trace.num_experts
+        ranks = args.ep[i] if args.ep and i < len(args.ep) else RANKS_FOR.get(experts, 8)
+        model = TRACE_MODEL_FOR.get(experts) or MODEL_FOR.get(experts, "")
+        name = f"trace {Path(path).stem} {experts}/{ranks}"
+        cases.append(Case(name, (trace,), ranks, model))
+        if experts == 256:
+            cases.append(
+                Case(f"{name} +{ranks // 2} slots", (trace,), ranks, model, ranks // 2, name)
+            )
+    return cases
+
+
+def run_case(case: Case, opts: MigrationOptions) -> dict[str, np.ndarray]:
+    """Per policy: METRICS averaged over the case's traces."""
+    rows: dict[str, list[list[float]]] = {p: [] for p in POLICIES}
+    for trace in case.traces:
+        setup = migrate_setup(
+            trace, case.ranks, model_name=case.model, cluster_name="frontier",
+            redundant_slots=case.redundant_slots,
         )  # fmt: skip
-        trace = synth_trace(synth)
-        setup = migrate_setup(trace, ranks, model_name=model, cluster_name="frontier")
-        opts = MigrationOptions(move_margin=args.move_margin, margin_sigmas=args.margin_sigmas)
-        runs = replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, opts)
-        for name, run in runs.items():
-            per_seed[name].append([getattr(run, m) for m in METRICS])
-    return {name: np.array(rows) for name, rows in per_seed.items()}
+        for name, run in replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, opts).items():
+            rows[name].append([getattr(run, m) for m in METRICS])
+    return {name: np.mean(np.array(r), axis=0) for name, r in rows.items()}
 
 
-def report(cfg, res: dict[str, np.ndarray]) -> list[bool]:
-    experts, ranks, top_k, model = cfg
-    print(f"\n{experts} experts / {ranks} ranks / top-{top_k}, priced as {model} on frontier")
+def criteria(case: Case, res, plain) -> list[tuple[str, str, bool]]:
+    """(criterion, measured, met) for one case; `plain` = the results without replicas."""
+    imb = {n: r[0] for n, r in res.items()}
+    moved = {n: r[2] for n, r in res.items()}
+    cost = {n: r[4] for n, r in res.items()}
+    out = [
+        ("imbalance <= re-pack + 0.01", f"{imb['piper'] - imb['repack']:+.4f}",
+         imb["piper"] - imb["repack"] <= 0.01),
+        ("moved <= 1/4 of re-pack's", f"{moved['piper'] / max(moved['repack'], 1):.3f}",
+         moved["piper"] <= 0.25 * moved["repack"]),
+        ("imbalance <= swap's", f"{imb['piper'] - imb['swap']:+.4f}", imb["piper"] <= imb["swap"]),
+        ("moved < swap's", f"{moved['piper']:.1f} vs {moved['swap']:.1f}",
+         moved["piper"] < moved["swap"]),
+    ]  # fmt: skip
+    for base in ("none", "swap", "repack"):
+        out.append(
+            (f"total cost < {base}'s", f"{cost['piper'] / cost[base]:.4f}x",
+             cost["piper"] < cost[base])
+        )  # fmt: skip
+    if plain is not None:
+        out.append(
+            ("imbalance <= re-pack's without replicas",
+             f"{imb['piper'] - plain['repack'][0]:+.4f}", imb["piper"] <= plain["repack"][0])
+        )  # fmt: skip
+    return out
+
+
+def report(case: Case, res, plain) -> list[tuple[str, str, bool]]:
+    print(f"\n{case.name}, {len(case.traces)} trace(s), priced as {case.model} on frontier")
     print(f"  {'policy':8s} {'mean imb':>9s} {'p95 imb':>8s} {'moved':>8s} {'transfer s':>11s} "
           f"{'total cost s':>13s}")  # fmt: skip
-    for name, rows in res.items():
-        m = rows.mean(axis=0)
+    for name, m in res.items():
         print(f"  {name:8s} {m[0]:9.4f} {m[1]:8.4f} {m[2]:8.1f} {m[3]:11.2f} {m[4]:13.1f}")
-    imb = {n: r[:, 0].mean() for n, r in res.items()}
-    moved = {n: r[:, 2].mean() for n, r in res.items()}
-    cost = {n: r[:, 4].mean() for n, r in res.items()}
-    checks = [
-        imb["piper"] <= imb["swap"],
-        moved["piper"] <= moved["swap"],
-        imb["piper"] - imb["repack"] <= 0.01,
-        moved["piper"] <= 0.25 * moved["repack"],
-    ]
-    print(f"  piper - swap imbalance   {imb['piper'] - imb['swap']:+.4f}  "
-          f"({'ok' if checks[0] else 'MISSED'}: <= 0)")  # fmt: skip
-    print(f"  piper / swap moved       {moved['piper'] / max(moved['swap'], 1):.3f}  "
-          f"({'ok' if checks[1] else 'MISSED'}: <= 1)")  # fmt: skip
-    print(f"  piper - repack imbalance {imb['piper'] - imb['repack']:+.4f}  "
-          f"({'ok' if checks[2] else 'MISSED'}: <= 0.01)")  # fmt: skip
-    print(f"  piper / repack moved     {moved['piper'] / max(moved['repack'], 1):.3f}  "
-          f"({'ok' if checks[3] else 'MISSED'}: <= 0.25)")  # fmt: skip
-    print(
-        f"  total cost s vs swap {cost['piper'] / cost['swap']:.4f}, vs repack "
-        f"{cost['piper'] / cost['repack']:.4f}, vs none {cost['piper'] / cost['none']:.4f}"
-    )
-    return checks
+    rows = criteria(case, res, plain)
+    for label, value, ok in rows:
+        print(f"  {'pass' if ok else 'FAIL'}  {label:40s} {value}")
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--intervals", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--tokens", type=int, default=32768, help="tokens per interval and layer")
     p.add_argument("--skew", type=float, default=SynthOptions.skew)
     p.add_argument("--drift", type=float, default=SynthOptions.drift)
-    p.add_argument("--move-margin", type=float, default=MigrationOptions.move_margin)
     p.add_argument("--margin-sigmas", type=float, default=MigrationOptions.margin_sigmas)
-    p.add_argument("--only", type=int, help="run only configuration 0, 1 or 2")
-    p.add_argument("--quick", action="store_true", help="first configuration, one seed")
+    p.add_argument(
+        "--trace", action="append", help="recorded trace CSV (repeatable; default: "
+        "profiles/traces/*-bias*.csv)",
+    )  # fmt: skip
+    p.add_argument("--ep", type=int, action="append", help="EP ranks for each --trace")
+    p.add_argument("--no-traces", action="store_true", help="synthetic cases only")
+    p.add_argument("--no-synthetic", action="store_true", help="recorded traces only")
+    p.add_argument("--quick", action="store_true", help="64/8 only, one seed, no traces")
     p.add_argument("--results", default="results/migration_quality.md", help="markdown to write")
     p.add_argument("--no-results", action="store_true", help="print only")
     args = p.parse_args()
     if args.quick:
-        args.seeds = 1
+        args.seeds, args.no_traces = 1, True
     title = "Expert migration quality: Piper vs greedy swap vs EPLB re-pack"
     with recorded(args.results, title, enabled=not args.no_results):
         run_all(args)
 
 
 def run_all(args: argparse.Namespace) -> None:
-    """Every configuration side by side, then the criteria met."""
+    """Every case side by side, then the criteria as one pass/fail table."""
     start = time.perf_counter()
+    opts = MigrationOptions(margin_sigmas=args.margin_sigmas)
     print(f"synthetic traces: {args.layers} layers x {args.intervals} intervals, {args.tokens} "
           f"tokens, skew {args.skew}, drift {args.drift}, seeds 0..{args.seeds - 1}; "
-          f"move margin {args.move_margin} + {args.margin_sigmas} counting sigma per move, "
-          f"other MigrationOptions defaults")  # fmt: skip
-    met = []
-    configs = CONFIGS[:1] if args.quick else CONFIGS
-    if args.only is not None:
-        configs = CONFIGS[args.only : args.only + 1]
-    for cfg in configs:
-        met += report(cfg, run_config(cfg, args))
-    print(f"\n{sum(met)}/{len(met)} criteria met; {time.perf_counter() - start:.0f} s")
+          f"Piper's margin {args.margin_sigmas} counting sigma per moved expert, other "
+          f"MigrationOptions defaults")  # fmt: skip
+    cases = [] if args.no_synthetic else synthetic_cases(args)
+    cases += [] if args.no_traces else trace_cases(args)
+    done: dict[str, dict[str, np.ndarray]] = {}
+    table = []
+    for case in cases:
+        done[case.name] = run_case(case, opts)
+        rows = report(case, done[case.name], done.get(case.baseline_of))
+        table += [(case.name, *row) for row in rows]
+    print("\n| case | criterion | measured | result |\n|---|---|---|---|")
+    for name, label, value, ok in table:
+        print(f"| {name} | {label} | {value} | {'pass' if ok else 'FAIL'} |")
+    met = sum(ok for *_, ok in table)
+    print(f"\n{met}/{len(table)} criteria met; {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

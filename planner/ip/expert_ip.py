@@ -22,6 +22,20 @@ log = logging.getLogger(__name__)
 
 RESOLUTION = 1_000_000  # integer units per total load
 MAX_PAIRS_PER_EXPERT = 4  # strongest co-activated pairs per expert entering the objective
+# Replica models with more (expert, rank, copies) variables than this are not built: at
+# DeepSeek-V3's 256 experts x 64 ranks x 4 copies (65,536) CP-SAT spends its whole limit
+# building and presolving; the greedy placement and the bound are returned instead.
+MAX_REPLICA_VARIABLES = 20_000
+
+
+def slot_counts(experts: int, ep: int, redundant_slots: int = 0) -> tuple[int, ...]:
+    """Slots per EP rank: E / ep each plus `redundant_slots` (a total over the EP group)
+    spread as evenly as the ranks allow: rank r gets one more when floor((r + 1) k / ep)
+    > floor(r k / ep) for the remainder k, so 32 over 64 ranks land on every other rank
+    (DeepSeek-V3's 288 slots for 256 experts). The one rule the plan, the expert IP and
+    the migration policies share."""
+    base, k = divmod(redundant_slots, ep)
+    return tuple(experts // ep + base + ((r + 1) * k) // ep - (r * k) // ep for r in range(ep))
 
 
 @dataclass(frozen=True)
@@ -29,6 +43,7 @@ class ExpertSolution:
     """Placement of one MoE layer's experts.
 
     rank_of_expert: E ranks (the lowest rank holding a replica when replicated).
+    slots: per rank the experts it holds, ascending (plan.json's `slots`).
     replicas: (expert, rank, share) rows sorted; share = fraction of the expert's tokens.
     rank_load: R expected tokens per rank; max_rank_load its max.
     cross_node_tokens: expected tokens crossing a node boundary with HALO dedup
@@ -37,6 +52,7 @@ class ExpertSolution:
     """
 
     rank_of_expert: tuple[int, ...]
+    slots: tuple[tuple[int, ...], ...]
     replicas: tuple[tuple[int, int, float], ...]
     rank_load: tuple[float, ...]
     max_rank_load: float
@@ -59,13 +75,14 @@ def solve_experts(
 
     Args:
         load_E: expected tokens routed to each expert (>= 0).
-        ep: EP ranks; must divide E. Each rank holds E/ep + redundant_slots experts.
+        ep: EP ranks; must divide E. Rank r holds slot_counts(E, ep, redundant_slots)[r].
         options: backend, time limit (s), threads, seed.
         node_of_rank: R node ids (ranks of a node are interchangeable); None = one node each.
         coactivation_EE: tokens whose top-k includes both e and e2 (symmetric, diagonal unused).
         traffic_weight: weight of cross-node tokens against the hottest rank's tokens.
-        redundant_slots: extra slots per rank filled by replicas of hot experts; a replicated
-            expert's tokens split evenly over its replicas (<= max_replicas copies).
+        redundant_slots: extra slots over the whole EP group (slot_counts spreads them),
+            filled by replicas of hot experts; a replicated expert's tokens split evenly
+            over its replicas (<= max_replicas copies, on distinct ranks).
     Returns:
         ExpertSolution; a time limit returns the best placement found with its gap.
     """
@@ -81,6 +98,13 @@ def solve_experts(
         )
         return _result(data, _canonical(data, greedy), report)
     start = _warm_start(data)
+    if data.redundant_slots and data.num_e * data.ep * data.max_replicas > MAX_REPLICA_VARIABLES:
+        bound = data.lower_bound_q() * data.unit
+        report = SolveReport(
+            options.backend, "FEASIBLE", math.nan, bound, math.nan, 0.0,
+            "replica model too large to build; greedy placement",
+        )  # fmt: skip
+        return _result(data, _canonical(data, start), report)
     model, x, decode = _build_model(data, start)
     sol = solve(model, options)
     if not sol.report.has_solution:  # time limit hit before the solver kept the hint
@@ -106,7 +130,7 @@ class _Data:
     load_q: tuple[int, ...]
     unit: float
     ep: int
-    slots: int  # per rank, replicas included
+    slots: tuple[int, ...]  # per rank, replicas included
     node_of_rank: tuple[int, ...]
     pairs: tuple[tuple[int, int, float], ...]  # (e, e2, coactivated tokens), e < e2
     traffic_weight: float
@@ -131,7 +155,7 @@ class _Data:
                 "expert placement: traffic_weight with redundant_slots is not "
                 "supported; set one of them to 0"
             )
-        if num_e * min(max_replicas, ep) < num_e + ep * redundant:
+        if num_e * min(max_replicas, ep) < num_e + redundant:
             raise SpecError(
                 "expert placement: too few replicas allowed to fill the redundant "
                 "slots; raise max_replicas or lower redundant_slots"
@@ -142,7 +166,7 @@ class _Data:
             tuple(quantize(x, unit) for x in loads),
             unit,
             ep,
-            num_e // ep + redundant,
+            slot_counts(num_e, ep, redundant),
             nodes,
             _pairs(coact, num_e),
             float(weight),
@@ -164,7 +188,7 @@ class _Data:
         if self.redundant_slots:
             return max(mean, max(-(-q // self.max_replicas) for q in self.load_q))
         hot = max(range(self.num_e), key=lambda e: (self.load_q[e], -e))
-        rest = sorted(q for e, q in enumerate(self.load_q) if e != hot)[: self.slots - 1]
+        rest = sorted(q for e, q in enumerate(self.load_q) if e != hot)[: self.slots[0] - 1]
         return max(mean, self.load_q[hot] + sum(rest))
 
     @property
@@ -172,10 +196,14 @@ class _Data:
         return bool(self.traffic_weight and self.pairs and self.num_nodes > 1)
 
     def symmetry_classes(self) -> list[list[int]]:
-        """Groups of interchangeable ranks: all ranks, or the ranks of a node with traffic."""
-        if not self.traffic_active:
-            return [list(range(self.ep))]
-        return list(self.ranks_of_node().values())
+        """Groups of interchangeable ranks: those with as many slots (and, with traffic, on
+        one node)."""
+        key = {r: (self.slots[r], self.node_of_rank[r] if self.traffic_active else 0)
+               for r in range(self.ep)}  # fmt: skip
+        classes: dict[tuple[int, int], list[int]] = {}
+        for r in range(self.ep):
+            classes.setdefault(key[r], []).append(r)
+        return list(classes.values())
 
     def ranks_of_node(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
@@ -184,27 +212,42 @@ class _Data:
         return out
 
     def greedy(self) -> dict[int, list[int]]:
-        """LPT: hottest expert first onto the least-loaded rank with a free slot; then fill
-        redundant slots with replicas of the expert whose per-replica load is highest."""
+        """LPT: hottest expert first onto the least-loaded rank with a free base slot; then
+        each redundant slot takes a replica of an expert of the hottest rank (the one whose
+        split relieves it most) on the least-loaded rank with a free slot that lacks it.
+        With equal loads this pairs up the ranks with a redundant slot, each pair sharing
+        two experts, so every rank carries the mean load."""
+        base = self.num_e // self.ep
         loads, held = [0.0] * self.ep, {r: [] for r in range(self.ep)}
         order = sorted(range(self.num_e), key=lambda e: (-self.load_E[e], e))
         for e in order:
-            r = min(
-                (r for r in range(self.ep) if len(held[r]) < self.slots - self.redundant_slots),
-                key=lambda r: (loads[r], r),
-            )
+            r = min((r for r in range(self.ep) if len(held[r]) < base), key=lambda r: (loads[r], r))
             held[r].append(e)
             loads[r] += self.load_E[e]
         copies = {e: 1 for e in range(self.num_e)}
-        for _ in range(self.redundant_slots * self.ep):
-            cand = [e for e in order if copies[e] < self.max_replicas]
-            e = max(cand, key=lambda e: (self.load_E[e] / copies[e], -e))
-            free = [r for r in range(self.ep) if len(held[r]) < self.slots and e not in held[r]]
-            if not free:
+        for _ in range(self.redundant_slots):
+            if not self._add_replica(held, copies):
                 break
-            copies[e] += 1
-            held[min(free, key=lambda r: (sum(self.load_E[x] for x in held[r]), r))].append(e)
         return held
+
+    def _add_replica(self, held: dict[int, list[int]], copies: dict[int, int]) -> bool:
+        """One replica (see greedy); False when no rank has a free slot for any expert."""
+        share = [self.load_E[e] / copies[e] for e in range(self.num_e)]
+        load = {r: sum(share[e] for e in held[r]) for r in held}
+        free = [r for r in held if len(held[r]) < self.slots[r]]
+        ranks = sorted(held, key=lambda r: (-load[r], r not in free, r))
+        for h in ranks:
+            gains = sorted(
+                (e for e in held[h] if copies[e] < self.max_replicas),
+                key=lambda e: (-(share[e] - self.load_E[e] / (copies[e] + 1)), e),
+            )
+            for e in gains:
+                dest = [r for r in free if e not in held[r]]
+                if dest:
+                    held[min(dest, key=lambda r: (load[r], r))].append(e)
+                    copies[e] += 1
+                    return True
+        return False
 
 
 def _pairs(coact, num_e: int) -> tuple[tuple[int, int, float], ...]:
@@ -278,7 +321,7 @@ def _placement_constraints(model, data: _Data, x, y, z, copies) -> None:
             model.add([(1, x[e][r])] + [(-1, y[(e, r, c)]) for c in copies], "==", 0)
     # C8: every rank fills exactly its slots.
     for r in range(ep):
-        model.add([(1, x[e][r]) for e in range(num_e)], "==", data.slots, f"C8_slots_r{r}")
+        model.add([(1, x[e][r]) for e in range(num_e)], "==", data.slots[r], f"C8_slots_r{r}")
 
 
 def _load_constraints(model, data: _Data, x, y, zmax, copies) -> dict[int, list]:
@@ -416,6 +459,7 @@ def _canonical(data: _Data, held: dict[int, list[int]]) -> dict[int, list[int]]:
 def _result(data: _Data, held: dict[int, list[int]], report: SolveReport) -> ExpertSolution:
     count = {e: sum(e in v for v in held.values()) for e in range(data.num_e)}
     rows = tuple(sorted((e, r, 1.0 / count[e]) for r in held for e in held[r]))
+    slots = tuple(tuple(sorted(held[r])) for r in range(data.ep))
     rank_of = tuple(min(r for r in held if e in held[r]) for e in range(data.num_e))
     rank_load = tuple(sum(data.load_E[e] / count[e] for e in held[r]) for r in range(data.ep))
     cross = cross_node_tokens(data.load_E, rank_of, data.node_of_rank, data.pairs)
@@ -427,7 +471,7 @@ def _result(data: _Data, held: dict[int, list[int]], report: SolveReport) -> Exp
         bound = min(bound, objective)
         gap = (objective - bound) / objective if objective > 0 else 0.0
         report = replace(report, status="FEASIBLE", objective=objective, bound=bound, gap=gap)
-    return ExpertSolution(rank_of, rows, rank_load, max(rank_load), cross, objective, report)
+    return ExpertSolution(rank_of, slots, rows, rank_load, max(rank_load), cross, objective, report)
 
 
 def cross_node_tokens(

@@ -1,6 +1,6 @@
 """Piper's priced assignment for one MoE layer and one interval.
 
-Problem: slots are fixed per rank; choose which expert fills each slot to minimize
+Problem: every rank keeps its slots; choose which expert fills each slot to minimize
 
     J = scale_s * M(load_R)  +  sum of move seconds                (seconds over the interval)
 
@@ -10,26 +10,32 @@ the rank loads when each is off by a forecast error of about sigma tokens, smoot
 M = sigma * log(sum_r exp(load_r / sigma)) (M = max when sigma = 0). The smoothing makes
 the second- and third-hottest ranks count too: the forecast is not exact, and a placement
 whose other ranks sit just under the maximum realizes a worse maximum than one that
-leaves them room. Move seconds are priced from the placement in force (pricing.py), so
+leaves them room. Move seconds are priced from the placement in force (cost_ER), so
 moving an expert back home is free again.
 
-Method (bounded local search, exact pricing): starting from a placement, repeatedly take
-the `sources` hottest ranks and apply the swap, of one slot of such a rank h with a slot of
-any other rank, that most improves scale_s * (decrease of M) - (change of move seconds),
-among swaps that lower h's load; stop when none does, after `patience` swaps in a row
-without a new best J, or after `max_swaps`. Every prefix of the swap sequence is a
-candidate; the best J wins. Cost per swap: O(sources * S * R * S).
+Method (bounded exchange search, exact pricing): starting from a placement, repeatedly
+take the `sources` hottest ranks and apply the best exchange of k slots of such a rank h
+for k slots of any other rank (k = 1 .. exchange_slots: a swap, or with exchange_slots = 2
+also two experts traded for two), scored by scale_s * (decrease of M) - (change of move
+seconds), among exchanges that lower h's load; stop when none does, after `patience`
+exchanges in a row without a new best J, or after `max_steps`. Every prefix of the
+exchange sequence is a candidate; the best J wins. A trade of two for two relieves a rank
+where no single swap can (loads 20 5 27 11 | 28 6 2 25: no swap lowers the 63, trading
+{5, 27} for {6, 25} gives 62 / 62). Cost per step: O(sources * C * R * C) for C groups of
+up to exchange_slots slots per rank (S, plus S (S - 1) / 2 with pairs).
 
-Shape letters: R ranks, S slots per rank, E experts (index E stands for an empty slot).
+Shape letters: R ranks, S slots per rank, C slot groups per rank, k slots per group,
+E experts (index E stands for an empty slot, E + 1 for an absent one, placement.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
-from planner.migration.placement import EMPTY, holders, rank_loads, replica_counts
+from planner.migration.placement import ABSENT, EMPTY, holders, replica_counts
 
 _TOL = 1e-9
 
@@ -39,18 +45,19 @@ class SearchResult:
     slots_RS: np.ndarray
     objective_s: float  # predicted J of the returned placement
     start_objective_s: float  # predicted J of the starting placement
-    swaps: int
+    steps: int  # exchanges in the returned prefix
 
 
-def _extended(slots_RS: np.ndarray, load_E: np.ndarray, cost_ER: np.ndarray):
-    """Per-replica load and cost with a trailing zero row for the empty slot (index E)."""
-    num_e = len(load_E)
-    share_E = load_E / np.maximum(replica_counts(slots_RS, num_e), 1)
-    w_X = np.append(share_E, 0.0)
-    cost_XR = np.vstack([cost_ER, np.zeros((1, cost_ER.shape[1]))])
-    held_XR = np.vstack([holders(slots_RS, num_e), np.zeros((1, slots_RS.shape[0]), dtype=bool)])
-    ids_RS = np.where(slots_RS == EMPTY, num_e, slots_RS)
-    return w_X, cost_XR, held_XR, ids_RS
+@dataclass(frozen=True)
+class _Best:
+    """The best exchange of one step: its score and which groups of which ranks."""
+
+    score: float
+    h: int
+    r: int
+    slots_h: tuple[int, ...]
+    slots_r: tuple[int, ...]
+    dcost_s: float
 
 
 def smooth_max(load_R: np.ndarray, sigma: float) -> float:
@@ -61,50 +68,77 @@ def smooth_max(load_R: np.ndarray, sigma: float) -> float:
     return top + sigma * float(np.log(np.exp((load_R - top) / sigma).sum()))
 
 
-def _delta_m(load_R, h_H, rb_F, new_h, new_r, sigma):
-    """Decrease of M when source ranks h_H and partners rb_F take loads new_h and new_r.
+def _extended(slots_RS: np.ndarray, load_E: np.ndarray, cost_ER: np.ndarray):
+    """Per-replica load, cost and holders with two zero rows: index E (empty slot) and
+    E + 1 (absent slot); the slot ids in that numbering."""
+    num_e, num_r = len(load_E), slots_RS.shape[0]
+    share_E = load_E / np.maximum(replica_counts(slots_RS, num_e), 1)
+    w_X = np.append(share_E, [0.0, 0.0])
+    cost_XR = np.vstack([cost_ER, np.zeros((2, num_r))])
+    held_XR = np.vstack([holders(slots_RS, num_e), np.zeros((2, num_r), dtype=bool)])
+    ids_RS = np.where(slots_RS == EMPTY, num_e, np.where(slots_RS == ABSENT, num_e + 1, slots_RS))
+    return w_X, cost_XR, held_XR, ids_RS
 
-    Arrays are (H, S, F): source rank, its slot, partner slot (flat over R x S).
+
+def _gain(load_R, h_H, new_h, new_r, sigma):
+    """Decrease of M when each source h_H and each partner rank take new_h and new_r.
+
+    new_h, new_r: (H, C, R, C) as in _best_of_size.
     """
     if sigma <= 0:  # plain maximum: credit the relief of h itself, so ties still progress
-        return load_R[h_H][:, None, None] - np.maximum(new_h, new_r)
+        return load_R[h_H][:, None, None, None] - np.maximum(new_h, new_r)
     top = float(load_R.max())
     z_R = np.exp((load_R - top) / sigma)
     z = z_R.sum()
-    rest = np.maximum(z - z_R[h_H][:, None, None] - z_R[rb_F][None, None, :], 0.0)
-    # invalid swaps may overshoot far above `top`; they are masked later, keep exp finite
+    rest = z - z_R[h_H][:, None, None, None] - z_R[None, None, :, None]
+    # invalid exchanges may overshoot far above `top`; they are masked later, keep exp finite
     up_h = np.minimum((new_h - top) / sigma, 700.0)
     up_r = np.minimum((new_r - top) / sigma, 700.0)
-    new_z = rest + np.exp(up_h) + np.exp(up_r)
-    return sigma * (np.log(z) - np.log(new_z))
+    return sigma * (np.log(z) - np.log(np.maximum(rest, 0.0) + np.exp(up_h) + np.exp(up_r)))
 
 
-def _best_swap(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, h_H):
-    """(score, source rank, its slot, partner flat slot) of the best swap relieving one of
-    the source ranks h_H. Arrays are (H, S, F) as in _delta_m."""
-    num_r, num_s = ids_RS.shape
-    empty = w_X.shape[0] - 1
-    ea_HS, eb_F = ids_RS[h_H], ids_RS.ravel()
-    rb_F = np.repeat(np.arange(num_r), num_s)
-    wa, wb = w_X[ea_HS][:, :, None], w_X[eb_F][None, None, :]
-    lh = load_R[h_H][:, None, None]
-    new_h, new_r = lh - wa + wb, load_R[rb_F][None, None, :] + wa - wb
-    relief = lh - np.maximum(new_h, new_r)
-    cost_a = cost_XR[ea_HS]  # (H, S, R)
+def _best_of_size(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, h_H, combo_Ck):
+    """The best exchange of k slots of a source rank h_H for k slots of another rank.
+
+    Arrays over (source, its group, partner rank, partner group) are (H, C, R, C).
+    """
+    num_r = ids_RS.shape[0]
+    absent = w_X.shape[0] - 1
+    g_RCk = ids_RS[:, combo_Ck]
+    usable_RC = ~(g_RCk == absent).any(axis=2)
+    w_RC = w_X[g_RCk].sum(axis=2)
+    cost_RCQ = cost_XR[g_RCk].sum(axis=2)  # seconds to have the group on rank q
+    real_RCk = g_RCk < absent - 1
+    clash_RCQ = (held_XR[g_RCk] & real_RCk[..., None]).any(axis=2)  # q already holds one
+    r_R, c_C = np.arange(num_r), np.arange(combo_Ck.shape[0])
+    at_RC = cost_RCQ[r_R[:, None], c_C[None, :], r_R[:, None]]  # where the group sits
+    w_a = w_RC[h_H][:, :, None, None]
+    lh = load_R[h_H][:, None, None, None]
+    new_h = lh - w_a + w_RC[None, None]
+    new_r = load_R[None, None, :, None] + w_a - w_RC[None, None]
     dcost = (
-        cost_a[:, :, rb_F]
-        - np.take_along_axis(cost_a, h_H[:, None, None], axis=2)
-        + cost_XR[eb_F][:, h_H].T[:, None, :]
-        - cost_XR[eb_F, rb_F][None, None, :]
+        cost_RCQ[h_H][:, :, :, None]
+        - at_RC[h_H][:, :, None, None]
+        + cost_RCQ[:, :, h_H].transpose(2, 0, 1)[:, None, :, :]
+        - at_RC[None, None]
     )
-    valid = (rb_F[None, :] != h_H[:, None])[:, None, :] & (ea_HS[:, :, None] != eb_F)
-    # a rank never holds two replicas of one expert
-    valid &= ~(held_XR[ea_HS][:, :, rb_F] & (ea_HS != empty)[:, :, None])
-    valid &= ~(held_XR[eb_F][:, h_H].T & (eb_F != empty))[:, None, :]
-    gain = _delta_m(load_R, h_H, rb_F, new_h, new_r, sigma)
-    score = np.where(valid & (relief > _TOL), scale_s * gain - dcost, -np.inf)
-    hi, sa, fb = np.unravel_index(int(np.argmax(score)), score.shape)
-    return float(score[hi, sa, fb]), int(h_H[hi]), int(sa), int(fb)
+    valid = (usable_RC[h_H][:, :, None, None] & usable_RC[None, None]) & (
+        r_R[None, :] != h_H[:, None]
+    )[:, None, :, None]
+    valid &= ~clash_RCQ[h_H][:, :, :, None]  # a rank never holds two replicas of one expert
+    valid &= ~clash_RCQ[:, :, h_H].transpose(2, 0, 1)[:, None, :, :]
+    valid &= lh - np.maximum(new_h, new_r) > _TOL
+    score = np.where(valid, scale_s * _gain(load_R, h_H, new_h, new_r, sigma) - dcost, -np.inf)
+    hi, ca, r, cb = np.unravel_index(int(np.argmax(score)), score.shape)
+    h = int(h_H[hi])
+    return _Best(
+        float(score[hi, ca, r, cb]),
+        h,
+        int(r),
+        tuple(int(s) for s in combo_Ck[ca]),
+        tuple(int(s) for s in combo_Ck[cb]),
+        float(dcost[hi, ca, r, cb]),
+    )
 
 
 def priced_local_search(
@@ -112,47 +146,69 @@ def priced_local_search(
     load_E: np.ndarray,
     cost_ER: np.ndarray,
     scale_s: float,
-    max_swaps: int,
+    max_steps: int,
     start_cost_s: float = 0.0,
     sigma: float = 0.0,
     sources: int = 1,
     patience: int = 4,
+    exchange_slots: int = 1,
 ) -> SearchResult:
-    """Minimize scale_s * max rank load + move seconds by swaps from `slots_RS`.
+    """Minimize scale_s * M(rank loads) + move seconds by exchanges from `slots_RS`.
 
     Args:
-        slots_RS: starting placement (R, S).
+        slots_RS: starting placement (R, S); EMPTY slots may be filled, ABSENT ones never.
         load_E: forecast tokens per expert; split evenly over replicas.
         cost_ER: seconds to have expert e on rank r, relative to the placement in force.
         scale_s: seconds per token of hottest-rank load.
-        max_swaps: bound on the number of swaps tried.
+        max_steps: bound on the number of exchanges tried.
         start_cost_s: move seconds already spent to reach `slots_RS`.
-        sigma: forecast error of a rank load, tokens (0 = plain maximum).
-        sources: how many of the hottest ranks may give up an expert in one swap.
-        patience: stop after this many swaps in a row without a new best objective.
+        sigma: smoothing of the maximum, tokens (0 = plain maximum).
+        sources: how many of the hottest ranks may give up slots in one exchange.
+        patience: stop after this many exchanges in a row without a new best objective.
+        exchange_slots: the most slots traded per side in one exchange (1 = swaps only).
     """
-    num_r, num_s = slots_RS.shape
+    num_s = slots_RS.shape[1]
     w_X, cost_XR, held_XR, ids_RS = _extended(slots_RS, load_E, cost_ER)
-    load_R = rank_loads(slots_RS, load_E)
+    combos = [_combos(num_s, k) for k in range(1, min(exchange_slots, num_s) + 1)]
+    load_R = w_X[ids_RS].sum(axis=1)
     cost_s = start_cost_s
     start = scale_s * smooth_max(load_R, sigma) + cost_s
-    best, best_ids, best_swaps = start, ids_RS.copy(), 0
-    for it in range(max_swaps):
-        hot_H = np.argsort(-load_R, kind="stable")[: max(1, sources)]
-        score, h, sa, fb = _best_swap(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, hot_H)
-        if score == -np.inf or it - best_swaps >= patience:
+    best, best_ids, best_steps = start, ids_RS.copy(), 0
+    for step in range(max_steps):
+        if step - best_steps >= patience:
             break
-        rb, sb = divmod(fb, num_s)
-        ea, eb = int(ids_RS[h, sa]), int(ids_RS[rb, sb])
-        cost_s += cost_XR[ea, rb] - cost_XR[ea, h] + cost_XR[eb, h] - cost_XR[eb, rb]
-        load_R[h] += w_X[eb] - w_X[ea]
-        load_R[rb] += w_X[ea] - w_X[eb]
-        ids_RS[h, sa], ids_RS[rb, sb] = eb, ea
-        held_XR[ea, h], held_XR[ea, rb] = False, True
-        held_XR[eb, rb], held_XR[eb, h] = False, True
+        hot_H = np.argsort(-load_R, kind="stable")[: max(1, sources)]
+        found = max(
+            (
+                _best_of_size(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, hot_H, c)
+                for c in combos
+            ),
+            key=lambda b: b.score,
+        )
+        if found.score == -np.inf:
+            break
+        _apply(found, ids_RS, load_R, w_X, held_XR)
+        cost_s += found.dcost_s
         objective = scale_s * smooth_max(load_R, sigma) + cost_s
         if objective < best - _TOL:
-            best, best_ids, best_swaps = objective, ids_RS.copy(), it + 1
-    empty = len(load_E)
-    out_RS = np.where(best_ids == empty, EMPTY, best_ids)
-    return SearchResult(out_RS, best, start, best_swaps)
+            best, best_ids, best_steps = objective, ids_RS.copy(), step + 1
+    num_e = len(load_E)
+    out_RS = np.where(best_ids == num_e, EMPTY, np.where(best_ids == num_e + 1, ABSENT, best_ids))
+    return SearchResult(out_RS, best, start, best_steps)
+
+
+def _apply(found: _Best, ids_RS, load_R, w_X, held_XR) -> None:
+    """Carry out one exchange in place: ids, rank loads and holders."""
+    h, r = found.h, found.r
+    give, take = ids_RS[h, list(found.slots_h)].copy(), ids_RS[r, list(found.slots_r)].copy()
+    ids_RS[h, list(found.slots_h)], ids_RS[r, list(found.slots_r)] = take, give
+    load_R[h] += w_X[take].sum() - w_X[give].sum()
+    load_R[r] += w_X[give].sum() - w_X[take].sum()
+    held_XR[give, h], held_XR[take, r] = False, False
+    held_XR[give, r], held_XR[take, h] = True, True
+    held_XR[-2:] = False  # empty and absent slots belong to no rank
+
+
+def _combos(slots: int, k: int) -> np.ndarray:
+    """Every set of k slot indices out of `slots`, (C, k)."""
+    return np.array(list(itertools.combinations(range(slots), k)), dtype=np.int64).reshape(-1, k)

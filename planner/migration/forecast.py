@@ -7,7 +7,9 @@ multiplicatively), kappa estimated from the past intervals' squared changes minu
 counting noise. The filter then weighs the newest interval against the running estimate by
 their variances: it averages noise away when intervals are small and follows the last
 interval when drift dominates. When the newest shares differ from the estimate by more than
-`shift_tv` in total-variation distance (a regime shift), it restarts from them.
+`shift_tv` in total-variation distance (a regime shift), it restarts from them. Drift and
+counting noise are taken at the larger of the estimate and the newest share, so an expert
+that was dead (share 0) is followed when the router revives it.
 "ema" is a plain moving average with newest weight `alpha` (same restart rule), "last"
 trusts the last interval, "mean" averages all past intervals.
 The forecast is returned in tokens, scaled to the last interval's total.
@@ -80,8 +82,12 @@ def _kalman(shares_TE: np.ndarray, totals_T: np.ndarray, shift_tv: float) -> np.
         if 0.5 * np.abs(s_E - est_E).sum() > shift_tv:
             est_E, var_E = s_E.copy(), s_E / max(n, 1)
             continue
-        prior_E = var_E + kappa * est_E**2
-        noise_E = np.maximum(est_E, 1e-12) / max(n, 1)
+        # drift and counting noise scale with the larger of the estimate and the newest
+        # share: with the estimate alone, an expert the router left dead (share 0) would
+        # keep a zero forecast after the router revives it, as recorded traces show
+        top_E = np.maximum(est_E, s_E)
+        prior_E = var_E + kappa * top_E**2
+        noise_E = np.maximum(top_E, 1e-12) / max(n, 1)
         gain_E = prior_E / (prior_E + noise_E)
         est_E = est_E + gain_E * (s_E - est_E)
         var_E = (1.0 - gain_E) * prior_E

@@ -17,7 +17,12 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from planner.migration.placement import default_rank_of_expert, initial_slots
+from planner.migration.placement import (
+    ABSENT,
+    default_rank_of_expert,
+    initial_slots,
+    slots_of_ranks,
+)
 from planner.migration.pricing import MoveCosts, build_move_costs
 from planner.migration.trace import Trace, check_divisible
 from planner.plan import Plan, load_plan
@@ -122,11 +127,29 @@ def plan_move_costs(
     )
 
 
-def _plan_start(plan: Plan, trace: Trace, ranks: int) -> np.ndarray:
-    table = {p.layer: p.rank_of_expert for p in plan.experts}
-    rows = []
+def _plan_start(plan: Plan, trace: Trace, ranks: int, redundant_slots: int) -> list[np.ndarray]:
+    """slots_RS per trace layer from the plan's experts table (with its `slots`, if any);
+    a layer the table lacks starts from the default placement."""
+    table = {p.layer: p for p in plan.experts}
+    out = []
     for layer in trace.layer_ids:
-        row = np.asarray(table.get(layer, ()), dtype=np.int64)
+        entry = table.get(layer)
+        if entry is not None and entry.slots:
+            held = [e for row in entry.slots for e in row]
+            if len(entry.rank_of_expert) != trace.num_experts or len(entry.slots) != ranks:
+                raise SpecError(
+                    f"plan experts table, layer {layer}: slots for {len(entry.rank_of_expert)} "
+                    f"experts on {len(entry.slots)} ranks, the trace has {trace.num_experts} "
+                    f"experts on --ep {ranks}; use the trace recorded for this plan"
+                )
+            if redundant_slots not in (-1, len(held) - trace.num_experts):
+                raise SpecError(
+                    f"--redundant-slots {redundant_slots}: the plan gives layer {layer} "
+                    f"{len(held) - trace.num_experts} redundant slots; drop the flag to use them"
+                )
+            out.append(slots_of_ranks(entry.slots))
+            continue
+        row = np.asarray(entry.rank_of_expert if entry else (), dtype=np.int64)
         if row.size == 0:
             row = default_rank_of_expert(trace.num_experts, ranks)
         counts = np.bincount(row, minlength=ranks)
@@ -135,8 +158,17 @@ def _plan_start(plan: Plan, trace: Trace, ranks: int) -> np.ndarray:
                 f"plan experts table, layer {layer}: needs {trace.num_experts} ranks in "
                 f"0..{ranks - 1}, E/R per rank; regenerate the plan with 'piper plan'"
             )
-        rows.append(row)
-    return np.stack(rows)
+        out.append(initial_slots(row, ranks, max(redundant_slots, 0)))
+    return out
+
+
+def _stack(slots_L: list[np.ndarray]) -> np.ndarray:
+    """(L, R, S) from per-layer slots, narrower layers padded with ABSENT."""
+    width = max(s.shape[1] for s in slots_L)
+    out = np.full((len(slots_L), slots_L[0].shape[0], width), ABSENT, dtype=np.int64)
+    for lj, slots_RS in enumerate(slots_L):
+        out[lj, :, : slots_RS.shape[1]] = slots_RS
+    return out
 
 
 def _model_and_cluster(
@@ -174,12 +206,17 @@ def migrate_setup(
     cluster_name: str | None = None,
     steps_per_interval: int = 100,
     tokens_per_rank_step: int | None = None,
-    redundant_slots: int = 0,
+    redundant_slots: int | None = None,
 ) -> MigrateSetup:
-    """Resolve model, cluster, rank devices, start placement and prices for a replay."""
+    """Resolve model, cluster, rank devices, start placement and prices for a replay.
+
+    redundant_slots: spare slots over the whole EP group (placement.slot_counts spreads
+    them), empty at interval 0; None = the plan's (its experts' `slots`), else none.
+    """
     check_divisible(trace, ranks)
-    if redundant_slots < 0:
+    if redundant_slots is not None and redundant_slots < 0:
         raise SpecError(f"--redundant-slots must be >= 0, got {redundant_slots}")
+    wanted = -1 if redundant_slots is None else redundant_slots
     plan = load_plan(plan_path) if plan_path else None
     if plan is not None and plan.parallel.ep != ranks:
         raise SpecError(
@@ -191,17 +228,17 @@ def migrate_setup(
     training = _training(plan) if plan is not None else TrainingSpec()
     if plan is not None:
         devices = tuple(_plan_devices(plan, cluster, layer, ranks) for layer in trace.layer_ids)
-        start_LE = _plan_start(plan, trace, ranks)
+        start_L = _plan_start(plan, trace, ranks, wanted)
         per_step = training.seq_len * plan.parallel.micro_batch * plan.parallel.num_microbatches
     else:
         devices = tuple(tuple(range(ranks)) for _ in trace.layer_ids)
-        start_LE = np.stack([default_rank_of_expert(trace.num_experts, ranks)] * trace.num_layers)
+        start = default_rank_of_expert(trace.num_experts, ranks)
+        start_L = [initial_slots(start, ranks, max(wanted, 0))] * trace.num_layers
         per_step = training.seq_len * DEFAULT_MICROBATCHES
     tokens = tokens_per_rank_step or per_step
     costs = build_move_costs(
         model, cluster, trace.layer_ids, devices, steps_per_interval, tokens, training
     )
-    initial = np.stack([initial_slots(row, ranks, redundant_slots) for row in start_LE])
     return MigrateSetup(
-        model, cluster, costs, initial, devices, steps_per_interval, tokens, trace.layer_ids
+        model, cluster, costs, _stack(start_L), devices, steps_per_interval, tokens, trace.layer_ids
     )

@@ -1,21 +1,26 @@
 """Slot placements of one MoE layer: which expert sits in each slot of each EP rank.
 
-A placement is `slots_RS`, an int array (R ranks x S slots per rank) of expert ids, -1 for
-an empty slot. Without replication S = E / R and every expert appears once; with
-`redundant_slots` N each rank has E / R + N slots and hot experts may appear on several
-ranks, their tokens split evenly among the replicas. Slot order inside a rank carries no
-meaning. Shape letters: R ranks, S slots per rank, E experts.
+A placement is `slots_RS`, an int array (R ranks x S slots) of expert ids. Without
+replication every rank has E / R slots and every expert appears once. With redundant slots
+(a total over the EP group, `slot_counts`) hot experts may appear on several ranks, their
+tokens split evenly among the replicas; a slot not yet filled is EMPTY, and a rank with
+fewer slots than S pads its row with ABSENT (never filled: that memory was not planned).
+Slot order inside a rank carries no meaning here (plan.json lists a rank's slots
+ascending). Shape letters: R ranks, S slots per rank, E experts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from planner.ip.expert_ip import slot_counts as expert_slot_counts
 from planner.parallel import default_placement
 
-EMPTY = -1
+EMPTY = -1  # a slot that holds no expert yet
+ABSENT = -2  # padding of a rank with fewer than S slots
 
 
 @dataclass(frozen=True)
@@ -31,24 +36,42 @@ class Move:
 
 
 def slot_counts(experts: int, ranks: int, redundant_slots: int = 0) -> np.ndarray:
-    """Slots per EP rank (R,): E / R each, plus `redundant_slots` spread as evenly as the
-    ranks allow (rank r gets one more when floor((r + 1) k / R) > floor(r k / R) for the
-    remainder k, so 32 over 64 ranks land on every other rank)."""
-    base, k = divmod(redundant_slots, ranks)
-    r_R = np.arange(ranks)
-    extra_R = ((r_R + 1) * k) // ranks - (r_R * k) // ranks
-    return experts // ranks + base + extra_R
+    """Slots per EP rank (R,) for a total of redundant slots (planner.ip.expert_ip.slot_counts:
+    32 over 64 ranks land on every other rank)."""
+    return np.asarray(expert_slot_counts(experts, ranks, redundant_slots), dtype=np.int64)
 
 
 def initial_slots(rank_of_expert_E: np.ndarray, ranks: int, redundant_slots: int = 0):
-    """Slots from a rank-per-expert vector; spare replica slots start empty."""
+    """Slots from a rank-per-expert vector; the redundant slots (a total, spread by
+    slot_counts) start EMPTY."""
     num_e = len(rank_of_expert_E)
-    slots_RS = np.full((ranks, num_e // ranks + redundant_slots), EMPTY, dtype=np.int64)
+    counts_R = slot_counts(num_e, ranks, redundant_slots)
+    slots_RS = np.full((ranks, int(counts_R.max())), ABSENT, dtype=np.int64)
+    slots_RS[np.arange(slots_RS.shape[1])[None, :] < counts_R[:, None]] = EMPTY
     fill_R = np.zeros(ranks, dtype=np.int64)
     for e, r in enumerate(rank_of_expert_E):
         slots_RS[r, fill_R[r]] = e
         fill_R[r] += 1
     return slots_RS
+
+
+def slots_of_ranks(rank_slots: Sequence[Sequence[int]]) -> np.ndarray:
+    """slots_RS from each rank's expert ids (plan.json's `slots`), padded with ABSENT."""
+    width = max(len(held) for held in rank_slots)
+    slots_RS = np.full((len(rank_slots), width), ABSENT, dtype=np.int64)
+    for r, held in enumerate(rank_slots):
+        slots_RS[r, : len(held)] = sorted(held)
+    return slots_RS
+
+
+def rank_slots_of(slots_RS: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """Each rank's expert ids, ascending (plan.json's `slots`); EMPTY slots are left out."""
+    return tuple(tuple(sorted(int(e) for e in row if e >= 0)) for row in slots_RS)
+
+
+def capacity(slots_RS: np.ndarray) -> np.ndarray:
+    """Slots of each rank (R,), filled or EMPTY."""
+    return (slots_RS != ABSENT).sum(axis=1)
 
 
 def default_rank_of_expert(experts: int, ranks: int) -> np.ndarray:
@@ -120,6 +143,12 @@ def diff_moves(
             Move(layer, int(e), src, int(dst), int(expert_bytes), float(move_s_RR[src, dst]))
         )
     return tuple(moves)
+
+
+def lowest_holder(slots_RS: np.ndarray, experts: int) -> np.ndarray:
+    """The lowest rank holding each expert (E,): plan.json's rank_of_expert."""
+    held_ER = holders(slots_RS, experts)
+    return np.where(held_ER.any(axis=1), np.argmax(held_ER, axis=1), EMPTY).astype(np.int64)
 
 
 def rank_of_expert(slots_RS: np.ndarray, experts: int) -> np.ndarray:

@@ -29,6 +29,8 @@ from planner.migration.assignment import priced_local_search, smooth_max
 from planner.migration.exact import solve_assignment
 from planner.migration.forecast import ForecastOptions, forecast_loads
 from planner.migration.placement import (
+    ABSENT,
+    capacity,
     holders,
     placement_cost_ER,
     rank_loads,
@@ -48,7 +50,7 @@ class MigrationOptions:
 
     forecast: ForecastOptions = field(default_factory=ForecastOptions)
     swap_rounds: int = 0  # paper's T for `swap`; 0 = number of ranks
-    max_swaps: int = 0  # bound of Piper's local search; 0 = number of experts
+    max_steps: int = 0  # exchanges Piper's search may try; 0 = number of experts
     # Extra predicted imbalance reduction (in units of max/mean) a migration must deliver on
     # top of paying for its moves: a hysteresis against forecast noise.
     min_gain: float = 0.0
@@ -58,11 +60,14 @@ class MigrationOptions:
     # Each moved expert must also buy this many standard errors of its own load's counting
     # noise, sqrt(forecast tokens): the realized gain of a move differs from the predicted
     # one by about that much, so a smaller predicted gain is noise (see MIGRATION.md).
-    margin_sigmas: float = 0.9
+    margin_sigmas: float = 0.7
     # Forecast error of a rank load, in units of its measured RMS error on the last interval;
     # 0 = optimize the plain maximum of the forecast.
     noise_scale: float = 1.0
-    sources: int = 8  # hottest ranks that may give up an expert in one swap
+    sources: int = 8  # hottest ranks that may give up an expert in one exchange
+    # Most slots of a rank traded in one exchange: 1 = swaps; 2 also trades two for two
+    # (measured on benchmarks/migration_quality.py: no better there, 3-4x slower).
+    exchange_slots: int = 1
     # None = the local search; set = also solve the integer program (exact.py) on the
     # plain maximum, hinted by the local search (no replicas).
     solver: SolverOptions | None = None
@@ -95,7 +100,9 @@ def greedy_swap(current_RS: np.ndarray, history_TE: np.ndarray, costs, opts) -> 
         best = (gap - 1e-9, -1, -1)
         for sa, ea in enumerate(slots_RS[hot]):
             for sb, eb in enumerate(slots_RS[cold]):
-                if ea == eb or (ea >= 0 and held_ER[ea, cold]) or (eb >= 0 and held_ER[eb, hot]):
+                if ABSENT in (ea, eb) or ea == eb:
+                    continue
+                if (ea >= 0 and held_ER[ea, cold]) or (eb >= 0 and held_ER[eb, hot]):
                     continue
                 new_gap = abs(gap - 2.0 * (share_X[ea] - share_X[eb]))
                 if new_gap < best[0]:
@@ -110,9 +117,9 @@ def greedy_swap(current_RS: np.ndarray, history_TE: np.ndarray, costs, opts) -> 
 def repack(current_RS: np.ndarray, history_TE: np.ndarray, costs, opts) -> np.ndarray:
     """EPLB: replicas by load per replica, then heaviest-first packing, from scratch."""
     load_E = history_TE[-1].astype(float)
-    ranks, slots = current_RS.shape
-    counts_E = replica_counts_for(load_E, ranks, slots)
-    return pack(load_E, counts_E, ranks, slots)
+    capacity_R = capacity(current_RS)
+    counts_E = replica_counts_for(load_E, len(capacity_R), int(capacity_R.sum()))
+    return pack(load_E, counts_E, capacity_R)
 
 
 def rank_error(current_RS: np.ndarray, history_TE: np.ndarray, fopts: ForecastOptions) -> float:
@@ -132,11 +139,11 @@ def rank_error(current_RS: np.ndarray, history_TE: np.ndarray, fopts: ForecastOp
 
 def _candidates(current_RS, load_E, cost_ER, opts, search):
     """Local searches from the current placement (and from re-counted replicas)."""
-    ranks, slots = current_RS.shape
+    ranks, total = current_RS.shape[0], int(capacity(current_RS).sum())
     num_e = len(load_E)
     starts = [current_RS]
-    if ranks * slots > num_e:  # spare slots: also try the forecast's replica counts
-        target_E = replica_counts_for(load_E, ranks, slots)
+    if total > num_e:  # spare slots: also try the forecast's replica counts
+        target_E = replica_counts_for(load_E, ranks, total)
         starts.append(adjust_replicas(current_RS, target_E, load_E, cost_ER))
     held_ER = holders(current_RS, num_e)
     for start_RS in starts:
@@ -150,7 +157,7 @@ def piper(
     """Forecast, then priced search from several starts; keep the current placement unless
     the best start's predicted gain over the interval exceeds its move cost and margins."""
     load_E = forecast_loads(history_TE, opts.forecast)
-    ranks, slots = current_RS.shape
+    ranks = current_RS.shape[0]
     num_e = len(load_E)
     mean = float(load_E.sum()) / ranks
     if mean <= 0:
@@ -166,8 +173,9 @@ def piper(
     # temperature that makes sigma*log(sum exp) match E[max] of R Gaussian errors
     temp = sigma * np.sqrt(2.0 / np.log(ranks)) if ranks > 1 else 0.0
     search = dict(
-        scale_s=scale_s, max_swaps=opts.max_swaps or num_e, sigma=temp, sources=opts.sources
-    )
+        scale_s=scale_s, max_steps=opts.max_steps or num_e, sigma=temp, sources=opts.sources,
+        exchange_slots=opts.exchange_slots,
+    )  # fmt: skip
     current_s = scale_s * smooth_max(rank_loads(current_RS, load_E), temp)
     best_RS, best_s = current_RS, current_s - opts.min_gain * costs.balanced_s
     for found in _candidates(current_RS, load_E, cost_ER, opts, search):
@@ -175,7 +183,7 @@ def piper(
         total_s = scale_s * smooth_max(rank_loads(found.slots_RS, load_E), temp) + move_s
         if total_s < best_s - 1e-12:
             best_RS, best_s = found.slots_RS, total_s
-    if opts.solver is not None and ranks * slots == num_e:
+    if opts.solver is not None and int(capacity(current_RS).sum()) == num_e:
         return _exact(current_RS, best_RS, load_E, cost_ER, scale_s, costs, opts)
     return best_RS.copy()
 

@@ -6,39 +6,42 @@ highest load per replica (EPLB's `replicate_experts`); `pack` places the replica
 heaviest first on the least-loaded rank that has a free slot and does not already hold
 that expert (EPLB's `balanced_packing`, with the distinct-rank rule added).
 
-Shape letters: E experts, R ranks, S slots per rank.
+Shape letters: E experts, R ranks, S slots per rank (EMPTY / ABSENT: placement.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from planner.migration.placement import EMPTY, holders, rank_loads, replica_counts
+from planner.migration.placement import ABSENT, EMPTY, holders, rank_loads, replica_counts
 
 
-def replica_counts_for(load_E: np.ndarray, ranks: int, slots: int) -> np.ndarray:
-    """Replicas per expert (E,) filling ranks * slots slots; at most one replica per rank."""
+def replica_counts_for(load_E: np.ndarray, ranks: int, total_slots: int) -> np.ndarray:
+    """Replicas per expert (E,) filling `total_slots` slots; at most one replica per rank."""
     num_e = len(load_E)
     counts_E = np.ones(num_e, dtype=np.int64)
-    for _ in range(ranks * slots - num_e):
+    for _ in range(min(total_slots, num_e * ranks) - num_e):
         per_replica_E = np.where(counts_E < ranks, load_E / counts_E, -np.inf)
         counts_E[int(np.argmax(per_replica_E))] += 1
     return counts_E
 
 
-def pack(load_E: np.ndarray, counts_E: np.ndarray, ranks: int, slots: int) -> np.ndarray:
-    """Greedy re-pack from scratch: heaviest replica first onto the least-loaded allowed rank.
+def pack(load_E: np.ndarray, counts_E: np.ndarray, capacity_R: np.ndarray) -> np.ndarray:
+    """Greedy re-pack from scratch: heaviest replica first onto the least-loaded allowed rank
+    (one with a free slot that lacks the expert); rank r has capacity_R[r] slots.
 
     Ties go to the lower expert id and the lower rank, so the result is deterministic.
     """
     share_E = load_E / np.maximum(counts_E, 1)
     replicas = [(e, c) for e in range(len(load_E)) for c in range(int(counts_E[e]))]
     replicas.sort(key=lambda ec: (-share_E[ec[0]], ec[0], ec[1]))
-    slots_RS = np.full((ranks, slots), EMPTY, dtype=np.int64)
+    ranks = len(capacity_R)
+    slots_RS = np.full((ranks, int(capacity_R.max())), ABSENT, dtype=np.int64)
+    slots_RS[np.arange(slots_RS.shape[1])[None, :] < capacity_R[:, None]] = EMPTY
     fill_R = np.zeros(ranks, dtype=np.int64)
     load_R = np.zeros(ranks)
     for e, _ in replicas:
-        allowed_R = (fill_R < slots) & ~(slots_RS == e).any(axis=1)
+        allowed_R = (fill_R < capacity_R) & ~(slots_RS == e).any(axis=1)
         r = int(np.argmin(np.where(allowed_R, load_R, np.inf)))
         slots_RS[r, fill_R[r]] = e
         fill_R[r] += 1

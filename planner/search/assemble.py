@@ -1,6 +1,7 @@
-"""Turn the search's winner into a Plan: expert IP per MoE layer, rank IP, plan.json fields.
+"""Turn the search's winner into a Plan: expert IP per MoE layer, rank IP, plan.json fields,
+and the redundant expert slots the plan's memory headroom allows (with_redundant_slots).
 
-Shape letters: E = routed experts of one MoE layer, L = transformer layers.
+Shape letters: E = routed experts of one MoE layer, L = transformer layers, S = stages.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from planner.ip.expert_ip import solve_experts
 from planner.ip.solvers import SolverOptions
 from planner.parallel import ParallelConfig, default_placement
 from planner.plan.schema import (
@@ -24,8 +26,14 @@ from planner.plan.schema import (
     SolveReport,
     StagePlan,
 )
+from planner.resources.memory import state_bytes
+from planner.resources.params import layer_params
 from planner.search.evaluator import Evaluator, RankChoice
-from planner.specs import ModelSpec, TrainingSpec
+from planner.specs import GIB, ModelSpec, SpecError, TrainingSpec
+
+# DeepSeek-V3 serves its 256 routed experts in 288 slots (32 redundant, EPLB): the default
+# adds E / 8 redundant slots per MoE layer when memory allows, at most one per EP rank.
+REDUNDANT_SLOTS_PER_EXPERT = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -172,3 +180,129 @@ def build_plan(
         inputs_sha256=digest,
         extra=extra,
     )
+
+
+@dataclass(frozen=True)
+class SlotBudget:
+    """Redundant expert slots for a plan: how many, what they cost, why.
+
+    redundant_slots: extra slots per MoE layer over the whole EP group (expert_ip.slot_counts
+        spreads them; the fullest rank holds ceil(redundant_slots / ep) of them).
+    slot_gib_per_stage: memory one extra slot per MoE layer adds to a rank of each stage
+        (weights, gradients, optimizer state of one routed expert of each of its MoE layers).
+    fit_per_rank: extra slots per MoE layer that fit every stage's headroom.
+    """
+
+    redundant_slots: int
+    slot_gib_per_stage: tuple[float, ...]
+    fit_per_rank: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "redundant_slots": self.redundant_slots,
+            "slot_gib_per_stage": list(self.slot_gib_per_stage),
+            "fit_per_rank": self.fit_per_rank,
+        }
+
+
+def slot_budget(plan: Plan, model: ModelSpec, requested: int | None) -> SlotBudget:
+    """How many redundant slots per MoE layer the plan gets (None = the default).
+
+    The memory of one slot is the resource model's state of one routed expert
+    (planner.resources.memory.state_bytes: weights, gradients and optimizer bytes, the
+    optimizer sharded over edp with the distributed optimizer) for each MoE layer of the
+    stage, split over etp; headroom is usable memory minus the predicted peak of the stage.
+    Default: E / 8 slots (DeepSeek-V3's 288 for 256 experts), at most one per EP rank and
+    only what fits every stage; fewer than 2 are none (one replica cannot keep every rank
+    at the mean load). Requested: that many, or a SpecError when they do not fit.
+    """
+    par = plan.parallel.config()
+    training = _training_of(plan)
+    moe_layers = [i for i in model.moe_layers]
+    per_stage = []
+    for stage in plan.stages:
+        params = sum(
+            layer_params(model, model.layers[i]).expert / par.etp
+            for i in stage.layers
+            if i in moe_layers
+        )
+        per_stage.append(state_bytes(0.0, params, training, par).total / GIB)
+    headroom = [
+        plan.predicted.usable_memory_gib - used for used in plan.predicted.memory_gib_per_stage
+    ]
+    fits = [math.floor(room / gib) for room, gib in zip(headroom, per_stage, strict=True) if gib]
+    fit = max(0, min(fits)) if fits else 0
+    experts = model.num_experts
+    if requested is None:
+        total = min(par.ep * min(fit, 1), int(experts * REDUNDANT_SLOTS_PER_EXPERT))
+        total = total if total >= 2 and par.ep > 1 else 0
+    else:
+        total = requested
+        _check_request(requested, par.ep, experts, fit, per_stage, headroom)
+    return SlotBudget(total, tuple(per_stage), fit)
+
+
+def _check_request(requested, ep, experts, fit, per_stage, headroom) -> None:
+    if requested < 0:
+        raise SpecError(f"--redundant-slots must be >= 0, got {requested}")
+    if requested and ep < 2:
+        raise SpecError("--redundant-slots needs ep >= 2: a replica lives on another EP rank")
+    if requested > experts * (ep - 1):
+        raise SpecError(
+            f"--redundant-slots {requested}: at most {experts * (ep - 1)} ({experts} experts "
+            f"on each of {ep} ranks); lower it"
+        )
+    need = -(-requested // ep)
+    if need > fit:
+        stage = min(range(len(headroom)), key=lambda s: headroom[s] - need * per_stage[s])
+        raise SpecError(
+            f"--redundant-slots {requested}: {need} extra slots per rank need "
+            f"{need * per_stage[stage]:.2f} GiB on stage {stage}, which has "
+            f"{max(headroom[stage], 0.0):.2f} GiB to spare; lower it (at most "
+            f"{fit * ep} fit)"
+        )
+
+
+def _training_of(plan: Plan) -> TrainingSpec:
+    names = {f.name for f in fields(TrainingSpec)}
+    return TrainingSpec(**{k: v for k, v in plan.training.items() if k in names})
+
+
+def with_redundant_slots(
+    plan: Plan,
+    model: ModelSpec,
+    trace_loads: Mapping[int, Sequence[float]] | None,
+    options: SolverOptions,
+    requested: int | None = None,
+) -> Plan:
+    """The plan with redundant expert slots (slot_budget): the expert IP places replicas of
+    every MoE layer on its expected loads (the trace's, else equal), plan.json's experts
+    entries carry the slots, the predicted memory of each stage counts them, and
+    extra.redundant_slots says how many and what they cost. No slots: the plan unchanged."""
+    budget = slot_budget(plan, model, requested)
+    if budget.redundant_slots == 0:
+        return replace(plan, extra={**plan.extra, "redundant_slots": budget.to_dict()})
+    opts = replace(options, threads=1)  # single-threaded solves give the same answer every run
+    solved: dict[tuple[float, ...], Any] = {}
+    experts, reports = [], []
+    for layer, load_E in expert_loads(model, trace_loads).items():
+        if load_E not in solved:
+            solved[load_E] = solve_experts(
+                load_E, plan.parallel.ep, opts, redundant_slots=budget.redundant_slots
+            )
+            reports.append(solved[load_E].report)
+        experts.append(ExpertPlacement.of_slots(layer, solved[load_E].slots))
+    per_rank = -(-budget.redundant_slots // plan.parallel.ep)
+    memory = tuple(
+        used + per_rank * gib
+        for used, gib in zip(
+            plan.predicted.memory_gib_per_stage, budget.slot_gib_per_stage, strict=True
+        )
+    )
+    extra = {
+        **plan.extra,
+        "redundant_slots": budget.to_dict(),
+        "expert_solver": _merge(reports, options.backend).to_dict(),
+    }
+    predicted = replace(plan.predicted, memory_gib_per_stage=memory)
+    return replace(plan, experts=tuple(experts), predicted=predicted, extra=extra)

@@ -146,3 +146,27 @@ def test_plan_from_piper_plan_with_ep_folded_over_tp(tmp_path):
         rows = [r for r in _read(out / "placements.csv") if r["interval"] == "0"]
         got = [int(r["rank"]) for r in rows if int(r["layer"]) == layer]
         assert got == ranks
+
+
+def test_plan_with_redundant_slots_starts_from_its_slots(tmp_path, capsys):
+    """piper plan --redundant-slots 4 (tiny-moe, ep 4): every experts entry lists 4 ranks'
+    slots holding 12 slots for 8 experts; piper migrate --plan starts from exactly them and
+    refuses another --redundant-slots."""
+    plan_dir = tmp_path / "plan"
+    sizes = ["--gpus", "4", "--pp", "1", "--tp", "1", "--ep", "4", "--redundant-slots", "4"]
+    args = ["plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", *sizes]
+    assert main([*args, "--seq-len", "128", "--global-batch", "16", "--out", str(plan_dir)]) == 0
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    assert plan["extra"]["redundant_slots"]["redundant_slots"] == 4
+    slots = {p["layer"]: p["slots"] for p in plan["experts"]}
+    assert all(sum(len(row) for row in rows) == E + 4 for rows in slots.values())
+    out = tmp_path / "out"
+    args = ["migrate", "--trace", _trace(tmp_path), "--ep", "4", "--plan"]
+    args += [str(plan_dir / "plan.json"), "--no-plots", "--out", str(out)]
+    assert main(args) == 0
+    first = [r for r in _read(out / "placements.csv") if r["interval"] == "0"]
+    for layer, rows in slots.items():
+        got = {(int(r["expert"]), int(r["rank"])) for r in first if int(r["layer"]) == layer}
+        assert got == {(e, rank) for rank, row in enumerate(rows) for e in row}
+    assert main([*args[:-1], str(tmp_path / "o2"), "--redundant-slots", "2"]) == 2
+    assert "the plan gives layer" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Expert IP against brute-force enumeration of every equal-slot placement."""
+"""Expert IP against brute-force enumeration of every placement with the given slots."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from planner.ip.expert_ip import cross_node_tokens, solve_experts
+from planner.ip.expert_ip import cross_node_tokens, slot_counts, solve_experts
 from planner.ip.expert_swap import improve_by_swaps
 from planner.ip.solvers import SolverOptions
 from planner.specs import SpecError
@@ -50,13 +50,14 @@ def brute_traffic(load, ep, nodes, coact, weight) -> float:
     return best
 
 
-def brute_replicas(load, ep, extra) -> float:
-    """Each rank holds E/ep + extra distinct experts, every expert at least once; an expert's
-    tokens split evenly over its copies."""
+def brute_replicas(load, ep, redundant) -> float:
+    """Rank r holds slot_counts(E, ep, redundant)[r] distinct experts, every expert at least
+    once; an expert's tokens split evenly over its copies."""
     num_e = len(load)
-    slots = num_e // ep + extra
+    counts = slot_counts(num_e, ep, redundant)
     best = math.inf
-    for sets in itertools.product(itertools.combinations(range(num_e), slots), repeat=ep):
+    combos = [itertools.combinations(range(num_e), c) for c in counts]
+    for sets in itertools.product(*(list(c) for c in combos)):
         count = [sum(e in s for s in sets) for e in range(num_e)]
         if min(count) == 0:
             continue
@@ -64,9 +65,12 @@ def brute_replicas(load, ep, extra) -> float:
     return best
 
 
-def check_placement(sol, num_e: int, ep: int, extra: int = 0) -> None:
+def check_placement(sol, num_e: int, ep: int, redundant: int = 0) -> None:
     per_rank = [sum(1 for _e, r, _s in sol.replicas if r == rank) for rank in range(ep)]
-    assert per_rank == [num_e // ep + extra] * ep
+    assert tuple(per_rank) == slot_counts(num_e, ep, redundant)
+    assert sol.slots == tuple(
+        tuple(sorted(e for e, r, _s in sol.replicas if r == rank)) for rank in range(ep)
+    )
     for e in range(num_e):
         shares = [s for ee, _r, s in sol.replicas if ee == e]
         assert sum(shares) == pytest.approx(1.0)
@@ -122,21 +126,46 @@ def test_traffic_equals_brute_force():
 
 
 def test_replicas_equal_brute_force():
-    """15 instances with one redundant slot per rank."""
+    """20 instances with a total of redundant slots, one per rank or fewer (unequal slots)."""
     rng = random.Random(13)
-    for _ in range(15):
-        ep, num_e = rng.choice([(2, 2), (2, 4), (3, 3)])
+    for _ in range(20):
+        ep, num_e, redundant = rng.choice([(2, 2, 2), (2, 4, 2), (3, 3, 3), (2, 4, 1), (3, 6, 2)])
         load = _load(rng, num_e)
-        sol = solve_experts(load, ep, CPSAT, redundant_slots=1)
+        sol = solve_experts(load, ep, CPSAT, redundant_slots=redundant)
         assert sol.report.status == "OPTIMAL"
-        assert sol.max_rank_load == pytest.approx(brute_replicas(load, ep, 1), rel=1e-5)
-        check_placement(sol, num_e, ep, extra=1)
+        assert sol.max_rank_load == pytest.approx(brute_replicas(load, ep, redundant), rel=1e-5)
+        check_placement(sol, num_e, ep, redundant)
+
+
+def test_slot_counts_spread_a_total():
+    assert slot_counts(256, 64, 32) == (4, 5) * 32  # DeepSeek-V3: 288 slots
+    assert slot_counts(8, 4, 6) == (3, 4, 3, 4) and slot_counts(8, 4) == (2,) * 4
+
+
+def test_uniform_loads_with_redundant_slots_keep_every_rank_at_the_mean():
+    """Equal loads: ranks with a redundant slot pair up and share two experts (3 whole + 2
+    halves = 4 expert loads on a 5-slot rank), so no rank exceeds the mean."""
+    sol = solve_experts([10.0] * 256, 64, CPSAT, redundant_slots=32)
+    assert sol.rank_load == (40.0,) * 64 and sol.report.status == "OPTIMAL"
+    check_placement(sol, 256, 64, 32)
+    assert sum(len(held) for held in sol.slots) == 288
+
+
+def test_large_replica_instance_returns_the_greedy_with_its_bound():
+    """256 x 64 with 32 replicas is not built as an IP: the greedy and an honest gap."""
+    rng = random.Random(18)
+    load = [rng.paretovariate(1.5) * 1000 for _ in range(256)]
+    sol = solve_experts(load, 64, CPSAT, redundant_slots=32)
+    assert sol.report.status == "FEASIBLE" and sol.report.bound <= sol.max_rank_load
+    check_placement(sol, 256, 64, 32)
+    plain = solve_experts(load, 64, SolverOptions(time_limit_s=2.0))
+    assert sol.max_rank_load < plain.max_rank_load  # the replicas split the hot experts
 
 
 def test_hand_computed_replica_split():
     """Loads (9, 1, 2, 0) on 2 ranks x 3 slots: replicate expert 0 (4.5 + 4.5); the best split
     of the rest is {1} / {2, 0} plus the cheapest fill -> ranks 4.5+1+x and 4.5+2+0 = 6.5."""
-    sol = solve_experts([9.0, 1.0, 2.0, 0.0], 2, CPSAT, redundant_slots=1)
+    sol = solve_experts([9.0, 1.0, 2.0, 0.0], 2, CPSAT, redundant_slots=2)
     assert sol.max_rank_load == pytest.approx(6.5)
     assert sorted(s for e, _r, s in sol.replicas if e == 0) == [0.5, 0.5]
 

@@ -45,3 +45,20 @@ def test_kalman_follows_drift_and_averages_noise():
 def test_needs_a_past_interval():
     with pytest.raises(ValueError):
         forecast_loads(np.zeros((0, 3)))
+
+
+def test_a_revived_expert_is_followed():
+    # 64 drifting experts, 20000 tokens an interval; expert 0 is dead for six intervals,
+    # then the router revives it at 5% of the tokens: the forecast follows it (a drift
+    # proportional to the old share alone would keep it at zero)
+    rng = np.random.default_rng(0)
+    share = rng.dirichlet(np.ones(64))
+    rows = []
+    for t in range(9):
+        share = share * np.exp(rng.normal(0, 0.15, 64))
+        s = share / share.sum()
+        s[0] = 0.0 if t < 6 else 0.05
+        rows.append(rng.multinomial(20000, s / s.sum()))
+    tokens = np.array(rows)
+    assert tokens[:6, 0].sum() == 0 and tokens[6:, 0].min() > 800
+    assert forecast_loads(tokens)[0] == pytest.approx(tokens[6:, 0].mean(), rel=0.1)

@@ -71,3 +71,74 @@ def test_slot_counts_spread_a_total_over_the_ranks():
     assert counts.sum() == 288 and set(counts[1::2]) == {5} and set(counts[0::2]) == {4}
     assert slot_counts(8, 4, 6).tolist() == [3, 4, 3, 4]
     assert np.array_equal(slot_counts(8, 4), [2, 2, 2, 2])
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """piper plan for tiny-moe (8 experts, 3 MoE layers) on 4 cpu-gloo ranks, ep 4."""
+    from planner.cli import main
+    from planner.plan import load_plan
+
+    out = tmp_path_factory.mktemp("plan")
+    sizes = ["--gpus", "4", "--pp", "1", "--tp", "1", "--ep", "4"]
+    args = ["plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", *sizes]
+    assert main([*args, "--seq-len", "128", "--global-batch", "16", "--out", str(out)]) == 0
+    return load_plan(out / "plan.json")
+
+
+def test_slot_budget_counts_one_expert_state_per_moe_layer(tiny_plan):
+    from planner.inputs.models import load_model
+    from planner.search.assemble import slot_budget
+
+    model = load_model("tiny-moe")
+    # one routed expert: gated 3 x 64 x 64 = 12288 params x 16 B, for each of 3 MoE layers
+    slot_gib = 3 * 12288 * 16 / 2**30
+    budget = slot_budget(tiny_plan, model, None)
+    assert budget.slot_gib_per_stage == pytest.approx((slot_gib,))
+    room = tiny_plan.predicted.usable_memory_gib - tiny_plan.predicted.memory_gib_per_stage[0]
+    assert budget.fit_per_rank == int(room // slot_gib)
+    assert budget.redundant_slots == 0  # E / 8 = 1 replica cannot keep every rank at the mean
+    assert slot_budget(tiny_plan, model, 6).redundant_slots == 6
+
+
+def test_requested_slots_that_do_not_fit_are_one_line(tiny_plan):
+    from dataclasses import replace
+
+    from planner.inputs.models import load_model
+    from planner.search.assemble import slot_budget
+
+    model = load_model("tiny-moe")
+    used = tiny_plan.predicted.memory_gib_per_stage[0]
+    slot_gib = 3 * 12288 * 16 / 2**30
+    tight = replace(
+        tiny_plan, predicted=replace(tiny_plan.predicted, usable_memory_gib=used + 1.5 * slot_gib)
+    )
+    assert slot_budget(tight, model, 4).redundant_slots == 4  # one per rank fits
+    with pytest.raises(SpecError, match="2 extra slots per rank need .* on stage 0") as err:
+        slot_budget(tight, model, 8)
+    assert "at most 4 fit" in str(err.value)
+    with pytest.raises(SpecError, match="at most 24"):
+        slot_budget(tiny_plan, model, 25)
+
+
+def test_with_redundant_slots_places_replicas_and_counts_their_memory(tiny_plan):
+    from planner.inputs.models import load_model
+    from planner.ip.solvers import SolverOptions
+    from planner.search.assemble import with_redundant_slots
+
+    model = load_model("tiny-moe")
+    plan = with_redundant_slots(tiny_plan, model, None, SolverOptions(), requested=4)
+    slot_gib = 3 * 12288 * 16 / 2**30
+    assert plan.predicted.memory_gib_per_stage[0] == pytest.approx(
+        tiny_plan.predicted.memory_gib_per_stage[0] + slot_gib
+    )
+    for entry in plan.experts:
+        assert entry.redundant_slots == 4 and len(entry.slots) == 4
+        assert [len(held) for held in entry.slots] == [3, 3, 3, 3]
+        # equal loads: pairs of ranks share two experts, so every rank carries 2 experts' load
+        copies = {e: sum(e in held for held in entry.slots) for e in range(8)}
+        assert [sum(1 / copies[e] for e in held) for held in entry.slots] == [2.0] * 4
+    assert plan.extra["redundant_slots"]["redundant_slots"] == 4
+    assert with_redundant_slots(tiny_plan, model, None, SolverOptions(), 0).experts == (
+        tiny_plan.experts
+    )

@@ -9,6 +9,8 @@ import pytest
 
 from planner.migration.assignment import priced_local_search
 from planner.migration.placement import (
+    ABSENT,
+    capacity,
     diff_moves,
     holders,
     initial_slots,
@@ -85,9 +87,9 @@ def test_replicas_by_hand():
     # two spare slots: expert 0 (100) gets a second replica (cap: one per rank), then
     # expert 1 (10, first of the 10s); packing 50, 50, 10, 10, 5, 5 gives 65 / 65
     load_E = np.array([100.0, 10.0, 10.0, 10.0])
-    counts = replica_counts_for(load_E, 2, 3)
+    counts = replica_counts_for(load_E, 2, 6)
     assert counts.tolist() == [2, 2, 1, 1]
-    slots = pack(load_E, counts, 2, 3)
+    slots = pack(load_E, counts, np.array([3, 3]))
     assert _sets(slots) == [[0, 1, 2], [0, 1, 3]]
     assert rank_loads(slots, load_E).tolist() == [65.0, 65.0]
 
@@ -161,7 +163,7 @@ def test_local_search_never_worse_than_start_and_often_optimal(seed):
 
 def test_piper_with_spare_slots_adds_replicas_of_hot_experts():
     load = np.array([[100, 10, 10, 10]])
-    start = initial_slots(np.array([0, 0, 1, 1]), 2, redundant_slots=1)
+    start = initial_slots(np.array([0, 0, 1, 1]), 2, redundant_slots=2)
     got = piper(start, load, FREE, EXACT)
     held = holders(got, 4)
     assert held[0].all()  # the hot expert now lives on both ranks
@@ -182,3 +184,32 @@ def test_integer_program_matches_brute_force(backend):
     costly = np.where(np.eye(3, dtype=bool)[np.arange(6) // 2], 0.0, 100.0)
     kept, _ = solve_assignment(start, load_E, costly, 1.0 / 24.0, SolverOptions(backend))
     assert np.array_equal(rank_of_expert(kept, 6), np.arange(6) // 2)
+
+
+def test_two_for_two_exchange_relieves_where_no_swap_does():
+    # ranks 20 5 27 11 (63) | 28 6 2 25 (61): no swap changes rank 0 by exactly -1, so no
+    # swap lowers the 63; a trade of two for two such as {5, 27} (32) for {6, 25} (31), or
+    # {20, 11} (31) for {28, 2} (30), gives 62 / 62
+    load_E = np.array([20.0, 5.0, 27.0, 11.0, 28.0, 6.0, 2.0, 25.0])
+    start = initial_slots(np.arange(8) // 4, 2)
+    free = np.zeros((8, 2))
+    swaps = priced_local_search(start, load_E, free, 1.0, 20)
+    assert rank_loads(swaps.slots_RS, load_E).max() == 63
+    pairs = priced_local_search(start, load_E, free, 1.0, 20, exchange_slots=2)
+    assert sorted(rank_loads(pairs.slots_RS, load_E).tolist()) == [62.0, 62.0]
+    moved = rank_of_expert(pairs.slots_RS, 8) != rank_of_expert(start, 8)
+    assert pairs.steps == 1 and moved.sum() == 4
+
+
+def test_absent_slots_are_never_filled_and_ranks_keep_their_counts():
+    # 3 ranks, 2 redundant slots (ranks 1 and 2 get one each): the hot expert is copied
+    # into them, rank 0 keeps its two slots, and no policy touches the ABSENT padding
+    load = np.array([[90, 10, 10, 10, 10, 10]])
+    start = initial_slots(np.arange(6) // 2, 3, redundant_slots=2)
+    assert capacity(start).tolist() == [2, 3, 3] and (start == ABSENT).sum() == 1
+    free = LayerCosts(np.zeros((3, 3)), 1.0)
+    for policy in (greedy_swap, repack, piper):
+        got = policy(start, load, free, EXACT)
+        assert capacity(got).tolist() == [2, 3, 3]
+        assert np.array_equal(got == ABSENT, start == ABSENT)
+    assert replica_counts(piper(start, load, free, EXACT), 6)[0] >= 2

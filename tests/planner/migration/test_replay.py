@@ -9,6 +9,7 @@ import pytest
 from planner.migration import next_placement
 from planner.migration.api import uniform_costs
 from planner.migration.placement import (
+    capacity,
     default_rank_of_expert,
     holders,
     initial_slots,
@@ -38,9 +39,10 @@ def trace():
     return synth_trace(SynthOptions(layers=2, experts=E, intervals=10, tokens=2000, top_k=2))
 
 
+@pytest.mark.parametrize("redundant", [0, R // 2])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_changing_later_loads_never_changes_earlier_placements(trace, policy):
-    initial, costs = _setup(trace)
+def test_changing_later_loads_never_changes_earlier_placements(trace, policy, redundant):
+    initial, costs = _setup(trace, redundant)
     cut = 5
     future = trace.tokens_ILE.copy()
     future[cut:] = future[cut:][:, :, ::-1] * 3 + 7  # a different future from interval 5 on
@@ -51,14 +53,16 @@ def test_changing_later_loads_never_changes_earlier_placements(trace, policy):
     assert [m for m in a.moves if m[0] <= cut] == [m for m in b.moves if m[0] <= cut]
 
 
-@pytest.mark.parametrize("redundant", [0, 1])
+@pytest.mark.parametrize("redundant", [0, R, R // 2])
 def test_slots_and_moves_reproduce_each_next_placement(trace, redundant):
     initial, costs = _setup(trace, redundant)
+    capacity_R = capacity(initial[0])
+    assert capacity_R.sum() == E + redundant
     for run in replay_all(trace, initial, costs, POLICIES).values():
         for t in range(1, trace.num_intervals):
             for lj, layer in enumerate(trace.layer_ids):
                 old, new = run.slots_ILRS[t - 1, lj], run.slots_ILRS[t, lj]
-                assert new.shape == (R, E // R + redundant)
+                assert np.array_equal(capacity(new), capacity_R)  # every rank keeps its slots
                 moves = [m for i, m in run.moves if i == t and m.layer == layer]
                 if redundant == 0:
                     assert ((new >= 0).sum(axis=1) == E // R).all()
@@ -97,7 +101,7 @@ def test_replication_lowers_imbalance_of_a_hot_expert():
     tokens = np.tile(np.array([400] + [40] * 15), (6, 1, 1))
     hot = make_trace(tokens)
     plain = replay(hot, *_setup(hot, 0), "piper")
-    replicated = replay(hot, *_setup(hot, 1), "piper")
+    replicated = replay(hot, *_setup(hot, R), "piper")
     assert replicated.mean_imbalance < plain.mean_imbalance - 0.5
     last = replicated.slots_ILRS[-1, 0]
     assert (last == 0).sum() >= 2  # expert 0 appears on more than one rank
@@ -128,3 +132,30 @@ def test_next_placement_accepts_nested_lists_and_rejects_bad_shapes():
         next_placement(current, [[[1, 2, 3]]])
     with pytest.raises(SpecError, match="E/R experts"):
         next_placement([[0, 0, 0, 1]], [[[1, 2, 3, 4]]])
+
+
+def test_next_placement_with_slots_keeps_each_rank_s_slots():
+    # 8 experts on 4 ranks with 2 redundant slots on ranks 1 and 3 (one still free): expert
+    # 0 is hot, so it gets copies; slots_LRS lists each rank's experts within its slots
+    current = [[[0, 1], [2, 3, -1], [4, 5], [6, 7, 0]]]
+    history = [[[800, 10, 10, 10, 10, 10, 10, 10]]] * 3
+    decision = next_placement(current, history)
+    (slots_RS,) = decision.slots_LRS
+    assert [len(row) <= cap for row, cap in zip(slots_RS, (2, 3, 2, 3), strict=True)] == [1] * 4
+    assert sum(0 in row for row in slots_RS) >= 2
+    assert sorted({e for row in slots_RS for e in row}) == list(range(8))
+    assert decision.placement_LE[0].tolist() == [
+        min(r for r, row in enumerate(slots_RS) if e in row) for e in range(8)
+    ]
+    old = {(e, r) for r, row in enumerate(current[0]) for e in row if e >= 0}
+    new = {(e, r) for r, row in enumerate(slots_RS) for e in row}
+    assert {(m.expert, m.dst_rank) for m in decision.moves} == new - old
+    assert all((m.expert, m.src_rank) in old for m in decision.moves)
+
+
+def test_next_placement_rejects_broken_slots():
+    history = [[[1, 2, 3, 4]]]
+    with pytest.raises(SpecError, match="at most once per rank"):
+        next_placement([[[0, 0], [1, 2, 3]]], history)
+    with pytest.raises(SpecError, match="every expert"):
+        next_placement([[[0, 1], [1, 3, -1]]], history)
