@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -174,12 +175,16 @@ def test_python_hands_a_finalizer_interrupt_to_the_unraisable_hook(tmp_path):
     assert (tmp_path / "out" / "a.csv").read_text() == "x\n"
 
 
+SOLVED = re.compile(rb"search: candidates solved.*?\b[1-9][0-9]*/[0-9]+")
+
+
 def interrupt_when_searching(argv: list[str], cwd: Path, timeout_s: float = 150.0):
     """Start `piper ARGV`, wait for its search progress line, send SIGINT; return
     (exit code, stdout, stderr, whether the progress line was seen before the signal).
 
-    stderr is a pseudo-terminal so the CLI shows its progress line (`search: i/n`), which
-    appears after the first batch of candidates is solved: the signal lands mid-search.
+    stderr is a pseudo-terminal so the CLI shows its rich progress bar (`search: candidates
+    solved ... i/n`); the signal is sent once i > 0, after the first batch of candidates is
+    solved: it lands mid-search.
     """
     master, slave = pty.openpty()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -198,7 +203,7 @@ def interrupt_when_searching(argv: list[str], cwd: Path, timeout_s: float = 150.
             except OSError:  # the child closed the terminal: it ended
                 break
             err += chunk
-            if b"search:" in err and not seen:
+            if SOLVED.search(err) and not seen:
                 seen = True
                 proc.send_signal(signal.SIGINT)
         if proc.poll() is not None and not ready:

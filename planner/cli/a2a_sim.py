@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 
+from planner.outputs.console import print_table
 from planner.sim.a2a import ALGOS
 from planner.sim.halo import SimResult, simulate_all_to_all
 from planner.specs import SpecError
@@ -48,16 +49,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _table(results: list[SimResult]) -> str:
-    head = f"{'algo':<11} {'time_us':>10} {'msgs/rank':>9} {'net_MB':>9} {'dedup':>6}  bottleneck"
-    lines = [head]
-    for r in results:
-        net = sum(lv.bytes for lv in r.levels if lv.level == "nic") / 1e6
-        lines.append(
-            f"{r.algo:<11} {r.time_s * 1e6:>10.1f} {r.messages_per_rank:>9.0f} {net:>9.2f} "
-            f"{r.dedup_ratio:>6.2f}  {r.bottleneck}"
-        )
-    return "\n".join(lines)
+def _print_table(results: list[SimResult]) -> None:
+    rows = [
+        (r.algo, f"{r.time_s * 1e6:.1f}", f"{r.messages_per_rank:.0f}",
+         f"{sum(lv.bytes for lv in r.levels if lv.level == 'nic') / 1e6:.2f}",
+         f"{r.dedup_ratio:.2f}", r.bottleneck)
+        for r in results
+    ]  # fmt: skip
+    columns = ("algo", "time_us", "msgs/rank", "net_MB", "dedup", "bottleneck")
+    print_table("", columns, rows)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         f"{r0.cluster}: {r0.nodes} nodes x {r0.ranks // r0.nodes} ranks, "
         f"{nbytes:.0f} B per rank, top-{r0.topk}, {r0.experts} experts"
     )
-    print(_table(results))
+    _print_table(results)
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
     return 0

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from planner.inputs.models import list_model_presets
+from planner.outputs.console import print_table
 from planner.resources.model_info import describe_model
 from planner.specs import SpecError
 
@@ -28,8 +29,8 @@ def _b(n: float) -> str:
     return f"{n / 1e9:,.2f} B" if n >= 1e8 else f"{n:,.0f}"
 
 
-def format_table(info: dict[str, Any]) -> str:
-    """The human-readable report."""
+def print_report(info: dict[str, Any]) -> None:
+    """The human-readable report: a table of counts, one of layer kinds, the bases."""
     rows = [
         ("model", f"{info['name']}  (family {info['family']}, {info['source']})"),
         ("shape", f"hidden {info['hidden_size']}, vocab {info['vocab_size']}, "
@@ -48,15 +49,12 @@ def format_table(info: dict[str, Any]) -> str:
             rows.append((f"published {label}", f"{_b(pub['published'])} on basis "
                          f"'{pub['basis']}': computed {_b(pub['computed'])}, "
                          f"error {pub['error_pct']:+.2f}%"))  # fmt: skip
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    lines.append("layers:")
-    lines += [f"  {g['layers']:<16} {g['kind']}" for g in info["layers"]]
-    lines.append(f"counting basis: {info['counting_basis']}")
-    lines.append(f"flops formula: {info['flops_formula']}")
+    print_table("", ("", "value"), rows)
+    print_table("layers", ("layers", "kind"), [(g["layers"], g["kind"]) for g in info["layers"]])
+    print(f"counting basis: {info['counting_basis']}")
+    print(f"flops formula: {info['flops_formula']}")
     if info.get("published", {}).get("source"):
-        lines.append(f"published source: {info['published']['source']}")
-    return "\n".join(lines)
+        print(f"published source: {info['published']['source']}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,5 +66,8 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_len < 1:
         raise SpecError(f"model-info: --seq-len must be >= 1, got {args.seq_len}")
     info = describe_model(args.model, args.seq_len)
-    print(json.dumps(info, indent=2, sort_keys=True) if args.json else format_table(info))
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+    else:
+        print_report(info)
     return 0

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from planner.inputs.paths import CLUSTERS_DIR
+from planner.outputs.console import print_table, progress
 from planner.outputs.files import write_files
 from planner.specs import SpecError
 
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             raw_path = Path(tmp) / "raw.json"
             try:
-                _launch(args, raw_path)
+                with progress(f"profiling on {args.nproc} processes"):
+                    _launch(args, raw_path)
             except ProfileFailed as exc:
                 print(
                     f"piper profile: the benchmarks failed; nothing was written\n{exc}",
@@ -140,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {out}: {len(cluster['tables'])} tables from {raw['machine']['nproc']} "
         f"{raw['machine']['backend']} ranks on {raw['machine']['hostname']}"
     )
-    for t in cluster["tables"]:
-        print(f"  {t['name']:<22} x {t['x'][0]:.4g}..{t['x'][-1]:.4g}  y max {max(t['y']):.4g}")
+    rows = [(t["name"], f"{t['x'][0]:.4g}", f"{t['x'][-1]:.4g}", f"{max(t['y']):.4g}")
+            for t in cluster["tables"]]  # fmt: skip
+    print_table("measured tables", ("table", "x from", "x to", "y max"), rows)
     return 0

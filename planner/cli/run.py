@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from planner.outputs.console import progress
 from planner.plan import Plan, load_plan
 from planner.run.migration import run_move_costs
 from planner.run.options import RunOptions, add_run_arguments
@@ -115,6 +116,29 @@ def _summary(out: Path) -> str:
     )
 
 
+def _steps_done(metrics: Path) -> int:
+    """Steps recorded so far in metrics.jsonl (one line per step; 0 before the first)."""
+    try:
+        return metrics.read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _train(cmd: list[str], env: dict[str, str], out: Path, steps: int) -> int:
+    """torchrun the run; on a terminal a progress bar follows metrics.jsonl. Exit code."""
+    metrics = out / "metrics.jsonl"
+    with progress("training steps", total=steps) as update:
+        proc = subprocess.Popen(cmd, env=env)
+        while True:
+            try:
+                code = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                update(min(_steps_done(metrics), steps))
+        update(min(_steps_done(metrics), steps))
+    return code
+
+
 def _launch_cmd(options: RunOptions, world: int) -> list[str]:
     """torchrun (standalone, one machine) running runtime.launch with the run's options."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -148,9 +172,9 @@ def run(args: argparse.Namespace) -> int:
     )
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(_launch_cmd(options, spec.world), env=env)
-    if proc.returncode != 0:
-        print(f"piper run: training failed (torchrun exit {proc.returncode})", file=sys.stderr)
+    code = _train(_launch_cmd(options, spec.world), env, options.out_dir, options.steps)
+    if code != 0:
+        print(f"piper run: training failed (torchrun exit {code})", file=sys.stderr)
         return 1
     print(f"piper run: {_summary(options.out_dir)}")
     return 0

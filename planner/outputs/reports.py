@@ -8,152 +8,58 @@ fixed number of significant digits, rows in a fixed order, so equal inputs give 
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 from collections.abc import Sequence
 from typing import Any
 
+from planner.outputs.tables import (
+    CANDIDATE_DIGITS,
+    COMM_DIGITS,
+    MEMORY_DIGITS,
+    STAGE_DIGITS,
+    candidates_frame,
+    capacity_gib,
+    comm_frame,
+    fmt,
+    memory_frame,
+    stages_frame,
+    to_csv,
+)
 from planner.search.baselines import Baseline
 from planner.search.evaluator import EstimateView
 from planner.search.make_plan import PlanResult
 from planner.search.rows import CandidateRow, describe
 
-CANDIDATE_COLUMNS = (
-    "rank",
-    "pp",
-    "dp",
-    "tp",
-    "ep",
-    "edp",
-    "micro_batch",
-    "num_microbatches",
-    "recompute",
-    "recompute_modules",
-    "vp",
-    "cp",
-    "etp",
-    "sharding",
-    "a2a_overlap",
-    "dispatcher",
-    "step_time_s",
-    "tokens_per_s",
-    "mfu",
-    "tflops_per_gpu",
-    "stage0_memory_gib",
-    "bound_step_time_s",
-    "feasible",
-    "status",
-    "solver_status",
-    "reason",
-)
-
-
-def fmt(x: float | None, digits: int = 6) -> str:
-    """A float as text with `digits` significant digits; '' for None or nan."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return ""
-    return f"{x:.{digits}g}"
-
-
-def _csv(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows(rows)
-    return buf.getvalue()
-
 
 def candidates_csv(rows: Sequence[CandidateRow]) -> str:
-    """One row per candidate, ranked (rows come ranked from the search); feasible is 1 only
-    when the candidate is known to fit (a pruned family's unchecked members say 0)."""
-    out = []
-    for rank, r in enumerate(rows, start=1):
-        p, e, k = r.parallel, r.estimate, r.knobs
-        out.append(
-            [
-                rank,
-                p.pp,
-                p.dp,
-                p.tp,
-                p.ep,
-                p.edp,
-                p.micro_batch,
-                p.num_microbatches,
-                p.recompute,
-                " ".join(p.recompute_modules),
-                p.vp,
-                p.cp,
-                p.etp,
-                k.sharding,
-                int(k.a2a_overlap),
-                k.dispatcher,
-                fmt(e.step_time_s) if e else "",
-                fmt(e.tokens_per_s) if e else "",
-                fmt(e.mfu, 4) if e else "",
-                fmt(e.tflops_per_gpu, 4) if e else "",
-                fmt(e.memory_gib_per_stage[0], 4) if e and e.memory_gib_per_stage else "",
-                fmt(r.bound_step_time_s),
-                int(bool(r.feasible)),
-                r.status,
-                r.solver_status,
-                r.reason,
-            ]
-        )
-    return _csv(CANDIDATE_COLUMNS, out)
+    """candidates.csv: planner.outputs.tables.candidates_frame, floats to fixed digits."""
+    return to_csv(candidates_frame(rows), CANDIDATE_DIGITS)
 
 
 def stages_csv(result: PlanResult) -> str:
-    """Per stage: layers, recomputed layers, time per micro-batch (s), memory (GiB)."""
-    best, plan = result.best, result.plan
-    assert best is not None and best.estimate is not None and plan is not None
-    est = best.estimate
-    rows = []
-    for st in plan.stages:
-        s = st.stage
-        rows.append(
-            [
-                s,
-                st.layers[0],
-                st.layers[-1],
-                len(st.layers),
-                " ".join(map(str, st.recompute_layers)),
-                fmt(est.stage_time_s[s]) if s < len(est.stage_time_s) else "",
-                fmt(est.memory_gib_per_stage[s], 5),
-                fmt(_capacity(est), 5),
-            ]
-        )
-    header = (
-        "stage",
-        "first_layer",
-        "last_layer",
-        "num_layers",
-        "recompute_layers",
-        "time_per_microbatch_s",
-        "memory_gib",
-        "capacity_gib",
-    )
-    return _csv(header, rows)
+    """stages.csv: planner.outputs.tables.stages_frame."""
+    return to_csv(stages_frame(result), STAGE_DIGITS)
 
 
 def memory_csv(est: EstimateView) -> str:
-    """Long format: stage, component, GiB; components as the resource model names them."""
-    rows = []
-    for s, total in enumerate(est.memory_gib_per_stage):
-        for name, per_stage in est.memory_gib_SC:
-            rows.append([s, name, fmt(per_stage[s], 5)])
-        rows.append([s, "total", fmt(total, 5)])
-    return _csv(("stage", "component", "gib"), rows)
+    """memory.csv: planner.outputs.tables.memory_frame (stage, component, GiB)."""
+    return to_csv(memory_frame(est), MEMORY_DIGITS)
 
 
 def comm_csv(est: EstimateView) -> str:
-    """Communication time per step by collective and level, with its share of the step."""
-    rows = [
-        [name, fmt(sec), fmt(sec / est.step_time_s, 4) if est.step_time_s > 0 else ""]
-        for name, sec in sorted(est.comm_s)
-    ]
-    return _csv(("name", "seconds_per_step", "fraction_of_step"), rows)
+    """comm.csv: planner.outputs.tables.comm_frame."""
+    return to_csv(comm_frame(est), COMM_DIGITS)
+
+
+BASELINE_COLUMNS = ("baseline", "layout", "step (s)", "TFLOPS/GPU", "fits", "Piper speedup",
+                    "note")  # fmt: skip
+
+
+def baseline_rows(result: PlanResult) -> list[list[str]]:
+    """One row per baseline (BASELINE_COLUMNS) against the plan's step time."""
+    assert result.best is not None and result.best.estimate is not None
+    return _baseline_rows(result.baselines, result.best.estimate.step_time_s)
 
 
 def _baseline_rows(baselines: Sequence[Baseline], step_s: float) -> list[list[str]]:
@@ -217,10 +123,7 @@ def summary_md(result: PlanResult) -> str:
         "",
         "## Baselines (same resource model)",
         "",
-        _table(
-            ("baseline", "layout", "step (s)", "TFLOPS/GPU", "fits", "Piper speedup", "note"),
-            _baseline_rows(result.baselines, est.step_time_s),
-        ),
+        _table(BASELINE_COLUMNS, _baseline_rows(result.baselines, est.step_time_s)),
         "",
         "## Top candidates",
         "",
@@ -251,7 +154,7 @@ def _predicted_table(est: EstimateView) -> str:
         f"{100 * est.mfu:.1f}%",
         f"{100 * est.bubble_fraction:.1f}%",
         fmt(max(est.memory_gib_per_stage), 4),
-        fmt(_capacity(est), 4),
+        fmt(capacity_gib(est), 4),
     ]
     return _table(header, [row])
 
@@ -317,7 +220,8 @@ def summary_dict(result: PlanResult) -> dict[str, Any]:
 
 
 def summary_text(result: PlanResult, out_dir: str) -> str:
-    """What `piper plan` prints: layout, prediction, baselines with speedups, where files are."""
+    """What `piper plan` prints above its baseline table (baseline_rows): layout, prediction,
+    solver, where the files are."""
     plan, best = result.plan, result.best
     assert plan is not None and best is not None and best.estimate is not None
     est = best.estimate
@@ -329,22 +233,11 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
         f"{describe(best.parallel, best.knobs)}",
         f"  step {est.step_time_s:.4g} s, {est.tokens_per_s:.4g} tokens/s, "
         f"{est.tflops_per_gpu:.4g} TFLOPS/GPU, MFU {100 * est.mfu:.1f}%, "
-        f"max stage memory {max(est.memory_gib_per_stage):.1f} GiB of {_capacity(est):.1f}",
+        f"max stage memory {max(est.memory_gib_per_stage):.1f} GiB of {capacity_gib(est):.1f}",
         f"  stage IP {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.3g})",
     ]
-    for row in _baseline_rows(result.baselines, est.step_time_s):
-        if row[2] == "-":
-            lines.append(f"  vs {row[0]}: no layout ({row[6]})")
-        else:
-            note = f" ({row[6]})" if row[6] else ""
-            lines.append(f"  vs {row[0]}: {row[1]} -> {row[2]} s, speedup {row[5]}{note}")
     lines.append(f"  wrote {out_dir}/ (plan.json, candidates.csv, summary.md, plots)")
     return "\n".join(lines)
-
-
-def _capacity(est: EstimateView) -> float:
-    """What per-stage totals are held against: device memory if known, else usable memory."""
-    return est.usable_memory_gib if math.isnan(est.device_memory_gib) else est.device_memory_gib
 
 
 def timings_json(result: PlanResult) -> str:

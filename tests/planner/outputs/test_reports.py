@@ -10,7 +10,7 @@ import re
 import pytest
 
 from planner.ip.solvers import SolverOptions
-from planner.outputs import plots, reports
+from planner.outputs import plots, reports, tables
 from planner.plan import plan_from_dict
 from planner.search.make_plan import make_plan
 from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
@@ -129,7 +129,12 @@ def test_summary_lists_baselines_with_speedups(result, files):
         if b.estimate is not None and b.estimate.fits:
             assert f"{b.speedup(result.best.step_time_s):.2f}x" in md
     text = reports.summary_text(result, "out")
-    assert "speedup" in text and "TFLOPS/GPU" in text
+    assert "TFLOPS/GPU" in text and "wrote out/" in text
+    rows = reports.baseline_rows(result)
+    assert [r[0] for r in rows] == [b.title for b in result.baselines]
+    for row, b in zip(rows, result.baselines, strict=True):
+        if b.estimate is not None and b.estimate.fits:
+            assert row[5] == f"{b.speedup(result.best.step_time_s):.2f}x"
 
 
 def test_rendering_is_byte_identical_across_runs(files):
@@ -159,3 +164,28 @@ def test_1f1b_timeline_matches_the_closed_form(pp, m):
             held += 1 if kind == "F" else -1
             peak = max(peak, held)
         assert peak == min(pp - s, m)
+
+
+def test_plan_tables_are_dataframes_the_csvs_are_written_from(result, files):
+    """The Python API's tables hold numbers (NaN without an estimate); each CSV is its frame
+    with floats to fixed digits."""
+    import pandas as pd
+
+    t = tables.plan_tables(result)
+    assert all(isinstance(f, pd.DataFrame) for f in (t.candidates, t.stages, t.memory, t.comm))
+    assert list(t.candidates.columns) == list(tables.CANDIDATE_COLUMNS)
+    assert len(t.candidates) == len(result.rows)
+    assert t.candidates["step_time_s"].dtype == float and t.candidates["pp"].dtype == int
+    solved = t.candidates[t.candidates["status"] == "solved"]
+    assert solved["step_time_s"].iloc[0] == result.rows[0].estimate.step_time_s
+    total = t.memory[t.memory["component"] == "total"]["gib"].tolist()
+    assert total == list(result.plan.predicted.memory_gib_per_stage)
+    comm = dict(zip(t.comm["name"], t.comm["seconds_per_step"], strict=True))
+    assert comm == pytest.approx(dict(result.plan.predicted.comm_s), rel=1e-12)
+    assert tables.to_csv(t.candidates, tables.CANDIDATE_DIGITS) == files["candidates.csv"]
+    assert tables.to_csv(t.stages, tables.STAGE_DIGITS) == files["stages.csv"]
+    assert tables.to_csv(t.memory, tables.MEMORY_DIGITS) == files["memory.csv"]
+    assert tables.to_csv(t.comm, tables.COMM_DIGITS) == files["comm.csv"]
+    no_estimate = t.candidates[t.candidates["step_time_s"].isna()]
+    rows = _rows(files["candidates.csv"])
+    assert all(rows[i]["step_time_s"] == "" for i in no_estimate.index)
