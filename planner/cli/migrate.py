@@ -8,12 +8,15 @@ import time
 from dataclasses import replace
 
 from planner.ip.solvers import SolverOptions
-from planner.migration.placement import capacity
 from planner.migration.policies import POLICIES, MigrationOptions
-from planner.migration.run import replay_all
+from planner.migration.run import replay
 from planner.migration.trace import load_trace
+from planner.outputs.console import print_table, progress
 from planner.outputs.files import write_files
 from planner.specs import SpecError
+
+POLICY_COLUMNS = ("policy", "mean imb", "p95 imb", "moved", "GB moved", "transfer s",
+                  "total s", "solver ms")  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,13 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help="tokens per EP rank and step (default: from the plan, else 8 x 4096)",
     )
-    p.add_argument(
-        "--redundant-slots",
-        type=int,
-        default=None,
-        help="spare expert slots over the whole EP group, e.g. 32 for 256 experts on 64 "
-        "ranks (default: the plan's, else 0)",
-    )
+    p.add_argument("--redundant-slots", type=int, default=0, help="spare slots per rank")
     p.add_argument(
         "--policy",
         choices=POLICIES,
@@ -89,14 +86,15 @@ def run(args: argparse.Namespace) -> int:
             raise SpecError(f"--move-margin must be >= 0, got {args.move_margin}")
         opts = replace(opts, move_margin=args.move_margin)
     if args.solver != "local":
-        if any(capacity(slots_RS).sum() > trace.num_experts for slots_RS in setup.initial_LRS):
-            raise SpecError(
-                "--solver cpsat|cbc does not model replicas; drop --redundant-slots "
-                "(or use a plan without them)"
-            )
+        if args.redundant_slots:
+            raise SpecError("--solver cpsat|cbc does not model replicas; drop --redundant-slots")
         solver = SolverOptions(args.solver, args.time_limit_s, threads=1, seed=args.seed)
         opts = replace(opts, solver=solver)
-    runs = replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, opts)
+    runs = {}
+    with progress("replaying the trace per policy", total=len(POLICIES)) as update:
+        for i, name in enumerate(POLICIES):
+            runs[name] = replay(trace, setup.initial_LRS, setup.costs, name, opts)
+            update(i + 1)
     chosen = runs[args.policy]
     files: dict[str, str | bytes] = {
         "placements.csv": report.placements_csv(chosen, trace),
@@ -114,6 +112,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(files["summary.json"], end="")
     else:
-        print(report.table(runs, setup))
+        rows = [
+            (report.LABELS.get(name, name), f"{r.mean_imbalance:.4f}", f"{r.p95_imbalance:.4f}",
+             r.experts_moved, f"{r.bytes_moved / 1e9:.3f}", f"{r.transfer_s:.3f}",
+             f"{r.total_cost_s:.3f}", f"{r.solve_ms_per_layer:.2f}")
+            for name, r in runs.items()
+        ]  # fmt: skip
+        print_table(f"{args.ep} EP ranks, {trace.num_intervals} intervals", POLICY_COLUMNS, rows)
         print(f"wrote {', '.join(sorted(files))} to {args.out}")
     return 0

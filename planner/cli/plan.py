@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from dataclasses import replace
 from typing import Any
 
 from planner.cli.estimate import DTYPES
+from planner.outputs.console import print_table, progress
 from planner.parallel import RECOMPUTE_MODULES
 from planner.search.space import DISPATCHERS, sharding_choices
 from planner.specs import ModelSpec, SpecError, TrainingSpec
@@ -113,13 +112,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allocation", default=None, help="node allocation file for the rank IP")
     p.add_argument("--trace", default=None, help="expert-load trace CSV for the expert IP")
-    p.add_argument(
-        "--redundant-slots",
-        type=int,
-        default=None,
-        help="extra expert slots per MoE layer over the EP group for replicas of hot experts "
-        "(default: E/8, at most one per EP rank, where memory allows; 0 = none)",
-    )
     p.add_argument("--out", default=None, help="output dir (default results/MODEL-CLUSTER-GPUS)")
     p.add_argument(
         "--score",
@@ -153,25 +145,6 @@ def trace_loads(path: str, model: ModelSpec) -> dict[int, tuple[float, ...]]:
     return out
 
 
-class _Progress:
-    """`\\rsearch: 12/40 candidates` on stderr, only on a TTY and after the first second."""
-
-    def __init__(self) -> None:
-        self.start = time.monotonic()
-        self.active = sys.stderr.isatty()
-        self.shown = False
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.active and time.monotonic() - self.start > 1.0:
-            sys.stderr.write(f"\rsearch: {done}/{total} candidates to solve")
-            sys.stderr.flush()
-            self.shown = True
-
-    def close(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")
-
-
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec]:
     from planner.inputs.clusters import check_dtype, load_cluster
     from planner.inputs.models import load_model
@@ -202,8 +175,13 @@ def recompute_modules(values: list[str] | None) -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     from planner.ip.solvers import SolverOptions
     from planner.outputs.files import write_files
-    from planner.outputs.reports import render_files, summary_dict, summary_text
-    from planner.search.assemble import with_redundant_slots
+    from planner.outputs.reports import (
+        BASELINE_COLUMNS,
+        baseline_rows,
+        render_files,
+        summary_dict,
+        summary_text,
+    )
     from planner.search.make_plan import make_plan
 
     model, cluster, training = _inputs(args)
@@ -222,8 +200,7 @@ def run(args: argparse.Namespace) -> int:
     loads = trace_loads(args.trace, model) if args.trace else None
     fixed = {k: getattr(args, k) for k in ("pp", "dp", "tp", "ep", "vp", "cp", "etp")}
     fixed["micro_batch"] = args.micro_batch
-    progress = _Progress()
-    try:
+    with progress("search: candidates solved") as update:
         result = make_plan(
             model,
             cluster,
@@ -233,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
             options,
             allocation,
             loads,
-            progress,
+            update,
             recompute=[args.recompute] if args.recompute else None,
             recompute_modules=recompute_modules(args.recompute_modules),
             sharding=sharding_choices(args.zero, args.fsdp),
@@ -242,8 +219,6 @@ def run(args: argparse.Namespace) -> int:
             max_ep=args.max_ep,
             score=args.score,
         )
-    finally:
-        progress.close()
     if result.plan is None:
         if result.interrupted:
             print(
@@ -252,14 +227,13 @@ def run(args: argparse.Namespace) -> int:
             )
             return 130
         raise SpecError(result.message)
-    plan = with_redundant_slots(result.plan, model, loads, options, args.redundant_slots)
-    result = replace(result, plan=plan)
     out = args.out or f"results/{model.name}-{cluster.name}-{args.gpus}"
     write_files(out, render_files(result))
     if args.json:
         print(json.dumps({**summary_dict(result), "out": out}, indent=2, sort_keys=True))
     else:
         print(summary_text(result, out))
+        print_table("vs baselines", BASELINE_COLUMNS, baseline_rows(result))
     if result.interrupted:
         print("piper plan: interrupted; wrote the best plan found so far", file=sys.stderr)
     return 0
