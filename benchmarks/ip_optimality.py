@@ -2,7 +2,9 @@
 
 Runs N random small instances of each IP, counts how often each backend's optimum equals
 brute-force enumeration, compares CP-SAT and CBC objectives and wall times, and times the
-stage IP on a DeepSeek-V3-shaped instance (61 layers, recompute on) for several pp.
+stage IP on a DeepSeek-V3-shaped instance (61 layers, recompute on) for several pp and vp.
+Stage instances with room for it are mostly interleaved (vp = 2 or 3: live chunk counts of
+interleaved 1F1B, every stage at least vp layers).
 
     python benchmarks/ip_optimality.py [--instances 120] [--seed 0] [--results FILE]
 
@@ -42,10 +44,12 @@ def random_stage(rng: random.Random) -> StageCostInputs:
         units.append(UnitCost(i, "moe", t, t + dt, state * GIB, act * GIB, act * GIB * 0.2))
     first = StageExtras(rng.uniform(0, 2), rng.uniform(0, 2) * GIB, rng.uniform(0, 1) * GIB)
     last = StageExtras(rng.uniform(0, 3), rng.uniform(0, 2) * GIB, rng.uniform(0, 1) * GIB)
-    m = rng.choice([1, 4, 16])
+    vp = rng.choice([2, 3]) if pp > 1 and n >= 2 * pp and rng.random() < 0.8 else 1
+    vp = vp if n >= vp * pp else 2
+    m = rng.choice([1, 4, 16]) * (pp if vp > 1 else 1)
     total = sum(u.state_bytes + pp * u.act_bytes for u in units)
     cap = total / pp * rng.uniform(0.6, 2.0)
-    return StageCostInputs(tuple(units), first, last, cap, pp, m, rng.random() < 0.7)
+    return StageCostInputs(tuple(units), first, last, cap, pp, m, rng.random() < 0.7, vp)
 
 
 def brute_stage(inputs: StageCostInputs) -> float:
@@ -57,6 +61,8 @@ def brute_stage(inputs: StageCostInputs) -> float:
     )
     for cuts in itertools.combinations(range(1, n), inputs.pp - 1):
         stages = [tuple(range(a, b)) for a, b in itertools.pairwise((0, *cuts, n))]
+        if any(len(stage) < inputs.vp for stage in stages):
+            continue
         for rec in recs:
             if all(
                 stage_memory_bytes(inputs, s, lay, rec) <= inputs.usable_memory_bytes
@@ -134,7 +140,7 @@ def expert_objective(inst, opts) -> float:
     return sol.max_rank_load
 
 
-def dsv3_like(pp: int) -> StageCostInputs:
+def dsv3_like(pp: int, vp: int = 1) -> StageCostInputs:
     """61 layers (3 dense + 58 MoE) with DeepSeek-V3-like relative costs, recompute on."""
     units = tuple(
         UnitCost(i, "dense", 0.010, 0.013, 0.8 * GIB, 1.0 * GIB, 0.1 * GIB)
@@ -143,17 +149,17 @@ def dsv3_like(pp: int) -> StageCostInputs:
         for i in range(61)
     )
     first, last = StageExtras(0.005, 1.8 * GIB, 0.3 * GIB), StageExtras(0.02, 1.8 * GIB, 0.8 * GIB)
-    return StageCostInputs(units, first, last, 50 * GIB, pp, 32, True)
+    return StageCostInputs(units, first, last, 50 * GIB, pp, 32, True, vp)
 
 
 def time_dsv3() -> None:
     print("\nDeepSeek-V3-shaped stage IP (61 layers, 32 micro-batches, recompute on, 50 GiB)")
     print(
-        f"  {'pp':>3} {'DP ms':>7} {'CP-SAT s':>9} {'status':>9} {'CBC s':>7} {'status':>9} "
-        f"{'bottleneck s':>12}"
+        f"  {'pp':>3} {'vp':>3} {'DP ms':>7} {'CP-SAT s':>9} {'status':>9} {'CBC s':>7} "
+        f"{'status':>9} {'bottleneck s':>12}"
     )
-    for pp in (4, 8, 16):
-        inputs = dsv3_like(pp)
+    for pp, vp in ((4, 1), (8, 1), (16, 1), (8, 2), (16, 2), (16, 3)):
+        inputs = dsv3_like(pp, vp)
         start = time.perf_counter()
         dp = stage_solution_dp(inputs)
         dp_ms = (time.perf_counter() - start) * 1e3
@@ -164,8 +170,8 @@ def time_dsv3() -> None:
             row.append((time.perf_counter() - start, sol.report.status, sol.bottleneck_s))
         assert close(row[0][2], dp.bottleneck_s) or not dp.feasible
         print(
-            f"  {pp:>3} {dp_ms:>7.1f} {row[0][0]:>9.2f} {row[0][1]:>9} {row[1][0]:>7.2f} "
-            f"{row[1][1]:>9} {row[0][2]:>12.4f}"
+            f"  {pp:>3} {vp:>3} {dp_ms:>7.1f} {row[0][0]:>9.2f} {row[0][1]:>9} "
+            f"{row[1][0]:>7.2f} {row[1][1]:>9} {row[0][2]:>12.4f}"
         )
 
 
@@ -181,7 +187,9 @@ def main() -> None:
     expert_cases = [random_experts(rng) for _ in range(args.instances)]
     title = "Stage and expert IPs: brute force vs CP-SAT vs CBC"
     with recorded(args.results, title, enabled=not args.no_results):
-        run_family("stage IP", stage_cases, stage_objective, brute_stage)
+        interleaved = sum(c.vp > 1 for c in stage_cases)
+        name = f"stage IP ({interleaved} interleaved, vp > 1)"
+        run_family(name, stage_cases, stage_objective, brute_stage)
         run_family("expert IP", expert_cases, expert_objective, lambda i: brute_experts(*i))
         print(
             f"  solved by the IP: {2 * len(expert_cases) - SHORTCUTS['n']} of "
