@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -61,14 +62,18 @@ def progress(description: str, total: int | None = None) -> Iterator[Update]:
 def print_table(
     title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], stderr: bool = False
 ) -> None:
-    """A rich table: one header per column, numbers right-aligned, cells as given (str())."""
-    table = Table(title=title or None, title_justify="left")
+    """A rich table under an optional title line: one header per column, numbers
+    right-aligned, cells as given (str())."""
+    out = console(stderr)
+    if title:
+        out.print(title)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     numeric = [all(_is_number(r[i]) for r in rows) for i in range(len(columns))]
     for name, right in zip(columns, numeric, strict=True):
         table.add_column(name, justify="right" if right and rows else "left")
     for row in rows:
         table.add_row(*(str(v) for v in row))
-    console(stderr).print(table)
+    out.print(table)
 
 
 def _is_number(value: Any) -> bool:
