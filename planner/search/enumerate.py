@@ -169,13 +169,6 @@ def enumerate_families(
     return out
 
 
-def enumerate_layouts(
-    model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, space: SearchSpace
-) -> list[Candidate]:
-    """Every candidate, in enumeration order (the members of enumerate_families)."""
-    return [c for f in enumerate_families(model, cluster, training, space) for c in f.members]
-
-
 def _check_fixed_ep(model: ModelSpec, space: SearchSpace) -> None:
     ep = space.value("ep")
     experts = max(model.num_experts, 1)

@@ -205,8 +205,10 @@ def test_deepseek_v3_on_1024_gpus_plans(tmp_path):
     args = ["plan", "--model", "deepseek-v3", "--cluster", "frontier", "--gpus", "1024"]
     assert main([*args, "--out", str(out)]) == 0
     plan = load_plan(out / "plan.json")
-    assert plan.parallel.pp * plan.parallel.dp * plan.parallel.tp == 1024
-    assert 256 % plan.parallel.ep == 0
+    par = plan.parallel
+    assert par.pp * par.dp * par.tp * par.cp == 1024
+    assert 256 % par.ep == 0 and (par.tp * par.cp * par.dp) % (par.etp * par.ep) == 0
+    assert all(len(s.layers) >= par.vp for s in plan.stages)
     assert [layer for s in plan.stages for layer in s.layers] == list(range(61))
     assert plan.solver.status == "OPTIMAL"
     assert max(plan.predicted.memory_gib_per_stage) <= 64.0

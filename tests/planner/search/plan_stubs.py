@@ -21,8 +21,10 @@ from planner.ip.stage_ip import solve_stages
 from planner.parallel import ParallelConfig
 from planner.plan.schema import RankPlan
 from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
+from planner.search.enumerate import enumerate_families
 from planner.search.evaluator import EstimateView, RankChoice, StageChoice
 from planner.search.model_evaluator import ModelEvaluator
+from planner.search.space import Candidate
 from planner.specs import (
     GIB,
     AttentionSpec,
@@ -214,6 +216,11 @@ class ToyEvaluator:
             "gpus_per_node": cluster.gpus_per_node,
             "nodes": cluster.num_nodes,
         }
+
+
+def enumerate_layouts(model, cluster, training, space) -> list[Candidate]:
+    """Every candidate of the space, in enumeration order (the families' members)."""
+    return [c for f in enumerate_families(model, cluster, training, space) for c in f.members]
 
 
 def toy_training(**kw) -> TrainingSpec:

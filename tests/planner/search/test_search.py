@@ -22,14 +22,19 @@ from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCos
 from planner.search import bounds
 from planner.search.branch_bound import _evaluate, new_context
 from planner.search.costing import Costing, Screened
-from planner.search.enumerate import enumerate_layouts
 from planner.search.make_plan import make_plan
 from planner.search.model_evaluator import ModelEvaluator
 from planner.search.space import make_space
 from planner.specs import SpecError
 from tests.planner.ip.test_stage_ip import brute_force
 from tests.planner.ip.test_stage_ip import random_inputs as random_stage_inputs
-from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
+from tests.planner.search.plan_stubs import (
+    ToyEvaluator,
+    enumerate_layouts,
+    toy_cluster,
+    toy_model,
+    toy_training,
+)
 
 OPTS = SolverOptions("cpsat", 10.0, 1, 0)
 

@@ -9,10 +9,15 @@ import pytest
 
 from planner.parallel import divisors
 from planner.search import space as sp
-from planner.search.enumerate import enumerate_families, enumerate_layouts
+from planner.search.enumerate import enumerate_families
 from planner.search.space import make_space, sharding_choices
 from planner.specs import SpecError
-from tests.planner.search.plan_stubs import toy_cluster, toy_model, toy_training
+from tests.planner.search.plan_stubs import (
+    enumerate_layouts,
+    toy_cluster,
+    toy_model,
+    toy_training,
+)
 
 LIGHT = ("layernorm", "moe_act")
 
