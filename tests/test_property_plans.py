@@ -3,9 +3,11 @@ the plan satisfies its own constraints, or fail with a SpecError that explains w
 invalid clusters, traces and allocations are rejected with SpecError and nothing else.
 
 Constraints checked on every plan: stages are contiguous and cover every layer once; the
-predicted memory of every stage fits the usable memory; pp*dp*tp == gpus; ep divides dp*tp
-and the expert count; every EP rank holds E/ep experts of every MoE layer; the ranks table
-numbers 0..N-1 and puts each on a distinct device of the nodes used.
+predicted memory of every stage fits the usable memory; pp*dp*tp*cp == gpus; etp*ep divides
+tp*cp*dp (the folded expert mesh) and ep the expert count; every stage holds at least vp
+layers; every EP rank holds E/ep experts of every MoE layer; the ranks table numbers 0..N-1
+and puts each on a distinct device of the nodes used. Random subsets of the searched knobs
+(sharding, the all-to-all overlap, the dispatcher) are fixed as the flags fix them.
 """
 
 from __future__ import annotations
@@ -99,13 +101,14 @@ def cluster_dicts(draw) -> dict:
 def check_plan(p, model, cluster, gpus: int) -> None:
     """Every constraint a plan states about itself (see the module docstring)."""
     par = p.parallel
-    assert par.pp * par.dp * par.tp == gpus
-    assert (par.dp * par.tp) % par.ep == 0
-    assert par.edp == par.dp * par.tp // par.ep
+    assert par.pp * par.dp * par.tp * par.cp == gpus
+    assert (par.tp * par.cp * par.dp) % (par.etp * par.ep) == 0  # the folded expert mesh
+    assert par.edp == par.tp * par.cp * par.dp // (par.etp * par.ep)
     layers = [layer for st_ in p.stages for layer in st_.layers]
     assert layers == list(range(model.num_layers)), "stages must cover each layer once, in order"
     assert [s.stage for s in p.stages] == list(range(par.pp))
-    assert all(s.layers for s in p.stages)
+    assert all(len(s.layers) >= par.vp for s in p.stages)  # one layer per interleaved chunk
+    assert par.vp == 1 or par.num_microbatches % par.pp == 0
     for s in p.stages:
         assert set(s.recompute_layers) <= set(s.layers)
     usable = p.predicted.usable_memory_gib
@@ -125,6 +128,9 @@ def check_plan(p, model, cluster, gpus: int) -> None:
     assert max(r.node for r in p.ranks) < cluster.num_nodes
     assert {r.stage for r in p.ranks} == set(range(par.pp))
     assert all(r.ep < par.ep and r.dp < par.dp and r.tp < par.tp for r in p.ranks)
+    assert all(r.cp < par.cp for r in p.ranks)
+    training = p.training
+    assert not (training["zero"] and training["fsdp"])
     # plan.json is strict JSON (no NaN/Infinity, which jq and other tools reject)
     json.loads(p.to_json(), parse_constant=_reject_constant)
 
@@ -145,6 +151,11 @@ def test_random_valid_inputs_plan_or_explain(cfg, cdict, data):
         seq_len=data.draw(st.sampled_from([128, 512, 2048]), label="seq_len"),
         global_batch=data.draw(st.sampled_from([8, 16, 64]), label="global_batch"),
     )
+    knobs = {  # a random subset of the searched knobs fixed, as the flags do
+        "sharding": data.draw(st.sampled_from([None, ("zero",), ("fsdp",), ("none",)])),
+        "a2a_overlap": data.draw(st.sampled_from([None, True, False]), label="a2a_overlap"),
+        "dispatchers": data.draw(st.sampled_from([None, ["flat"], ["halo"], ["deepep"]])),
+    }
     loads = None
     if data.draw(st.booleans(), label="trace"):  # unequal loads: the expert IP places experts
         loads = {
@@ -155,8 +166,9 @@ def test_random_valid_inputs_plan_or_explain(cfg, cdict, data):
         }  # fmt: skip
     try:
         result = make_plan(
-            model, cluster, training, gpus, None, SolverOptions("cpsat", 5.0, 1, 0), None, loads
-        )
+            model, cluster, training, gpus, None, SolverOptions("cpsat", 5.0, 1, 0), None, loads,
+            **knobs,
+        )  # fmt: skip
     except SpecError as exc:
         event(f"SpecError {str(exc)[:30]}")
         assert str(exc) and "\n" not in str(exc)
