@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from planner.outputs.tables import (
@@ -210,6 +211,7 @@ def summary_dict(result: PlanResult) -> dict[str, Any]:
         "interrupted": result.interrupted,
         "message": result.message,
         "parallel": plan.to_dict()["parallel"] if plan else None,
+        "knobs": asdict(result.best.knobs) if plan and result.best else None,
         "predicted": plan.to_dict()["predicted"] if plan else None,
         "solver": plan.to_dict()["solver"] if plan else None,
         "baselines": plan.extra.get("baselines", []) if plan else [],

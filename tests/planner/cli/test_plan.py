@@ -74,6 +74,8 @@ def test_outputs_are_byte_identical_across_runs_threads_and_scoring(tmp_path, ca
     plan = load_plan(tmp_path / "c" / "plan.json")
     assert doc["ok"] and doc["inputs_sha256"] == plan.inputs_sha256
     assert doc["parallel"]["pp"] == plan.parallel.pp
+    assert doc["knobs"]["dispatcher"] == plan.extra["dispatcher"]
+    assert doc["knobs"]["a2a_overlap"] == plan.training["a2a_overlap"]
     assert [b["name"] for b in doc["baselines"]] == ["uniform", "xmoe", "megatron"]
 
 
