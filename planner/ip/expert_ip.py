@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from planner.ip.expert_swap import improve_by_swaps
+from planner.ip.expert_swap import improve_by_swaps, lpt_with_replicas
 from planner.ip.solvers import LinearModel, SolveReport, SolverOptions, quantize, solve, unit_for
 from planner.specs import SpecError
 
@@ -212,42 +212,8 @@ class _Data:
         return out
 
     def greedy(self) -> dict[int, list[int]]:
-        """LPT: hottest expert first onto the least-loaded rank with a free base slot; then
-        each redundant slot takes a replica of an expert of the hottest rank (the one whose
-        split relieves it most) on the least-loaded rank with a free slot that lacks it.
-        With equal loads this pairs up the ranks with a redundant slot, each pair sharing
-        two experts, so every rank carries the mean load."""
-        base = self.num_e // self.ep
-        loads, held = [0.0] * self.ep, {r: [] for r in range(self.ep)}
-        order = sorted(range(self.num_e), key=lambda e: (-self.load_E[e], e))
-        for e in order:
-            r = min((r for r in range(self.ep) if len(held[r]) < base), key=lambda r: (loads[r], r))
-            held[r].append(e)
-            loads[r] += self.load_E[e]
-        copies = {e: 1 for e in range(self.num_e)}
-        for _ in range(self.redundant_slots):
-            if not self._add_replica(held, copies):
-                break
-        return held
-
-    def _add_replica(self, held: dict[int, list[int]], copies: dict[int, int]) -> bool:
-        """One replica (see greedy); False when no rank has a free slot for any expert."""
-        share = [self.load_E[e] / copies[e] for e in range(self.num_e)]
-        load = {r: sum(share[e] for e in held[r]) for r in held}
-        free = [r for r in held if len(held[r]) < self.slots[r]]
-        ranks = sorted(held, key=lambda r: (-load[r], r not in free, r))
-        for h in ranks:
-            gains = sorted(
-                (e for e in held[h] if copies[e] < self.max_replicas),
-                key=lambda e: (-(share[e] - self.load_E[e] / (copies[e] + 1)), e),
-            )
-            for e in gains:
-                dest = [r for r in free if e not in held[r]]
-                if dest:
-                    held[min(dest, key=lambda r: (load[r], r))].append(e)
-                    copies[e] += 1
-                    return True
-        return False
+        """The warm start without traffic: expert_swap.lpt_with_replicas."""
+        return lpt_with_replicas(self.load_E, self.slots, self.redundant_slots, self.max_replicas)
 
 
 def _pairs(coact, num_e: int) -> tuple[tuple[int, int, float], ...]:

@@ -1,6 +1,8 @@
-"""Traffic-aware warm start for the expert IP: swap experts between nodes while it pays.
+"""Warm starts for the expert IP: LPT with replicas, and swaps between nodes while traffic pays.
 
-Starting from the LPT placement, try swapping two experts held by ranks on different nodes
+`lpt_with_replicas`: hottest expert first onto the least-loaded rank with a free base slot;
+then each redundant slot takes a replica of an expert of the hottest rank. `improve_by_swaps`:
+starting from the LPT placement, try swapping two experts held by ranks on different nodes
 (slot counts stay equal) and keep a swap when it strictly lowers the expert IP's objective in
 its integer units: hottest rank's load minus the co-located pair weights (FORMULATION.md 2).
 Deterministic: candidates in index order, first improvement taken, a fixed evaluation budget.
@@ -63,6 +65,51 @@ def improve_by_swaps(
     for e in sorted(rank_of):
         out[rank_of[e]].append(e)
     return out
+
+
+def lpt_with_replicas(
+    load_E: Sequence[float], slots_R: Sequence[int], redundant_slots: int, max_replicas: int
+) -> dict[int, list[int]]:
+    """LPT placement (rank -> experts) with `redundant_slots` replicas on top.
+
+    Each redundant slot takes a replica of the expert of the hottest rank whose split
+    relieves that rank most, on the least-loaded rank with a free slot that lacks it (the
+    hottest rank chosen among ties by having a free slot). With equal loads this pairs up
+    the ranks with a redundant slot, each pair sharing two experts, so every rank carries
+    the mean load. Rank r ends with slots_R[r] experts unless no replica fits anywhere.
+    """
+    num_e, ep = len(load_E), len(slots_R)
+    base = num_e // ep
+    loads, held = [0.0] * ep, {r: [] for r in range(ep)}
+    order = sorted(range(num_e), key=lambda e: (-load_E[e], e))
+    for e in order:
+        r = min((r for r in range(ep) if len(held[r]) < base), key=lambda r: (loads[r], r))
+        held[r].append(e)
+        loads[r] += load_E[e]
+    copies = {e: 1 for e in range(num_e)}
+    for _ in range(redundant_slots):
+        if not _add_replica(load_E, slots_R, max_replicas, held, copies):
+            break
+    return held
+
+
+def _add_replica(load_E, slots_R, max_replicas, held, copies) -> bool:
+    """One replica (see lpt_with_replicas); False when no rank has room for any expert."""
+    share = [load_E[e] / copies[e] for e in range(len(load_E))]
+    load = {r: sum(share[e] for e in held[r]) for r in held}
+    free = [r for r in held if len(held[r]) < slots_R[r]]
+    for h in sorted(held, key=lambda r: (-load[r], r not in free, r)):
+        gains = sorted(
+            (e for e in held[h] if copies[e] < max_replicas),
+            key=lambda e: (-(share[e] - load_E[e] / (copies[e] + 1)), e),
+        )
+        for e in gains:
+            dest = [r for r in free if e not in held[r]]
+            if dest:
+                held[min(dest, key=lambda r: (load[r], r))].append(e)
+                copies[e] += 1
+                return True
+    return False
 
 
 def _top3(loads: dict[int, int]) -> list[tuple[int, int]]:
