@@ -232,7 +232,11 @@ def megatron_args(plan: Plan, model: ModelSpec) -> MegatronArgs:
         split, split_notes = pipeline_split_args(counts, mtp_layers)
     rc, rc_notes = recompute_args(plan)
     seq_len = int(training.get("seq_len", 4096))
-    margs, mnotes = model_args(model, model_settings(plan, model), seq_len, mtp_layers)
+    settings = model_settings(plan, model)
+    margs, mnotes = model_args(model, settings, seq_len, mtp_layers)
+    if not settings.source:
+        notes.append(f"no HF config found for '{plan.model.source or plan.model.name}': rotary, "
+                     "norm and router settings are the family's defaults")  # fmt: skip
     comm, comm_notes = _moe_comm_args(plan, model)
     precision = _PRECISION.get(str(training.get("dtype", "bf16")), ["--bf16"])
     args = _parallel_args(plan) + split + rc + _optimizer_args(plan) + precision + comm + margs

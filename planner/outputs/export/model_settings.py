@@ -8,7 +8,7 @@ of that family's HF config class (transformers' `configuration_<family>.py`), so
 carries what the model was trained with rather than Megatron's or torchtitan's defaults.
 
 `model_settings(plan, model)` is the entry point; a plan whose config cannot be found gets
-the family defaults and says so in `source`.
+the family defaults (`source` is then "").
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ModelSettings:
     attention_chunk: Llama-4's chunked local attention window in tokens (None = off).
     probs_on_input: the router's probability scales the expert's input (Llama-4).
     activation_clamp: GPT-OSS's clamp of the gated activation (`swiglu_limit`), else None.
-    source: the config file read, or why the family defaults were used.
+    source: the config file read ("" when none was found: the family's defaults).
     """
 
     rope_theta: float
@@ -145,7 +145,7 @@ def _raw_config(plan: Plan) -> tuple[dict[str, Any] | None, str]:
             continue
         text = cfg.get("text_config")
         return (text if isinstance(text, dict) else cfg), source
-    return None, f"no config found for '{entry.source or entry.name}': family defaults"
+    return None, ""
 
 
 def _rope_scaling(r: _Reader) -> RopeScaling | None:
@@ -215,9 +215,9 @@ def model_settings(plan: Plan, model: ModelSpec) -> ModelSettings:
     """
     cfg, source = _raw_config(plan)
     family = model.family
-    r = _Reader(cfg or {}, source)
+    r = _Reader(cfg or {}, source or "plan.json model")
     if family == "dbrx" and isinstance(r.cfg.get("attn_config"), dict):
-        attn = _Reader(r.cfg["attn_config"], f"{source} attn_config")
+        attn = _Reader(r.cfg["attn_config"], f"{r.where} attn_config")
         rope = attn.number("rope_theta", None)
     else:
         rope = r.number("rope_theta", None)

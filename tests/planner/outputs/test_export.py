@@ -280,3 +280,11 @@ def test_stage_layers_of_a_permuted_plan_are_refused():
                   stages=tuple(StagePlan(i, (i,)) for i in range(4)))  # fmt: skip
     with pytest.raises(SpecError, match="stages must cover layers 0..7 in order"):
         export_plan(bad, "megatron")
+
+
+def test_megatron_without_the_hf_config_says_the_defaults_are_used():
+    plan = make_plan()
+    entry = replace(plan.model, name="my-model", source="/nowhere/config.json")
+    notes = " ".join(export_plan(replace(plan, model=entry), "megatron").notes)
+    assert "no HF config found for '/nowhere/config.json'" in notes
+    assert "no HF config" not in " ".join(export_plan(plan, "megatron").notes)
