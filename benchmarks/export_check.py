@@ -15,7 +15,7 @@ full recompute), GPT-OSS-20B (h100, 16) and the default `piper plan`. For each:
 The export tests' every-knob plan (vp, cp, etp and folded ep, recompute modules, FSDP, bf16
 moments, FP8 or bf16, the all-to-all overlap, DeepEP, MTP on DeepSeek-V3) is checked too.
 
-    python benchmarks/export_check.py [--megatron-lm PATH] [--python PY] [--no-results]
+    python benchmarks/export_check.py [--megatron-lm PATH ...] [--python PY ...] [--no-results]
 
 Writes what it prints to results/export_check.md (--results FILE elsewhere).
 """
@@ -215,26 +215,37 @@ def run(args: argparse.Namespace) -> None:
             print(f"{name}: pp={p.pp} vp={p.vp} dp={p.dp} tp={p.tp} cp={p.cp} ep={p.ep} "
                   f"etp={p.etp} mb={p.micro_batch} m={p.num_microbatches} "
                   f"recompute={p.recompute}")  # fmt: skip
+            pythons = args.python * len(args.megatron_lm) if len(args.python) == 1 else args.python
             outcomes = {
-                "megatron-lm": check_megatron(plan, args.megatron_lm, args.python)
-                if args.megatron_lm else "skipped (no --megatron-lm checkout)",
+                f"megatron-lm {Path(root).name}": check_megatron(plan, root, python)
+                for root, python in zip(args.megatron_lm, pythons, strict=True)
+            } or {"megatron-lm": "skipped (no --megatron-lm checkout)"}
+            outcomes |= {
                 "torchtitan": check_torchtitan(plan) if "fp8" not in name else
                 "skipped (torchtitan's float8 config needs an SM89+ GPU to build; the bf16 "
                 "plan checks every other value)",
                 "slurm piper": check_slurm(path, path.parent, "piper"),
                 "slurm megatron": check_slurm(path, path.parent, "megatron"),
             }  # fmt: skip
+            width = max(map(len, outcomes))
             for what, outcome in outcomes.items():
-                print(f"  {what:15s} {outcome}")
+                print(f"  {what:{width}s} {outcome}")
                 failed += outcome.startswith("FAIL")
         print(f"{failed} checks failed")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--megatron-lm", help="a Megatron-LM checkout to run validate_args from")
-    ap.add_argument("--python", default=sys.executable,
-                    help="the Python (with torch and triton) that runs Megatron-LM")  # fmt: skip
+    ap.add_argument(
+        "--megatron-lm",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="Megatron-LM checkouts to run validate_args from",
+    )
+    ap.add_argument("--python", nargs="+", default=[sys.executable], metavar="PY",
+                    help="the Python (with torch and triton) that runs each checkout, or one "
+                    "for all (main needs Python >= 3.12)")  # fmt: skip
     ap.add_argument("--results", default=str(ROOT / "results/export_check.md"))
     ap.add_argument("--no-results", action="store_true", help="print only")
     args = ap.parse_args()
