@@ -8,6 +8,7 @@ import time
 from dataclasses import replace
 
 from planner.ip.solvers import SolverOptions
+from planner.migration.placement import capacity
 from planner.migration.policies import POLICIES, MigrationOptions
 from planner.migration.run import replay
 from planner.migration.trace import load_trace
@@ -42,7 +43,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help="tokens per EP rank and step (default: from the plan, else 8 x 4096)",
     )
-    p.add_argument("--redundant-slots", type=int, default=0, help="spare slots per rank")
+    p.add_argument(
+        "--redundant-slots",
+        type=int,
+        default=None,
+        help="spare expert slots over the whole EP group, e.g. 32 for 256 experts on 64 "
+        "ranks (default: the plan's, else 0)",
+    )
     p.add_argument(
         "--policy",
         choices=POLICIES,
@@ -86,8 +93,11 @@ def run(args: argparse.Namespace) -> int:
             raise SpecError(f"--move-margin must be >= 0, got {args.move_margin}")
         opts = replace(opts, move_margin=args.move_margin)
     if args.solver != "local":
-        if args.redundant_slots:
-            raise SpecError("--solver cpsat|cbc does not model replicas; drop --redundant-slots")
+        if any(capacity(slots_RS).sum() > trace.num_experts for slots_RS in setup.initial_LRS):
+            raise SpecError(
+                "--solver cpsat|cbc does not model replicas; drop --redundant-slots "
+                "(or use a plan without them)"
+            )
         solver = SolverOptions(args.solver, args.time_limit_s, threads=1, seed=args.seed)
         opts = replace(opts, solver=solver)
     runs = {}

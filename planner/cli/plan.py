@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from planner.cli.estimate import DTYPES
@@ -112,6 +113,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allocation", default=None, help="node allocation file for the rank IP")
     p.add_argument("--trace", default=None, help="expert-load trace CSV for the expert IP")
+    p.add_argument(
+        "--redundant-slots",
+        type=int,
+        default=None,
+        help="extra expert slots per MoE layer over the EP group for replicas of hot experts "
+        "(default: E/8, at most one per EP rank, where memory allows; 0 = none)",
+    )
     p.add_argument("--out", default=None, help="output dir (default results/MODEL-CLUSTER-GPUS)")
     p.add_argument(
         "--score",
@@ -182,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         summary_dict,
         summary_text,
     )
+    from planner.search.assemble import with_redundant_slots
     from planner.search.make_plan import make_plan
 
     model, cluster, training = _inputs(args)
@@ -227,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
             )
             return 130
         raise SpecError(result.message)
+    plan = with_redundant_slots(result.plan, model, loads, options, args.redundant_slots)
+    result = replace(result, plan=plan)
     out = args.out or f"results/{model.name}-{cluster.name}-{args.gpus}"
     write_files(out, render_files(result))
     if args.json:
