@@ -13,7 +13,8 @@ from planner.migration.placement import slot_counts
 from planner.plan import ExpertPlacement, plan_from_dict
 from planner.specs import SpecError
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "results" / "example" / "plan.json"
+# a plan written before vp/cp/etp existed: pp=4 dp=8 tp=2 ep=8 (loads with their defaults)
+EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "plan_before_knobs.json"
 SLOTS = [[0, 1, 4], [2, 3, 4], [5, 6], [0, 7]]  # experts 0 and 4 replicated; 10 slots
 
 
