@@ -174,6 +174,16 @@ class ClusterSpec:
     gemm_efficiency: float = 0.7  # fraction of peak for large GEMMs when no table is measured
     attention_efficiency: float = 0.5
     msg_overhead_us: float = 1.0  # per-message software (posting) cost of the collective library
+    # The named efficiencies `piper calibrate --fit` may fit (EFFICIENCIES below); the defaults
+    # leave the analytic model as derived in planner/RESOURCE_MODEL.md.
+    grouped_gemm_half_rows: float = 128.0  # tokens per expert at half the large-GEMM efficiency
+    hbm_efficiency: float = 1.0  # fraction of HBM bandwidth memory-bound kernels reach
+    layer_overhead_us: float = 0.0  # host/launch time per layer and micro-batch (fwd + bwd)
+    cuda_graphs: bool = False  # CUDA graphs capture the layers: layer_overhead_us is not paid
+    scale_up_efficiency: float = 1.0  # fraction of NVLink / Infinity Fabric bandwidth reached
+    scale_out_efficiency: float = 1.0  # fraction of NIC (network level) bandwidth reached
+    overlap_efficiency: float = 1.0  # fraction of overlappable communication that really hides
+    calibration: tuple[tuple[str, str], ...] = ()  # where fitted constants come from, errors
     tables: tuple[EfficiencyTable, ...] = ()
     topology: str = ""  # "dragonfly", "fat-tree", "nvl72", ...
     source: str = ""
@@ -187,6 +197,78 @@ class ClusterSpec:
             if t.name == name:
                 return t
         return None
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        """What memory-bound kernels stream per second: HBM bandwidth x hbm_efficiency."""
+        return self.device.hbm_gbps * 1e9 * self.hbm_efficiency
+
+    def link_bytes_per_s(self, level: LevelSpec) -> float:
+        """Bytes per second one device's traffic gets across `level`: bw x taper x the
+        scale-out efficiency for NIC levels, the scale-up efficiency for the others."""
+        return level.bw_gbps * 1e9 * level.taper * self.level_efficiency(level)
+
+    def level_efficiency(self, level: LevelSpec) -> float:
+        """scale_out_efficiency for levels reached through NICs, else scale_up_efficiency."""
+        nic = level.kind in NIC_KINDS
+        return self.scale_out_efficiency if nic else self.scale_up_efficiency
+
+    @property
+    def layer_overhead_s(self) -> float:
+        """Host time per layer and micro-batch that the GPU waits for (0 with CUDA graphs)."""
+        return 0.0 if self.cuda_graphs else self.layer_overhead_us * 1e-6
+
+
+# LevelSpec.kind values of network levels (reached through the NICs): scale_out_efficiency
+NIC_KINDS = frozenset({"nic", "dragonfly-global", "dragonfly-group", "network"})
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """One named constant of the cluster profile that calibration may fit: its bounds and
+    its physical meaning. `log` fits in log space (scale-like constants)."""
+
+    name: str
+    low: float
+    high: float
+    meaning: str
+    log: bool = False
+
+
+EFFICIENCIES: tuple[Efficiency, ...] = (
+    Efficiency("gemm_efficiency", 0.3, 0.95, "fraction of peak TFLOPS a large dense GEMM reaches"),
+    Efficiency(
+        "grouped_gemm_half_rows", 8.0, 4096.0,
+        "tokens per local expert at which the grouped expert GEMM reaches half of "
+        "gemm_efficiency", log=True,
+    ),
+    Efficiency(
+        "attention_efficiency", 0.15, 0.9,
+        "fraction of peak the fused attention kernel reaches (forward + backward)",
+    ),
+    Efficiency(
+        "hbm_efficiency", 0.3, 1.0,
+        "fraction of HBM bandwidth memory-bound kernels (norms, activations, permutes) reach",
+    ),
+    Efficiency(
+        "layer_overhead_us", 0.0, 20000.0,
+        "host time per layer and micro-batch, forward + backward (kernel launches, dropless "
+        "routing's device-to-host sync) that the GPU waits for; removed by CUDA graphs",
+    ),
+    Efficiency(
+        "scale_up_efficiency", 0.3, 1.0,
+        "fraction of NVLink bandwidth the collectives reach (NCCL bus bandwidth / link rate)",
+    ),
+    Efficiency(
+        "scale_out_efficiency", 0.2, 1.0,
+        "fraction of NIC bandwidth the collectives reach across nodes",
+    ),
+    Efficiency(
+        "overlap_efficiency", 0.0, 1.0,
+        "fraction of the communication the schedule overlaps that really hides behind "
+        "compute (the rest is exposed: SM contention, imperfect streams)",
+    ),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

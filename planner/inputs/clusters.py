@@ -5,7 +5,11 @@ A cluster YAML (see profiles/clusters/*.yaml) has the keys of `ClusterSpec`: `na
 `num_nodes`, `nics_per_node`, `nic_gbps`, `levels` (innermost first, each {name, devices,
 bw_gbps, latency_us, taper, kind}) and optional `framework_overhead_gib`,
 `gemm_efficiency`, `attention_efficiency`, `msg_overhead_us` (per-message software cost of
-the all-to-all, >= 0, default 1.0; shared by the analytic model and `piper a2a-sim`),
+the all-to-all, >= 0, default 1.0; shared by the analytic model and `piper a2a-sim`), the
+other named efficiencies of `planner.specs.EFFICIENCIES` (`grouped_gemm_half_rows`,
+`hbm_efficiency`, `layer_overhead_us`, `scale_up_efficiency`, `scale_out_efficiency`,
+`overlap_efficiency`), `cuda_graphs` (true / false), `calibration` (a mapping of scalars:
+where fitted constants come from and the fit's errors, written by `piper calibrate --fit`),
 `topology`, `source` and `tables` (measured efficiency tables {name, x, y}, written by
 `piper profile`).
 
@@ -24,11 +28,15 @@ import yaml
 from planner.inputs.paths import CLUSTERS_DIR
 from planner.specs import ClusterSpec, DeviceSpec, EfficiencyTable, LevelSpec, SpecError
 
-_OPTIONAL_FLOATS = ("framework_overhead_gib", "gemm_efficiency", "attention_efficiency")
-_NON_NEGATIVE_FLOATS = ("msg_overhead_us",)
+_OPTIONAL_FLOATS = ("framework_overhead_gib", "gemm_efficiency", "attention_efficiency",
+                    "grouped_gemm_half_rows", "hbm_efficiency", "scale_up_efficiency",
+                    "scale_out_efficiency")  # fmt: skip
+_NON_NEGATIVE_FLOATS = ("msg_overhead_us", "layer_overhead_us", "overlap_efficiency")
+_FRACTIONS = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency", "scale_up_efficiency",
+              "scale_out_efficiency", "overlap_efficiency")  # fmt: skip
 _TOP_KEYS = ("name", "device", "gpus_per_node", "num_nodes", "nics_per_node", "nic_gbps",
-             "levels", "tables", "topology", "source", *_OPTIONAL_FLOATS,
-             *_NON_NEGATIVE_FLOATS)  # fmt: skip
+             "levels", "tables", "topology", "source", "cuda_graphs", "calibration",
+             *_OPTIONAL_FLOATS, *_NON_NEGATIVE_FLOATS)  # fmt: skip
 _LEVEL_KEYS = ("name", "devices", "bw_gbps", "latency_us", "taper", "kind")
 _KINDS = {
     int: "an integer",
@@ -134,6 +142,8 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> ClusterSpec:
         source=str(data.get("source", "")),
         **{k: reader.positive(data, k) for k in _OPTIONAL_FLOATS if k in data},
         **{k: reader.non_negative(data, k) for k in _NON_NEGATIVE_FLOATS if k in data},
+        **({"cuda_graphs": reader.flag(data, "cuda_graphs")} if "cuda_graphs" in data else {}),
+        calibration=_parse_calibration(reader, data.get("calibration")),
     )
     _check_levels(cluster, source)
     overhead, memory = cluster.framework_overhead_gib, cluster.device.memory_gib
@@ -142,9 +152,9 @@ def cluster_from_dict(data: Any, source: str = "<dict>") -> ClusterSpec:
             f"cluster file {source}: field 'framework_overhead_gib'={overhead} leaves nothing of "
             f"the {memory} GiB device memory; use a smaller value"
         )
-    for key in ("gemm_efficiency", "attention_efficiency"):
+    for key in _FRACTIONS:
         if getattr(cluster, key) > 1.0:
-            raise SpecError(f"cluster file {source}: {key} is a fraction of peak; use a value <= 1")
+            raise SpecError(f"cluster file {source}: {key} is a fraction; use a value <= 1")
     return cluster
 
 
@@ -169,6 +179,13 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
         "gemm_efficiency": cluster.gemm_efficiency,
         "attention_efficiency": cluster.attention_efficiency,
         "msg_overhead_us": cluster.msg_overhead_us,
+        "grouped_gemm_half_rows": cluster.grouped_gemm_half_rows,
+        "hbm_efficiency": cluster.hbm_efficiency,
+        "layer_overhead_us": cluster.layer_overhead_us,
+        "cuda_graphs": cluster.cuda_graphs,
+        "scale_up_efficiency": cluster.scale_up_efficiency,
+        "scale_out_efficiency": cluster.scale_out_efficiency,
+        "overlap_efficiency": cluster.overlap_efficiency,
         "levels": [
             {
                 "name": lv.name,
@@ -181,6 +198,8 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
             for lv in cluster.levels
         ],
     }
+    if cluster.calibration:
+        out["calibration"] = {k: _scalar(v) for k, v in cluster.calibration}
     if cluster.tables:
         out["tables"] = [{"name": t.name, "x": list(t.x), "y": list(t.y)} for t in cluster.tables]
     return out
@@ -242,11 +261,43 @@ class _Reader:
             raise self.fail(f"{where}{key}", f"must be a number >= 0, got {value}")
         return float(value)
 
+    def flag(self, d: dict, key: str, where: str = "") -> bool:
+        value = d.get(key)
+        if not isinstance(value, bool):
+            raise self.fail(f"{where}{key}", "use true or false")
+        return value
+
     def positive_int(self, d: dict, key: str, where: str = "") -> int:
         value = self.get(d, key, int, where)
         if value <= 0:
             raise self.fail(f"{where}{key}", f"must be a positive integer, got {value}")
         return value
+
+
+def _parse_calibration(r: _Reader, data: Any) -> tuple[tuple[str, str], ...]:
+    """The `calibration` mapping as (key, text) pairs; values must be scalars."""
+    if data is None:
+        return ()
+    if not isinstance(data, dict):
+        raise r.fail("calibration", "must be a mapping of names to numbers or text")
+    out = []
+    for key, value in data.items():
+        if isinstance(value, dict | list):
+            raise r.fail(f"calibration.{key}", "must be a number or text")
+        out.append((str(key), str(value)))
+    return tuple(out)
+
+
+def _scalar(text: str) -> Any:
+    """A calibration value back as a number where it reads as one."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _parse_device(r: _Reader, d: dict) -> DeviceSpec:

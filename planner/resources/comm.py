@@ -88,18 +88,19 @@ def bandwidth_s(cluster: ClusterSpec, bytes_per_rank: float, parts: list[Crossin
     """
     local = local_domain_devices(cluster)
     times = [
-        bytes_per_rank * c.fraction / (c.level.bw_gbps * c.level.taper * 1e9)
+        bytes_per_rank * c.fraction / cluster.link_bytes_per_s(c.level)
         for c in parts
         if c.level.devices <= local
     ]
     net = [c for c in parts if c.level.devices > local]
     if net:
         total = sum(c.fraction for c in net)
-        times.append(bytes_per_rank * total / (_nic_share_gbps(cluster) * 1e9))
+        nic = _nic_share_gbps(cluster) * 1e9 * cluster.scale_out_efficiency
+        times.append(bytes_per_rank * total / nic)
         times += [
             bytes_per_rank
             * sum(o.fraction for o in net[j:])
-            / (c.level.bw_gbps * c.level.taper * 1e9)
+            / cluster.link_bytes_per_s(c.level)
             for j, c in enumerate(net)
         ]
     return max(times, default=0.0)
@@ -236,7 +237,7 @@ def p2p_time_s(
     measured = lookup(cluster, name, message_bytes)
     if measured is not None:
         return message_bytes / (measured * 1e9), lv.name, (name,)
-    t = lv.latency_us * 1e-6 + message_bytes / (lv.bw_gbps * lv.taper * 1e9)
+    t = lv.latency_us * 1e-6 + message_bytes / cluster.link_bytes_per_s(lv)
     return t, lv.name, ()
 
 
@@ -252,5 +253,5 @@ def ring_allreduce_s(
         return 0.0, ""
     lv = cluster.levels[span_level_index(cluster, [i * stride for i in range(n)])]
     steps = passes * (n - 1)
-    t = steps / n * nbytes / (lv.bw_gbps * lv.taper * 1e9) + steps * lv.latency_us * 1e-6
+    t = steps / n * nbytes / cluster.link_bytes_per_s(lv) + steps * lv.latency_us * 1e-6
     return t, lv.name

@@ -82,9 +82,10 @@ def gemm_time(
         if measured is not None:
             return flops / (measured * 1e12), (name,)
     peak = cluster.device.peak(dtype) * 1e12
-    eff = cluster.gemm_efficiency * rows / (rows + M_HALF_ROWS)
+    half = cluster.grouped_gemm_half_rows if grouped else M_HALF_ROWS
+    eff = cluster.gemm_efficiency * rows / (rows + half)
     compute_s = flops / (peak * eff)
-    memory_s = bytes_moved / (cluster.device.hbm_gbps * 1e9)
+    memory_s = bytes_moved / cluster.hbm_bytes_per_s
     return max(compute_s, memory_s) + kernels * KERNEL_LAUNCH_S, ()
 
 
@@ -227,7 +228,7 @@ def elementwise_work(
     their time is in attn_core)."""
     act = layer_activations(model, layer, training, parallel)
     saved = sum(v for n, v in act.components if n != "scores")
-    t = ELEMENTWISE_PASSES * saved / (cluster.device.hbm_gbps * 1e9)
+    t = ELEMENTWISE_PASSES * saved / cluster.hbm_bytes_per_s
     return Work("elementwise", 0.0, t, t / TRAIN_FACTOR)
 
 
@@ -242,7 +243,11 @@ def layer_work(
     gemms = attention_work(model, layer, cluster, training, parallel)
     gemms += mlp_work(model, layer, cluster, training, parallel)
     casts = quantize_work(cluster, training, parallel, gemms)
-    return gemms + [elementwise_work(model, layer, cluster, training, parallel)] + casts
+    out = gemms + [elementwise_work(model, layer, cluster, training, parallel)] + casts
+    host = cluster.layer_overhead_s
+    if host > 0:
+        out.append(Work("host", 0.0, host, host / TRAIN_FACTOR))
+    return out
 
 
 def head_work(
@@ -257,7 +262,7 @@ def head_work(
     heads = 1 + model.num_mtp_layers
     head_flops = heads * 2 * tokens * w
     out = [_gemm_work("head", cluster, training, rows, head_flops, w, 0.0, heads, linear=False)]
-    ce_s = heads * ELEMENTWISE_PASSES * 4.0 * tokens * v / (cluster.device.hbm_gbps * 1e9)
+    ce_s = heads * ELEMENTWISE_PASSES * 4.0 * tokens * v / cluster.hbm_bytes_per_s
     out.append(Work("elementwise", 0.0, ce_s, ce_s / TRAIN_FACTOR))
     if model.num_mtp_layers:
         n = model.num_mtp_layers

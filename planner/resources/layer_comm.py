@@ -45,9 +45,11 @@ def _a2a_s(
 
 
 def _sides(work: tuple[Work, ...]) -> tuple[float, float, float, float]:
-    """(pre-dispatch forward, backward, mlp forward, backward) compute seconds."""
-    af = sum(w.forward_s for w in work if w.name not in MLP_SIDE)
-    ab = sum(w.time_s - w.forward_s for w in work if w.name not in MLP_SIDE)
+    """(pre-dispatch forward, backward, mlp forward, backward) compute seconds; the host
+    overhead is GPU idle time and hides nothing."""
+    gpu = [w for w in work if w.name != "host"]
+    af = sum(w.forward_s for w in gpu if w.name not in MLP_SIDE)
+    ab = sum(w.time_s - w.forward_s for w in gpu if w.name not in MLP_SIDE)
     mf = sum(w.forward_s for w in work if w.name in MLP_SIDE)
     mb = sum(w.time_s - w.forward_s for w in work if w.name in MLP_SIDE)
     return af, ab, mf, mb
@@ -86,6 +88,7 @@ def layer_comm(
         shown = a2a_full
         if training.a2a_overlap:
             shown = overlap.paired_a2a_exposed_s(*_sides(work), t)
+            shown = overlap.imperfect_s(shown, a2a_full, cluster.overlap_efficiency)
             hidden.append((f"a2a_{level}", a2a_full - shown))
         exposed.append((f"a2a_{level}", shown))
     repeat = [a2a_full]
@@ -128,8 +131,12 @@ def _cp_ring(
     shown, fwd = overlap.ring_attention_exposed_s(
         cp, step_s, core.forward_s, core.time_s - core.forward_s
     )
+    total = 3 * (cp - 1) * step_s
+    eta = cluster.overlap_efficiency
+    fwd = overlap.imperfect_s(fwd, (cp - 1) * step_s, eta)
+    shown = overlap.imperfect_s(shown, total, eta)
     exposed.append((f"cp_{level}", shown))
-    hidden.append((f"cp_{level}", 3 * (cp - 1) * step_s - shown))
+    hidden.append((f"cp_{level}", total - shown))
     return fwd
 
 
@@ -176,5 +183,6 @@ def _fsdp(
     fwd = sum(w.forward_s for w in work)
     bwd = sum(w.time_s for w in work) - fwd
     shown = overlap.prefetch_exposed_s(gather, reduce, fwd, bwd)
+    shown = overlap.imperfect_s(shown, 2 * gather + reduce, cluster.overlap_efficiency)
     exposed.append((f"fsdp_{level}", shown))
     hidden.append((f"fsdp_{level}", 2 * gather + reduce - shown))

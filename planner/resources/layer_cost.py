@@ -173,7 +173,7 @@ def _recompute_extra_s(
     share = recompute.work_share(layer, modules, model.hidden_size)
     extra = sum(w.forward_s * share.get(w.name, 0.0) for w in work)
     dropped = sum(v - dict(kept.components)[n] for n, v in act.components if n != "scores")
-    extra += ELEMENTWISE_PASSES * dropped / (cluster.device.hbm_gbps * 1e9) / TRAIN_FACTOR
+    extra += ELEMENTWISE_PASSES * dropped / cluster.hbm_bytes_per_s / TRAIN_FACTOR
     if recompute.repeats_dispatch(layer, modules):
         extra += lc.repeat_moe_s
     if "core_attn" in modules:
@@ -281,7 +281,9 @@ def _role(
         fwd = sum(w.forward_s for w in work)
         bwd = sum(w.time_s for w in work) - fwd
         if level:
-            comm_s = ((f"fsdp_{level}", overlap.prefetch_exposed_s(gather, reduce, fwd, bwd)),)
+            shown = overlap.prefetch_exposed_s(gather, reduce, fwd, bwd)
+            shown = overlap.imperfect_s(shown, 2 * gather + reduce, cluster.overlap_efficiency)
+            comm_s = ((f"fsdp_{level}", shown),)
         workspace = (("fsdp_gathered", fsdp_gathered_bytes(held_dense + held_expert, training)),)
     return ExtrasCost(held_dense, held_expert, state, act_bytes, work, comm_s, workspace)
 

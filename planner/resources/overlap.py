@@ -21,6 +21,12 @@ Three overlaps, each per layer and micro-batch (seconds in, exposed seconds out)
 from __future__ import annotations
 
 
+def imperfect_s(shown_s: float, total_s: float, efficiency: float) -> float:
+    """Exposed seconds when only `efficiency` of the ideally hidden part (total - shown)
+    really hides (`ClusterSpec.overlap_efficiency`): shown + (1 - efficiency) x hidden."""
+    return shown_s + (1.0 - efficiency) * max(total_s - shown_s, 0.0)
+
+
 def paired_a2a_exposed_s(
     attn_fwd_s: float, attn_bwd_s: float, mlp_fwd_s: float, mlp_bwd_s: float, a2a_s: float
 ) -> float:

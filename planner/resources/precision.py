@@ -48,4 +48,4 @@ def cast_time_s(
         return 0.0
     per_elem = CAST_BYTES_PER_ELEMENT[training.dtype]
     nbytes = per_elem * (io_elements + weight_params / num_microbatches)
-    return nbytes / (cluster.device.hbm_gbps * 1e9)
+    return nbytes / cluster.hbm_bytes_per_s

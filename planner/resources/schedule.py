@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
-from planner.resources import comm, interleave, traffic
+from planner.resources import comm, interleave, overlap, traffic
 from planner.resources.compute import TRAIN_FACTOR
 from planner.resources.layer_cost import ExtrasCost, LayerCost, fsdp_gather_s
 from planner.resources.memory import StateBytes, grad_bytes_per_param
@@ -178,7 +178,7 @@ def _optimizer_s(stages: Sequence[StageEstimate], cluster: ClusterSpec) -> float
     worst = 0.0
     for st in stages:
         state_gib = sum(v for n, v in st.memory_gib if n in ("weights", "grads", "optimizer"))
-        worst = max(worst, 2 * state_gib * GIB / (cluster.device.hbm_gbps * 1e9))
+        worst = max(worst, 2 * state_gib * GIB / cluster.hbm_bytes_per_s)
     return worst
 
 
@@ -216,7 +216,9 @@ def _grad_sync_all(
         extras = stage_extras(st.stage, pp, ends)
         sync = _grad_sync_s(st.layers, costs, extras, cluster, training, parallel)
         total = sum(s for _, s in sync)
-        exposed = max(exposed, total - st.stage / parallel.vp * slot * 2 / TRAIN_FACTOR)
+        behind = st.stage / parallel.vp * slot * 2 / TRAIN_FACTOR
+        shown = overlap.imperfect_s(max(total - behind, 0.0), total, cluster.overlap_efficiency)
+        exposed = max(exposed, shown)
         for name, s in sync:
             by_name[name] = max(by_name.get(name, 0.0), s)
     return exposed, by_name
