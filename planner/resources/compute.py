@@ -33,6 +33,15 @@ TRAIN_FACTOR = 3  # forward + backward = 3 x forward FLOPs
 KERNEL_LAUNCH_S = 5e-6  # ASSUMPTION: per-kernel launch + tail cost (fwd, dgrad, wgrad each)
 M_HALF_ROWS = 128  # ASSUMPTION: a GEMM with 128 rows reaches half its large-GEMM efficiency
 ELEMENTWISE_PASSES = 4  # ASSUMPTION: norms/activations/permutes touch each saved byte ~4 times
+# Fused attention kernels (FlashAttention-2/3, cuDNN) work in tiles of ATTN_TILE queries x
+# ATTN_TILE keys: a causal or windowed mask still computes the whole diagonal tiles.
+ATTN_TILE = 128
+# Kernel efficiency grows with the head dim as d / (d + ATTN_HEAD_DIM_HALF) (FlashAttention-3,
+# Shah et al. 2024, H100 bf16: head dim 64 reaches ~0.7 of head dim 128's TFLOPS); the
+# profile's attention_efficiency is the value at head dim 128, and the gain stops at 192.
+ATTN_HEAD_DIM_HALF = 96.0
+ATTN_REFERENCE_HEAD_DIM = 128.0
+ATTN_HEAD_DIM_CAP = 192.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,27 @@ def causal_context(training: TrainingSpec, att: AttentionSpec) -> float:
     if w is None or w >= s:
         return (s + 1) / 2
     return w - w * (w - 1) / (2 * s)  # first w queries see 1..w keys, the rest see w
+
+
+def kernel_context(training: TrainingSpec, att: AttentionSpec) -> float:
+    """Keys per query the fused kernel computes: whole ATTN_TILE x ATTN_TILE tiles, so
+    (s + tile) / 2 under a causal mask and w + tile under a sliding window w (capped at s)."""
+    s, w, b = training.seq_len, att.sliding_window, ATTN_TILE
+    if w is None or w >= s:
+        return min((s + b) / 2, s)
+    return min(w + b, s)
+
+
+def attention_head_efficiency(att: AttentionSpec) -> float:
+    """The head-dim factor of attention efficiency, 1 at head dim 128 (ATTN_HEAD_DIM_HALF);
+    MLA uses the mean of its qk and v head dims."""
+    if att.kind == "mla":
+        d = (att.qk_nope_head_dim + att.qk_rope_head_dim + att.v_head_dim) / 2
+    else:
+        d = att.head_dim
+    d = min(float(d), ATTN_HEAD_DIM_CAP)
+    ref = ATTN_REFERENCE_HEAD_DIM
+    return (d / (d + ATTN_HEAD_DIM_HALF)) / (ref / (ref + ATTN_HEAD_DIM_HALF))
 
 
 def gemm_time(
@@ -155,11 +185,13 @@ def attention_work(
     flops = TRAIN_FACTOR * fwd
     name = f"attention_{compute_dtype(training)}"
     measured = lookup(cluster, name, training.seq_len)
-    if measured is not None:
+    kernel_flops = flops * kernel_context(training, att) / ctx
+    if measured is not None:  # a profile's table: achieved TFLOPS of the causal kernel
         t, tables = flops / (measured * 1e12), (name,)
     else:
         peak = cluster.device.peak(compute_dtype(training)) * 1e12
-        t, tables = flops / (peak * cluster.attention_efficiency) + 3 * KERNEL_LAUNCH_S, ()
+        eff = cluster.attention_efficiency * attention_head_efficiency(att)
+        t, tables = kernel_flops / (peak * eff) + 3 * KERNEL_LAUNCH_S, ()
     core = Work("attn_core", flops, t, t / TRAIN_FACTOR, tables)
     return [proj, core]
 
