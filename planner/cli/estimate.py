@@ -16,9 +16,10 @@ DISPATCHERS = ("flat", "halo", "deepep")
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "estimate",
-        help="predict memory, time and MFU of one parallel layout",
-        description="Per-stage memory by component, time by component, communication by "
-        "level, step time, tokens/s, TFLOPS per GPU and MFU for one layout (even layer split). "
+        help="predict tokens/s, memory and time of one parallel layout",
+        description="Tokens/s (total and per GPU), step time, per-stage memory by component, "
+        "time by component, communication by level, TFLOPS per GPU and MFU (model FLOPs in "
+        "Megatron-Core's convention) for one layout (even layer split). "
         "See planner/RESOURCE_MODEL.md.",
     )
     p.add_argument("--model", required=True, help="model preset name or config path")
@@ -148,6 +149,7 @@ def _recompute(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
 def run(args: argparse.Namespace) -> int:
     from planner.outputs.files import write_files
     from planner.resources.cost import estimate, estimate_to_dict
+    from planner.resources.flops import FLOPS_CONVENTION
 
     model, cluster, training, parallel = _inputs(args)
     m, gb = parallel.num_microbatches, training.global_batch
@@ -186,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
         "dispatcher": args.dispatcher,
         "accounting": args.accounting,
         **estimate_to_dict(est),
+        "tokens_per_s_per_gpu": est.tokens_per_s / parallel.world,
+        "flops_per_token": est.model_flops_per_step / (gb * training.seq_len),
+        "flops_convention": FLOPS_CONVENTION,
     }
     if args.out:
         write_files(args.out, _files(data))
@@ -235,6 +240,9 @@ def _table(d: dict) -> str:
         rc += f"({','.join(par['recompute_modules'])})"
     sharding = "fsdp" if tr["fsdp"] else "distributed optimizer" if tr["zero"] else "replicated"
     lines = [
+        f"{d['tokens_per_s']:,.0f} tokens/s ({d['tokens_per_s_per_gpu']:,.0f} per GPU), "
+        f"step {d['step_time_s']:.4f} s, {d['tflops_per_gpu']:.1f} TFLOPS/GPU, "
+        f"MFU {d['mfu']:.1%} ({d['flops_convention']} FLOP convention)",
         f"{d['model']} on {d['cluster']}: pp={par['pp']} vp={par['vp']} dp={par['dp']} "
         f"tp={par['tp']} cp={par['cp']} ep={par['ep']} etp={par['etp']} edp={par['edp']} "
         f"micro-batch={par['micro_batch']} micro-batches={par['num_microbatches']} "
@@ -277,10 +285,11 @@ def _table(d: dict) -> str:
     )
     lines += [
         "",
+        f"tokens/s         {d['tokens_per_s']:,.0f}  ({d['tokens_per_s_per_gpu']:,.1f} per GPU)",
         f"step time        {d['step_time_s']:.4f} s  (bubble {d['bubble_fraction']:.1%}, "
         f"exposed comm {d['exposed_comm_s']:.4f} s{extras})",
-        f"tokens/s         {d['tokens_per_s']:,.0f}",
-        f"TFLOPS per GPU   {d['tflops_per_gpu']:.1f}  (MFU {d['mfu']:.1%})",
+        f"TFLOPS per GPU   {d['tflops_per_gpu']:.1f}  (MFU {d['mfu']:.1%}; "
+        f"{d['flops_per_token'] / 1e9:.2f} GFLOP/token, {d['flops_convention']} convention)",
         f"memory limit     {d['usable_memory_gib']:.1f} GiB per GPU (stage totals include "
         f"the framework overhead)",
         f"fits             {'yes' if d['fits'] else 'NO: ' + d['reason']}",

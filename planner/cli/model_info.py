@@ -40,8 +40,10 @@ def print_report(info: dict[str, Any]) -> None:
         ("mtp_params", _b(info["mtp_params"])),
         ("embedding / head", f"{_b(info['embedding_params'])} / {_b(info['head_params'])}"
                              f"{' (tied)' if info['tie_word_embeddings'] else ''}"),
-        ("flops_per_token", f"{info['flops_per_token']:.4g} at seq_len {info['flops_seq_len']}"
-                            f" (+{info['mtp_flops_per_token']:.3g} MTP)"),
+        ("flops_per_token", f"{info['flops_per_token'] / 1e9:.4g} GFLOP at seq_len "
+                            f"{info['flops_seq_len']} ({info['flops_convention']} convention"
+                            + (f", MTP {info['mtp_flops_per_token'] / 1e9:.4g} included"
+                               if info["mtp_flops_per_token"] else "") + ")"),
     ]  # fmt: skip
     for label in ("total", "active"):
         pub = info.get("published", {}).get(label)

@@ -53,17 +53,18 @@ def comm_csv(est: EstimateView) -> str:
     return to_csv(comm_frame(est), COMM_DIGITS)
 
 
-BASELINE_COLUMNS = ("baseline", "layout", "step (s)", "TFLOPS/GPU", "fits", "Piper speedup",
-                    "note")  # fmt: skip
+BASELINE_COLUMNS = ("baseline", "layout", "tokens/s/GPU", "step (s)", "TFLOPS/GPU", "fits",
+                    "Piper speedup", "note")  # fmt: skip
+FLOPS_NOTE = "model FLOPs in Megatron-Core's convention"  # planner/resources/flops.py
 
 
 def baseline_rows(result: PlanResult) -> list[list[str]]:
     """One row per baseline (BASELINE_COLUMNS) against the plan's step time."""
     assert result.best is not None and result.best.estimate is not None
-    return _baseline_rows(result.baselines, result.best.estimate.step_time_s)
+    return _baseline_rows(result.baselines, result.best.estimate.step_time_s, result.gpus)
 
 
-def _baseline_rows(baselines: Sequence[Baseline], step_s: float) -> list[list[str]]:
+def _baseline_rows(baselines: Sequence[Baseline], step_s: float, gpus: int) -> list[list[str]]:
     rows = []
     for b in baselines:
         e = b.estimate
@@ -74,6 +75,7 @@ def _baseline_rows(baselines: Sequence[Baseline], step_s: float) -> list[list[st
             [
                 b.title,
                 layout,
+                fmt(e.tokens_per_s / gpus, 4) if e else "-",
                 fmt(e.step_time_s, 4) if e else "-",
                 fmt(e.tflops_per_gpu, 4) if e else "-",
                 fits,
@@ -116,7 +118,10 @@ def summary_md(result: PlanResult) -> str:
         "",
         "## Predicted",
         "",
-        _predicted_table(est),
+        _predicted_table(est, result.gpus),
+        "",
+        f"TFLOPS/GPU and MFU: {FLOPS_NOTE}, {_gflop_per_token(est, result.gpus):.2f} GFLOP "
+        "per token.",
         "",
         "## Solvers",
         "",
@@ -124,11 +129,11 @@ def summary_md(result: PlanResult) -> str:
         "",
         "## Baselines (same resource model)",
         "",
-        _table(BASELINE_COLUMNS, _baseline_rows(result.baselines, est.step_time_s)),
+        _table(BASELINE_COLUMNS, _baseline_rows(result.baselines, est.step_time_s, result.gpus)),
         "",
         "## Top candidates",
         "",
-        _top_candidates(result.rows),
+        _top_candidates(result.rows, result.gpus),
         "",
         f"{len(result.rows)} candidates in candidates.csv ("
         + ", ".join(f"{n} {k}" for k, n in _status_counts(result.rows))
@@ -138,10 +143,16 @@ def summary_md(result: PlanResult) -> str:
     return "\n".join(lines)
 
 
-def _predicted_table(est: EstimateView) -> str:
+def _gflop_per_token(est: EstimateView, gpus: int) -> float:
+    """Model GFLOP per token behind tflops_per_gpu (TFLOPS/GPU x GPUs / tokens/s)."""
+    return est.tflops_per_gpu * 1e3 * gpus / est.tokens_per_s
+
+
+def _predicted_table(est: EstimateView, gpus: int) -> str:
     header = (
-        "step time (s)",
         "tokens/s",
+        "tokens/s/GPU",
+        "step time (s)",
         "TFLOPS/GPU",
         "MFU",
         "bubble",
@@ -149,8 +160,9 @@ def _predicted_table(est: EstimateView) -> str:
         "capacity GiB",
     )
     row = [
-        fmt(est.step_time_s, 4),
         fmt(est.tokens_per_s, 4),
+        fmt(est.tokens_per_s / gpus, 4),
+        fmt(est.step_time_s, 4),
         fmt(est.tflops_per_gpu, 4),
         f"{100 * est.mfu:.1f}%",
         f"{100 * est.bubble_fraction:.1f}%",
@@ -185,7 +197,7 @@ def _status_counts(rows: Sequence[CandidateRow]) -> list[tuple[str, int]]:
     return sorted(counts.items())
 
 
-def _top_candidates(rows: Sequence[CandidateRow], n: int = 10) -> str:
+def _top_candidates(rows: Sequence[CandidateRow], gpus: int, n: int = 10) -> str:
     out = []
     for rank, r in enumerate(rows[:n], start=1):
         e = r.estimate
@@ -193,13 +205,15 @@ def _top_candidates(rows: Sequence[CandidateRow], n: int = 10) -> str:
             [
                 rank,
                 describe(r.parallel, r.knobs),
+                fmt(e.tokens_per_s / gpus, 4) if e else "-",
                 fmt(e.step_time_s, 4) if e else "-",
                 fmt(e.tflops_per_gpu, 4) if e else "-",
                 fmt(e.memory_gib_per_stage[0], 4) if e else "-",
                 r.reason or "-",
             ]
         )
-    return _table(("rank", "layout", "step (s)", "TFLOPS/GPU", "stage-0 GiB", "reason"), out)
+    header = ("rank", "layout", "tokens/s/GPU", "step (s)", "TFLOPS/GPU", "stage-0 GiB", "reason")
+    return _table(header, out)
 
 
 def summary_dict(result: PlanResult) -> dict[str, Any]:
@@ -231,11 +245,13 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
     if result.interrupted:
         lines.append("interrupted: best plan found so far (search stopped by Ctrl-C)")
     lines += [
-        f"{plan.model.name} on {result.gpus} GPUs of {plan.cluster.name}: "
+        f"{est.tokens_per_s:,.0f} tokens/s ({est.tokens_per_s / result.gpus:,.0f} per GPU): "
+        f"{plan.model.name} on {result.gpus} GPUs of {plan.cluster.name}, "
         f"{describe(best.parallel, best.knobs)}",
-        f"  step {est.step_time_s:.4g} s, {est.tokens_per_s:.4g} tokens/s, "
-        f"{est.tflops_per_gpu:.4g} TFLOPS/GPU, MFU {100 * est.mfu:.1f}%, "
-        f"max stage memory {max(est.memory_gib_per_stage):.1f} GiB of {capacity_gib(est):.1f}",
+        f"  step {est.step_time_s:.4g} s, max stage memory {max(est.memory_gib_per_stage):.1f} "
+        f"GiB of {capacity_gib(est):.1f}",
+        f"  {est.tflops_per_gpu:.4g} TFLOPS/GPU, MFU {100 * est.mfu:.1f}% ({FLOPS_NOTE}, "
+        f"{_gflop_per_token(est, result.gpus):.4g} GFLOP/token)",
         f"  stage IP {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.3g})",
     ]
     lines.append(f"  wrote {out_dir}/ (plan.json, candidates.csv, summary.md, plots)")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
 from planner.resources import interleave, traffic
-from planner.resources.compute import model_flops_per_sequence
+from planner.resources.flops import flops_per_token
 from planner.resources.layer_cost import (
     Dispatcher,
     ExtrasCost,
@@ -226,7 +226,9 @@ def _assemble(
     """Step time, throughput, communication summary and the fit verdict from the stages."""
     pp, m = parallel.pp, parallel.num_microbatches
     step = step_time(model, cluster, training, parallel, stages, costs, ends)
-    flops = model_flops_per_sequence(model, cluster, training) * parallel.global_batch
+    # model FLOPs in Megatron-Core's convention (flops.py), not the time model's Work.flops
+    tokens = parallel.global_batch * training.seq_len
+    flops = flops_per_token(model, training.seq_len).total * tokens
     tflops = flops / (step.step_s * parallel.world) / 1e12
     usable = usable_memory_bytes(cluster) / GIB
     over = [st for st in stages if st.total_gib > cluster.device.memory_gib]

@@ -1,5 +1,8 @@
 """What `piper model-info` reports: parameter counts with their basis, FLOPs, layer kinds.
 
+FLOPs per token are in Megatron-Core's convention (planner.resources.flops), the same count
+`piper estimate` and `piper plan` divide by step time for TFLOPS/GPU and MFU.
+
 `describe_model(name_or_path, seq_len)` returns a plain dict (JSON-ready, deterministic);
 `counts_on_basis` converts Piper's counts to the basis a publication used, so published
 totals can be compared like for like.
@@ -15,7 +18,7 @@ from planner.inputs.models import (
     published_counts,
     resolve_model,
 )
-from planner.resources.flops import FLOPS_FORMULA, flops_per_token
+from planner.resources.flops import FLOPS_CONVENTION, FLOPS_FORMULA, flops_per_token
 from planner.resources.params import ParamCounts, count_params
 from planner.specs import LayerSpec, ModelSpec
 
@@ -126,8 +129,16 @@ def describe_model(name_or_path: str, seq_len: int = 4096) -> dict[str, Any]:
         "embedding_params": counts.embedding,
         "head_params": counts.head,
         "flops_per_token": flops.total,
-        "mtp_flops_per_token": flops.mtp_flops,
+        "mtp_flops_per_token": flops.mtp,
+        "flops_breakdown": {
+            "mlp": flops.mlp,
+            "attention_linear": flops.attention_linear,
+            "attention_core": flops.attention_core,
+            "logits": flops.logits,
+            "mtp": flops.mtp,
+        },
         "flops_seq_len": seq_len,
+        "flops_convention": FLOPS_CONVENTION,
         "flops_formula": FLOPS_FORMULA,
         "counting_basis": COUNTING_BASIS,
         "layers": layer_kinds(model),

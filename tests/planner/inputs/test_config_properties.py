@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.inputs.models import model_config, model_from_config
-from planner.resources.flops import flops_per_token
+from planner.resources.flops import flops_per_token, padded_vocab
 from planner.resources.params import count_params
 from planner.specs import SpecError
 
@@ -92,7 +92,14 @@ def test_valid_configs_load_and_count_consistently(cfg):
     assert again == model
     short, long = flops_per_token(model, 8), flops_per_token(model, 64)
     assert 0 < short.total <= long.total
-    assert short.matmul_params <= c.active + c.head  # matmuls never exceed the active weights
+    # Megatron-Core's count: token-linear FLOPs never exceed 6 x the active weights (its MLA
+    # terms include the latent norms) plus the vocabulary padding of the head
+    pad = (padded_vocab(model.vocab_size) - model.vocab_size) * model.hidden_size
+    linear = short.total - short.attention_core - short.mtp
+    assert linear <= 6 * (c.active + pad)
+    assert long.total - short.total == long.attention_core - short.attention_core + (
+        long.mtp - short.mtp
+    )  # only attention grows with the sequence
 
 
 @st.composite

@@ -88,7 +88,7 @@ def _model_is_usable(path: Path) -> None:
     counts = count_params(model)
     assert counts.total >= 0 and counts.active >= 0
     flops = flops_per_token(model, 4096)
-    assert flops.total >= 0 and flops.mtp_flops >= 0
+    assert flops.total >= 0 and flops.mtp >= 0
 
 
 def _cluster_is_usable(path: Path) -> None:

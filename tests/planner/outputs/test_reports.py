@@ -129,12 +129,19 @@ def test_summary_lists_baselines_with_speedups(result, files):
         if b.estimate is not None and b.estimate.fits:
             assert f"{b.speedup(result.best.step_time_s):.2f}x" in md
     text = reports.summary_text(result, "out")
-    assert "TFLOPS/GPU" in text and "wrote out/" in text
+    assert "TFLOPS/GPU" in text and "Megatron-Core" in text and "wrote out/" in text
+    best = result.best.estimate
+    assert text.splitlines()[0].startswith(  # tokens/s is the headline
+        f"{best.tokens_per_s:,.0f} tokens/s ({best.tokens_per_s / result.gpus:,.0f} per GPU)"
+    )
     rows = reports.baseline_rows(result)
     assert [r[0] for r in rows] == [b.title for b in result.baselines]
+    cols = reports.BASELINE_COLUMNS
+    speedup, per_gpu = cols.index("Piper speedup"), cols.index("tokens/s/GPU")
     for row, b in zip(rows, result.baselines, strict=True):
         if b.estimate is not None and b.estimate.fits:
-            assert row[5] == f"{b.speedup(result.best.step_time_s):.2f}x"
+            assert row[speedup] == f"{b.speedup(result.best.step_time_s):.2f}x"
+            assert float(row[per_gpu]) == pytest.approx(b.estimate.tokens_per_s / result.gpus, 1e-3)
 
 
 def test_rendering_is_byte_identical_across_runs(files):

@@ -46,8 +46,10 @@ def test_tiny_model_every_component_by_hand():
     slot = sum(want.values())
     assert est.optimizer_s == pytest.approx(optimizer_s)
     assert est.step_time_s == pytest.approx(m * slot + optimizer_s)
-    flops = 3 * 2 * s * (4 * d * d + d * E + k * 3 * d * f + d * V)
-    flops += 3 * 2 * H * s * (s + 1) / 2 * 2 * (d // H)
+    # Model FLOPs (MFU numerator) in Megatron-Core's convention, not the time model's: no
+    # router GEMM, and the causal square counted as s^2 / 2 rather than s (s + 1) / 2 pairs.
+    flops = 3 * 2 * s * (4 * d * d + k * 3 * d * f + d * V)
+    flops += 3 * 2 * H * s * s / 2 * 2 * (d // H)
     assert est.model_flops_per_step == pytest.approx(flops * b * m)
     assert est.mfu == pytest.approx(flops * b * m / (est.step_time_s * 100e12))
     assert est.tokens_per_s == pytest.approx(b * m * s / est.step_time_s)

@@ -89,23 +89,24 @@ def test_active_equals_total_when_every_expert_is_used():
 
 
 def test_flops_per_token_by_hand():
+    # Megatron-Core's convention (flops.py): no router, causal half of the attention square,
+    # vocabulary padded to 128, sliding windows not discounted.
     f = flops_per_token(model_from_config(TINY, "t"), seq_len=6)
-    matmul = 10 * 8 + 2 * (192 + 2 * 3 * 8 * 16 + 8 * 4)  # head + (attn + 2 experts + router)
-    attention = 3 * 2 * (2 * 2 * (4 + 4) * 6)  # fwd+bwd x layers x 2 H (dqk + dv) ctx
-    assert f.matmul_params == matmul
-    assert f.total == 6 * matmul + attention == 13536
+    assert f.mlp == 2 * 6 * 8 * 3 * (2 * 16)  # layers x 6 d x 3 matrices x top_k f
+    assert f.attention_linear == 2 * 6 * (8 * (8 + 2 * 4) + 8 * 8)  # d (q + 2 kv) + q d
+    assert f.attention_core == 2 * 3 * 2 * (4 + 4) * 6  # layers x 3 H (d_qk + d_v) s
+    assert f.logits == 6 * 8 * 128  # vocab 10 padded to 128
+    assert f.mtp == 0 and f.total == f.main == 9216 + 2304 + 576 + 6144
     windowed = flops_per_token(model_from_config({**TINY, "sliding_window": 4}, "t"), seq_len=6)
-    assert windowed.attention_flops == 3 * 2 * (2 * 2 * 8 * 4)
-    long = flops_per_token(model_from_config({**TINY, "sliding_window": 4}, "t"), seq_len=3)
-    assert long.attention_flops == 3 * 2 * (2 * 2 * 8 * 3)  # window larger than the sequence
+    assert windowed == f
 
 
 def test_dense_flops_match_six_n_plus_attention():
     cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-           "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 50}  # fmt: skip
+           "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 256}  # fmt: skip
     m = model_from_config(cfg, "dense")
     c = count_params(m)
     f = flops_per_token(m, seq_len=16)
     non_matmul = c.embedding + 3 * 2 * 64 + 64  # embedding gather, norms, final norm
-    assert f.matmul_params == c.total - non_matmul
-    assert f.attention_flops == 12 * 3 * 4 * 16 * 16  # PaLM: 12 L H Q T
+    assert f.main - f.attention_core == 6 * (c.total - non_matmul)  # 6 N
+    assert f.attention_core == 6 * 3 * 4 * 16 * 16  # PaLM's 12 L H Q T, halved for causal
