@@ -1,4 +1,5 @@
-"""piper calibrate: predicted vs measured by hand, the --fit profile, the CLI files.
+"""piper calibrate PLAN METRICS: predicted vs measured by hand, the --write-profile profile,
+the CLI files.
 
 The measured side is a synthetic metrics.jsonl in the format planner/calibrate/metrics.py reads
 (tests/runtime/test_run.py reads a real `piper run` metrics.jsonl with the same reader).
@@ -154,7 +155,7 @@ def test_cli_writes_table_csv_plot_and_fit(tmp_path, capsys):
             str(tmp_path / "metrics.jsonl"),
             "--out",
             str(tmp_path / "cal"),
-            "--fit",
+            "--write-profile",
             str(fit),
         ]
     )

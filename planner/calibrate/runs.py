@@ -1,0 +1,353 @@
+"""Measured runs as layouts to predict: rows of a RUNS.csv, or a `piper run` plan + metrics.
+
+RUNS.csv has the columns of profiles/runs/published_runs.csv, one row per measured run:
+required `model` (a preset name or a config.json path), `hardware` (e.g. H100, GB200),
+`gpus`, `precision` (BF16, FP16, FP8, MXFP8), `seq`, `gbs`, `mbs`, `tp`, `pp`, `vp`, `cp`,
+`ep`, `etp`, `recompute` (none, full, selective or selective(module,...)) and at least one of
+`measured_tokens_per_s_per_gpu` / `measured_tflops_per_gpu` (a row uses its tokens/s when
+given, else its TFLOPS); optional `id`, `source`, `note` and `measured_peak_gib`.
+
+How a row becomes a layout (decisions where a source is silent are marked "assumed"):
+- dp = gpus / (tp pp cp); num_microbatches = gbs / (mbs dp); etp, ep, vp, cp as given;
+- recompute: none, full, or selective with the row's modules (`norm` = layernorm,
+  `act` = moe_act, Megatron-Core's short forms; `selective` alone = core attention);
+- sharding: FSDP where the note says "FSDP on", else Megatron's distributed optimizer;
+  18 B per parameter (fp32 main gradients), fp32 Adam moments;
+- dispatcher: "deepep" where the note names DeepEP or HybridEP, else "flat" (NCCL
+  all-to-all; assumed where the note names none); the all-to-all overlap where the note says
+  "A2A overlap"; CUDA graphs where the note says "CUDA graphs" (else the cluster's setting);
+- precision: BF16 -> bf16, FP8 -> fp8 (per-tensor current scaling), MXFP8 -> mxfp8; MTP as
+  the row's model config;
+- routing force-balanced (skew 1), flash attention; the router weights applied in the expert
+  activation, as Megatron-Core's experts do (`gate_in_activation`);
+- the layer split counts the embedding and the loss as one pipeline layer each (Megatron's
+  --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split; assumed
+  where the source is silent), earlier ranks taking the extra layer.
+
+A `piper run` becomes a run from its plan.json (model, training, layout, layer split,
+recompute layers, dispatcher) and metrics.jsonl (the median tokens/s and peak memory over
+the steps after the warm-up, per GPU).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+from planner.inputs.models import load_model
+from planner.parallel import RECOMPUTE_MODULES, ParallelConfig, check_layout
+from planner.resources.cost import Estimate, estimate
+from planner.specs import GIB, ClusterSpec, ModelSpec, SpecError, TrainingSpec
+
+Metric = Literal["tokens/s/GPU", "TFLOPS/GPU"]
+TOKENS, TFLOPS = "measured_tokens_per_s_per_gpu", "measured_tflops_per_gpu"
+SIZES = ("gpus", "seq", "gbs", "mbs", "tp", "pp", "vp", "cp", "ep", "etp")
+REQUIRED = ("model", "hardware", "gpus", "precision", "seq", "gbs", "mbs", "tp", "pp", "vp",
+            "cp", "ep", "etp", "recompute")  # fmt: skip
+OPTIONAL = ("id", "source", "note", "measured_peak_gib")
+DTYPES = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8"}
+SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}
+DISPATCHERS = ("flat", "halo", "deepep")
+EXAMPLE = "profiles/runs/published_runs.csv"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured run as a layout and training setup, with its measured figures.
+
+    `label` names the run in tables ("id 4", or the metrics file); `where` names it in errors
+    (the file and line). `cuda_graphs` None keeps the cluster's setting.
+    """
+
+    label: str
+    where: str
+    model: ModelSpec
+    hardware: str
+    parallel: ParallelConfig
+    training: TrainingSpec
+    dispatcher: str
+    stage_layers: tuple[tuple[int, ...], ...]
+    metric: Metric
+    measured: float
+    measured_peak_gib: float | None = None
+    cuda_graphs: bool | None = None
+    recompute_layers: tuple[tuple[int, ...], ...] | None = None
+    row: Mapping[str, str] | None = None  # the CSV fields as read (None for a piper run)
+
+    def field(self, name: str) -> str:
+        """A CSV column of the run's row ('' when absent or not from a CSV)."""
+        return (self.row or {}).get(name, "") or ""
+
+
+def accounted_split(num_layers: int, pp: int) -> tuple[tuple[int, ...], ...]:
+    """Contiguous split of num_layers + 2 units (embedding, layers, loss) over pp ranks,
+    earlier ranks taking the extra unit; the first rank's embedding and the last rank's loss
+    take one unit each. With pp = 1 every layer."""
+    if pp == 1:
+        return (tuple(range(num_layers)),)
+    base, extra = divmod(num_layers + 2, pp)
+    sizes = [base + (1 if i < extra else 0) for i in range(pp)]
+    sizes[0] -= 1
+    sizes[-1] -= 1
+    out, start = [], 0
+    for n in sizes:
+        out.append(tuple(range(start, start + n)))
+        start += n
+    return tuple(out)
+
+
+def estimate_run(run: Run, cluster: ClusterSpec) -> Estimate:
+    """The resource model's prediction of the run's layout on `cluster` (its CUDA graphs
+    setting where the run states one); a SpecError names the run."""
+    if run.cuda_graphs is not None and run.cuda_graphs != cluster.cuda_graphs:
+        cluster = replace(cluster, cuda_graphs=run.cuda_graphs)
+    try:
+        return estimate(
+            run.model, cluster, run.training, run.parallel, stage_layers=run.stage_layers,
+            recompute_layers=run.recompute_layers, dispatcher=run.dispatcher,  # type: ignore[arg-type]
+        )  # fmt: skip
+    except SpecError as err:
+        raise SpecError(f"{run.where}: the resource model cannot price the layout: {err}") from None
+
+
+def predicted_value(run: Run, est: Estimate) -> float:
+    """The prediction in the run's metric (tokens/s/GPU or TFLOPS/GPU)."""
+    if run.metric == "tokens/s/GPU":
+        return est.tokens_per_s / run.parallel.world
+    return est.tflops_per_gpu
+
+
+def hardware_matches(hardware: str, cluster: ClusterSpec) -> bool:
+    """A row's `hardware` (e.g. H100) names the cluster's device or the cluster itself."""
+    key = hardware.strip().upper()
+    return bool(key) and (key in cluster.device.name.upper() or key in cluster.name.upper())
+
+
+# --- RUNS.csv --------------------------------------------------------------------------------
+
+
+def load_runs(path: str | Path) -> list[Run]:
+    """Read and validate a RUNS.csv (module docstring); every fault is one SpecError naming
+    the file, the line and the column."""
+    p = Path(path)
+    try:
+        text = p.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise SpecError(f"{p}: not a text file; RUNS.csv is comma-separated text") from None
+    except FileNotFoundError:
+        raise SpecError(
+            f"{p}: no such runs file; give a CSV with the columns of {EXAMPLE}"
+        ) from None
+    return parse_runs(text, str(p))
+
+
+def parse_runs(text: str, source: str = "RUNS.csv") -> list[Run]:
+    """RUNS.csv text as runs, in file order (see load_runs)."""
+    try:
+        reader = csv.DictReader(io.StringIO(text))
+        header = reader.fieldnames
+        if not header:
+            raise SpecError(f"{source}: empty; add the header of {EXAMPLE} and one row per run")
+        _check_header(header, source)
+        runs = []
+        for row in reader:
+            where = f"{source} line {reader.line_num}"
+            if row.get("id"):
+                where += f" (id {row['id']})"
+            runs.append(run_of(row, where))
+    except csv.Error as err:
+        raise SpecError(f"{source}: not valid CSV ({err}); fix the quoting") from None
+    if not runs:
+        raise SpecError(f"{source}: a header but no runs; add one row per measured run")
+    return runs
+
+
+def _check_header(header: list[str], source: str) -> None:
+    missing = [c for c in REQUIRED if c not in header]
+    if missing:
+        raise SpecError(
+            f"{source}: no column '{missing[0]}'; the header needs {', '.join(REQUIRED)} "
+            f"(see {EXAMPLE})"
+        )
+    if TOKENS not in header and TFLOPS not in header:
+        raise SpecError(f"{source}: no measured column; add {TOKENS} or {TFLOPS}")
+
+
+def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
+    """One RUNS.csv row as its exact layout, training setup and dispatcher (module
+    docstring); raises SpecError naming `where` and the column at fault."""
+    if None in row:
+        raise SpecError(
+            f"{where}: more fields than the header has columns; quote fields that hold "
+            "commas (recompute, note)"
+        )
+    blank = next((c for c in REQUIRED if row.get(c) is None), None)
+    if blank:
+        raise SpecError(f"{where}: fewer fields than the header (no '{blank}'); fill the row")
+    fields = {k: (v or "").strip() for k, v in row.items()}
+    size = {c: _positive_int(fields, c, where) for c in SIZES}
+    model = _model(fields["model"], where)
+    dp, mbs, gbs = _data_parallel(size, where), size["mbs"], size["gbs"]
+    note = fields.get("note", "")
+    recompute, modules = _recompute(fields["recompute"], where)
+    parallel = _layout(where, pp=size["pp"], dp=dp, tp=size["tp"], ep=size["ep"],
+                       micro_batch=mbs, num_microbatches=gbs // (mbs * dp),
+                       recompute=recompute, vp=size["vp"], cp=size["cp"], etp=size["etp"],
+                       recompute_modules=modules)  # fmt: skip
+    fsdp = "FSDP on" in note
+    training = TrainingSpec(
+        seq_len=size["seq"], global_batch=gbs, dtype=_dtype(fields["precision"], where),
+        bytes_per_param=18, zero=not fsdp, fsdp=fsdp, recompute=recompute,
+        a2a_overlap="A2A overlap" in note, gate_in_activation=True,
+    )  # fmt: skip
+    try:
+        check_layout(parallel, model, training)
+    except SpecError as err:
+        raise SpecError(f"{where}: {err}") from None
+    split = accounted_split(model.num_layers, size["pp"])
+    if any(not s for s in split):
+        raise SpecError(
+            f"{where}: column 'pp'={size['pp']} leaves a pipeline rank without layers "
+            f"({model.num_layers} layers + embedding + loss); lower pp"
+        )
+    metric, measured = _measured(fields, where)
+    lowered = note.lower()
+    return Run(
+        label=f"id {fields['id']}" if fields.get("id") else where.rsplit(" ", 1)[-1],
+        where=where, model=model, hardware=fields["hardware"], parallel=parallel,
+        training=training,
+        dispatcher="deepep" if "deepep" in lowered or "hybridep" in lowered else "flat",
+        stage_layers=split, metric=metric, measured=measured,
+        measured_peak_gib=_optional_positive(fields, "measured_peak_gib", where),
+        cuda_graphs=True if "cuda graphs" in lowered else None, row=fields,
+    )  # fmt: skip
+
+
+def _positive_int(fields: Mapping[str, str], column: str, where: str) -> int:
+    text = fields[column]
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise SpecError(f"{where}: column '{column}' must be a positive integer, got {text!r}")
+    return value
+
+
+def _number(fields: Mapping[str, str], column: str, where: str) -> float:
+    text = fields[column]
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise SpecError(f"{where}: column '{column}' must be a positive number, got {text!r}")
+    return value
+
+
+def _optional_positive(fields: Mapping[str, str], column: str, where: str) -> float | None:
+    return _number(fields, column, where) if fields.get(column) else None
+
+
+def _measured(fields: Mapping[str, str], where: str) -> tuple[Metric, float]:
+    """The row's tokens/s/GPU when given, else its TFLOPS/GPU."""
+    if fields.get(TOKENS):
+        return "tokens/s/GPU", _number(fields, TOKENS, where)
+    if fields.get(TFLOPS):
+        return "TFLOPS/GPU", _number(fields, TFLOPS, where)
+    raise SpecError(f"{where}: columns '{TOKENS}' and '{TFLOPS}' are both empty; give one")
+
+
+def _model(name: str, where: str) -> ModelSpec:
+    if not name:
+        raise SpecError(f"{where}: column 'model' is empty; give a preset name or config path")
+    try:
+        return load_model(name)
+    except SpecError as err:
+        raise SpecError(f"{where}: column 'model': {err}") from None
+
+
+def _dtype(text: str, where: str) -> str:
+    dtype = DTYPES.get(text.upper())
+    if dtype is None:
+        raise SpecError(f"{where}: column 'precision' is {text!r}; use one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def _data_parallel(size: Mapping[str, int], where: str) -> int:
+    dense = size["tp"] * size["pp"] * size["cp"]
+    if size["gpus"] % dense:
+        raise SpecError(
+            f"{where}: column 'gpus'={size['gpus']} is not a multiple of tp*pp*cp={dense}; "
+            "fix the layout"
+        )
+    dp = size["gpus"] // dense
+    if size["gbs"] % (size["mbs"] * dp):
+        raise SpecError(
+            f"{where}: column 'gbs'={size['gbs']} is not a multiple of mbs*dp="
+            f"{size['mbs'] * dp}; fix the batch or the layout"
+        )
+    return dp
+
+
+def _recompute(text: str, where: str) -> tuple[str, tuple[str, ...]]:
+    if text in ("none", "full", "selective"):
+        return text, ()
+    if not (text.startswith("selective(") and text.endswith(")")):
+        raise SpecError(
+            f"{where}: column 'recompute' is {text!r}; use none, full, selective or "
+            "selective(module,...)"
+        )
+    inner = text.removeprefix("selective(").removesuffix(")")
+    names = tuple(SHORT_MODULES.get(n.strip(), n.strip()) for n in inner.split(","))
+    unknown = [n for n in names if n not in RECOMPUTE_MODULES]
+    if unknown:
+        raise SpecError(
+            f"{where}: column 'recompute' names module '{unknown[0]}'; choose from "
+            f"{', '.join(RECOMPUTE_MODULES)} (or norm, act)"
+        )
+    return "selective", names
+
+
+def _layout(where: str, **knobs) -> ParallelConfig:
+    try:
+        return ParallelConfig(**knobs)
+    except SpecError as err:
+        raise SpecError(f"{where}: {err}") from None
+
+
+# --- piper run -------------------------------------------------------------------------------
+
+
+def run_of_metrics(plan_path: str | Path, metrics_path: str | Path, skip_steps: int = 1) -> Run:
+    """A `piper run` as a run: the plan's layout, the measured median tokens/s per GPU and
+    peak memory over the steps after `skip_steps` warm-up steps (all kept when fewer)."""
+    from planner.calibrate.compare import plan_inputs
+    from planner.calibrate.metrics import load_metrics
+    from planner.plan import load_plan
+
+    plan = load_plan(plan_path)
+    steps = load_metrics(metrics_path)
+    steps = steps[skip_steps:] if len(steps) > skip_steps else steps
+    model, cluster, training, parallel = plan_inputs(plan)
+    tokens = statistics.median(d["tokens_per_s"] for d in steps)
+    if tokens <= 0:
+        raise SpecError(f"{metrics_path}: tokens_per_s is 0 in every step; re-run 'piper run'")
+    extra = plan.extra if isinstance(plan.extra, dict) else {}
+    dispatcher = extra.get("dispatcher", "flat")
+    return Run(
+        label=str(metrics_path),
+        where=f"{plan_path}:{metrics_path}", model=model, hardware=cluster.name,
+        parallel=parallel, training=training,
+        dispatcher=dispatcher if dispatcher in DISPATCHERS else "flat",
+        stage_layers=tuple(tuple(s.layers) for s in plan.stages),
+        recompute_layers=tuple(tuple(s.recompute_layers) for s in plan.stages),
+        metric="tokens/s/GPU", measured=tokens / parallel.world,
+        measured_peak_gib=statistics.median(d["peak_memory_bytes"] for d in steps) / GIB,
+    )  # fmt: skip

@@ -1,0 +1,131 @@
+"""RUNS.csv rows as layouts: the published calibration file, the split, every fault as one
+line naming the file, the line and the column; a piper run (plan + metrics) as a run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.calibrate.runs import (
+    accounted_split,
+    hardware_matches,
+    load_runs,
+    parse_runs,
+    run_of_metrics,
+)
+from planner.inputs.clusters import load_cluster
+from planner.inputs.paths import PROFILES_DIR
+from planner.specs import GIB, SpecError
+from tests.planner.calibrate.test_compare import RANKS, metrics_lines, tiny_plan
+
+PUBLISHED = PROFILES_DIR / "runs" / "published_runs.csv"
+HEAD = (
+    "id,model,hardware,gpus,precision,seq,gbs,mbs,tp,pp,vp,cp,ep,etp,recompute,"
+    "measured_tokens_per_s_per_gpu,measured_tflops_per_gpu,measured_peak_gib,note\n"
+)
+GOOD = '7,qwen3-30b-a3b,H100,16,BF16,4096,256,1,1,2,1,1,8,1,"selective(norm,act)",900,,61.5,x\n'
+
+
+def test_the_published_file_reads_as_its_layouts():
+    runs = {r.label: r for r in load_runs(PUBLISHED)}
+    assert len(runs) == 18
+    r4 = runs["id 4"]  # Qwen3-235B tp2 pp8 vp4 ep32, DeepEP and the all-to-all overlap
+    p, t = r4.parallel, r4.training
+    assert (p.tp, p.pp, p.vp, p.cp, p.ep, p.etp, p.dp, p.edp) == (2, 8, 4, 1, 32, 1, 16, 1)
+    assert p.num_microbatches == 2048 // 16 and p.selective_modules == ("layernorm", "moe_act")
+    assert r4.dispatcher == "deepep" and t.a2a_overlap and t.zero and not t.fsdp
+    assert r4.metric == "tokens/s/GPU" and r4.measured == 1861.8 and r4.cuda_graphs is None
+    r5 = runs["id 5"]
+    assert r5.training.fsdp and r5.parallel.recompute == "full" and r5.parallel.edp == 32
+    r9 = runs["id 9"]
+    assert r9.parallel.cp == 2 and r9.metric == "TFLOPS/GPU" and r9.measured == 335
+    assert runs["id 23"].cuda_graphs is True and runs["id 36"].training.dtype == "mxfp8"
+
+
+def test_accounted_split_counts_embedding_and_loss():
+    # 94 layers + 2 units over 8 ranks: 12 each, the first and last rank one layer fewer
+    assert [len(s) for s in accounted_split(94, 8)] == [11, 12, 12, 12, 12, 12, 12, 11]
+    assert [len(s) for s in accounted_split(61, 4)] == [15, 16, 16, 14]
+    assert accounted_split(5, 1) == ((0, 1, 2, 3, 4),)
+
+
+def test_a_row_with_peak_memory_and_the_optional_columns():
+    (run,) = parse_runs(HEAD + GOOD, "mine.csv")
+    assert run.label == "id 7" and run.measured_peak_gib == 61.5
+    assert (run.parallel.dp, run.parallel.num_microbatches) == (8, 32)
+    assert run.where == "mine.csv line 2 (id 7)"
+
+
+def test_hardware_names_the_device_or_the_cluster():
+    assert hardware_matches("H100", load_cluster("h100"))
+    assert hardware_matches("gb200", load_cluster("gb200-nvl72"))
+    assert not hardware_matches("H100", load_cluster("gb200-nvl72"))
+    assert not hardware_matches("", load_cluster("h100"))
+
+
+BAD_ROWS = [
+    (
+        "tp",
+        GOOD.replace(",1,1,2,1,1,8,", ",1,x,2,1,1,8,"),
+        "column 'tp' must be a positive integer",
+    ),
+    ("gpus", GOOD.replace("H100,16,", "H100,15,"), "column 'gpus'=15 is not a multiple"),
+    ("gbs", GOOD.replace(",256,1,", ",250,1,"), "column 'gbs'=250"),
+    ("precision", GOOD.replace("BF16", "int4"), "column 'precision'"),
+    ("model", GOOD.replace("qwen3-30b-a3b", "qwen9-moe"), "column 'model'"),
+    ("recompute", GOOD.replace("norm,act", "norm,attn"), "column 'recompute'"),
+    ("measured", GOOD.replace(",900,,", ",,,"), "are both empty"),
+    ("negative", GOOD.replace(",900,", ",-3,"), "must be a positive number"),
+    ("peak", GOOD.replace(",61.5,", ",lots,"), "column 'measured_peak_gib'"),
+    ("ep", GOOD.replace(",1,8,1,", ",1,5,1,"), "ep=5"),
+    ("commas", GOOD.replace('"selective(norm,act)"', "selective(norm,act)"), "more fields"),
+]
+
+
+@pytest.mark.parametrize("name,row,message", BAD_ROWS, ids=[b[0] for b in BAD_ROWS])
+def test_a_bad_row_is_one_line_naming_the_file_line_and_column(name, row, message):
+    with pytest.raises(SpecError) as err:
+        parse_runs(HEAD + GOOD + row, "mine.csv")
+    text = str(err.value)
+    assert text.startswith("mine.csv line 3 (id 7): ") and message in text, text
+    assert "\n" not in text
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("", "empty"),
+        (HEAD, "a header but no runs"),
+        (HEAD.replace("etp,", ""), "no column 'etp'"),
+        (
+            HEAD.replace("measured_tokens_per_s_per_gpu,measured_tflops_per_gpu,", ""),
+            "no measured column",
+        ),
+    ],  # fmt: skip
+)
+def test_a_bad_file_is_one_line(text, message):
+    with pytest.raises(SpecError, match=message):
+        parse_runs(text, "mine.csv")
+
+
+def test_missing_and_binary_files(tmp_path):
+    with pytest.raises(SpecError, match="no such runs file"):
+        load_runs(tmp_path / "absent.csv")
+    (tmp_path / "b.csv").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(SpecError, match="not a text file"):
+        load_runs(tmp_path / "b.csv")
+
+
+def test_a_piper_run_becomes_a_run(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(tiny_plan().to_json())
+    steps = metrics_lines([(9.0, 0.2, 0.2, RANKS), (2.0, 0.2, 0.2, RANKS), (4.0, 0.2, 0.2, RANKS)])
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    run = run_of_metrics(plan, metrics, skip_steps=1)
+    # median tokens/s of steps 1 and 2 (256 / 2 and 256 / 4) over pp * dp = 4 GPUs
+    assert run.measured == pytest.approx((128 + 64) / 2 / 4)
+    assert run.metric == "tokens/s/GPU" and run.parallel.world == 4
+    assert run.stage_layers == ((0, 1), (2, 3))
+    assert run.measured_peak_gib == pytest.approx(max(r[1] for r in RANKS) / GIB)
