@@ -123,6 +123,7 @@ class DeviceSpec:
     memory_gib: float  # HBM capacity in GiB (2**30 bytes)
     peak_tflops: tuple[tuple[str, float], ...]  # (dtype, dense peak TFLOPS), e.g. ("bf16", 191.5)
     hbm_gbps: float  # HBM bandwidth, GB/s (1e9)
+    sms: int = 0  # streaming multiprocessors (compute units); 0 = unknown
 
     def peak(self, dtype: str) -> float:
         for name, tflops in self.peak_tflops:
@@ -209,15 +210,27 @@ class ClusterSpec:
         return level.bw_gbps * 1e9 * level.taper * self.level_efficiency(level)
 
     def level_efficiency(self, level: LevelSpec) -> float:
-        """scale_out_efficiency for levels reached through NICs, else scale_up_efficiency."""
-        nic = level.kind in NIC_KINDS
+        """scale_out_efficiency for levels reached through NICs (a NIC kind, or no kind and
+        wider than a node), else scale_up_efficiency."""
+        nic = level.kind in NIC_KINDS or (not level.kind and level.devices > self.gpus_per_node)
         return self.scale_out_efficiency if nic else self.scale_up_efficiency
 
-    @property
-    def layer_overhead_s(self) -> float:
-        """Host time per layer and micro-batch that the GPU waits for (0 with CUDA graphs)."""
-        return 0.0 if self.cuda_graphs else self.layer_overhead_us * 1e-6
+    def layer_overhead_s(self, graphs: CudaGraphs | None = None) -> float:
+        """Host time per layer and micro-batch the GPU waits for under `graphs` (None: the
+        profile's `cuda_graphs`): all of layer_overhead_us eagerly, PARTIAL_GRAPH_SHARE of it
+        with the static modules captured, none with the whole iteration captured."""
+        mode = graphs or ("full" if self.cuda_graphs else "none")
+        share = {"none": 1.0, "partial": PARTIAL_GRAPH_SHARE, "full": 0.0}[mode]
+        return share * self.layer_overhead_us * 1e-6
 
+
+CudaGraphs = Literal["none", "partial", "full"]
+CUDA_GRAPHS: tuple[str, ...] = ("none", "partial", "full")
+# With only the static modules in CUDA graphs (attention, router, permutation preprocessing)
+# the dropless experts, dispatch and combine still launch eagerly: about half of a MoE
+# layer's kernels (ASSUMPTION; Megatron-Core's cuda_graph_scope leaves "moe" out for
+# dropless MoE because its shapes change every step).
+PARTIAL_GRAPH_SHARE = 0.5
 
 # LevelSpec.kind values of network levels (reached through the NICs): scale_out_efficiency
 NIC_KINDS = frozenset({"nic", "dragonfly-global", "dragonfly-group", "network"})
@@ -298,8 +311,18 @@ class TrainingSpec:
     # experts.py `activation_func_with_probs`): the combine then keeps no expert outputs.
     # False: weighted at the combine (Piper's runtime), which keeps them for the gate gradient.
     gate_in_activation: bool = False
+    # CUDA graphs: "full" (the whole iteration captured: no per-layer host time), "partial"
+    # (the static modules, e.g. Megatron's cuda_graph_scope attn / moe_router /
+    # moe_preprocess: the dropless experts stay eager), "none"; None = the cluster's
+    # `cuda_graphs` (true = full).
+    cuda_graphs: CudaGraphs | None = None
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs is not None and self.cuda_graphs not in CUDA_GRAPHS:
+            raise SpecError(
+                f"training: cuda_graphs '{self.cuda_graphs}' is unknown; use "
+                f"{', '.join(CUDA_GRAPHS)}"
+            )
         for name in ("seq_len", "global_batch"):
             if getattr(self, name) <= 0:
                 raise SpecError(f"training: {name} must be positive, got {getattr(self, name)}")

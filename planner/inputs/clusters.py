@@ -170,6 +170,7 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
             "memory_gib": dev.memory_gib,
             "peak_tflops": {k: v for k, v in dev.peak_tflops},
             "hbm_gbps": dev.hbm_gbps,
+            **({"sms": dev.sms} if dev.sms else {}),
         },
         "gpus_per_node": cluster.gpus_per_node,
         "num_nodes": cluster.num_nodes,
@@ -301,7 +302,7 @@ def _scalar(text: str) -> Any:
 
 
 def _parse_device(r: _Reader, d: dict) -> DeviceSpec:
-    r.no_typos(d, ("name", "memory_gib", "peak_tflops", "hbm_gbps"), "device.")
+    r.no_typos(d, ("name", "memory_gib", "peak_tflops", "hbm_gbps", "sms"), "device.")
     peak = r.get(d, "peak_tflops", dict, "device.", nonempty=True)
     if "bf16" not in peak:  # the default training dtype; every accelerator Piper targets has it
         raise r.fail("device.peak_tflops", f"has no bf16 entry ({', '.join(map(str, peak))}); "
@@ -312,6 +313,7 @@ def _parse_device(r: _Reader, d: dict) -> DeviceSpec:
         memory_gib=r.positive(d, "memory_gib", "device."),
         peak_tflops=pairs,
         hbm_gbps=r.positive(d, "hbm_gbps", "device."),
+        sms=r.positive_int(d, "sms", "device.") if "sms" in d else 0,
     )
 
 

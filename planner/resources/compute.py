@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
-from planner.resources.memory import act_bytes_per_element, layer_activations, rank_tokens
+from planner.resources.memory import act_bytes_per_element, rank_tokens
 from planner.resources.params import attention_params
 from planner.resources.precision import LOW_PRECISION, cast_time_s, compute_dtype, linear_dtype
 from planner.resources.tables import lookup
@@ -248,6 +248,62 @@ def mlp_work(
     return out
 
 
+def memory_bound_bytes(
+    model: ModelSpec, layer: LayerSpec, training: TrainingSpec, parallel: ParallelConfig
+) -> dict[str, float]:
+    """HBM bytes of one layer's memory-bound kernels on one rank per micro-batch, forward
+    only, by kernel: each reads its inputs and writes its outputs once (a bytes per element).
+
+    norms: 2 x (read d, write d) per token; residual adds: 2 x (read 2d, write d); rope (and
+    qk-norm) on q and k: read + write; router: fp32 logits written, softmax / top-k read and
+    written (3 x 4 E); permute: read d, write k d per token; the activation (SwiGLU): read
+    2 f, write f per routed copy (non-gated: read f, write f); unpermute / combine: read k d,
+    write d; shared experts and dense MLPs: their activation likewise. Tokens: T = b s /
+    (tp cp) in the sequence-parallel regions, b s / cp with heads / tp inside attention,
+    T k skew routed copies (x etp, each f / etp wide)."""
+    a = act_bytes_per_element(training)
+    d = model.hidden_size
+    tokens = rank_tokens(training, parallel)
+    full = tokens * parallel.tp  # attention's tokens, with heads / tp
+    att = layer.attention
+    if att.kind == "mla":
+        qk_dim = att.qk_nope_head_dim + att.qk_rope_head_dim
+        q = att.num_heads * qk_dim
+        k = att.num_heads * qk_dim  # MLA's k is per head after the up-projection
+    else:
+        q, k = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+    passes = 2 if att.qk_norm else 1
+    out = {
+        "norms": tokens * 2 * 2 * d * a,
+        "residual": tokens * 2 * 3 * d * a,
+        "rope": full * passes * 2 * (q + k) / parallel.tp * a,
+    }
+    if layer.dense_ffn:
+        mats = 3 if layer.dense_gated else 2
+        out["activation"] = tokens * mats * layer.dense_ffn / parallel.tp * a
+    moe = layer.moe
+    if moe is not None:
+        kk, skew = moe.top_k, training.routing_skew
+        out["router"] = tokens * 3 * 4 * moe.num_experts
+        out["permute"] = tokens * (1 + kk * skew) * d * a
+        copies = tokens * kk * skew * parallel.etp
+        width = 3 if moe.gated else 2
+        out["activation"] = out.get("activation", 0.0) + copies * width * moe.expert_ffn / (
+            parallel.etp
+        ) * a
+        out["unpermute"] = tokens * (1 + kk * skew) * d * a
+        if moe.num_shared_experts:
+            out["activation"] += (
+                tokens * width * moe.num_shared_experts * moe.shared_ffn * a
+            )
+    return out
+
+
+# The backward of a memory-bound kernel reads the output gradient and the saved input and
+# writes the input gradient: about twice the forward's bytes.
+BACKWARD_BYTES = 2.0
+
+
 def elementwise_work(
     model: ModelSpec,
     layer: LayerSpec,
@@ -255,13 +311,14 @@ def elementwise_work(
     training: TrainingSpec,
     parallel: ParallelConfig,
 ) -> Work:
-    """Norms, activation functions, softmax, permutes and residual adds: memory-bound, about
-    ELEMENTWISE_PASSES HBM passes over the layer's saved activations (score matrices excluded,
+    """Norms, residual adds, rope, router softmax / top-k, permute / unpermute and the
+    activation functions: memory-bound, their bytes (memory_bound_bytes) forward and
+    BACKWARD_BYTES x as many backward at the profile's HBM rate (score matrices excluded,
     their time is in attn_core)."""
-    act = layer_activations(model, layer, training, parallel)
-    saved = sum(v for n, v in act.components if n != "scores")
-    t = ELEMENTWISE_PASSES * saved / cluster.hbm_bytes_per_s
-    return Work("elementwise", 0.0, t, t / TRAIN_FACTOR)
+    fwd = sum(memory_bound_bytes(model, layer, training, parallel).values())
+    t_fwd = fwd / cluster.hbm_bytes_per_s
+    t = t_fwd * (1 + BACKWARD_BYTES)
+    return Work("elementwise", 0.0, t, t_fwd)
 
 
 def layer_work(
@@ -276,7 +333,7 @@ def layer_work(
     gemms += mlp_work(model, layer, cluster, training, parallel)
     casts = quantize_work(cluster, training, parallel, gemms)
     out = gemms + [elementwise_work(model, layer, cluster, training, parallel)] + casts
-    host = cluster.layer_overhead_s
+    host = cluster.layer_overhead_s(training.cuda_graphs)
     if host > 0:
         out.append(Work("host", 0.0, host, host / TRAIN_FACTOR))
     return out

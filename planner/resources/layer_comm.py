@@ -13,11 +13,27 @@ from planner.parallel import ParallelConfig
 from planner.resources import comm, overlap, traffic
 from planner.resources.compute import Work
 from planner.resources.deepep import deepep_all_to_all_s
-from planner.resources.memory import WEIGHT_BYTES_PER_PARAM, grad_bytes_per_param, layer_param_split
+from planner.resources.memory import WEIGHT_BYTES_PER_PARAM, layer_param_split
 from planner.specs import ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
 
 DISPATCHERS: tuple[str, ...] = ("flat", "halo", "deepep")
 MLP_SIDE = ("experts", "shared")  # the all-to-all overlap's "mlp" node; the rest is pre-dispatch
+# SMs the dispatch/combine kernels hold while they run beside compute: DeepEP's normal
+# (training) kernels use 24 SMs (DeepEP README: "for V3-like legacy training, SM usage
+# reduced from 24 to 4-6" in V2); NCCL's all-to-all one SM per channel, 16 channels
+# (ASSUMPTION).
+COMM_SMS = {"deepep": 24, "flat": 16, "halo": 16}
+
+
+def sm_contention_s(cluster: ClusterSpec, dispatcher: str, hidden_s: float) -> float:
+    """Compute time lost while `hidden_s` of communication runs beside it: the compute gets
+    the device's SMs minus the communication kernels' sigma = COMM_SMS / sms, so each hidden
+    second stretches it by sigma / (1 - sigma). 0 when the profile gives no SM count."""
+    sms = cluster.device.sms
+    if sms <= 0 or hidden_s <= 0:
+        return 0.0
+    sigma = min(COMM_SMS.get(dispatcher, 0) / sms, 0.5)
+    return hidden_s * sigma / (1.0 - sigma)
 
 
 def _a2a_s(
@@ -76,10 +92,13 @@ def layer_comm(
     parallel: ParallelConfig,
     dispatcher: str,
     work: tuple[Work, ...],
+    backward_extra_s: float = 0.0,
 ) -> LayerComm:
     """Four all-to-alls per MoE layer (dispatch + combine, forward + backward), TP collectives
     over tp, expert-TP all-gather/reduce-scatter over etp, the cp ring of K/V and FSDP's
-    gathers; volumes from planner.resources.traffic, overlap from planner.resources.overlap."""
+    gathers; volumes from planner.resources.traffic, overlap from planner.resources.overlap.
+    `backward_extra_s`: compute the backward of the layer also runs (its recompute), which
+    FSDP's backward gather and gradient reduce-scatter hide behind as well."""
     exposed: list[tuple[str, float]] = []
     hidden: list[tuple[str, float]] = []
     t, level, tables = _a2a_s(model, layer, cluster, training, parallel, dispatcher)
@@ -90,6 +109,7 @@ def layer_comm(
             shown = overlap.paired_a2a_exposed_s(*_sides(work), t)
             shown = overlap.imperfect_s(shown, a2a_full, cluster.overlap_efficiency)
             hidden.append((f"a2a_{level}", a2a_full - shown))
+            shown += sm_contention_s(cluster, dispatcher, a2a_full - shown)
         exposed.append((f"a2a_{level}", shown))
     repeat = [a2a_full]
     if parallel.tp > 1:
@@ -106,7 +126,7 @@ def layer_comm(
         repeat.append(etp_s)
     cp_fwd = _cp_ring(model, layer, cluster, training, parallel, work, exposed, hidden)
     params = layer_param_split(model, layer, parallel)
-    _fsdp(cluster, training, parallel, work, params, exposed, hidden)
+    _fsdp(cluster, training, parallel, work, params, exposed, hidden, backward_extra_s)
     moe_s = (a2a_full + etp_s) / 2
     return LayerComm(tuple(exposed), tuple(hidden), sum(repeat) / 2, moe_s, cp_fwd, tables)
 
@@ -140,6 +160,12 @@ def _cp_ring(
     return fwd
 
 
+# Megatron-FSDP communicates gradients in the model's native gradient dtype by default
+# (`--megatron-fsdp-grad-comm-dtype` / MixedPrecisionPolicy "auto": bf16 for bf16 and FP8
+# models; docs/user-guide/features/megatron_fsdp.md), not in the distributed optimizer's fp32.
+FSDP_GRAD_COMM_BYTES = 2
+
+
 def fsdp_gather_s(
     cluster: ClusterSpec,
     training: TrainingSpec,
@@ -147,8 +173,9 @@ def fsdp_gather_s(
     params: tuple[float, float],
 ) -> tuple[float, float, str]:
     """(all-gather s, reduce-scatter s, level) of one FSDP unit holding `params` = (dense,
-    expert) parameters before sharding: bf16 weights gathered and gradients reduce-scattered
-    over dp x cp ranks tp apart (dense) and edp ranks etp x ep apart (experts)."""
+    expert) parameters before sharding: bf16 weights gathered and bf16 gradients
+    (FSDP_GRAD_COMM_BYTES) reduce-scattered over dp x cp ranks tp apart (dense) and edp ranks
+    etp x ep apart (experts)."""
     groups = (
         (parallel.dp * parallel.cp, parallel.tp, params[0]),
         (parallel.edp, parallel.ep * parallel.etp, params[1]),
@@ -157,7 +184,7 @@ def fsdp_gather_s(
     level, worst = "", -1.0
     for size, stride, n in groups:
         g, lv = comm.ring_allreduce_s(cluster, size, stride, WEIGHT_BYTES_PER_PARAM * n, 1)
-        r, _ = comm.ring_allreduce_s(cluster, size, stride, grad_bytes_per_param(training) * n, 1)
+        r, _ = comm.ring_allreduce_s(cluster, size, stride, FSDP_GRAD_COMM_BYTES * n, 1)
         gather, reduce = gather + g, reduce + r
         if lv and g > worst:
             level, worst = lv, g
@@ -172,16 +199,18 @@ def _fsdp(
     params: tuple[float, float],
     exposed: list[tuple[str, float]],
     hidden: list[tuple[str, float]],
+    backward_extra_s: float = 0.0,
 ) -> None:
     """Append FSDP's exposed and hidden seconds for one unit: forward gather, backward
-    gather and reduce-scatter, each behind that pass's compute."""
+    gather and reduce-scatter, each behind that pass's compute (the backward's with its
+    recompute, `backward_extra_s`)."""
     if not training.fsdp:
         return
     gather, reduce, level = fsdp_gather_s(cluster, training, parallel, params)
     if not level:
         return
     fwd = sum(w.forward_s for w in work)
-    bwd = sum(w.time_s for w in work) - fwd
+    bwd = sum(w.time_s for w in work) - fwd + backward_extra_s
     shown = overlap.prefetch_exposed_s(gather, reduce, fwd, bwd)
     shown = overlap.imperfect_s(shown, 2 * gather + reduce, cluster.overlap_efficiency)
     exposed.append((f"fsdp_{level}", shown))

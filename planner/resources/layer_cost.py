@@ -202,6 +202,9 @@ def layer_cost(
     extra = _recompute_extra_s(
         model, layer, cluster, training, parallel, kept_policy, work, lc, act, kept
     )
+    if training.fsdp and policy != "none":
+        # the backward gather and the reduce-scatter also hide behind the recompute
+        lc = layer_comm(model, layer, cluster, training, parallel, dispatcher, work, extra)
     tables = tuple(sorted({t for w in work for t in w.tables} | set(lc.tables)))
     dense, expert = layer_param_split(model, layer, parallel, accounting)
     return LayerCost(
