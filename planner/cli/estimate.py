@@ -6,7 +6,7 @@ import argparse
 import json
 
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
-from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
+from planner.specs import CUDA_GRAPHS, ClusterSpec, ModelSpec, SpecError, TrainingSpec
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp8", "mxfp8", "fp32")
@@ -67,6 +67,9 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
                    help="1F1B all-to-all overlap behind another micro-batch")  # fmt: skip
     p.add_argument("--gate-in-activation", action="store_true",
                    help="router weights applied in the expert activation")  # fmt: skip
+    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=None,
+                   help="CUDA graphs: the per-layer host time paid (default: the cluster's "
+                   "cuda_graphs)")  # fmt: skip
     p.add_argument("--bytes-per-param", type=int, choices=(16, 18), default=16)
     p.add_argument("--routing-skew", type=float, default=1.0, help="hot rank load / mean")
     p.add_argument("--no-flash", action="store_true", help="attention without flash kernels")
@@ -127,6 +130,7 @@ def _inputs(
         flash_attention=not args.no_flash, routing_skew=args.routing_skew, fsdp=args.fsdp,
         optimizer_dtype=args.optimizer_dtype, mtp_layers=args.mtp_layers,
         a2a_overlap=args.a2a_overlap, gate_in_activation=args.gate_in_activation,
+        cuda_graphs=args.cuda_graphs,
     )  # fmt: skip
     return model, cluster, training, parallel
 

@@ -16,7 +16,7 @@ from planner.cli.estimate import DTYPES
 from planner.outputs.console import print_table, progress
 from planner.parallel import RECOMPUTE_MODULES
 from planner.search.space import DISPATCHERS, sharding_choices
-from planner.specs import ModelSpec, SpecError, TrainingSpec
+from planner.specs import CUDA_GRAPHS, ModelSpec, SpecError, TrainingSpec
 
 DEFAULTS = {"model": "mixtral-8x7b", "cluster": "frontier", "gpus": 64}
 
@@ -77,6 +77,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="fix the 1F1B all-to-all overlap on or off (default: searched where Megatron-LM "
         "allows it)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        choices=CUDA_GRAPHS,
+        default=None,
+        help="CUDA graphs: none, partial (static modules) or full; sets the per-layer host "
+        "time priced (default: the cluster's cuda_graphs)",
     )
     p.add_argument(
         "--dispatcher",
@@ -169,6 +176,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec]:
         mtp_layers=args.mtp_layers,
         optimizer_dtype=args.optimizer_dtype,
         gate_in_activation=args.gate_in_activation,
+        cuda_graphs=args.cuda_graphs,
     )
     return model, cluster, training
 
