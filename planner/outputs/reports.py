@@ -250,7 +250,7 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
         f"{describe(best.parallel, best.knobs)}",
         f"  step {est.step_time_s:.4g} s, max stage memory {max(est.memory_gib_per_stage):.1f} "
         f"GiB of {capacity_gib(est):.1f}",
-        f"  {est.tflops_per_gpu:.4g} TFLOPS/GPU, MFU {100 * est.mfu:.1f}% ({FLOPS_NOTE}, "
+        f"  {est.tflops_per_gpu:.1f} TFLOPS/GPU, MFU {100 * est.mfu:.1f}% ({FLOPS_NOTE}, "
         f"{_gflop_per_token(est, result.gpus):.4g} GFLOP/token)",
         f"  stage IP {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.3g})",
     ]
