@@ -1,128 +1,68 @@
-"""Published MoE training runs through the resource model: predicted vs measured, and fit.
+"""Published MoE training runs through the resource model: preset vs fitted, targets, plans.
 
 Reads profiles/runs/published_runs.csv (18 Megatron-Core runs on H100 and GB200, sources in
-profiles/runs/README.md) and runs each row's exact layout through `planner.resources.cost.
-estimate` on the h100 or gb200-nvl72 preset. Nothing is fitted to the rows. Per row: predicted
-vs measured tokens/s/GPU (TFLOPS/GPU where the row has no tokens/s) and their ratio, whether it
-fits and its peak GiB against the device; per group of rows with the same model, hardware and
-GPU count, the Spearman rank correlation of predicted vs measured; one summary line.
+profiles/runs/README.md). Each row becomes its exact layout (planner/calibrate/runs.py says
+how, and which decisions are assumed where a source is silent) and goes through
+`planner.resources.cost.estimate` on the h100 or gb200-nvl72 preset as committed. Then,
+per hardware, the presets' named efficiencies (planner.specs.EFFICIENCIES, all of them) are
+fitted on that hardware's rows exactly as `piper calibrate --fit` fits them
+(planner/calibrate/fit.py), with each row's leave-one-out prediction.
 
-How a row becomes a layout (decisions where a source is silent are marked "assumed"):
-- dp = gpus / (tp pp cp); num_microbatches = gbs / (mbs dp); etp, ep, vp, cp as given;
-- recompute: none, full, or selective with the row's modules (`norm` = layernorm,
-  `act` = moe_act, Megatron-Core's short forms);
-- sharding: FSDP where the note says "FSDP on", else Megatron's distributed optimizer (both
-  sources run it); 18 B per parameter (fp32 main gradients), fp32 Adam moments;
-- dispatcher: "deepep" where the note names DeepEP or HybridEP, else "flat" (NCCL
-  all-to-all; assumed where the note names none); the all-to-all overlap where the note says
-  "A2A overlap";
-- precision: BF16 -> bf16, FP8 -> fp8 (per-tensor current scaling), MXFP8 -> mxfp8; MTP as
-  the row's model config (deepseek-v3 has 1 layer, deepseek-v3-nomtp none);
-- routing force-balanced (skew 1), flash attention; the router weights applied in the expert
-  activation, as Megatron-Core's experts do (`gate_in_activation`);
-- the layer split counts the embedding and the loss as one pipeline layer each (Megatron's
-  --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split, which the
-  Qwen3 ModelZoo configs set; assumed for the others), earlier ranks taking the extra layer.
+Printed:
+- per row: measured, predicted with the preset and its ratio, predicted with the
+  in-benchmark fit and its ratio (when the fit's constants differ from the preset's), the
+  leave-one-out ratio, whether it fits, peak GiB, device GiB and the headroom, the layout;
+- per hardware: every constant, preset vs fitted, and the fit's errors;
+- Spearman rank correlation per (model, hardware, GPUs) group;
+- issue 15's targets with pass / fail, for the preset and for the fit;
+- per setting (model, hardware, GPUs, global batch, sequence, precision): the layout
+  `piper plan` picks (make_plan, as the CLI calls it with --gpus) and its
+  predicted tokens/s/GPU beside the measured-fastest published layout's predicted and
+  measured, on the presets and again on the fit (`--no-plans` skips this, the slow part:
+  about a minute each).
 
-    OMP_NUM_THREADS=1 python3 benchmarks/published_runs.py [--no-results]
+    OMP_NUM_THREADS=1 python3 benchmarks/published_runs.py [--no-results] [--no-plans]
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 from results_md import ROOT, recorded
 
+from planner.calibrate.fit import WITHIN, FitResult, fit, fit_error
+from planner.calibrate.runs import Run, accounted_split, estimate_run, load_runs, predicted_value
 from planner.inputs.clusters import load_cluster
-from planner.inputs.models import load_model
-from planner.parallel import ParallelConfig
-from planner.resources.cost import Estimate, estimate
-from planner.specs import SpecError, TrainingSpec
+from planner.resources.cost import Estimate
+from planner.specs import EFFICIENCIES, ClusterSpec, SpecError, TrainingSpec
+
+__all__ = ["accounted_split", "spearman"]
 
 RUNS = ROOT / "profiles" / "runs" / "published_runs.csv"
 CLUSTERS = {"H100": "h100", "GB200": "gb200-nvl72"}
-DTYPES = {"BF16": "bf16", "FP8": "fp8", "MXFP8": "mxfp8"}
-SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}
-WITHIN = 0.15  # "within +-15%"
+RANKED_IDS = ("3", "4", "5", "6", "7")  # Qwen3-235B on 256 H100s, five layouts
+LOW_PRECISION = ("fp8", "mxfp8")
 
 
 @dataclass(frozen=True)
-class Run:
-    """One row as a layout and training setup, with its measured figure."""
+class Row:
+    """One published run: its estimate on the preset and on the fit, and the left-out ratio."""
 
-    row: dict[str, str]
-    parallel: ParallelConfig
-    training: TrainingSpec
-    dispatcher: str
-    stage_layers: tuple[tuple[int, ...], ...]
-    metric: str  # "tokens/s/GPU" or "TFLOPS/GPU"
-    measured: float
+    run: Run
+    preset: Estimate
+    fitted: Estimate
+    left_out: float | None  # predicted / measured, fitted without this row
 
+    @property
+    def id(self) -> str:
+        return self.run.field("id")
 
-def accounted_split(num_layers: int, pp: int) -> tuple[tuple[int, ...], ...]:
-    """Contiguous split of num_layers + 2 units (embedding, layers, loss) over pp ranks,
-    earlier ranks taking the extra unit; the first rank's embedding and the last rank's loss
-    take one unit each. With pp = 1 every layer."""
-    if pp == 1:
-        return (tuple(range(num_layers)),)
-    base, extra = divmod(num_layers + 2, pp)
-    sizes = [base + (1 if i < extra else 0) for i in range(pp)]
-    sizes[0] -= 1
-    sizes[-1] -= 1
-    out, start = [], 0
-    for n in sizes:
-        out.append(tuple(range(start, start + n)))
-        start += n
-    return tuple(out)
-
-
-def _recompute(text: str) -> tuple[str, tuple[str, ...]]:
-    text = text.strip()
-    if text in ("none", "full"):
-        return text, ()
-    inner = text.removeprefix("selective(").removesuffix(")")
-    names = tuple(SHORT_MODULES.get(n.strip(), n.strip()) for n in inner.split(","))
-    return "selective", names
-
-
-def run_of(row: dict[str, str]) -> Run:
-    """The row's exact layout, training setup and dispatcher (module docstring)."""
-    gpus, tp, pp, cp = (int(row[k]) for k in ("gpus", "tp", "pp", "cp"))
-    mbs, gbs = int(row["mbs"]), int(row["gbs"])
-    dp = gpus // (tp * pp * cp)
-    note = row["note"]
-    recompute, modules = _recompute(row["recompute"])
-    parallel = ParallelConfig(
-        pp=pp, dp=dp, tp=tp, ep=int(row["ep"]), micro_batch=mbs,
-        num_microbatches=gbs // (mbs * dp), recompute=recompute, vp=int(row["vp"]), cp=cp,
-        etp=int(row["etp"]), recompute_modules=modules,
-    )  # fmt: skip
-    fsdp = "FSDP on" in note
-    training = TrainingSpec(
-        seq_len=int(row["seq"]), global_batch=gbs, dtype=DTYPES[row["precision"]],
-        bytes_per_param=18, zero=not fsdp, fsdp=fsdp, recompute=recompute,
-        a2a_overlap="A2A overlap" in note, gate_in_activation=True,
-    )  # fmt: skip
-    lowered = note.lower()
-    dispatcher = "deepep" if "deepep" in lowered or "hybridep" in lowered else "flat"
-    tokens = row["measured_tokens_per_s_per_gpu"]
-    metric, measured = (
-        ("tokens/s/GPU", float(tokens))
-        if tokens
-        else ("TFLOPS/GPU", float(row["measured_tflops_per_gpu"]))
-    )
-    split = accounted_split(load_model(row["model"]).num_layers, pp)
-    return Run(row, parallel, training, dispatcher, split, metric, measured)
-
-
-def predicted_value(run: Run, est: Estimate) -> float:
-    """The prediction in the row's metric."""
-    if run.metric == "tokens/s/GPU":
-        return est.tokens_per_s / run.parallel.world
-    return est.tflops_per_gpu
+    def ratio(self, which: str) -> float:
+        est = self.preset if which == "preset" else self.fitted
+        return predicted_value(self.run, est) / self.run.measured
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -156,6 +96,8 @@ def _layout(run: Run) -> str:
     knobs = [run.dispatcher, t.dtype, "fsdp" if t.fsdp else "distopt"]
     if t.a2a_overlap:
         knobs.append("a2a-ovl")
+    if run.cuda_graphs:
+        knobs.append("graphs")
     return (
         f"tp{p.tp} pp{p.pp} vp{p.vp} cp{p.cp} ep{p.ep} etp{p.etp} edp{p.edp} dp{p.dp} "
         f"mbs{p.micro_batch} m{p.num_microbatches} {rc} {' '.join(knobs)}"
@@ -165,83 +107,235 @@ def _layout(run: Run) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-results", action="store_true", help="print only")
+    parser.add_argument("--no-plans", action="store_true", help="skip the piper plan check")
     args = parser.parse_args()
-    with open(RUNS, newline="") as f:
-        rows = list(csv.DictReader(f))
     with recorded(ROOT / "results" / "published_runs.md", "Published runs", not args.no_results):
-        report(rows)
+        report(load_runs(RUNS), plans=not args.no_plans)
     return 0
 
 
-def report(rows: list[dict[str, str]]) -> None:
-    """Print the per-row table, the per-group rank correlations and the summary line."""
-    print(
-        f"{len(rows)} runs from {RUNS.relative_to(ROOT)}; clusters h100 (H100), gb200-nvl72 (GB200)"
+def report(runs: list[Run], plans: bool = True) -> None:
+    """Print every section of the module docstring."""
+    t0 = time.perf_counter()
+    presets = {hw: load_cluster(name) for hw, name in CLUSTERS.items()}
+    fits = {
+        hw: fit([r for r in runs if r.hardware == hw], presets[hw])
+        for hw in CLUSTERS
+        if any(r.hardware == hw for r in runs)
+    }
+    rows = []
+    for run in runs:
+        result = fits[run.hardware]
+        left = next(f.left_out for f in result.runs if f.run is run)
+        rows.append(Row(run, estimate_run(run, presets[run.hardware]),
+                        estimate_run(run, result.fitted),
+                        None if left is None else left / run.measured))  # fmt: skip
+    differs = any(_moved(f) for f in fits.values())
+    print(f"{len(runs)} runs from {RUNS.relative_to(ROOT)}; presets "
+          + ", ".join(f"{name} ({hw})" for hw, name in CLUSTERS.items()))  # fmt: skip
+    _row_table(rows, presets, differs)
+    for hw, result in fits.items():
+        _constants(hw, result)
+    _groups(rows, differs)
+    plan_lines = {}
+    if plans:
+        plan_lines["preset"] = _plans(rows, presets, "preset")
+        if differs:
+            fitted = {hw: result.fitted for hw, result in fits.items()}
+            plan_lines["fit"] = _plans(rows, fitted, "fit")
+    _targets(rows, differs, plan_lines)
+    print(f"\n(benchmark time {time.perf_counter() - t0:.0f} s)")
+
+
+def _moved(result: FitResult) -> bool:
+    """The fit's constants differ from the preset's (at 4 significant digits)."""
+    return any(
+        f"{getattr(result.start, e.name):.4g}" != f"{getattr(result.fitted, e.name):.4g}"
+        for e in EFFICIENCIES
     )
-    print(f"{'id':>3} {'model':<18} {'hw':<5} {'gpus':>4} {'metric':<12} {'measured':>9} "
-          f"{'predicted':>9} {'ratio':>6} {'fits':<4} {'peak GiB':>8} {'of':>6}  "
-          "layout")  # fmt: skip
-    results: list[tuple[Run, Estimate]] = []
-    for row in rows:
-        run = run_of(row)
-        cluster = load_cluster(CLUSTERS[row["hardware"]])
-        try:
-            est = estimate(
-                load_model(row["model"]), cluster, run.training, run.parallel,
-                stage_layers=run.stage_layers, dispatcher=run.dispatcher,
-            )  # fmt: skip
-        except SpecError as err:
-            print(f"{row['id']:>3} {row['model']:<18} not expressible: {err}")
-            continue
-        pred = predicted_value(run, est)
-        results.append((run, est))
+
+
+def _row_table(rows: list[Row], presets: dict[str, ClusterSpec], differs: bool) -> None:
+    fit_head = f"{'fitted':>9} {'ratio':>6} " if differs else ""
+    print(f"\n{'id':>3} {'model':<18} {'hw':<5} {'gpus':>4} {'metric':<12} {'measured':>9} "
+          f"{'preset':>9} {'ratio':>6} {fit_head}{'LOO':>5} {'fits':<4} {'peak GiB':>8} "
+          f"{'of':>6} {'room':>6}  layout")  # fmt: skip
+    for r in rows:
+        run, est = r.run, r.preset
+        peak = max(est.memory_gib_per_stage)
+        device = presets[run.hardware].device.memory_gib
+        fitted = (f"{predicted_value(run, r.fitted):>9.1f} {r.ratio('fit'):>6.2f} "
+                  if differs else "")  # fmt: skip
+        loo = "-" if r.left_out is None else f"{r.left_out:.2f}"
         print(
-            f"{row['id']:>3} {row['model']:<18} {row['hardware']:<5} {row['gpus']:>4} "
-            f"{run.metric:<12} {run.measured:>9.1f} {pred:>9.1f} {pred / run.measured:>6.2f} "
-            f"{'yes' if est.fits else 'NO':<4} {max(est.memory_gib_per_stage):>8.1f} "
-            f"{cluster.device.memory_gib:>6.1f}  {_layout(run)}"
+            f"{r.id:>3} {run.field('model'):<18} {run.hardware:<5} {run.parallel.world:>4} "
+            f"{run.metric:<12} {run.measured:>9.1f} {predicted_value(run, est):>9.1f} "
+            f"{r.ratio('preset'):>6.2f} {fitted}{loo:>5} {'yes' if est.fits else 'NO':<4} "
+            f"{peak:>8.1f} {device:>6.1f} {device - peak:>6.1f}  {_layout(run)}"
         )
-    print("(TFLOPS rows: Piper's model FLOPs against the source's own count)")
-    for run, est in results:
-        if not est.fits:
-            worst = max(est.stages, key=lambda st: st.total_gib)
+    print("(TFLOPS rows: Piper's model FLOPs against the source's own count; LOO: predicted / "
+          "measured fitted without the row; room: device GiB - predicted peak)")  # fmt: skip
+    for r in rows:
+        if not r.preset.fits:
+            worst = max(r.preset.stages, key=lambda st: st.total_gib)
             parts = ", ".join(f"{n} {v:.1f}" for n, v in worst.memory_gib if v >= 0.05)
-            print(f"row {run.row['id']} does not fit: {est.reason}; GiB by component: {parts}")
-    _groups(results)
-    ratios = [predicted_value(run, est) / run.measured for run, est in results]
-    geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else math.nan
-    within = sum(abs(r - 1) <= WITHIN for r in ratios)
-    fits = sum(est.fits for _, est in results)
-    print(
-        f"\nsummary: {len(results)} of {len(rows)} rows expressed; geomean predicted/measured "
-        f"{geomean:.2f}; {within} of {len(results)} within +-{WITHIN:.0%}; "
-        f"{fits} of {len(results)} predicted to fit"
-    )
+            print(f"row {r.id} does not fit: {r.preset.reason}; GiB by component: {parts}")
 
 
-def _groups(results: list[tuple[Run, Estimate]]) -> None:
+def _constants(hw: str, result: FitResult) -> None:
+    status = "converged" if result.converged else result.message
+    print(f"\n{hw}: constants of {result.start.name}, as committed vs fitted on its "
+          f"{len(result.runs)} rows ({status})")  # fmt: skip
+    for e in EFFICIENCIES:
+        before, after = getattr(result.start, e.name), getattr(result.fitted, e.name)
+        print(f"  {e.name:<24} {before:>9.4g} -> {after:>9.4g}   {e.meaning}")
+    for name, err in (("preset", result.before), ("fit", result.after),
+                      ("leave-one-out", result.left_out)):  # fmt: skip
+        if err is not None:
+            print(f"  {name:<14} geomean {err.geomean:.3f}, {err.within:.0%} within "
+                  f"+-{WITHIN:.0%}, worst {err.worst} {err.worst_ratio:.2f}, RMS log "
+                  f"{err.rms_log:.3f}")  # fmt: skip
+
+
+def _groups(rows: list[Row], differs: bool) -> None:
     """Spearman per (model, hardware, GPUs) group: on tokens/s/GPU when every row of the
     group has it, else on TFLOPS/GPU (every row has that)."""
-    groups: dict[tuple[str, str, str], list[tuple[Run, Estimate]]] = {}
-    for run, est in results:
-        key = (run.row["model"], run.row["hardware"], run.row["gpus"])
-        groups.setdefault(key, []).append((run, est))
-    print("\nrank correlation per group (model, hardware, GPUs)")
+    groups: dict[tuple[str, str, int], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.run.field("model"), r.run.hardware, r.run.parallel.world), [])
+        groups[(r.run.field("model"), r.run.hardware, r.run.parallel.world)].append(r)
+    print("\nrank correlation per group (model, hardware, GPUs): preset" + (", fit" * differs))
     for (model, hw, gpus), members in groups.items():
-        ids = ",".join(r.row["id"] for r, _ in members)
+        ids = ",".join(r.id for r in members)
         if len(members) < 2:
             print(f"  {model:<18} {hw:<5} {gpus:>4}  rows {ids:<18} one row, no ranking")
             continue
-        tokens = all(r.metric == "tokens/s/GPU" for r, _ in members)
-        if tokens:
-            measured = [r.measured for r, _ in members]
-            predicted = [e.tokens_per_s / r.parallel.world for r, e in members]
-        else:
-            measured = [float(r.row["measured_tflops_per_gpu"]) for r, _ in members]
-            predicted = [e.tflops_per_gpu for _, e in members]
-        rho = spearman(predicted, measured)
+        tokens = all(r.run.metric == "tokens/s/GPU" for r in members)
+        rhos = [_rank(members, which, tokens) for which in ("preset", "fit")[: 1 + differs]]
         metric = "tokens/s/GPU" if tokens else "TFLOPS/GPU"
-        print(f"  {model:<18} {hw:<5} {gpus:>4}  rows {ids:<18} Spearman {rho:+.2f} ({metric})")
+        shown = " / ".join(f"{rho:+.2f}" for rho in rhos)
+        print(f"  {model:<18} {hw:<5} {gpus:>4}  rows {ids:<18} Spearman {shown} ({metric})")
+
+
+def _rank(members: list[Row], which: str, tokens: bool) -> float:
+    def value(r: Row) -> tuple[float, float]:
+        est = r.preset if which == "preset" else r.fitted
+        if tokens:
+            return est.tokens_per_s / r.run.parallel.world, r.run.measured
+        return est.tflops_per_gpu, float(r.run.field("measured_tflops_per_gpu"))
+
+    pairs = [value(r) for r in members]
+    return spearman([p for p, _ in pairs], [m for _, m in pairs])
+
+
+def _targets(rows: list[Row], differs: bool, plan_lines: dict[str, tuple[int, int]]) -> None:
+    """Issue 15's targets, pass / fail, for the preset and (when it differs) the fit."""
+    whichs = ("preset", "fit")[: 1 + differs]
+    results = {w: _target_values(rows, w) for w in whichs}
+    bf16 = [r for r in rows if r.run.training.dtype == "bf16"]
+    loo = [r.left_out for r in bf16 if r.left_out is not None]
+    loo_within = sum(abs(x - 1) <= WITHIN for x in loo) / len(loo) if loo else math.nan
+    print(f"\ntargets of issue 15 ({len(bf16)} BF16 rows, {len(rows) - len(bf16)} FP8/MXFP8 "
+          f"rows){': preset | fit' if differs else ': preset'}")  # fmt: skip
+    names = list(results[whichs[0]])
+    for name in names:
+        cells = [results[w][name] for w in whichs]
+        print(f"  {name:<58} " + " | ".join(f"{text:<16} {_mark(ok)}" for text, ok in cells))
+    print(f"  {'leave-one-out: >= 60% of BF16 rows within +-15% (the fit)':<58} "
+          f"{loo_within:.0%} of {len(loo):<10} {_mark(loo_within >= 0.6)}")  # fmt: skip
+    if plan_lines:
+        cells = [f"{ok} of {total:<11} {_mark(ok == total)}" for ok, total in plan_lines.values()]
+        print(
+            f"  {'piper plan >= the best published layout, every setting':<58} " + " | ".join(cells)
+        )
+
+
+def _mark(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def _target_values(rows: list[Row], which: str) -> dict[str, tuple[str, bool]]:
+    bf16 = [r.ratio(which) for r in rows if r.run.training.dtype == "bf16"]
+    low = [r.ratio(which) for r in rows if r.run.training.dtype in LOW_PRECISION]
+    g = fit_error([""] * len(bf16), bf16, [1.0] * len(bf16))
+    worst = max(abs(x - 1) for x in bf16)
+    g_low = math.exp(sum(map(math.log, low)) / len(low)) if low else math.nan
+    ranked = [r for r in rows if r.id in RANKED_IDS]
+    est = [(r.preset if which == "preset" else r.fitted) for r in ranked]
+    predicted = [e.tokens_per_s / r.run.parallel.world for e, r in zip(est, ranked, strict=True)]
+    measured = [r.run.measured for r in ranked]
+    rho = spearman(predicted, measured)
+    first = ranked[max(range(len(ranked)), key=lambda i: predicted[i])]
+    fastest = {r.id for r in ranked if r.run.measured == max(measured)}
+    fits = sum(e.fits for e in (r.preset if which == "preset" else r.fitted for r in rows))
+    return {
+        "BF16 geomean predicted / measured in [0.92, 1.08]":
+            (f"{g.geomean:.3f}", 0.92 <= g.geomean <= 1.08),
+        "BF16 rows within +-15%: >= 75%": (f"{g.within:.0%}", g.within >= 0.75),
+        "worst BF16 row within +-35%": (f"{worst:+.0%} off", worst <= 0.35),
+        "FP8/MXFP8 geomean in [0.9, 1.1]": (f"{g_low:.3f}", 0.9 <= g_low <= 1.1),
+        f"Spearman >= 0.8, ids {RANKED_IDS[0]}-{RANKED_IDS[-1]} (tokens/s/GPU)":
+            (f"{rho:+.2f}", rho >= 0.8),
+        "first pick there is the measured fastest (ids 4, 5 tie)":
+            (f"id {first.id}", first.id in fastest),
+        "every published layout predicted to fit": (f"{fits} of {len(rows)}", fits == len(rows)),
+    }  # fmt: skip
+
+
+def _plans(rows: list[Row], clusters: dict[str, ClusterSpec], which: str) -> tuple[int, int]:
+    """piper plan per setting on `clusters` (the presets or the fit, `which`) beside the
+    measured-fastest published layout predicted on the same; (settings that pass, settings)."""
+    from planner.ip.solvers import SolverOptions
+    from planner.search.make_plan import make_plan
+
+    settings: dict[tuple, list[Row]] = {}
+    for r in rows:
+        t = r.run.training
+        key = (r.run.field("model"), r.run.hardware, r.run.parallel.world, t.global_batch,
+               t.seq_len, t.dtype)  # fmt: skip
+        settings.setdefault(key, []).append(r)
+    print(f"\npiper plan per setting ({which}; tokens/s/GPU predicted) vs the measured-fastest "
+          "published layout")  # fmt: skip
+    print(f"  {'setting':<44} {'plan':>8} {'best pub':>8} {'measured':>8}  "
+          "plan's layout | best published (id)")  # fmt: skip
+    ok = 0
+    for (model, hw, gpus, gbs, seq, dtype), members in settings.items():
+        best = max(members, key=lambda r: r.run.measured)
+        cluster = clusters[hw]
+        if best.run.cuda_graphs:
+            cluster = replace(cluster, cuda_graphs=True)
+        training = TrainingSpec(seq_len=seq, global_batch=gbs, dtype=dtype, bytes_per_param=18,
+                                gate_in_activation=True)  # fmt: skip
+        where = f"{model} {hw} {gpus} gbs{gbs} seq{seq} {dtype}"
+        try:
+            result = make_plan(best.run.model, cluster, training, gpus, None,
+                               SolverOptions("cpsat", 10.0, 1, 0))  # fmt: skip
+        except SpecError as err:
+            print(f"  {where:<44} no plan: {err}")
+            continue
+        if result.plan is None:
+            print(f"  {where:<44} no plan: {result.message}")
+            continue
+        plan_tps = result.plan.predicted.tokens_per_s / gpus
+        est = best.preset if which == "preset" else best.fitted
+        best_tps = est.tokens_per_s / best.run.parallel.world
+        measured = f"{best.run.measured:8.1f}" if best.run.metric == "tokens/s/GPU" else "       -"
+        good = plan_tps >= best_tps * (1 - 1e-9)
+        ok += good
+        print(f"  {where:<44} {plan_tps:>8.1f} {best_tps:>8.1f} {measured}  {_mark(good)} "
+              f"{_plan_layout(result.plan)} | {_layout(best.run)} (id {best.id})")  # fmt: skip
+    return ok, len(settings)
+
+
+def _plan_layout(plan) -> str:
+    p, t = plan.parallel, plan.training
+    rc = p.recompute if p.recompute != "selective" else f"sel({','.join(p.recompute_modules)})"
+    sharding = "fsdp" if t.get("fsdp") else "distopt" if t.get("zero") else "replicated"
+    knobs = [str(plan.extra.get("dispatcher", "flat")), sharding]
+    if t.get("a2a_overlap"):
+        knobs.append("a2a-ovl")
+    return (f"tp{p.tp} pp{p.pp} vp{p.vp} cp{p.cp} ep{p.ep} etp{p.etp} dp{p.dp} "
+            f"mbs{p.micro_batch} m{p.num_microbatches} {rc} {' '.join(knobs)}")  # fmt: skip
 
 
 if __name__ == "__main__":
