@@ -132,9 +132,10 @@ def hardware_matches(hardware: str, cluster: ClusterSpec) -> bool:
 # --- RUNS.csv --------------------------------------------------------------------------------
 
 
-def load_runs(path: str | Path) -> list[Run]:
+def load_runs(path: str | Path, allow_empty: bool = False) -> list[Run]:
     """Read and validate a RUNS.csv (module docstring); every fault is one SpecError naming
-    the file, the line and the column."""
+    the file, the line and the column. A header without rows is an error unless
+    `allow_empty` (the runs come from elsewhere too)."""
     p = Path(path)
     try:
         text = p.read_bytes().decode("utf-8-sig")
@@ -144,10 +145,10 @@ def load_runs(path: str | Path) -> list[Run]:
         raise SpecError(
             f"{p}: no such runs file; give a CSV with the columns of {EXAMPLE}"
         ) from None
-    return parse_runs(text, str(p))
+    return parse_runs(text, str(p), allow_empty)
 
 
-def parse_runs(text: str, source: str = "RUNS.csv") -> list[Run]:
+def parse_runs(text: str, source: str = "RUNS.csv", allow_empty: bool = False) -> list[Run]:
     """RUNS.csv text as runs, in file order (see load_runs)."""
     try:
         reader = csv.DictReader(io.StringIO(text))
@@ -163,7 +164,7 @@ def parse_runs(text: str, source: str = "RUNS.csv") -> list[Run]:
             runs.append(run_of(row, where))
     except csv.Error as err:
         raise SpecError(f"{source}: not valid CSV ({err}); fix the quoting") from None
-    if not runs:
+    if not runs and not allow_empty:
         raise SpecError(f"{source}: a header but no runs; add one row per measured run")
     return runs
 

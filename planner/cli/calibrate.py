@@ -147,10 +147,10 @@ def run_fit(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.params.split(",")] if args.params is not None else None
     fit_params(names)  # refuse bad --params before reading anything
     cluster = load_cluster(args.cluster)
-    runs = load_runs(args.fit)
+    runs = load_runs(args.fit, allow_empty=bool(args.run))
     used = [r for r in runs if hardware_matches(r.hardware, cluster)]
     others = sorted({r.hardware for r in runs} - {r.hardware for r in used})
-    if not used and not args.run:
+    if not used and not args.run:  # (load_runs refused a file without rows)
         raise SpecError(
             f"{args.fit}: no run on {cluster.device.name} (cluster {cluster.name}); the rows' "
             f"hardware is {', '.join(others)}: give the cluster they ran on as --cluster"

@@ -129,13 +129,24 @@ def test_profile_plan_run_calibrate_loop_on_cpu(tmp_path, capsys):
     cal_dir = tmp_path / "cal"
     fit = tmp_path / "fitted.yaml"
     assert main(["calibrate", str(plan_dir / "plan.json"), str(run_dir / "metrics.jsonl"),
-                 "--out", str(cal_dir), "--fit", str(fit)]) == 0  # fmt: skip
+                 "--out", str(cal_dir), "--write-profile", str(fit)]) == 0  # fmt: skip
     table = capsys.readouterr().out
     assert "| step_time_s | all |" in table and "| a2a_s | 0 |" in table
     rows = (cal_dir / "calibration.csv").read_text().splitlines()
     measured = {r.split(",")[0] + r.split(",")[1]: float(r.split(",")[4]) for r in rows[1:]}
     assert measured["step_time_sall"] > 0 and measured["memory_gib0"] > 0
     assert load_cluster(str(fit)).name == "cpu-measured-calibrated"
+    # the run's own metrics feed the fit (a RUNS.csv with only its header: no other runs)
+    header = tmp_path / "runs.csv"
+    header.write_text("model,hardware,gpus,precision,seq,gbs,mbs,tp,pp,vp,cp,ep,etp,recompute,"
+                      "measured_tokens_per_s_per_gpu\n")  # fmt: skip
+    fitted = tmp_path / "run-fitted.yaml"
+    pair = f"{plan_dir / 'plan.json'}:{run_dir / 'metrics.jsonl'}"
+    assert main(["calibrate", "--fit", str(header), "--cluster", str(prof_yaml), "--out",
+                 str(fitted), "--params", "gemm_efficiency", "--run", pair]) == 0  # fmt: skip
+    fitted_cluster = load_cluster(str(fitted))
+    assert fitted_cluster.name == "cpu-measured-fitted"
+    assert dict(fitted_cluster.calibration)["runs"] == "1"
 
 
 @pytest.mark.gpu
