@@ -368,9 +368,11 @@ def head_work(
 def model_flops_per_sequence(
     model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
 ) -> float:
-    """Training FLOPs (3 x forward) of one sequence through the whole model at balanced
-    routing: every layer, the head and MTP modules. The numerator of MFU. FLOPs do not
-    depend on the cluster; it is only passed through the shared work functions."""
+    """Training FLOPs (3 x forward) the time model executes for one sequence at balanced
+    routing: every layer (router included, the causal square as s (s + 1) / 2 pairs), the
+    head and MTP modules. Not the reported convention (MFU and TFLOPS/GPU use Megatron-Core's,
+    planner.resources.flops). FLOPs do not depend on the cluster; it is only passed through
+    the shared work functions."""
     one = ParallelConfig(pp=1, dp=1)
     balanced = TrainingSpec(
         seq_len=training.seq_len,
