@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from results_md import ROOT, recorded
 
@@ -96,8 +96,8 @@ def _layout(run: Run) -> str:
     knobs = [run.dispatcher, t.dtype, "fsdp" if t.fsdp else "distopt"]
     if t.a2a_overlap:
         knobs.append("a2a-ovl")
-    if run.cuda_graphs:
-        knobs.append("graphs")
+    if run.cuda_graphs and run.cuda_graphs != "none":
+        knobs.append(f"graphs-{run.cuda_graphs}")
     return (
         f"tp{p.tp} pp{p.pp} vp{p.vp} cp{p.cp} ep{p.ep} etp{p.etp} edp{p.edp} dp{p.dp} "
         f"mbs{p.micro_batch} m{p.num_microbatches} {rc} {' '.join(knobs)}"
@@ -302,10 +302,9 @@ def _plans(rows: list[Row], clusters: dict[str, ClusterSpec], which: str) -> tup
     for (model, hw, gpus, gbs, seq, dtype), members in settings.items():
         best = max(members, key=lambda r: r.run.measured)
         cluster = clusters[hw]
-        if best.run.cuda_graphs:
-            cluster = replace(cluster, cuda_graphs=True)
         training = TrainingSpec(seq_len=seq, global_batch=gbs, dtype=dtype, bytes_per_param=18,
-                                gate_in_activation=True)  # fmt: skip
+                                gate_in_activation=True,
+                                cuda_graphs=best.run.training.cuda_graphs)  # fmt: skip
         where = f"{model} {hw} {gpus} gbs{gbs} seq{seq} {dtype}"
         try:
             result = make_plan(best.run.model, cluster, training, gpus, None,

@@ -5,7 +5,10 @@ required `model` (a preset name or a config.json path), `hardware` (e.g. H100, G
 `gpus`, `precision` (BF16, FP16, FP8, MXFP8), `seq`, `gbs`, `mbs`, `tp`, `pp`, `vp`, `cp`,
 `ep`, `etp`, `recompute` (none, full, selective or selective(module,...)) and at least one of
 `measured_tokens_per_s_per_gpu` / `measured_tflops_per_gpu` (a row uses its tokens/s when
-given, else its TFLOPS); optional `id`, `source`, `note` and `measured_peak_gib`.
+given, else its TFLOPS); optional `id`, `source`, `note`, `measured_peak_gib`, and the
+software settings `dispatcher` (flat, halo, deepep; HybridEP is deepep), `a2a_overlap`
+(1 / 0) and `cuda_graphs` (none, partial, full); where a settings column is absent or empty
+the note decides as below.
 
 How a row becomes a layout (decisions where a source is silent are marked "assumed"):
 - dp = gpus / (tp pp cp); num_microbatches = gbs / (mbs dp); etp, ep, vp, cp as given;
@@ -15,7 +18,8 @@ How a row becomes a layout (decisions where a source is silent are marked "assum
   18 B per parameter (fp32 main gradients), fp32 Adam moments;
 - dispatcher: "deepep" where the note names DeepEP or HybridEP, else "flat" (NCCL
   all-to-all; assumed where the note names none); the all-to-all overlap where the note says
-  "A2A overlap"; CUDA graphs where the note says "CUDA graphs" (else the cluster's setting);
+  "A2A overlap"; partial CUDA graphs where the note says "CUDA graphs" (else the cluster's
+  setting);
 - precision: BF16 -> bf16, FP8 -> fp8 (per-tensor current scaling), MXFP8 -> mxfp8; MTP as
   the row's model config;
 - routing force-balanced (skew 1), flash attention; the router weights applied in the expert
@@ -36,21 +40,23 @@ import io
 import math
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from planner.inputs.models import load_model
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig, check_layout
 from planner.resources.cost import Estimate, estimate
-from planner.specs import GIB, ClusterSpec, ModelSpec, SpecError, TrainingSpec
+from planner.specs import CUDA_GRAPHS, GIB, ClusterSpec, ModelSpec, SpecError, TrainingSpec
 
 Metric = Literal["tokens/s/GPU", "TFLOPS/GPU"]
 TOKENS, TFLOPS = "measured_tokens_per_s_per_gpu", "measured_tflops_per_gpu"
 SIZES = ("gpus", "seq", "gbs", "mbs", "tp", "pp", "vp", "cp", "ep", "etp")
 REQUIRED = ("model", "hardware", "gpus", "precision", "seq", "gbs", "mbs", "tp", "pp", "vp",
             "cp", "ep", "etp", "recompute")  # fmt: skip
-OPTIONAL = ("id", "source", "note", "measured_peak_gib")
+OPTIONAL = ("id", "source", "note", "measured_peak_gib", "dispatcher", "a2a_overlap",
+            "cuda_graphs")  # fmt: skip
+FLAGS = {"1": True, "yes": True, "true": True, "0": False, "no": False, "false": False}
 DTYPES = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8"}
 SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}
 DISPATCHERS = ("flat", "halo", "deepep")
@@ -62,7 +68,8 @@ class Run:
     """One measured run as a layout and training setup, with its measured figures.
 
     `label` names the run in tables ("id 4", or the metrics file); `where` names it in errors
-    (the file and line). `cuda_graphs` None keeps the cluster's setting.
+    (the file and line). `cuda_graphs` (none, partial, full) is also in `training`; None
+    keeps the cluster's setting.
     """
 
     label: str
@@ -76,7 +83,7 @@ class Run:
     metric: Metric
     measured: float
     measured_peak_gib: float | None = None
-    cuda_graphs: bool | None = None
+    cuda_graphs: str | None = None
     recompute_layers: tuple[tuple[int, ...], ...] | None = None
     row: Mapping[str, str] | None = None  # the CSV fields as read (None for a piper run)
 
@@ -103,10 +110,8 @@ def accounted_split(num_layers: int, pp: int) -> tuple[tuple[int, ...], ...]:
 
 
 def estimate_run(run: Run, cluster: ClusterSpec) -> Estimate:
-    """The resource model's prediction of the run's layout on `cluster` (its CUDA graphs
-    setting where the run states one); a SpecError names the run."""
-    if run.cuda_graphs is not None and run.cuda_graphs != cluster.cuda_graphs:
-        cluster = replace(cluster, cuda_graphs=run.cuda_graphs)
+    """The resource model's prediction of the run's layout on `cluster` (the run's CUDA
+    graphs setting is in its training); a SpecError names the run."""
     try:
         return estimate(
             run.model, cluster, run.training, run.parallel, stage_layers=run.stage_layers,
@@ -202,10 +207,19 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
                        recompute=recompute, vp=size["vp"], cp=size["cp"], etp=size["etp"],
                        recompute_modules=modules)  # fmt: skip
     fsdp = "FSDP on" in note
+    lowered = note.lower()
+    dispatcher = _choice(fields, "dispatcher", DISPATCHERS, where) or (
+        "deepep" if "deepep" in lowered or "hybridep" in lowered else "flat"
+    )
+    overlap = _flag(fields, "a2a_overlap", where)
+    graphs = _choice(fields, "cuda_graphs", CUDA_GRAPHS, where)
+    if graphs is None and "cuda graphs" in lowered:
+        graphs = "partial"  # the notes name Megatron's per-module cuda_graph_scope
     training = TrainingSpec(
         seq_len=size["seq"], global_batch=gbs, dtype=_dtype(fields["precision"], where),
         bytes_per_param=18, zero=not fsdp, fsdp=fsdp, recompute=recompute,
-        a2a_overlap="A2A overlap" in note, gate_in_activation=True,
+        a2a_overlap=("A2A overlap" in note) if overlap is None else overlap,
+        gate_in_activation=True, cuda_graphs=graphs,  # type: ignore[arg-type]
     )  # fmt: skip
     try:
         check_layout(parallel, model, training)
@@ -218,16 +232,36 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
             f"({model.num_layers} layers + embedding + loss); lower pp"
         )
     metric, measured = _measured(fields, where)
-    lowered = note.lower()
     return Run(
         label=f"id {fields['id']}" if fields.get("id") else where.rsplit(" ", 1)[-1],
         where=where, model=model, hardware=fields["hardware"], parallel=parallel,
-        training=training,
-        dispatcher="deepep" if "deepep" in lowered or "hybridep" in lowered else "flat",
-        stage_layers=split, metric=metric, measured=measured,
+        training=training, dispatcher=dispatcher, stage_layers=split, metric=metric,
+        measured=measured,
         measured_peak_gib=_optional_positive(fields, "measured_peak_gib", where),
-        cuda_graphs=True if "cuda graphs" in lowered else None, row=fields,
+        cuda_graphs=graphs, row=fields,
     )  # fmt: skip
+
+
+def _choice(
+    fields: Mapping[str, str], column: str, choices: tuple[str, ...], where: str
+) -> str | None:
+    """An optional column holding one of `choices` (None when absent or empty)."""
+    text = fields.get(column, "").strip().lower()
+    if not text:
+        return None
+    if text not in choices:
+        raise SpecError(f"{where}: column '{column}'='{text}' is not one of {', '.join(choices)}")
+    return text
+
+
+def _flag(fields: Mapping[str, str], column: str, where: str) -> bool | None:
+    """An optional yes/no column (1/0, yes/no, true/false; None when absent or empty)."""
+    text = fields.get(column, "").strip().lower()
+    if not text:
+        return None
+    if text not in FLAGS:
+        raise SpecError(f"{where}: column '{column}'='{text}' must be 1 or 0 (yes or no)")
+    return FLAGS[text]
 
 
 def _positive_int(fields: Mapping[str, str], column: str, where: str) -> int:

@@ -26,8 +26,15 @@ def live_chunks(stage: int, pp: int, vp: int, m: int, a2a_overlap: bool) -> int:
 
     On rank 0 with m vp >= W_0 + 1 this is pp vp + pp - 1 chunks, i.e. pp stage-micro-batches
     times Megatron-Core's interleaving penalty 1 + (pp - 1) / (pp vp)
-    (`megatron/training/theoretical_memory_usage.py`, `compute_activation_memory`)."""
-    return min(warmup_chunks(stage, pp, vp, m, a2a_overlap) + 1, m * vp)
+    (`megatron/training/theoretical_memory_usage.py`, `compute_activation_memory`).
+
+    The all-to-all overlap's extra warm-up forward does not add a chunk: a paired step runs
+    the forward chunk's layers first to last beside the backward chunk's last to first
+    (`model_chunk_schedule_plan.py`, `schedule_chunk_1f1b`: `get_layer(i)` with
+    `pop_layer()`), so each forward layer's activations arrive as a backward layer's are
+    freed; the one layer of overlap is a workspace (`a2a_overlap_layer`)."""
+    del a2a_overlap  # the same count with and without the overlap (docstring)
+    return min(warmup_chunks(stage, pp, vp, m, False) + 1, m * vp)
 
 
 def pipeline_slots(pp: int, vp: int, m: int) -> float:

@@ -220,8 +220,19 @@ def layer_cost(
         recompute_extra_s=extra,
         tables=tables,
         hidden_s=lc.hidden,
-        workspace=_workspace(model, layer, training, parallel, dense + expert),
+        workspace=_workspace(model, layer, training, parallel, dense + expert)
+        + _overlap_layer(training, policy, act, kept),
     )
+
+
+def _overlap_layer(
+    training: TrainingSpec, policy: Recompute, act: ActBytes, kept: ActBytes
+) -> tuple[tuple[str, float], ...]:
+    """With the all-to-all overlap, the one layer of activations a paired forward holds
+    before the backward beside it frees one (planner.resources.interleave.live_chunks)."""
+    if not training.a2a_overlap:
+        return ()
+    return (("a2a_overlap_layer", (kept if policy != "none" else act).total),)
 
 
 def _workspace(

@@ -35,12 +35,29 @@ def test_the_published_file_reads_as_its_layouts():
     assert (p.tp, p.pp, p.vp, p.cp, p.ep, p.etp, p.dp, p.edp) == (2, 8, 4, 1, 32, 1, 16, 1)
     assert p.num_microbatches == 2048 // 16 and p.selective_modules == ("layernorm", "moe_act")
     assert r4.dispatcher == "deepep" and t.a2a_overlap and t.zero and not t.fsdp
-    assert r4.metric == "tokens/s/GPU" and r4.measured == 1861.8 and r4.cuda_graphs is None
+    assert r4.metric == "tokens/s/GPU" and r4.measured == 1861.8 and r4.cuda_graphs == "none"
     r5 = runs["id 5"]
     assert r5.training.fsdp and r5.parallel.recompute == "full" and r5.parallel.edp == 32
     r9 = runs["id 9"]
     assert r9.parallel.cp == 2 and r9.metric == "TFLOPS/GPU" and r9.measured == 335
-    assert runs["id 23"].cuda_graphs is True and runs["id 36"].training.dtype == "mxfp8"
+    assert runs["id 23"].training.cuda_graphs == "partial"
+    assert runs["id 36"].training.cuda_graphs == "full" and runs["id 36"].training.dtype == "mxfp8"
+    # the recipes' settings columns override the notes: DeepSeek-V3 on H100 runs DeepEP
+    assert runs["id 33"].dispatcher == "deepep" and runs["id 33"].training.a2a_overlap
+    assert runs["id 34"].dispatcher == "flat" and runs["id 34"].training.a2a_overlap
+
+
+def test_settings_columns_are_checked():
+    settings = "measured_peak_gib,dispatcher,a2a_overlap,cuda_graphs,note"
+    head = HEAD.replace("measured_peak_gib,note", settings)
+    row = GOOD.replace(",61.5,x", ",61.5,deepep,1,partial,x")
+    (run,) = parse_runs(head + row)
+    assert run.dispatcher == "deepep" and run.training.a2a_overlap
+    assert run.training.cuda_graphs == "partial"
+    for bad, column in ((",61.5,nccl,1,partial,x", "dispatcher"), (",61.5,deepep,maybe,none,x",
+                         "a2a_overlap"), (",61.5,deepep,0,most,x", "cuda_graphs")):  # fmt: skip
+        with pytest.raises(SpecError, match=column):
+            parse_runs(head + GOOD.replace(",61.5,x", bad))
 
 
 def test_accounted_split_counts_embedding_and_loss():

@@ -136,8 +136,9 @@ def test_all_to_all_overlap_pairs_the_steady_phase():
     shown, hidden = dict(ovl.comm_s)["a2a_system"], dict(ovl.hidden_s)["a2a_system"]
     assert shown + hidden == pytest.approx(a2a) and 0 <= shown < a2a
     est = estimate(model, cl, replace(tr, a2a_overlap=True), par)
-    # pp = 1: the first forward and the last backward run alone, one micro-batch unpaired
-    assert est.stages[0].in_flight == 2
+    # pp = 1: the first forward and the last backward run alone, one micro-batch unpaired;
+    # the paired forward holds one layer beside the backward, not a second micro-batch
+    assert est.stages[0].in_flight == 1
     assert est.unpaired_s == pytest.approx(2 * hidden)
 
 
