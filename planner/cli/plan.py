@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         summary_dict,
         summary_text,
     )
-    from planner.search.assemble import with_redundant_slots
+    from planner.search.assemble import estimate_with_slots, with_redundant_slots
     from planner.search.make_plan import make_plan
 
     model, cluster, training = _inputs(args)
@@ -245,7 +245,10 @@ def run(args: argparse.Namespace) -> int:
             return 130
         raise SpecError(result.message)
     plan = with_redundant_slots(result.plan, model, loads, options, args.redundant_slots)
-    result = replace(result, plan=plan)
+    best = result.best
+    if best is not None and best.estimate is not None:
+        best = replace(best, estimate=estimate_with_slots(best.estimate, result.plan, plan))
+    result = replace(result, plan=plan, best=best)
     out = args.out or f"results/{model.name}-{cluster.name}-{args.gpus}"
     write_files(out, render_files(result))
     if args.json:

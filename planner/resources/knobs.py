@@ -3,8 +3,9 @@
 The all-to-all overlap (`--overlap-moe-expert-parallel-comm`) is checked by Megatron-LM
 `megatron/core/transformer/transformer_config.py` (`__post_init__`): it needs expert
 parallelism, no full recompute and no `moe` recompute module (the recomputed dispatch would
-run outside the pairing), at most one MTP layer, interleaving (vp > 1) when pipelined, and
-the alltoall or flex dispatcher (Piper's flat or deepep).
+run outside the pairing), at most one MTP layer and a pipeline (pp > 1) when MTP trains,
+interleaving (vp > 1) when pipelined, and the alltoall or flex dispatcher (Piper's flat or
+deepep).
 Multi-token prediction does not run with context parallelism (Megatron-LM
 `docs/user-guide/features/multi_token_prediction.md`, "Unsupported Combinations").
 """
@@ -32,6 +33,8 @@ def knob_conflict(
             return "a2a_overlap does not run with the 'moe' recompute module; drop it"
         if mtp > 1:
             return f"a2a_overlap allows at most 1 MTP layer, not {mtp}; set mtp_layers <= 1"
+        if mtp and parallel.pp == 1:
+            return "a2a_overlap with an MTP layer needs pp > 1; set pp > 1 or mtp_layers 0"
         if parallel.pp > 1 and parallel.vp == 1:
             return "a2a_overlap with pp > 1 needs interleaving; set vp > 1"
         if training.dtype == "fp32":

@@ -28,7 +28,7 @@ from planner.plan.schema import (
 )
 from planner.resources.memory import state_bytes
 from planner.resources.params import layer_params
-from planner.search.evaluator import Evaluator, RankChoice
+from planner.search.evaluator import EstimateView, Evaluator, RankChoice
 from planner.specs import GIB, ModelSpec, SpecError, TrainingSpec
 
 # DeepSeek-V3 serves its 256 routed experts in 288 slots (32 redundant, EPLB): the default
@@ -306,3 +306,22 @@ def with_redundant_slots(
     }
     predicted = replace(plan.predicted, memory_gib_per_stage=memory)
     return replace(plan, experts=tuple(experts), predicted=predicted, extra=extra)
+
+
+def estimate_with_slots(est: EstimateView, before: Plan, after: Plan) -> EstimateView:
+    """`est` (the chosen candidate's estimate) with the memory with_redundant_slots added to
+    each stage as a `redundant_slots` component, so stages.csv and memory.csv agree with
+    plan.json."""
+    added = tuple(
+        a - b
+        for a, b in zip(
+            after.predicted.memory_gib_per_stage, before.predicted.memory_gib_per_stage, strict=True
+        )
+    )
+    if not any(added):
+        return est
+    return replace(
+        est,
+        memory_gib_per_stage=after.predicted.memory_gib_per_stage,
+        memory_gib_SC=(*est.memory_gib_SC, ("redundant_slots", added)),
+    )

@@ -196,7 +196,8 @@ def a2a_overlap_allowed(
     """Megatron-LM's rules for `--overlap-moe-expert-parallel-comm`
     (megatron/core/transformer/transformer_config.py, __post_init__): expert parallelism,
     the alltoall or flex dispatcher, no full recompute and no `moe` module, interleaving when
-    pipelined, at most one MTP layer. Returns (allowed, the rule broken)."""
+    pipelined, at most one MTP layer and pp > 1 when MTP trains. Returns (allowed, the rule
+    broken)."""
     if par.ep == 1:
         return False, "needs ep > 1"
     if dispatcher == "halo":
@@ -209,6 +210,8 @@ def a2a_overlap_allowed(
         return False, "needs vp > 1 when pp > 1"
     if mtp > 1:
         return False, f"allows at most 1 MTP layer, the model trains {mtp}"
+    if mtp and par.pp == 1:
+        return False, "needs pp > 1 when an MTP layer trains"
     return True, ""
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import csv
 import io
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from planner.calibrate.runs import estimate_run, parse_runs, predicted_value
 from planner.inputs.clusters import load_cluster
-from planner.specs import ClusterSpec
+from planner.specs import EFFICIENCIES, ClusterSpec
 
 COLUMNS = ("id", "model", "hardware", "gpus", "precision", "seq", "gbs", "mbs", "tp", "pp", "vp",
            "cp", "ep", "etp", "recompute", "measured_tokens_per_s_per_gpu")  # fmt: skip
@@ -25,9 +25,16 @@ LAYOUTS = (  # gpus, seq, gbs, mbs, tp, pp, vp, cp, ep, etp, recompute
 TRUTH = {"gemm_efficiency": 0.55, "grouped_gemm_half_rows": 300.0, "layer_overhead_us": 800.0}
 
 
+def derived_cluster(base: str = "h100") -> ClusterSpec:
+    """The base preset with every named efficiency at ClusterSpec's default (the analytic
+    model as derived, before any fit): a start that does not move when presets are refit."""
+    defaults = {f.name: f.default for f in fields(ClusterSpec)}
+    return replace(load_cluster(base), **{e.name: defaults[e.name] for e in EFFICIENCIES})
+
+
 def truth_cluster(base: str = "h100", **values: float) -> ClusterSpec:
-    """The base preset with the known constants (TRUTH, updated by `values`)."""
-    return replace(load_cluster(base), **{**TRUTH, **values})
+    """The derived base with the known constants (TRUTH, updated by `values`)."""
+    return replace(derived_cluster(base), **{**TRUTH, **values})
 
 
 def runs_csv(truth: ClusterSpec, layouts=LAYOUTS, model: str = "qwen3-30b-a3b") -> str:

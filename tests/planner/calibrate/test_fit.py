@@ -11,9 +11,8 @@ import pytest
 from planner.calibrate import fit as fit_module
 from planner.calibrate.fit import fit, fit_error, fit_params, from_unit, to_unit
 from planner.calibrate.runs import estimate_run, parse_runs, predicted_value
-from planner.inputs.clusters import load_cluster
 from planner.specs import EFFICIENCIES, Efficiency, SpecError
-from tests.planner.calibrate.synthetic import TRUTH, runs_csv, truth_cluster
+from tests.planner.calibrate.synthetic import TRUTH, derived_cluster, runs_csv, truth_cluster
 
 NAMES = tuple(TRUTH)
 
@@ -24,7 +23,7 @@ def synthetic_runs():
 
 
 def test_the_fit_recovers_known_constants(synthetic_runs):
-    start = load_cluster("h100")
+    start = derived_cluster()
     exact = fit(synthetic_runs, start, NAMES, leave_one_out=False, prior_weight=0.0)
     for name, value in TRUTH.items():
         assert getattr(exact.fitted, name) == pytest.approx(value, rel=1e-4), name
@@ -40,7 +39,7 @@ def test_the_fit_recovers_known_constants(synthetic_runs):
 
 def test_leave_one_out_equals_refits_by_hand(synthetic_runs):
     runs = synthetic_runs[:3]
-    start = load_cluster("h100")
+    start = derived_cluster()
     truth = truth_cluster(gemm_efficiency=0.5)
     runs = [replace(r, measured=predicted_value(r, estimate_run(r, truth)) * (1 + 0.1 * k))
             for k, r in enumerate(runs)]  # fmt: skip  # noisy: each left-out fit differs
@@ -61,7 +60,7 @@ def test_leave_one_out_equals_refits_by_hand(synthetic_runs):
 def test_constants_stay_inside_their_bounds(synthetic_runs):
     # runs ten times faster than any constant allows: every fitted constant ends at a bound
     fast = [replace(r, measured=r.measured * 10) for r in synthetic_runs[:2]]
-    start = load_cluster("h100")
+    start = derived_cluster()
     names = ("gemm_efficiency", "hbm_efficiency", "layer_overhead_us")
     result = fit(fast, start, names, leave_one_out=False)
     for e in fit_params(names):

@@ -10,9 +10,15 @@ import re
 import pytest
 
 from planner.calibrate.fit_report import constant_text
-from planner.inputs.clusters import load_cluster
+from planner.inputs.clusters import cluster_to_yaml, load_cluster
 from tests.hardening_cli import run_piper
-from tests.planner.calibrate.synthetic import LAYOUTS, TRUTH, runs_csv, truth_cluster
+from tests.planner.calibrate.synthetic import (
+    LAYOUTS,
+    TRUTH,
+    derived_cluster,
+    runs_csv,
+    truth_cluster,
+)
 from tests.planner.calibrate.test_compare import RANKS, metrics_lines, tiny_plan
 
 PARAMS = "gemm_efficiency,layer_overhead_us"
@@ -34,12 +40,14 @@ def _printed(out: str, name: str) -> tuple[str, str]:
 
 def test_the_fit_writes_a_profile_the_planner_reads(runs_file, tmp_path):
     out = tmp_path / "fitted" / "h100-mine.yaml"
-    result = run_piper(["calibrate", "--fit", str(runs_file), "--cluster", "h100",
+    base = tmp_path / "h100.yaml"  # the preset's hardware with the derived efficiencies
+    base.write_text(cluster_to_yaml(derived_cluster()))
+    result = run_piper(["calibrate", "--fit", str(runs_file), "--cluster", str(base),
                         "--out", str(out), "--params", PARAMS])  # fmt: skip
     assert result.code == 0, result.stderr
     fitted = load_cluster(str(out))
     assert fitted.name == "h100-fitted"
-    start = load_cluster("h100")
+    start = load_cluster(str(base))
     for name in ("gemm_efficiency", "layer_overhead_us", "attention_efficiency"):
         before, after = _printed(result.stdout, name)
         assert before == constant_text(getattr(start, name))

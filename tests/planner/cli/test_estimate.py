@@ -103,7 +103,8 @@ def test_every_knob_reaches_the_resource_model(capsys):
     st = data["stages"][0]
     assert {"quantize", "cp_node", "etp_node"} <= set(st["time_s"])
     assert "cp_kv_buffers" in st["memory_gib"] and "a2a_leaf" in st["hidden_s"]
-    assert st["in_flight"] == 6  # 2 (pp - 1) + (vp - 1) pp + 1, + 1 for the overlap
+    # 2 (pp - 1) + (vp - 1) pp + 1; the overlap's extra forward pairs layer by layer
+    assert st["in_flight"] == 5 and "a2a_overlap_layer" in st["memory_gib"]
 
 
 def test_table_shows_the_new_terms(capsys):

@@ -4,6 +4,7 @@ the all-to-all overlap and context-parallel rules, and the bad-flag messages."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -105,6 +106,12 @@ def test_a2a_overlap_only_where_megatron_allows_it():
         assert c.knobs.dispatcher != "halo"
     ok, why = sp.a2a_overlap_allowed(got[0].parallel, "flat", mtp=2)
     assert not ok and "at most 1 MTP layer" in why
+    # Megatron-LM: "Pipeline model parallel size must be larger than 1 when enabling
+    # overlap_moe_expert_parallel_comm with MTP layer"
+    flat_pp = replace(got[0].parallel, pp=1, vp=1)
+    ok, why = sp.a2a_overlap_allowed(flat_pp, "flat", mtp=1)
+    assert not ok and "pp > 1" in why
+    assert sp.a2a_overlap_allowed(flat_pp, "flat", mtp=0)[0]
     with pytest.raises(SpecError, match="--a2a-overlap"):
         enumerate_layouts(model, cluster, training, make_space(16, {"ep": 1}, a2a_overlap=True))
 
