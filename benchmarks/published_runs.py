@@ -4,9 +4,12 @@ Reads profiles/runs/published_runs.csv (18 Megatron-Core runs on H100 and GB200,
 profiles/runs/README.md). Each row becomes its exact layout (planner/calibrate/runs.py says
 how, and which decisions are assumed where a source is silent) and goes through
 `planner.resources.cost.estimate` on the h100 or gb200-nvl72 preset as committed. Then,
-per hardware, the presets' named efficiencies (planner.specs.EFFICIENCIES, all of them) are
-fitted on that hardware's rows exactly as `piper calibrate --fit` fits them
-(planner/calibrate/fit.py), with each row's leave-one-out prediction.
+per hardware, the preset's own fit is redone: the named efficiencies its `calibration`
+lists as fitted (planner.specs.EFFICIENCIES; all of them for a preset without one) start
+from ClusterSpec's defaults, the model as derived, and are fitted on that hardware's rows
+exactly as `piper calibrate --fit` fits them (planner/calibrate/fit.py), with each row's
+leave-one-out prediction. The fit's column equals the preset's when the committed constants
+are this fit's.
 
 Printed:
 - per row: measured, predicted with the preset and its ratio, predicted with the
@@ -29,7 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from results_md import ROOT, recorded
 
@@ -119,7 +122,7 @@ def report(runs: list[Run], plans: bool = True) -> None:
     t0 = time.perf_counter()
     presets = {hw: load_cluster(name) for hw, name in CLUSTERS.items()}
     fits = {
-        hw: fit([r for r in runs if r.hardware == hw], presets[hw])
+        hw: fit([r for r in runs if r.hardware == hw], *_derived_start(presets[hw]))
         for hw in CLUSTERS
         if any(r.hardware == hw for r in runs)
     }
@@ -145,6 +148,18 @@ def report(runs: list[Run], plans: bool = True) -> None:
             plan_lines["fit"] = _plans(rows, fitted, "fit")
     _targets(rows, differs, plan_lines)
     print(f"\n(benchmark time {time.perf_counter() - t0:.0f} s)")
+
+
+def _derived_start(preset: ClusterSpec) -> tuple[ClusterSpec, tuple[str, ...]]:
+    """The preset's own fit, redone: the constants its `calibration` names as fitted, reset
+    to ClusterSpec's defaults (the model as derived), and their names; a preset without a
+    calibration fits every named efficiency from the defaults."""
+    text = dict(preset.calibration).get("params", "")
+    names = tuple(n.strip() for n in text.split(",") if n.strip()) or tuple(
+        e.name for e in EFFICIENCIES
+    )
+    defaults = {f.name: f.default for f in fields(ClusterSpec)}
+    return replace(preset, **{n: defaults[n] for n in names}), names
 
 
 def _moved(result: FitResult) -> bool:
@@ -184,12 +199,14 @@ def _row_table(rows: list[Row], presets: dict[str, ClusterSpec], differs: bool) 
 
 def _constants(hw: str, result: FitResult) -> None:
     status = "converged" if result.converged else result.message
-    print(f"\n{hw}: constants of {result.start.name}, as committed vs fitted on its "
-          f"{len(result.runs)} rows ({status})")  # fmt: skip
+    print(f"\n{hw}: constants of {result.start.name}, the fit's start (derived, or carried "
+          f"where not fitted) -> fitted on its {len(result.runs)} rows ({status})")  # fmt: skip
+    fitted = {e.name for e in result.params}
     for e in EFFICIENCIES:
         before, after = getattr(result.start, e.name), getattr(result.fitted, e.name)
-        print(f"  {e.name:<24} {before:>9.4g} -> {after:>9.4g}   {e.meaning}")
-    for name, err in (("preset", result.before), ("fit", result.after),
+        mark = "fitted" if e.name in fitted else "kept  "
+        print(f"  {e.name:<24} {before:>9.4g} -> {after:>9.4g}  {mark}  {e.meaning}")
+    for name, err in (("start", result.before), ("fit", result.after),
                       ("leave-one-out", result.left_out)):  # fmt: skip
         if err is not None:
             print(f"  {name:<14} geomean {err.geomean:.3f}, {err.within:.0%} within "

@@ -203,8 +203,10 @@ def layer_cost(
         model, layer, cluster, training, parallel, kept_policy, work, lc, act, kept
     )
     if training.fsdp and policy != "none":
-        # the backward gather and the reduce-scatter also hide behind the recompute
-        lc = layer_comm(model, layer, cluster, training, parallel, dispatcher, work, extra)
+        # recomputed, the layer's FSDP backward gather and reduce-scatter also hide behind
+        # its recompute: the recomputed time is max(recompute, exposed) where it was exposed
+        hid = layer_comm(model, layer, cluster, training, parallel, dispatcher, work, extra)
+        extra += sum(t for _, t in hid.exposed) - sum(t for _, t in lc.exposed)
     tables = tuple(sorted({t for w in work for t in w.tables} | set(lc.tables)))
     dense, expert = layer_param_split(model, layer, parallel, accounting)
     return LayerCost(
