@@ -206,7 +206,7 @@ def layer_cost(
         # recomputed, the layer's FSDP backward gather and reduce-scatter also hide behind
         # its recompute: the recomputed time is max(recompute, exposed) where it was exposed
         hid = layer_comm(model, layer, cluster, training, parallel, dispatcher, work, extra)
-        extra += sum(t for _, t in hid.exposed) - sum(t for _, t in lc.exposed)
+        extra = max(extra + sum(t for _, t in hid.exposed) - sum(t for _, t in lc.exposed), 0.0)
     tables = tuple(sorted({t for w in work for t in w.tables} | set(lc.tables)))
     dense, expert = layer_param_split(model, layer, parallel, accounting)
     return LayerCost(

@@ -45,6 +45,21 @@ class PlanResult:
     gpus: int = 0
 
 
+# Scale-up fabrics DeepEP / HybridEP do not run on (their kernels need NVLink and NVIDIA GPUs)
+NO_DEEPEP_KINDS = frozenset(
+    {"infinity-fabric", "xgmi", "shared-memory", "loopback", "loopback-tcp"}
+)
+
+
+def default_dispatchers(cluster: ClusterSpec) -> tuple[str, ...]:
+    """The dispatchers searched when the user names none: flat and HALO everywhere, DeepEP
+    unless a level of the cluster is a fabric it does not run on (Frontier's Infinity
+    Fabric, the CPU emulation). `--dispatcher deepep` still prices it on any cluster."""
+    if any(lv.kind in NO_DEEPEP_KINDS for lv in cluster.levels):
+        return ("flat", "halo")
+    return ("flat", "halo", "deepep")
+
+
 def make_plan(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -85,7 +100,8 @@ def make_plan(
             and fsdp without pipelining).
         a2a_overlap: fix the 1F1B all-to-all overlap on or off; None = search it where
             Megatron-LM allows it.
-        dispatchers: the MoE dispatchers to try among "flat", "halo", "deepep" (default: all).
+        dispatchers: the MoE dispatchers to try among "flat", "halo", "deepep" (default:
+            default_dispatchers(cluster): deepep only on clusters with NVLink).
         max_ep: largest EP group allowed (keep EP inside a fast domain); None = no limit.
         evaluator: the resource model and IPs (default: the real ones; tests pass stubs).
         score: "dp" finds each candidate's split with the exact DP (the stage IP where the DP
@@ -108,7 +124,7 @@ def make_plan(
         recompute_modules=recompute_modules,
         sharding=sharding,
         a2a_overlap=a2a_overlap,
-        dispatchers=dispatchers,
+        dispatchers=dispatchers or default_dispatchers(cluster),
     )
     ctx = new_context(model, cluster, training, space, options, evaluator, score)
     found = search_layouts(ctx, progress)

@@ -16,13 +16,14 @@ from dataclasses import replace
 
 import pytest
 
+from planner.inputs.clusters import load_cluster
 from planner.ip.solvers import LinearModel, SolverOptions, solve
 from planner.resources.cost import even_split
 from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
 from planner.search import bounds
 from planner.search.branch_bound import _evaluate, new_context
 from planner.search.costing import Costing, Screened
-from planner.search.make_plan import make_plan
+from planner.search.make_plan import default_dispatchers, make_plan
 from planner.search.model_evaluator import ModelEvaluator
 from planner.search.space import make_space
 from planner.specs import SpecError
@@ -125,7 +126,9 @@ def test_even_split_sizes():
 
 
 def exhaustive_best(model, cluster, training, gpus, backend, **space_kw):
-    """Every candidate costed, screened and solved: (best row, candidates screened, all)."""
+    """Every candidate costed, screened and solved: (best row, candidates screened, all),
+    over the dispatchers make_plan searches on `cluster` by default."""
+    space_kw.setdefault("dispatchers", default_dispatchers(cluster))
     space = make_space(gpus, None, **space_kw)
     ctx = new_context(model, cluster, training, space, OPTS, backend)
     costing = Costing(model, cluster, training, backend)
@@ -347,3 +350,12 @@ def test_a_layout_the_resource_model_rejects_becomes_an_infeasible_row():
     assert rows and all(not r.feasible for r in rows)
     assert any("tp=2 is not supported" in r.reason for r in rows)
     assert result.plan.parallel.tp != 2
+
+
+def test_deepep_is_searched_only_where_it_runs():
+    # DeepEP / HybridEP need NVLink: not searched on Frontier's Infinity Fabric or the CPU
+    # emulation unless asked for; searched on the NVIDIA presets
+    assert default_dispatchers(load_cluster("frontier")) == ("flat", "halo")
+    assert default_dispatchers(load_cluster("cpu-gloo")) == ("flat", "halo")
+    for name in ("h100", "h200", "gb200-nvl72"):
+        assert "deepep" in default_dispatchers(load_cluster(name))
