@@ -74,3 +74,31 @@ def deepep_all_to_all_s(
     bw = comm.bandwidth_s(cluster, rdma_bytes, remote)
     t_rdma = comm.phase_s(cluster, q - 1, bw, comm.latency_s(remote))
     return max(t_nvl, t_rdma)
+
+
+# DeepEP's communication buffers (deepseek-ai/DeepEP `csrc/legacy/config.hpp`,
+# `get_nvl_buffer_size_hint` / `get_rdma_buffer_size_hint`, with Megatron-Core sizing them by
+# the hidden bytes and the group, `megatron/core/transformer/moe/fused_a2a.py` `get_buffer`):
+# per channel (num_sms / 2 = 12 for the training kernels' 24 SMs) and peer, a ring of
+# recv-token slots, each the token's hidden bytes plus its routing metadata (128 top-k
+# indices int64, 128 weights and 128 scales fp32). Slots per peer: 288 NVLink, 128 RDMA (x 2,
+# send and receive), the `get_dispatch_config` / `get_combine_config` values for 16-64 ranks.
+DEEPEP_CHANNELS = 12
+DEEPEP_NVL_PEERS = 8
+DEEPEP_NVL_SLOTS = 288
+DEEPEP_RDMA_SLOTS = 128
+DEEPEP_SLOT_META_BYTES = 128 * 8 + 128 * 4 + 128 * 4
+
+
+def deepep_buffer_bytes(hidden_bytes: float, group: int) -> float:
+    """Bytes of DeepEP's NVLink and RDMA buffers on one rank of an EP group of `group` ranks
+    whose tokens carry `hidden_bytes` each (the buffers above; no RDMA part within 8 ranks)."""
+    if group <= 1:
+        return 0.0
+    slot = hidden_bytes + DEEPEP_SLOT_META_BYTES
+    nvl_peers = min(group, DEEPEP_NVL_PEERS)
+    nvl = DEEPEP_CHANNELS * nvl_peers * DEEPEP_NVL_SLOTS * slot
+    if group <= DEEPEP_NVL_PEERS:
+        return nvl
+    rdma_peers = group // DEEPEP_NVL_PEERS
+    return nvl + DEEPEP_CHANNELS * rdma_peers * DEEPEP_RDMA_SLOTS * 2 * slot

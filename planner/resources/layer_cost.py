@@ -16,12 +16,14 @@ from planner.parallel import ParallelConfig
 from planner.parallel import check_layout as check_model_layout
 from planner.resources import overlap, recompute, traffic
 from planner.resources.compute import ELEMENTWISE_PASSES, TRAIN_FACTOR, Work, head_work, layer_work
+from planner.resources.deepep import deepep_buffer_bytes
 from planner.resources.knobs import knob_conflict
 from planner.resources.layer_comm import DISPATCHERS, LayerComm, fsdp_gather_s, layer_comm
 from planner.resources.memory import (
     Accounting,
     ActBytes,
     StateBytes,
+    act_bytes_per_element,
     embedding_held,
     fsdp_gathered_bytes,
     head_held,
@@ -223,8 +225,25 @@ def layer_cost(
         tables=tables,
         hidden_s=lc.hidden,
         workspace=_workspace(model, layer, training, parallel, dense + expert)
-        + _overlap_layer(training, policy, act, kept),
+        + _overlap_layer(training, policy, act, kept)
+        + _dispatcher_buffers(model, layer, training, parallel, dispatcher),
     )
+
+
+def _dispatcher_buffers(
+    model: ModelSpec,
+    layer: LayerSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    dispatcher: str,
+) -> tuple[tuple[str, float], ...]:
+    """DeepEP's NVLink / RDMA buffers, held for the whole run by every rank of an MoE layer's
+    EP group (planner.resources.deepep.deepep_buffer_bytes); NCCL's own buffers are in the
+    profile's framework overhead."""
+    if dispatcher != "deepep" or layer.moe is None or parallel.ep < 2:
+        return ()
+    hidden = model.hidden_size * act_bytes_per_element(training)
+    return (("deepep_buffers", deepep_buffer_bytes(hidden, parallel.ep)),)
 
 
 def _overlap_layer(

@@ -10,6 +10,7 @@ import pytest
 from planner.parallel import ParallelConfig
 from planner.resources import comm, overlap
 from planner.resources.compute import M_HALF_ROWS, gemm_time, layer_work
+from planner.resources.deepep import deepep_buffer_bytes
 from planner.resources.layer_comm import COMM_SMS, fsdp_gather_s, sm_contention_s
 from planner.resources.layer_cost import layer_cost
 from planner.specs import EFFICIENCIES, PARTIAL_GRAPH_SHARE, ClusterSpec, SpecError, TrainingSpec
@@ -103,3 +104,18 @@ def test_fsdp_backward_gather_also_hides_behind_the_recompute():
     hidden = max(0.0, gather - fwd) + max(0.0, gather + reduce - bwd - recompute)
     assert c.recompute_extra_s == pytest.approx(recompute + hidden - plain)
     assert 0 <= c.recompute_extra_s < recompute
+
+
+def test_deepep_buffers_by_hand():
+    # DeepEP's legacy Config sizing: 12 channels x peers x slots x (hidden + 2,048 B metadata)
+    slot = 7168 * 2 + 128 * 8 + 128 * 4 + 128 * 4
+    assert deepep_buffer_bytes(7168 * 2, 8) == 12 * 8 * 288 * slot  # NVLink only
+    assert deepep_buffer_bytes(7168 * 2, 64) == 12 * 8 * 288 * slot + 12 * 8 * 128 * 2 * slot
+    assert deepep_buffer_bytes(7168 * 2, 1) == 0
+    model, cl = make_model(layers=2), make_cluster()
+    par, tr = ParallelConfig(pp=1, dp=4, ep=4), TrainingSpec(seq_len=32)
+    deep = layer_cost(model, 0, cl, tr, par, "deepep")
+    flat = layer_cost(model, 0, cl, tr, par, "flat")
+    want = deepep_buffer_bytes(model.hidden_size * 2, 4)
+    assert dict(deep.workspace)["deepep_buffers"] == pytest.approx(want)
+    assert "deepep_buffers" not in dict(flat.workspace)
