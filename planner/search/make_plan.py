@@ -28,7 +28,7 @@ from planner.search.costing import training_for
 from planner.search.evaluator import Evaluator
 from planner.search.rows import CandidateRow, describe
 from planner.search.space import Candidate, Sharding, make_space
-from planner.specs import ClusterSpec, ModelSpec, Recompute, TrainingSpec
+from planner.specs import ClusterSpec, ModelSpec, Recompute, SpecError, TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,13 @@ def make_plan(
 
         evaluator = default_evaluator()
     t0 = time.perf_counter()
+    if training.cuda_graphs == "full":  # Megatron: no whole-iteration graphs with the overlap
+        if a2a_overlap:
+            raise SpecError(
+                "plan: --a2a-overlap does not run with --cuda-graphs full (Megatron captures "
+                "no MoE layer with the overlap); use --cuda-graphs partial or drop --a2a-overlap"
+            )
+        a2a_overlap = False
     space = make_space(
         gpus,
         fixed,

@@ -35,7 +35,16 @@ FLAG_SINCE = {
     "--activation-func-clamp-value": (0, 15),
     "--window-attn-skip-freq": (0, 15),
     "--moe-flex-dispatcher-backend": (0, 16),
+    "--cuda-graph-impl": (0, 15),
+    "--cuda-graph-scope": (0, 15),
 }
+# CUDA graphs (TrainingSpec.cuda_graphs): the static modules per layer with Transformer
+# Engine's graphs (the dropless experts stay eager), or the whole iteration with the local one
+_CUDA_GRAPHS = {
+    "partial": ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn",
+                "moe_router", "moe_preprocess"],
+    "full": ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
+}  # fmt: skip
 BASE_VERSION = (0, 13)
 MTP_LAYOUT_VERSION = (0, 14)  # 'm' in --pipeline-model-parallel-layout
 CHECKED_VERSION = "0.16"  # megatron-core in the tests, Megatron-LM core_r0.16.0 in the benchmark
@@ -239,7 +248,9 @@ def megatron_args(plan: Plan, model: ModelSpec) -> MegatronArgs:
                      "norm and router settings are the family's defaults")  # fmt: skip
     comm, comm_notes = _moe_comm_args(plan, model)
     precision = _PRECISION.get(str(training.get("dtype", "bf16")), ["--bf16"])
-    args = _parallel_args(plan) + split + rc + _optimizer_args(plan) + precision + comm + margs
+    graphs = _CUDA_GRAPHS.get(str(training.get("cuda_graphs")), [])
+    args = _parallel_args(plan) + split + rc + _optimizer_args(plan) + precision + comm + graphs
+    args += margs
     notes += split_notes + rc_notes + comm_notes + mnotes + _placement_notes(plan)
     notes.append(f"tokenizer and data flags are yours to add (vocab_size {model.vocab_size})")
     return MegatronArgs(tuple(args), megatron_env(plan), tuple(notes), min_version(args))

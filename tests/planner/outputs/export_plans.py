@@ -105,6 +105,7 @@ def knob_plan(dtype: str = "fp8") -> Plan:
         "optimizer_dtype": "bf16",
         "a2a_overlap": True,
         "mtp_layers": 1,
+        "cuda_graphs": "partial",
     }
     return Plan(
         model=ModelEntry("deepseek-v3", "preset:deepseek-v3", model_config(model)),

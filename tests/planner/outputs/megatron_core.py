@@ -37,14 +37,14 @@ for _kind, _names in {
     "moe-token-dispatcher-type moe-flex-dispatcher-backend position-embedding-type "
     "normalization moe-router-score-function moe-router-dtype rope-type fp8-format "
     "fp8-recipe data-parallel-sharding-strategy ckpt-format exp-avg-dtype exp-avg-sq-dtype "
-    "softmax-type",
+    "softmax-type cuda-graph-impl",
     "true": "group-query-attention swiglu quick-geglu untie-embeddings-and-output-weights "
     "disable-bias-linear bf16 fp16 use-distributed-optimizer moe-grouped-gemm "
     "multi-latent-attention qk-layernorm qk-l2-norm add-qkv-bias "
     "moe-router-enable-expert-bias moe-router-pre-softmax moe-apply-probs-on-input "
     "moe-shared-expert-gate sequence-parallel use-megatron-fsdp use-precision-aware-optimizer "
     "overlap-moe-expert-parallel-comm delay-wgrad-compute use-rope-scaling rotary-interleaved",
-    "list": "recompute-modules moe-router-load-balancing-type",
+    "list": "recompute-modules moe-router-load-balancing-type cuda-graph-scope",
     "freq": "moe-layer-freq no-rope-freq window-attn-skip-freq",
     "tuple": "window-size",
 }.items():

@@ -262,6 +262,25 @@ def test_megatron_core_accepts_every_knob(dtype, monkeypatch):
     layout = config.pipeline_model_parallel_layout
     assert [len(chunks) for chunks in layout.layout] == [k["vp"]] * k["pp"]  # [rank][chunk]
     assert config.fp8 == (None if dtype == "bf16" else "e4m3")
+    assert config.cuda_graph_impl == "transformer_engine"
+    assert [str(getattr(s, "name", s)) for s in config.cuda_graph_scope] == [
+        "attn", "moe_router", "moe_preprocess",
+    ]  # fmt: skip
+
+
+def test_whole_iteration_cuda_graphs_export(monkeypatch):
+    pytest.importorskip("megatron.core")
+    plan = knob_plan("bf16")
+    # whole-iteration graphs: Megatron refuses them with the all-to-all overlap
+    full = replace(plan, training={**plan.training, "cuda_graphs": "full", "a2a_overlap": False})
+    args = bash_array(export_plan(full, "megatron").text, "MEGATRON_ARGS")
+    assert args[args.index("--cuda-graph-impl") + 1] == "local"
+    assert args[args.index("--cuda-graph-scope") + 1] == "full_iteration"
+    config = transformer_config(args, monkeypatch)
+    assert config.cuda_graph_impl == "local"
+    none = replace(plan, training={**plan.training, "cuda_graphs": "none"})
+    text = export_plan(none, "megatron").text
+    assert "--cuda-graph-impl" not in bash_array(text, "MEGATRON_ARGS")
 
 
 def test_megatron_core_refuses_a_broken_export(first_plans, monkeypatch):

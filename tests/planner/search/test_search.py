@@ -359,3 +359,13 @@ def test_deepep_is_searched_only_where_it_runs():
     assert default_dispatchers(load_cluster("cpu-gloo")) == ("flat", "halo")
     for name in ("h100", "h200", "gb200-nvl72"):
         assert "deepep" in default_dispatchers(load_cluster(name))
+
+
+def test_whole_iteration_cuda_graphs_turn_the_overlap_off():
+    model, cluster = toy_model(), toy_cluster(8.0)
+    training = replace(toy_training(), cuda_graphs="full")
+    got = make_plan(model, cluster, training, 16, None, OPTS, evaluator=ToyEvaluator())
+    assert got.plan is not None and not any(r.knobs.a2a_overlap for r in got.rows)
+    with pytest.raises(SpecError, match="--cuda-graphs full"):
+        make_plan(model, cluster, training, 16, None, OPTS, a2a_overlap=True,
+                  evaluator=ToyEvaluator())  # fmt: skip
