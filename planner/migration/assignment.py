@@ -97,10 +97,12 @@ def _gain(load_R, h_H, new_h, new_r, sigma):
     return sigma * (np.log(z) - np.log(np.maximum(rest, 0.0) + np.exp(up_h) + np.exp(up_r)))
 
 
-def _best_of_size(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, h_H, combo_Ck):
+def _best_of_size(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, h_H, combo_Ck, noise):
     """The best exchange of k slots of a source rank h_H for k slots of another rank.
 
     Arrays over (source, its group, partner rank, partner group) are (H, C, R, C).
+    noise: (copy_XR, copies, noise_s) or None: which (expert, rank) pairs are copies, how
+    many the placement has, and the margin per square root of that count.
     """
     num_r = ids_RS.shape[0]
     absent = w_X.shape[0] - 1
@@ -128,6 +130,10 @@ def _best_of_size(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, h_H, co
     valid &= ~clash_RCQ[h_H][:, :, :, None]  # a rank never holds two replicas of one expert
     valid &= ~clash_RCQ[:, :, h_H].transpose(2, 0, 1)[:, None, :, :]
     valid &= lh - np.maximum(new_h, new_r) > _TOL
+    if noise is not None:
+        copy_XR, copies, noise_s = noise
+        dn = _exchange_delta(copy_XR[g_RCk].sum(axis=2), h_H, r_R, c_C)
+        dcost = dcost + noise_s * (np.sqrt(np.maximum(copies + dn, 0)) - np.sqrt(copies))
     score = np.where(valid, scale_s * _gain(load_R, h_H, new_h, new_r, sigma) - dcost, -np.inf)
     hi, ca, r, cb = np.unravel_index(int(np.argmax(score)), score.shape)
     h = int(h_H[hi])
@@ -138,6 +144,18 @@ def _best_of_size(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, h_H, co
         tuple(int(s) for s in combo_Ck[ca]),
         tuple(int(s) for s in combo_Ck[cb]),
         float(dcost[hi, ca, r, cb]),
+    )
+
+
+def _exchange_delta(v_RCQ, h_H, r_R, c_C):
+    """Change of a per-(group, rank) quantity when group ca of h_H and group cb of r trade
+    ranks, (H, C, R, C): v_RCQ[r, c, q] is that quantity with group c of rank r on rank q."""
+    at_RC = v_RCQ[r_R[:, None], c_C[None, :], r_R[:, None]]
+    return (
+        v_RCQ[h_H][:, :, :, None]
+        - at_RC[h_H][:, :, None, None]
+        + v_RCQ[:, :, h_H].transpose(2, 0, 1)[:, None, :, :]
+        - at_RC[None, None]
     )
 
 
@@ -152,6 +170,8 @@ def priced_local_search(
     sources: int = 1,
     patience: int = 4,
     exchange_slots: int = 1,
+    noise_s: float = 0.0,
+    copy_ER: np.ndarray | None = None,
 ) -> SearchResult:
     """Minimize scale_s * M(rank loads) + move seconds by exchanges from `slots_RS`.
 
@@ -166,12 +186,21 @@ def priced_local_search(
         sources: how many of the hottest ranks may give up slots in one exchange.
         patience: stop after this many exchanges in a row without a new best objective.
         exchange_slots: the most slots traded per side in one exchange (1 = swaps only).
+        noise_s: margin, seconds, per square root of the number of copies (the counting
+            noise of a move set's realized gain adds in quadrature over its experts).
+        copy_ER: where having expert e on rank r is a copy (not held by the placement in
+            force); needed with noise_s > 0.
     """
     num_s = slots_RS.shape[1]
     w_X, cost_XR, held_XR, ids_RS = _extended(slots_RS, load_E, cost_ER)
     combos = [_combos(num_s, k) for k in range(1, min(exchange_slots, num_s) + 1)]
     load_R = w_X[ids_RS].sum(axis=1)
-    cost_s = start_cost_s
+    noise = None
+    if noise_s > 0 and copy_ER is not None:
+        copy_XR = np.vstack([copy_ER, np.zeros((2, copy_ER.shape[1]), dtype=bool)]).astype(float)
+        copies = float(copy_XR[ids_RS, np.arange(ids_RS.shape[0])[:, None]].sum())
+        noise = (copy_XR, copies, noise_s)
+    cost_s = start_cost_s + (noise_s * np.sqrt(noise[1]) if noise else 0.0)
     start = scale_s * smooth_max(load_R, sigma) + cost_s
     best, best_ids, best_steps = start, ids_RS.copy(), 0
     for step in range(max_steps):
@@ -180,7 +209,9 @@ def priced_local_search(
         hot_H = np.argsort(-load_R, kind="stable")[: max(1, sources)]
         found = max(
             (
-                _best_of_size(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, hot_H, c)
+                _best_of_size(
+                    ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, hot_H, c, noise
+                )
                 for c in combos
             ),
             key=lambda b: b.score,
@@ -189,6 +220,9 @@ def priced_local_search(
             break
         _apply(found, ids_RS, load_R, w_X, held_XR)
         cost_s += found.dcost_s
+        if noise is not None:
+            copies = float(noise[0][ids_RS, np.arange(ids_RS.shape[0])[:, None]].sum())
+            noise = (noise[0], copies, noise_s)
         objective = scale_s * smooth_max(load_R, sigma) + cost_s
         if objective < best - _TOL:
             best, best_ids, best_steps = objective, ids_RS.copy(), step + 1

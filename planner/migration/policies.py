@@ -57,10 +57,11 @@ class MigrationOptions:
     # Fixed predicted imbalance reduction (units of max/mean) each moved expert must buy on
     # top of its transfer time (a floor; the uncertainty margin below is added to it).
     move_margin: float = 0.0
-    # Each moved expert must also buy this many standard errors of its own load's counting
-    # noise, sqrt(forecast tokens): the realized gain of a move differs from the predicted
-    # one by about that much, so a smaller predicted gain is noise (see MIGRATION.md).
-    margin_sigmas: float = 0.7
+    # A set of n moved experts must also buy this many standard errors of its realized
+    # gain's counting noise, k sqrt(n) sqrt(tokens / E) tokens of hottest-rank load: each
+    # moved expert's count is off by about sqrt(its tokens) from any forecast, and these
+    # errors add in quadrature (see MIGRATION.md).
+    margin_sigmas: float = 2.8
     # Forecast error of a rank load, in units of its measured RMS error on the last interval;
     # 0 = optimize the plain maximum of the forecast.
     noise_scale: float = 1.0
@@ -166,37 +167,41 @@ def piper(
     cost_ER = placement_cost_ER(current_RS, num_e, costs.move_s_RR)
     held_ER = holders(current_RS, num_e)
     sigma = opts.noise_scale * rank_error(current_RS, history_TE, opts.forecast)
-    # per moved expert: fixed floor + k standard errors of one expert's forecast load
-    margin_s = opts.move_margin * costs.balanced_s
-    margin_s += opts.margin_sigmas * scale_s * np.sqrt(float(load_E.sum()) / num_e)
-    cost_ER = cost_ER + np.where(held_ER, 0.0, margin_s)
+    # per moved expert: the fixed floor; per move set of n experts: k sqrt(n) standard
+    # errors of a mean expert's count
+    cost_ER = cost_ER + np.where(held_ER, 0.0, opts.move_margin * costs.balanced_s)
+    noise_s = opts.margin_sigmas * scale_s * np.sqrt(float(load_E.sum()) / num_e)
     # temperature that makes sigma*log(sum exp) match E[max] of R Gaussian errors
     temp = sigma * np.sqrt(2.0 / np.log(ranks)) if ranks > 1 else 0.0
     search = dict(
         scale_s=scale_s, max_steps=opts.max_steps or num_e, sigma=temp, sources=opts.sources,
-        exchange_slots=opts.exchange_slots,
+        exchange_slots=opts.exchange_slots, noise_s=noise_s, copy_ER=~held_ER,
     )  # fmt: skip
     current_s = scale_s * smooth_max(rank_loads(current_RS, load_E), temp)
     best_RS, best_s = current_RS, current_s - opts.min_gain * costs.balanced_s
     for found in _candidates(current_RS, load_E, cost_ER, opts, search):
-        move_s = float(cost_ER[holders(found.slots_RS, num_e) & ~held_ER].sum())
+        copies_ER = holders(found.slots_RS, num_e) & ~held_ER
+        move_s = float(cost_ER[copies_ER].sum()) + noise_s * np.sqrt(copies_ER.sum())
         total_s = scale_s * smooth_max(rank_loads(found.slots_RS, load_E), temp) + move_s
         if total_s < best_s - 1e-12:
             best_RS, best_s = found.slots_RS, total_s
     if opts.solver is not None and int(capacity(current_RS).sum()) == num_e:
-        return _exact(current_RS, best_RS, load_E, cost_ER, scale_s, costs, opts)
+        return _exact(current_RS, best_RS, load_E, cost_ER, scale_s, noise_s, costs, opts)
     return best_RS.copy()
 
 
-def _exact(current_RS, hint_RS, load_E, cost_ER, scale_s, costs, opts) -> np.ndarray:
-    """The integer program on the plain maximum; keep the current placement unless it pays."""
+def _exact(current_RS, hint_RS, load_E, cost_ER, scale_s, noise_s, costs, opts) -> np.ndarray:
+    """The integer program on the plain maximum with linear move prices (transfer + floor);
+    keep the current placement unless the result pays, counting the noise margin
+    noise_s sqrt(moved experts) too."""
     found_RS, report = solve_assignment(hint_RS, load_E, cost_ER, scale_s, opts.solver)
     log.info(
         "migration IP: %s objective %.6g bound %.6g gap %.3g in %.3f s",
         report.status, report.objective, report.bound, report.gap, report.wall_s,
     )  # fmt: skip
     num_e = len(load_E)
-    moved_s = float(cost_ER[holders(found_RS, num_e) & ~holders(current_RS, num_e)].sum())
+    copies_ER = holders(found_RS, num_e) & ~holders(current_RS, num_e)
+    moved_s = float(cost_ER[copies_ER].sum()) + noise_s * np.sqrt(copies_ER.sum())
     found_s = scale_s * float(rank_loads(found_RS, load_E).max()) + moved_s
     stay_s = scale_s * float(rank_loads(current_RS, load_E).max())
     if found_s < stay_s - opts.min_gain * costs.balanced_s - 1e-12:

@@ -118,16 +118,31 @@ def test_piper_margin_blocks_small_gains():
 
 
 def test_piper_counting_noise_margin():
-    # same swap, gain 2 tokens of 20 mean rank load = 0.1 s; each moved expert must buy k
-    # standard errors of a mean expert's count, k sqrt(40 / 4) tokens = k sqrt(10) / 20 s:
-    # two moves cost 0.3162 k s, so k = 0.30 lets it through and k = 0.33 does not
+    # same swap, gain 2 tokens of 20 mean rank load = 0.1 s; a move set of n experts must buy
+    # k sqrt(n) standard errors of a mean expert's count, k sqrt(2) sqrt(40 / 4) tokens =
+    # 0.2236 k s for the two moved experts, so k = 0.44 lets it through and k = 0.45 does not
     loads = np.array([[12, 10, 10, 8]])
-    allowed = MigrationOptions(move_margin=0.0, margin_sigmas=0.30, noise_scale=0.0)
+    allowed = MigrationOptions(move_margin=0.0, margin_sigmas=0.44, noise_scale=0.0)
     assert rank_loads(piper(START, loads, FREE, allowed), loads[0].astype(float)).max() == 20
-    blocked = MigrationOptions(move_margin=0.0, margin_sigmas=0.33, noise_scale=0.0)
+    blocked = MigrationOptions(move_margin=0.0, margin_sigmas=0.45, noise_scale=0.0)
     assert np.array_equal(piper(START, loads, FREE, blocked), START)
     # the margin is in tokens: 100x the tokens shrink it 10x relative to the gain
     assert rank_loads(piper(START, 100 * loads, FREE, blocked), 100.0 * loads[0]).max() == 2000
+
+
+def test_piper_noise_margin_adds_in_quadrature():
+    # ranks [10, 9] [1, 0] [10, 9] [1, 0]: only both swaps lower the hottest rank, 19 -> 10,
+    # moving 4 experts. Margin k sqrt(4) sqrt(40 / 8) tokens = 4.472 k against a gain of 9:
+    # k = 2.00 moves, k = 2.02 stays (a margin of k sqrt(5) per expert would stop at k = 1.01)
+    loads = np.array([[10, 9, 1, 0, 10, 9, 1, 0]])
+    start = initial_slots(np.array([0, 0, 1, 1, 2, 2, 3, 3]), 4)
+    free = LayerCosts(np.zeros((4, 4)), 1.0)
+    moves = MigrationOptions(move_margin=0.0, margin_sigmas=2.00, noise_scale=0.0)
+    got = piper(start, loads, free, moves)
+    assert rank_loads(got, loads[0].astype(float)).max() == 10
+    assert (holders(got, 8) & ~holders(start, 8)).sum() == 4
+    stays = MigrationOptions(move_margin=0.0, margin_sigmas=2.02, noise_scale=0.0)
+    assert np.array_equal(piper(start, loads, free, stays), start)
 
 
 def test_piper_prefers_the_cheaper_link():
