@@ -165,10 +165,11 @@ def test_the_search_varies_the_knobs_when_nothing_is_fixed(tmp_path):
         ("vp", {"1", "2"}),
         ("sharding", {"zero", "fsdp"}),
         ("a2a_overlap", {"0", "1"}),
-        ("dispatcher", {"flat", "halo", "deepep"}),
+        ("dispatcher", {"flat", "halo"}),  # no DeepEP on the CPU emulation's fabric
         ("recompute", {"none", "full", "selective"}),
     ):
         assert {r[column] for r in rows} >= values, column
+    assert "deepep" not in {r["dispatcher"] for r in rows}
     assert {r["status"] for r in rows} >= {"solved", "pruned"}
     assert all(r["reason"] for r in rows if r["status"] != "solved" or r["feasible"] == "0")
 
