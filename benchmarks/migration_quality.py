@@ -189,7 +189,7 @@ def run_all(args: argparse.Namespace) -> None:
     opts = MigrationOptions(margin_sigmas=args.margin_sigmas)
     print(f"synthetic traces: {args.layers} layers x {args.intervals} intervals, {args.tokens} "
           f"tokens, skew {args.skew}, drift {args.drift}, seeds 0..{args.seeds - 1}; "
-          f"Piper's margin {args.margin_sigmas} counting sigma per moved expert, other "
+          f"Piper's margin {args.margin_sigmas} counting sigma x sqrt(experts moved), other "
           f"MigrationOptions defaults")  # fmt: skip
     cases = [] if args.no_synthetic else synthetic_cases(args)
     cases += [] if args.no_traces else trace_cases(args)
