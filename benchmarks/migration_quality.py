@@ -12,7 +12,12 @@ expert compute + transfers), then the issue's criteria per case as pass/fail:
   with redundant slots: imbalance <= the re-pack's without replicas;
   every case: total priced cost below every baseline's.
 
+With --forecast-check it prints instead, per case, the realized imbalance of the EPLB re-pack
+(replicas included) when it packs each forecast method's loads, and the next interval's own
+loads (perfect foresight): how much a better forecast could give, moves free.
+
 Run: python3 benchmarks/migration_quality.py [--seeds 5] [--trace FILE --ep R ...] [--quick]
+     [--forecast-check]
 Writes what it prints to results/migration_quality.md (--results FILE, --no-results).
 """
 
@@ -26,8 +31,11 @@ from pathlib import Path
 import numpy as np
 from results_md import ROOT, recorded
 
+from planner.migration.forecast import ForecastOptions, forecast_loads
 from planner.migration.inputs import migrate_setup
+from planner.migration.placement import capacity, imbalance
 from planner.migration.policies import POLICIES, MigrationOptions
+from planner.migration.replicate import pack, replica_counts_for
 from planner.migration.run import replay_all
 from planner.migration.synth import SynthOptions, synth_trace
 from planner.migration.trace import Trace, load_trace
@@ -111,6 +119,32 @@ def run_case(case: Case, opts: MigrationOptions) -> dict[str, np.ndarray]:
     return {name: np.mean(np.array(r), axis=0) for name, r in rows.items()}
 
 
+FORECASTS = ("kalman", "last", "ema", "mean", "next interval")
+
+
+def forecast_check(case: Case) -> dict[str, float]:
+    """Per forecast: mean realized imbalance of the re-pack of its loads (intervals 1..I-1)."""
+    out: dict[str, list[float]] = {f: [] for f in FORECASTS}
+    for trace in case.traces:
+        setup = migrate_setup(
+            trace, case.ranks, model_name=case.model, cluster_name="frontier",
+            redundant_slots=case.redundant_slots,
+        )  # fmt: skip
+        for lj in range(trace.num_layers):
+            cap_R = capacity(setup.initial_LRS[lj])
+            for t in range(1, trace.num_intervals):
+                actual_E = trace.tokens_ILE[t, lj]
+                for f in FORECASTS:
+                    if f == "next interval":
+                        load_E = actual_E.astype(float)
+                    else:
+                        opts = ForecastOptions(method=f)
+                        load_E = forecast_loads(trace.tokens_ILE[:t, lj], opts)
+                    counts_E = replica_counts_for(load_E, case.ranks, int(cap_R.sum()))
+                    out[f].append(imbalance(pack(load_E, counts_E, cap_R), actual_E))
+    return {f: float(np.mean(v)) for f, v in out.items()}
+
+
 def criteria(case: Case, res, plain) -> list[tuple[str, str, bool]]:
     """(criterion, measured, met) for one case; `plain` = the results without replicas.
 
@@ -173,11 +207,17 @@ def main() -> None:
     p.add_argument("--no-traces", action="store_true", help="synthetic cases only")
     p.add_argument("--no-synthetic", action="store_true", help="recorded traces only")
     p.add_argument("--quick", action="store_true", help="64/8 only, one seed, no traces")
+    p.add_argument(
+        "--forecast-check", action="store_true",
+        help="re-pack each forecast's loads instead (prints only)",
+    )  # fmt: skip
     p.add_argument("--results", default="results/migration_quality.md", help="markdown to write")
     p.add_argument("--no-results", action="store_true", help="print only")
     args = p.parse_args()
     if args.quick:
         args.seeds, args.no_traces = 1, True
+    if args.forecast_check:
+        args.no_results = True
     title = "Expert migration quality: Piper vs greedy swap vs EPLB re-pack"
     with recorded(args.results, title, enabled=not args.no_results):
         run_all(args)
@@ -193,6 +233,13 @@ def run_all(args: argparse.Namespace) -> None:
           f"MigrationOptions defaults")  # fmt: skip
     cases = [] if args.no_synthetic else synthetic_cases(args)
     cases += [] if args.no_traces else trace_cases(args)
+    if args.forecast_check:
+        print("\nre-pack of each forecast's loads: mean realized imbalance")
+        print(f"| case | {' | '.join(FORECASTS)} |\n|---|{'---|' * len(FORECASTS)}")
+        for case in cases:
+            got = forecast_check(case)
+            print(f"| {case.name} | {' | '.join(f'{got[f]:.4f}' for f in FORECASTS)} |")
+        return
     done: dict[str, dict[str, np.ndarray]] = {}
     table = []
     for case in cases:
