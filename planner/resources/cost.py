@@ -32,6 +32,7 @@ from planner.resources.layer_cost import (
     first_extras,
     last_extras,
     layer_costs,
+    with_index,
     with_mtp,
 )
 from planner.resources.memory import Accounting
@@ -43,7 +44,7 @@ from planner.resources.schedule import (
     step_time,
 )
 from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
-from planner.specs import GIB, ClusterSpec, ModelSpec, SpecError, TrainingSpec
+from planner.specs import GIB, ClusterSpec, LayerSpec, ModelSpec, SpecError, TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -122,18 +123,21 @@ def stage_cost_inputs(
     check_layout(model, cluster, parallel, training, dispatcher)
     costs = layer_costs(model, cluster, training, parallel, dispatcher, accounting)
     vp = parallel.vp
-    units = tuple(
-        UnitCost(
-            layer=c.layer,
-            kind=c.kind,
-            time_s=c.time_s,
-            time_recompute_s=c.time_recompute_s,
-            state_bytes=c.state.total,
-            act_bytes=c.act.total / vp,
-            act_recompute_bytes=c.act_recompute.total / vp,
-        )
-        for c in costs
-    )
+    templates: dict[LayerSpec, UnitCost] = {}
+    units = []
+    for c, spec in zip(costs, model.layers, strict=True):
+        unit = templates.get(spec)
+        if unit is None:
+            unit = templates[spec] = UnitCost(
+                layer=c.layer,
+                kind=c.kind,
+                time_s=c.time_s,
+                time_recompute_s=c.time_recompute_s,
+                state_bytes=c.state.total,
+                act_bytes=c.act.total / vp,
+                act_recompute_bytes=c.act_recompute.total / vp,
+            )
+        units.append(unit if unit.layer == c.layer else with_index(unit, c.layer))
     first = first_extras(model, cluster, training, parallel, accounting)
     last = last_extras(model, cluster, training, parallel, accounting)
     allowed = effective_recompute(training, parallel) != "none"
@@ -142,7 +146,7 @@ def stage_cost_inputs(
         usable -= max(c.act.total - c.act_recompute.total for c in costs)
     usable -= _workspace_reserve(costs, (first, last))
     return StageCostInputs(
-        units=units,
+        units=tuple(units),
         first=StageExtras(first.time_s, first.state.total, first.act_bytes / vp),
         last=StageExtras(last.time_s, last.state.total, last.act_bytes / vp),
         usable_memory_bytes=usable,

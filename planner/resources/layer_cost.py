@@ -8,6 +8,7 @@ All values are per rank and per micro-batch (forward + backward) unless named ot
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Literal
@@ -292,8 +293,16 @@ def layer_costs(
         if layer not in cache:
             cache[layer] = layer_cost(model, i, cluster, training, parallel, dispatcher, accounting)
         c = cache[layer]
-        out.append(c if c.layer == i else dataclasses.replace(c, layer=i))
+        out.append(c if c.layer == i else with_index(c, i))
     return tuple(out)
+
+
+def with_index(obj, index: int, name: str = "layer"):
+    """A copy of frozen dataclass `obj` with field `name` = `index` (dataclasses.replace
+    without re-running __init__: the planner copies costs per layer thousands of times)."""
+    new = copy.copy(obj)
+    object.__setattr__(new, name, index)
+    return new
 
 
 def _role(
