@@ -1,0 +1,176 @@
+"""Held-out published MoE runs through the committed presets: an independent check, no fitting.
+
+Reads profiles/runs/holdout_runs.csv (published Megatron-Bridge runs on DGX-H100 and DGX-GB200
+that are not rows of profiles/runs/published_runs.csv, the file the presets were fitted on;
+sources and settings in profiles/runs/README.md). Each row becomes its exact layout
+(planner/calibrate/runs.py) and goes through `planner.calibrate.runs.estimate_run` on the h100
+or gb200-nvl72 preset as committed; nothing is fitted or tuned here.
+
+Printed:
+- per row: container, measured and predicted tokens/s/GPU (or TFLOPS/GPU where the row gives
+  only that), predicted / measured, whether it fits, predicted peak GiB and the device's GiB,
+  the layout;
+- geomean of predicted / measured, the share of rows within +-15%, the worst row (largest
+  |ratio - 1|): over all rows, per hardware and per precision;
+- Spearman rank correlation of predicted vs measured per (model, hardware, GPUs) group of at
+  least 3 rows.
+
+    OMP_NUM_THREADS=1 python3 benchmarks/holdout_runs.py [--no-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import time
+from dataclasses import dataclass
+
+from published_runs import spearman
+from results_md import ROOT, recorded
+
+from planner.calibrate.fit import WITHIN
+from planner.calibrate.runs import Run, estimate_run, load_runs, predicted_value
+from planner.inputs.clusters import load_cluster
+
+RUNS = ROOT / "profiles" / "runs" / "holdout_runs.csv"
+CLUSTERS = {"H100": "h100", "GB200": "gb200-nvl72"}
+MIN_GROUP = 3  # rows a (model, hardware, GPUs) group needs for a Spearman figure
+
+
+@dataclass(frozen=True)
+class Point:
+    """One row's prediction beside its measurement, with what the summary groups it by."""
+
+    label: str
+    model: str
+    hardware: str
+    gpus: int
+    precision: str
+    predicted: float
+    measured: float
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.measured
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Errors of a set of points: count, geomean of predicted / measured, the share within
+    +-WITHIN, and the worst point (largest |ratio - 1|) with its ratio."""
+
+    n: int
+    geomean: float
+    within: float
+    worst: str
+    worst_ratio: float
+
+
+def stats(points: list[Point]) -> Stats:
+    """Stats of `points` (at least one)."""
+    ratios = [p.ratio for p in points]
+    worst = max(points, key=lambda p: abs(p.ratio - 1))
+    return Stats(
+        n=len(points),
+        geomean=math.exp(sum(map(math.log, ratios)) / len(ratios)),
+        within=sum(abs(r - 1) <= WITHIN for r in ratios) / len(ratios),
+        worst=worst.label,
+        worst_ratio=worst.ratio,
+    )
+
+
+def summary(points: list[Point]) -> dict[str, Stats]:
+    """Stats over all points ("all"), then per hardware and per precision, keyed by name."""
+    out = {"all": stats(points)}
+    for key in ("hardware", "precision"):
+        for value in sorted({getattr(p, key) for p in points}):
+            out[value] = stats([p for p in points if getattr(p, key) == value])
+    return out
+
+
+def group_spearman(
+    points: list[Point], min_rows: int = MIN_GROUP
+) -> list[tuple[tuple[str, str, int], list[str], float]]:
+    """Spearman of predicted vs measured per (model, hardware, GPUs) group with at least
+    `min_rows` points, in first-seen order: (group, labels, rho); rho is nan when every
+    prediction (or measurement) of the group ties."""
+    groups: dict[tuple[str, str, int], list[Point]] = {}
+    for p in points:
+        groups.setdefault((p.model, p.hardware, p.gpus), []).append(p)
+    return [
+        (key, [p.label for p in members],
+         spearman([p.predicted for p in members], [p.measured for p in members]))
+        for key, members in groups.items()
+        if len(members) >= min_rows
+    ]  # fmt: skip
+
+
+def container(run: Run) -> str:
+    """The container release named in the row's source ("26.04.01"), or "-"."""
+    found = re.search(r"\[(\d\d\.\d\d(?:\.\d\d)?)", run.field("source"))
+    return found.group(1) if found else "-"
+
+
+def layout(run: Run) -> str:
+    p, t = run.parallel, run.training
+    rc = p.recompute if p.recompute != "selective" else f"sel({','.join(p.selective_modules)})"
+    knobs = [run.dispatcher, t.dtype]
+    if t.a2a_overlap:
+        knobs.append("a2a-ovl")
+    if run.cuda_graphs and run.cuda_graphs != "none":
+        knobs.append(f"graphs-{run.cuda_graphs}")
+    return (f"tp{p.tp} pp{p.pp} vp{p.vp} cp{p.cp} ep{p.ep} dp{p.dp} mbs{p.micro_batch} "
+            f"m{p.num_microbatches} {rc} {' '.join(knobs)}")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-results", action="store_true", help="print only")
+    args = parser.parse_args()
+    with recorded(ROOT / "results" / "holdout_runs.md", "Held-out runs", not args.no_results):
+        report(load_runs(RUNS))
+    return 0
+
+
+def report(runs: list[Run]) -> None:
+    """Print every section of the module docstring."""
+    t0 = time.perf_counter()
+    presets = {hw: load_cluster(name) for hw, name in CLUSTERS.items()}
+    print(f"{len(runs)} held-out runs from {RUNS.relative_to(ROOT)}; presets as committed, "
+          + ", ".join(f"{name} ({hw})" for hw, name in CLUSTERS.items()))  # fmt: skip
+    print(f"\n{'id':>4} {'model':<18} {'hw':<5} {'gpus':>4} {'prec':<5} {'release':<8} "
+          f"{'metric':<12} {'measured':>9} {'predicted':>9} {'ratio':>6} {'fits':<4} "
+          f"{'peak GiB':>8} {'of':>6}  layout")  # fmt: skip
+    points = []
+    for run in runs:
+        est = estimate_run(run, presets[run.hardware])
+        predicted = predicted_value(run, est)
+        point = Point(run.label.removeprefix("id "), run.field("model"), run.hardware,
+                      run.parallel.world, run.field("precision").upper(), predicted,
+                      run.measured)  # fmt: skip
+        points.append(point)
+        print(
+            f"{point.label:>4} {point.model:<18} {run.hardware:<5} {point.gpus:>4} "
+            f"{point.precision:<5} {container(run):<8} {run.metric:<12} {run.measured:>9.1f} "
+            f"{predicted:>9.1f} {point.ratio:>6.2f} {'yes' if est.fits else 'NO':<4} "
+            f"{max(est.memory_gib_per_stage):>8.1f} "
+            f"{presets[run.hardware].device.memory_gib:>6.1f}  {layout(run)}"
+        )
+        if not est.fits:
+            print(f"     does not fit: {est.reason}")
+    print(f"\npredicted / measured (within: share of rows within +-{WITHIN:.0%}; worst: the row "
+          "furthest from 1)")  # fmt: skip
+    for name, s in summary(points).items():
+        print(f"  {name:<6} {s.n:>3} rows  geomean {s.geomean:.3f}  within {s.within:>4.0%}  "
+              f"worst id {s.worst} {s.worst_ratio:.2f}")  # fmt: skip
+    print(f"\nSpearman per (model, hardware, GPUs) group of >= {MIN_GROUP} rows "
+          "(rows of one layout across releases share a prediction)")  # fmt: skip
+    for (model, hw, gpus), labels, rho in group_spearman(points):
+        shown = "n/a (predictions tie)" if math.isnan(rho) else f"{rho:+.2f}"
+        print(f"  {model:<18} {hw:<5} {gpus:>4}  rows {','.join(labels):<28} {shown}")
+    print(f"\n(benchmark time {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
