@@ -1,15 +1,24 @@
 """Turn `runtime/bench/profile.py` measurements into a cluster profile the planner reads directly.
 
 The result is the YAML structure of `planner.inputs.clusters` (a base cluster's shape and levels)
-with the measured device numbers and these tables (x ascending):
+with the measured device numbers and these tables (x ascending). Compute tables hold training
+throughput, y = 3 x forward FLOPs / forward + backward seconds, the way
+planner.resources.compute prices a GEMM or attention from them:
 - `gemm_<dtype>`: x = tokens M of one GEMM at the profiled K x N, y = TFLOPS;
 - `gemm_grouped_<dtype>` / `gemm_looped_<dtype>`: x = tokens per expert, y = TFLOPS of the
-  expert GEMMs in one batched call / one call per expert;
-- `attention_<dtype>`: x = sequence length, y = causal attention TFLOPS (2 b h s^2 d_h);
+  expert GEMMs in one batched call / one call per expert, at the first expert shape;
+  `gemm_grouped_<dtype>_<K>x<N>`: the same at every profiled expert shape K x N;
+- `attention_<dtype>`: x = sequence length, y = causal attention TFLOPS (2 b h s^2 d_h
+  forward) at the profiled head dim; `attention_<dtype>_hd<D>` at the other head dims D;
 - `membw`: x = bytes copied, y = GB/s (read + write);
+- `permute_<dtype>` / `unpermute_<dtype>`: x = tokens T, y = GB/s counting (1 + k) T d
+  elements, the resource model's bytes for the MoE permute and unpermute;
 - `a2a_<level>`: x = bytes per rank, y = GB/s per rank; `p2p_<level>`: x = message bytes,
   y = GB/s one way. <level> is the base cluster's level that the measured ranks span.
 plus a `machine` block (hostname, device, torch, date, backend, ranks) that the loader ignores.
+The device block takes the largest measured copy's bandwidth as `hbm_gbps`; `gemm_efficiency` and
+`attention_efficiency` are the best measured / peak; `hbm_efficiency` is what the permute
+kernels reach of that bandwidth (hbm_efficiency_from), within its EFFICIENCIES bounds.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from typing import Any
 import yaml
 
 from planner.inputs.clusters import cluster_from_dict, cluster_to_dict
-from planner.specs import ClusterSpec, SpecError
+from planner.specs import EFFICIENCIES, ClusterSpec, SpecError
 from planner.topology import span_level_index
 
 log = logging.getLogger(__name__)
@@ -67,13 +76,12 @@ def profile_to_cluster_dict(raw: dict[str, Any], base: ClusterSpec, name: str) -
     out["source"] = (
         f"piper profile on {machine['hostname']} at {machine['date']} (base {base.name})"
     )
-    tables = [
-        _table(f"gemm_{dtype}", compute["gemm"]["x"], compute["gemm"]["y"]),
-        _table(f"gemm_grouped_{dtype}", compute["gemm_grouped"]["x"], compute["gemm_grouped"]["y"]),
-        _table(f"gemm_looped_{dtype}", compute["gemm_looped"]["x"], compute["gemm_looped"]["y"]),
-        _table(f"attention_{dtype}", compute["attention"]["x"], compute["attention"]["y"]),
-        _table("membw", compute["membw"]["x"], compute["membw"]["y"]),
-    ]
+    try:
+        tables = _compute_tables(compute, dtype)
+    except (KeyError, TypeError) as exc:
+        raise SpecError(
+            f"profile raw JSON: compute block lacks {exc}; re-run 'piper profile'"
+        ) from None
     for row in comm:
         level = comm_level(base, row["ranks"], rpn)
         tables.append(_table(f"{row['kind']}_{level}", row["x"], row["y"]))
@@ -84,12 +92,57 @@ def profile_to_cluster_dict(raw: dict[str, Any], base: ClusterSpec, name: str) -
     return out
 
 
+def _compute_tables(compute: dict, dtype: str) -> list[dict[str, Any]]:
+    """The compute, memory and permute tables of a raw `compute` block; the per-shape,
+    per-head-dim and permute entries are optional (older raw files lack them)."""
+    tables = [
+        _table(f"gemm_{dtype}", compute["gemm"]["x"], compute["gemm"]["y"]),
+        _table(f"gemm_grouped_{dtype}", compute["gemm_grouped"]["x"], compute["gemm_grouped"]["y"]),
+        _table(f"gemm_looped_{dtype}", compute["gemm_looped"]["x"], compute["gemm_looped"]["y"]),
+    ]
+    for shape in compute.get("gemm_grouped_shapes", []):
+        name = f"gemm_grouped_{dtype}_{shape['k']}x{shape['n']}"
+        if all(t["name"] != name for t in tables):
+            tables.append(_table(name, shape["x"], shape["grouped"]))
+    att = compute["attention"]
+    tables.append(_table(f"attention_{dtype}", att["x"], att["y"]))
+    for head in compute.get("attention_head_dims", []):
+        if head["head_dim"] != att.get("head_dim"):
+            tables.append(_table(f"attention_{dtype}_hd{head['head_dim']}", head["x"], head["y"]))
+    tables.append(_table("membw", compute["membw"]["x"], compute["membw"]["y"]))
+    for kind in ("permute", "unpermute"):
+        if kind in compute:
+            tables.append(_table(f"{kind}_{dtype}", compute[kind]["x"], compute[kind]["y"]))
+    return tables
+
+
+def hbm_efficiency_from(compute: dict, hbm_gbps: float) -> float | None:
+    """The fraction of `hbm_gbps` the MoE permute kernels reach: at each measured T the
+    GB/s of a permute followed by an unpermute (their bytes over their summed time), the
+    best T, divided by hbm_gbps and held within EFFICIENCIES' bounds for hbm_efficiency.
+    None when the raw file has no permute measurements."""
+    perm, unperm = compute.get("permute"), compute.get("unpermute")
+    if not perm or not unperm or hbm_gbps <= 0:
+        return None
+    pairs = [
+        2.0 / (1.0 / a + 1.0 / b)
+        for a, b in zip(perm["y"], unperm["y"], strict=True)
+        if a > 0 and b > 0
+    ]
+    if not pairs:
+        return None
+    bounds = next(e for e in EFFICIENCIES if e.name == "hbm_efficiency")
+    return min(max(max(pairs) / hbm_gbps, bounds.low), bounds.high)
+
+
 def _apply_device(out: dict[str, Any], dtype: str, compute: dict) -> None:
-    """Measured memory bandwidth and large-GEMM / attention efficiencies; a declared peak
-    below the measured throughput (CPU guesses) is raised to the measurement."""
+    """Measured memory bandwidth, large-GEMM / attention efficiencies and the permute
+    kernels' hbm_efficiency; a declared peak below the measured throughput (CPU guesses) is
+    raised to the measurement."""
     dev = out["device"]
     dev["name"] = str(out["machine"].get("device") or dev["name"])
-    dev["hbm_gbps"] = max(compute["membw"]["y"])
+    copies = sorted(zip(compute["membw"]["x"], compute["membw"]["y"], strict=True))
+    dev["hbm_gbps"] = copies[-1][1]  # the largest copy: smaller ones may sit in the cache
     best_gemm = max(compute["gemm"]["y"] + compute["gemm_grouped"]["y"])
     peak = dev["peak_tflops"].get(dtype, 0.0)
     if best_gemm > peak:
@@ -99,6 +152,9 @@ def _apply_device(out: dict[str, Any], dtype: str, compute: dict) -> None:
         dev["peak_tflops"][dtype] = peak = best_gemm
     out["gemm_efficiency"] = min(best_gemm / peak, 1.0)
     out["attention_efficiency"] = min(max(compute["attention"]["y"]) / peak, 1.0)
+    hbm_eff = hbm_efficiency_from(compute, dev["hbm_gbps"])
+    if hbm_eff is not None:
+        out["hbm_efficiency"] = hbm_eff
 
 
 def profile_yaml(cluster_dict: dict[str, Any]) -> str:

@@ -2,15 +2,25 @@
 prediction for the same layer (planner.resources.layer_cost).
 
 `python -m runtime.bench.layer_bench [--model M | --plan PLAN] [--cluster C] [--seq-len S]
-[--micro-batch B] [--layers i,j] [--scale F] [--json] [--out PREFIX]`
+[--micro-batch B] [--layers i,j] [--scale F] [--time-tol T] [--mem-tol M] [--check] [--json]
+[--out PREFIX]`
 
-On CUDA: NCCL process group of one rank, bf16 weights, the runtime's own StageModule with the
-flat all-to-all dispatcher over that group; CUDA events time forward and backward, and
-torch.cuda.max_memory_allocated minus the weights gives the activation + gradient peak.
-On CPU (tests): gloo, fp32, wall-clock timing, peak RSS is not separable so memory is omitted.
-Default layers: the first dense layer (if any) and the first MoE layer. Writes PREFIX.json
-and PREFIX.csv. Predicted memory: weights + grads (bf16, 2 + 2 B/param) + activations kept
-for backward (the planner's ActBytes); measured: peak allocated during forward + backward.
+What is compared is what layer_cost prices for one layer on one rank and one micro-batch at
+pp = dp = tp = ep = 1 with no recompute:
+- time: the layer's forward + backward (LayerCost.time_s: its compute work, the host time per
+  layer of the profile, and the exposed communication, none at world size 1) against the
+  measured forward + backward of the runtime's StageModule holding that layer alone, the
+  backward driven by a fixed output gradient (no loss);
+- memory: weights + gradients (LayerCost.state, bf16) + the activations kept for backward
+  (LayerCost.act) + the layer's transient workspaces, against the weights plus the peak that
+  torch.cuda.max_memory_allocated rises to above the step's start (the input and the output
+  gradient are there already) during forward + backward.
+On CUDA: NCCL process group of one rank, bf16, the flat all-to-all dispatcher over it, times
+between device synchronisations. On CPU (tests): gloo, fp32 (predicted in fp32 too), peak
+memory not separable so only time is compared. Each row carries the error (predicted -
+measured) / measured and passes when |time error| <= --time-tol (default 0.10) and |memory
+error| <= --mem-tol (default 0.05); `--check` exits 1 when a row fails. Default layers: the
+first dense layer (if any) and the first MoE layer. Writes PREFIX.json and PREFIX.csv.
 """
 
 from __future__ import annotations
@@ -48,21 +58,26 @@ def _init_world_one(cuda: bool) -> bool:
     return True
 
 
-def predicted(model, index: int, cluster, seq_len: int, micro_batch: int) -> dict:
-    """The planner's forward, forward+backward time and memory for layer `index`."""
+def predicted(
+    model, index: int, cluster, seq_len: int, micro_batch: int, dtype: str = "bf16"
+) -> dict:
+    """The planner's forward, forward+backward time and peak memory for layer `index` at
+    world size 1 (module docstring: what is counted)."""
     from planner.resources.layer_cost import layer_cost
 
-    training = TrainingSpec(seq_len=seq_len, global_batch=micro_batch, dtype="bf16")
+    training = TrainingSpec(seq_len=seq_len, global_batch=micro_batch, dtype=dtype)
     par = ParallelConfig(pp=1, dp=1, ep=1, micro_batch=micro_batch)
     cost = layer_cost(model, index, cluster, training, par)
-    params = cost.params_dense + cost.params_expert
-    flops = sum(w.flops for w in cost.work)
+    workspace = sum(b for _, b in cost.workspace)
     return {
         "pred_fwd_s": sum(w.forward_s for w in cost.work),
-        "pred_fwd_bwd_s": cost.compute_s,
-        "pred_mem_bytes": 4 * params + cost.act.total,
+        "pred_fwd_bwd_s": cost.time_s,
+        "pred_comm_s": sum(s for _, s in cost.comm_s),
+        "pred_work_s": {w.name: w.time_s for w in cost.work},
+        "pred_mem_bytes": cost.state.weights + cost.state.grads + cost.act.total + workspace,
         "pred_act_bytes": cost.act.total,
-        "flops_fwd_bwd": flops,
+        "pred_tables": list(cost.tables),
+        "flops_fwd_bwd": sum(w.flops for w in cost.work),
     }
 
 
@@ -77,11 +92,13 @@ def measure(model, index: int, seq_len: int, micro_batch: int, device, iters: in
     module = StageModule(model, [index], first=False, last=False).to(device=device, dtype=dtype)
     for moe in module.moe_layers().values():
         moe.dispatcher = FlatAllToAll(None, 1)
-    x = torch.randn(micro_batch, seq_len, model.hidden_size, device=device, dtype=dtype)
-    x.requires_grad_(True)
+    shape = (micro_batch, seq_len, model.hidden_size)
+    x = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    grad_y = torch.randn(*shape, device=device, dtype=dtype)
     fwd, bwd, peak = [], [], 0
     for i in range(iters + 2):
         module.zero_grad(set_to_none=True)
+        x.grad = None
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -90,9 +107,10 @@ def measure(model, index: int, seq_len: int, micro_batch: int, device, iters: in
         y = module(x)
         _sync(device)
         t1 = time.perf_counter()
-        y.float().square().mean().backward()
+        torch.autograd.backward(y, grad_y)
         _sync(device)
         t2 = time.perf_counter()
+        del y
         if i >= 2:  # two warm-up iterations
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
@@ -105,8 +123,34 @@ def measure(model, index: int, seq_len: int, micro_batch: int, device, iters: in
     return out
 
 
-def bench(model, cluster, seq_len: int, micro_batch: int, layers, iters: int = 5) -> list:
-    """One row per layer: measured next to predicted, with ratios."""
+def compare(row: dict, time_tol: float, mem_tol: float) -> dict:
+    """Errors (predicted - measured) / measured of time and memory, and the verdict."""
+    total = row["fwd_s"] + row["bwd_s"]
+    out = {
+        "measured_tflops": row["flops_fwd_bwd"] / total / 1e12,
+        "time_ratio_measured_over_pred": total / row["pred_fwd_bwd_s"],
+        "time_error": (row["pred_fwd_bwd_s"] - total) / total,
+    }
+    ok = abs(out["time_error"]) <= time_tol
+    if "mem_bytes" in row:
+        out["mem_ratio_measured_over_pred"] = row["mem_bytes"] / row["pred_mem_bytes"]
+        out["mem_error"] = (row["pred_mem_bytes"] - row["mem_bytes"]) / row["mem_bytes"]
+        ok = ok and abs(out["mem_error"]) <= mem_tol
+    out["pass"] = ok
+    return out
+
+
+def bench(
+    model,
+    cluster,
+    seq_len: int,
+    micro_batch: int,
+    layers,
+    iters: int = 5,
+    time_tol: float = 0.10,
+    mem_tol: float = 0.05,
+) -> list:
+    """One row per layer: measured next to predicted, with the errors and the verdict."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
     device = device or torch.device("cpu")
@@ -114,17 +158,18 @@ def bench(model, cluster, seq_len: int, micro_batch: int, layers, iters: int = 5
     rows = []
     for index in layers:
         row = {"layer": index, "kind": model.layers[index].kind, "device": str(device)}
-        row.update(predicted(model, index, cluster, seq_len, micro_batch))
+        row["cluster"] = cluster.name
+        row.update(predicted(model, index, cluster, seq_len, micro_batch, _dtype_name(device)))
         row.update(measure(model, index, seq_len, micro_batch, device, iters))
-        total = row["fwd_s"] + row["bwd_s"]
-        row["measured_tflops"] = row["flops_fwd_bwd"] / total / 1e12
-        row["time_ratio_measured_over_pred"] = total / row["pred_fwd_bwd_s"]
-        if "mem_bytes" in row:
-            row["mem_ratio_measured_over_pred"] = row["mem_bytes"] / row["pred_mem_bytes"]
+        row.update(compare(row, time_tol, mem_tol))
         rows.append(row)
     if started:
         dist.destroy_process_group()
     return rows
+
+
+def _dtype_name(device: torch.device) -> str:
+    return "bf16" if device.type == "cuda" else "fp32"
 
 
 def _default_layers(model) -> list[int]:
@@ -132,32 +177,70 @@ def _default_layers(model) -> list[int]:
     return dense[:1] + list(model.moe_layers[:1])
 
 
+def _parse_layers(text: str, model) -> list[int]:
+    """--layers "i,j": indices into the model's layers, else a SpecError naming the fix."""
+    from planner.specs import SpecError
+
+    try:
+        layers = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SpecError(
+            f"--layers {text!r}: give comma-separated layer indices, e.g. 0,1"
+        ) from None
+    bad = [i for i in layers if not 0 <= i < model.num_layers]
+    if bad:
+        raise SpecError(
+            f"--layers {text}: {bad} outside {model.name}'s layers 0..{model.num_layers - 1}"
+        )
+    return layers
+
+
 def _csv(rows: list[dict]) -> str:
-    keys = sorted({k for r in rows for k in r})
+    flat = [{k: v for k, v in r.items() if not isinstance(v, dict | list)} for r in rows]
+    keys = sorted({k for r in flat for k in r})
     lines = [",".join(keys)]
     lines += [
         ",".join(f"{r[k]:.6g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys)
-        for r in rows
+        for r in flat
     ]
     return "\n".join(lines) + "\n"
 
 
-def _print_rows(rows: list[dict]) -> None:
-    for r in rows:
-        mem = ""
-        if "mem_bytes" in r:
-            mem = (
-                f"  mem {r['mem_bytes'] / 2**30:.2f} GiB vs pred {r['pred_mem_bytes'] / 2**30:.2f}"
-            )
-        print(
-            f"layer {r['layer']} ({r['kind']}): fwd {r['fwd_s'] * 1e3:.2f} ms bwd "
-            f"{r['bwd_s'] * 1e3:.2f} ms = {r['measured_tflops']:.1f} TFLOPS; predicted "
-            f"fwd+bwd {r['pred_fwd_bwd_s'] * 1e3:.2f} ms (measured/pred "
-            f"{r['time_ratio_measured_over_pred']:.2f}){mem}"
+def format_row(r: dict, time_tol: float = 0.10, mem_tol: float = 0.05) -> str:
+    """Measured beside predicted for one layer, the errors and PASS / FAIL."""
+    total = r["fwd_s"] + r["bwd_s"]
+    lines = [
+        f"layer {r['layer']} ({r['kind']}, {r['device']}, cluster {r['cluster']}): measured "
+        f"fwd {r['fwd_s'] * 1e3:.2f} ms + bwd {r['bwd_s'] * 1e3:.2f} ms = {total * 1e3:.2f} ms "
+        f"({r['measured_tflops']:.3g} TFLOPS)",
+        f"  predicted fwd+bwd {r['pred_fwd_bwd_s'] * 1e3:.2f} ms, time error "
+        f"{100 * r['time_error']:+.1f}% (tolerance {100 * time_tol:.0f}%)",
+    ]
+    if "mem_bytes" in r:
+        lines.append(
+            f"  peak memory measured {r['mem_bytes'] / 2**30:.3f} GiB, predicted "
+            f"{r['pred_mem_bytes'] / 2**30:.3f} GiB, memory error {100 * r['mem_error']:+.1f}% "
+            f"(tolerance {100 * mem_tol:.0f}%)"
         )
+    else:
+        lines.append("  peak memory not measured on this device")
+    work = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in r["pred_work_s"].items())
+    lines.append(f"  predicted work (ms): {work}; tables: {', '.join(r['pred_tables']) or 'none'}")
+    lines.append(f"  {'PASS' if r['pass'] else 'FAIL'}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from planner.specs import SpecError
+
+    try:
+        return _main(argv)
+    except SpecError as exc:
+        print(f"layer_bench: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     from planner.inputs.clusters import load_cluster
     from planner.inputs.models import load_model
     from planner.outputs.files import write_files
@@ -173,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", default=None, help="comma-separated layer indices")
     p.add_argument("--scale", type=float, default=1.0, help="shrink widths (CPU smoke runs)")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--time-tol", type=float, default=0.10, help="pass: |time error| <= this")
+    p.add_argument("--mem-tol", type=float, default=0.05, help="pass: |memory error| <= this")
+    p.add_argument("--check", action="store_true", help="exit 1 when a layer fails")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     p.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.csv")
     args = p.parse_args(argv)
@@ -189,8 +275,11 @@ def main(argv: list[str] | None = None) -> int:
             layers=tuple(scale_layer(x, args.scale) for x in model.layers),
             hidden_size=max(8, round(model.hidden_size * args.scale / 8) * 8),
         )
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else _default_layers(model)
-    rows = bench(model, load_cluster(args.cluster), seq_len, args.micro_batch, layers, args.iters)
+    layers = _parse_layers(args.layers, model) if args.layers else _default_layers(model)
+    cluster = load_cluster(args.cluster)
+    rows = bench(
+        model, cluster, seq_len, args.micro_batch, layers, args.iters, args.time_tol, args.mem_tol
+    )
     if args.out:
         write_files(
             os.path.dirname(args.out) or ".",
@@ -202,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        _print_rows(rows)
-    return 0
+        for r in rows:
+            print(format_row(r, args.time_tol, args.mem_tol))
+    return 1 if args.check and not all(r["pass"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -18,10 +18,15 @@ TINY = prof.ProfileSizes(
     gemm_tokens=(4, 16),
     experts=3,
     expert_tokens=(2, 8),
+    expert_shapes=(prof.ExpertShape("a", 32, 48), prof.ExpertShape("b", 16, 24)),
     attn_heads=2,
     attn_head_dim=8,
+    attn_head_dims=(4, 8),
     attn_seq=(16, 32),
     membw_bytes=(1024,),
+    permute_tokens=(8, 32),
+    permute_topk=2,
+    permute_hidden=16,
     p2p_bytes=(64, 4096),
     a2a_bytes=(256, 8192),
     iters=1,
@@ -43,30 +48,69 @@ def half_second(monkeypatch):
 
 
 def test_flop_and_byte_conventions(half_second):
-    assert prof.bench_gemm(TINY, torch.float32, CPU) == pytest.approx(
-        [2 * m * 32 * 48 / 0.5 / 1e12 for m in (4, 16)]
-    )
-    assert half_second[0].shape == (4, 48)
-    grouped, looped = prof.bench_expert_gemm(TINY, torch.float32, CPU)
-    want = [2 * 3 * m * 32 * 48 / 0.5 / 1e12 for m in (2, 8)]
-    assert grouped == pytest.approx(want) and looped == pytest.approx(want)
-    assert prof.bench_attention(TINY, torch.float32, CPU) == pytest.approx(
-        [2 * 2 * s * s * 8 / 0.5 / 1e12 for s in (16, 32)]
-    )
+    train, fwd = prof.bench_gemm(TINY, torch.float32, CPU)
+    assert fwd == pytest.approx([2 * m * 32 * 48 / 0.5 / 1e12 for m in (4, 16)])
+    assert train == pytest.approx([3 * 2 * m * 32 * 48 / 0.5 / 1e12 for m in (4, 16)])
+    # training = forward y[M,N], data gradient dx[M,K], weight gradient dw[K,N]
+    assert [t.shape for t in half_second[0]] == [(4, 48), (4, 32), (32, 48)]
+    res = prof.bench_expert_gemm(TINY, torch.float32, CPU, TINY.expert_shapes[1])
+    want = [2 * 3 * m * 16 * 24 / 0.5 / 1e12 for m in (2, 8)]
+    assert res["grouped_fwd"] == pytest.approx(want)
+    assert res["grouped"] == pytest.approx([3 * w for w in want])
+    assert res["looped"] == pytest.approx([3 * w for w in want])
+    train, fwd = prof.bench_attention(TINY, torch.float32, CPU, head_dim=4)
+    assert fwd == pytest.approx([2 * 2 * s * s * 4 / 0.5 / 1e12 for s in (16, 32)])
+    assert train == pytest.approx([3 * f for f in fwd])
     assert prof.bench_membw(TINY, CPU) == pytest.approx([2 * 1024 / 0.5 / 1e9])
+    perm, unperm = prof.bench_permute(TINY, torch.float32, CPU)
+    # the resource model's bytes: (1 + k) T d elements of 4 B
+    want = [(1 + 2) * t * 16 * 4 / 0.5 / 1e9 for t in (8, 32)]
+    assert perm == pytest.approx(want) and unperm == pytest.approx(want)
 
 
-def test_grouped_and_looped_compute_the_same_product():
+def test_permute_then_unpermute_sums_each_token_k_times():
+    rows = prof.routed_rows(50, 3, CPU, experts=8)
+    assert rows.shape == (150,)
+    assert torch.bincount(rows, minlength=50).tolist() == [3] * 50
+    x = torch.randn(50, 6)
+    y = prof.permute(x, rows)
+    assert torch.equal(y, x[rows])
+    assert torch.allclose(prof.unpermute(y, rows, 50), 3 * x, atol=1e-5)
+    # expert order: each token's k copies land in k different expert groups, so the first
+    # rows (the first experts' tokens) are increasing token ids, not token 0's k copies
+    assert rows[:3].tolist() != [0, 0, 0]
+
+
+def test_expert_gemm_products_are_the_training_gemms():
     torch.manual_seed(0)
-    x, w = torch.randn(3, 5, 4), torch.randn(3, 4, 6)
-    looped = torch.stack([x[i] @ w[i] for i in range(3)])
-    assert torch.allclose(torch.bmm(x, w), looped, atol=1e-6)
+    x, w, dy = torch.randn(3, 5, 4), torch.randn(3, 4, 6), torch.randn(3, 5, 6)
+    y, dx, dw = prof._train_matmuls(torch.bmm, x, w, dy)
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    torch.bmm(xr, wr).backward(dy)
+    assert torch.allclose(y, torch.stack([x[i] @ w[i] for i in range(3)]), atol=1e-6)
+    assert torch.allclose(dx, xr.grad, atol=1e-5) and torch.allclose(dw, wr.grad, atol=1e-5)
+
+
+def test_compute_block_has_every_shape_and_head_dim(monkeypatch):
+    monkeypatch.setattr(prof, "_median_over_ranks", lambda values: values)
+    out = prof.measure_compute(TINY, torch.float32, CPU)
+    assert [(s["model"], s["k"], s["n"]) for s in out["gemm_grouped_shapes"]] == [
+        ("a", 32, 48),
+        ("b", 16, 24),
+    ]
+    assert out["gemm_grouped"]["y"] == out["gemm_grouped_shapes"][0]["grouped"]
+    assert (out["gemm_grouped"]["k"], out["gemm_grouped"]["n"]) == (32, 48)
+    assert [h["head_dim"] for h in out["attention_head_dims"]] == [8, 4]
+    assert out["attention"]["head_dim"] == 8
+    assert out["permute"]["x"] == [8, 32] and out["permute"]["topk"] == 2
+    values = [v for s in out["gemm_grouped_shapes"] for v in s["grouped"] + s["looped"]]
+    values += out["permute"]["y"] + out["unpermute"]["y"] + out["attention"]["y"]
+    assert all(0 < v < 1e4 for v in values)
 
 
 def test_real_timings_are_positive_and_finite():
-    values = prof.bench_gemm(TINY, torch.float32, CPU) + prof.bench_attention(
-        TINY, torch.float32, CPU
-    )
+    values = [v for pair in prof.bench_gemm(TINY, torch.float32, CPU) for v in pair]
+    values += [v for pair in prof.bench_attention(TINY, torch.float32, CPU) for v in pair]
     assert all(0 < v < 1e4 for v in values)
 
 
@@ -91,7 +135,25 @@ def test_sizes_scale_with_device():
     gpu = prof.sizes_for(quick=False, on_gpu=True, hidden=4096, ffn=1024)
     assert max(gpu.gemm_tokens) > max(cpu.gemm_tokens)
     assert (gpu.gemm_k, gpu.gemm_n) == (4096, 1024)
+    assert gpu.expert_tokens == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    assert gpu.expert_shapes == (prof.ExpertShape("", 4096, 1024),)
+    assert max(cpu.expert_tokens) <= 256 and cpu.permute_hidden <= 256  # CPU stays fast
     assert isinstance(prof.parse_args(["--raw-out", "x"]), argparse.Namespace)
+
+
+def test_expert_shapes_come_from_the_presets():
+    shapes, topk = prof.shapes_of_models(["mixtral-8x7b", "deepseek-v3", "qwen3-235b-a22b"])
+    assert [(s.k, s.n) for s in shapes] == [(4096, 14336), (7168, 2048), (4096, 1536)]
+    assert topk == 2  # the first model's
+    sz = prof.sizes_for(False, True, None, None, shapes, topk)
+    assert (sz.gemm_k, sz.gemm_n) == (4096, 14336)  # the dense GEMM at the first shape
+    assert (sz.permute_topk, sz.permute_hidden) == (2, 4096)
+    assert sz.expert_shapes == shapes
+
+
+def test_unknown_model_is_one_clean_line(tmp_path):
+    with pytest.raises(SystemExit, match="--models: model 'nope'"):
+        prof.main(["--raw-out", str(tmp_path / "r.json"), "--models", "nope"])
 
 
 @pytest.mark.slow
@@ -152,13 +214,22 @@ def test_profile_plan_run_calibrate_loop_on_cpu(tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_benchmarks_bf16():
-    """On a GPU: bf16 GEMM throughput grows with M and is a sane fraction of any GPU's peak."""
+    """On a GPU: bf16 GEMM throughput grows with M and is a sane fraction of any GPU's peak;
+    the grouped GEMM gains from 16 to 4,096 tokens per expert; permutes stream below the
+    copy bandwidth."""
     dev = torch.device("cuda", 0)
     sz = prof.sizes_for(quick=False, on_gpu=True, hidden=4096, ffn=4096)
-    sz = prof.ProfileSizes(**{**sz.__dict__, "gemm_tokens": (64, 8192), "iters": 5})
-    small, large = prof.bench_gemm(sz, torch.bfloat16, dev)
+    sz = prof.ProfileSizes(
+        **{**sz.__dict__, "gemm_tokens": (64, 8192), "expert_tokens": (16, 4096), "iters": 5}
+    )
+    (small, large), _ = prof.bench_gemm(sz, torch.bfloat16, dev)
     assert 1.0 < large < 5000.0 and large > 2 * small
-    assert 50.0 < prof.bench_membw(sz, dev)[-1] < 20000.0
+    grouped = prof.bench_expert_gemm(sz, torch.bfloat16, dev)["grouped"]
+    assert 1.0 < grouped[1] < 5000.0 and grouped[1] > 2 * grouped[0]
+    copy = prof.bench_membw(sz, dev)[-1]
+    assert 50.0 < copy < 20000.0
+    perm, unperm = prof.bench_permute(sz, torch.bfloat16, dev)
+    assert 0 < max(perm + unperm) < 1.5 * copy
 
 
 def test_cuda_request_without_cuda_fails_cleanly(tmp_path, capsys, monkeypatch):
