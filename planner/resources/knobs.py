@@ -6,8 +6,6 @@ parallelism, no full recompute and no `moe` recompute module (the recomputed dis
 run outside the pairing), at most one MTP layer and a pipeline (pp > 1) when MTP trains,
 interleaving (vp > 1) when pipelined, and the alltoall or flex dispatcher (Piper's flat or
 deepep).
-Whole-iteration CUDA graphs capture the MoE layers, which the overlap does not allow ("CUDA
-graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm").
 Multi-token prediction does not run with context parallelism (Megatron-LM
 `docs/user-guide/features/multi_token_prediction.md`, "Unsupported Combinations").
 """
@@ -41,11 +39,6 @@ def knob_conflict(
             return "a2a_overlap with pp > 1 needs interleaving; set vp > 1"
         if training.dtype == "fp32":
             return "a2a_overlap needs bf16/fp16 (or fp8) training, not fp32"
-        if training.cuda_graphs == "full":
-            return (
-                "a2a_overlap does not run with whole-iteration CUDA graphs (Megatron: no "
-                "graph scope on moe / mlp with the overlap); use cuda_graphs partial"
-            )
     if parallel.cp > 1 and mtp > 0:
         return f"MTP ({mtp} layers) does not run with context parallelism; set mtp_layers 0 or cp 1"
     return ""

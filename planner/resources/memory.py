@@ -262,7 +262,53 @@ def layer_activations(
         modules = parallel.recompute_modules or ("core_attn",)
         a, tokens = act_bytes_per_element(training), rank_tokens(training, parallel)
         parts = kept_components(layer, parts, modules, a * tokens, model.hidden_size)
+    if accounting != "paper" and training.dtype in SAVED_LOW_PRECISION_BYTES:
+        parts = low_precision_saved(model, layer, training, parallel, parts)
     return ActBytes(tuple(parts))
+
+
+# Under an FP8 recipe Transformer Engine saves a low-precision GEMM's input for its weight
+# gradient quantized, not in bf16: the transposed FP8 copy on Hopper (per-tensor scaling),
+# the column-wise MXFP8 copy with one E8M0 scale per 32 on Blackwell (TE
+# `docs/features/low_precision_training`; LayerNormLinear keeps its quantized norm output).
+SAVED_LOW_PRECISION_BYTES = {"fp8": 1.0, "mxfp8": 1.0 + 1.0 / 32}
+
+
+def low_precision_saved(
+    model: ModelSpec,
+    layer: LayerSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    parts: list[tuple[str, float]],
+) -> list[tuple[str, float]]:
+    """`parts` with the kept inputs of the low-precision GEMMs at SAVED_LOW_PRECISION_BYTES
+    per element: the norm outputs (QKV / fc1 inputs; a norm's input stays bf16), MLA's
+    latents (up-projection inputs), the attention context (o-proj input), the routed copies
+    (fc1 input) and the activation outputs (fc2 inputs, 1 of `mats` expert intermediates);
+    q / k / v for the attention kernel, the fc1 outputs, router and combine stay bf16."""
+    a = act_bytes_per_element(training)
+    ratio = SAVED_LOW_PRECISION_BYTES[training.dtype] / a
+    tokens = rank_tokens(training, parallel)
+    d = model.hidden_size
+    full = dict(attention_activations(model, layer, training, parallel))
+    full.update(mlp_activations(model, layer, training, parallel))
+    att, moe = layer.attention, layer.moe
+    latent = att.q_lora_rank + att.kv_lora_rank + att.qk_rope_head_dim if att.kind == "mla" else 0
+
+    def gemm_input(name: str, kept: float) -> float:
+        if name in ("attn_norm", "mlp_norm"):
+            return max(kept - a * tokens * d, 0.0)  # the output, when kept
+        if name == "qkv":
+            return min(kept, a * tokens * latent)
+        if name in ("context", "dispatch"):
+            return kept
+        if name in ("experts", "shared", "dense_mlp"):
+            gated = (moe.gated if name != "dense_mlp" and moe else layer.dense_gated)
+            mats = 3 if gated else 2
+            return max(kept - full[name] * (mats - 1) / mats, 0.0)  # act output, when kept
+        return 0.0
+
+    return [(n, v - gemm_input(n, v) * (1.0 - ratio)) for n, v in parts]
 
 
 @dataclass(frozen=True)

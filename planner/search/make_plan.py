@@ -116,11 +116,12 @@ def make_plan(
 
         evaluator = default_evaluator()
     t0 = time.perf_counter()
-    if training.cuda_graphs == "full":  # Megatron: no whole-iteration graphs with the overlap
+    if training.cuda_graphs == "full":  # the exports' Megatron-Core 0.16 refuses the pair
         if a2a_overlap:
             raise SpecError(
-                "plan: --a2a-overlap does not run with --cuda-graphs full (Megatron captures "
-                "no MoE layer with the overlap); use --cuda-graphs partial or drop --a2a-overlap"
+                "plan: --a2a-overlap does not run with --cuda-graphs full in Megatron-Core 0.16 "
+                "(no graph scope on moe / mlp with the overlap); use --cuda-graphs partial or "
+                "drop --a2a-overlap"
             )
         a2a_overlap = False
     space = make_space(

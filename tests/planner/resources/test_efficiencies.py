@@ -13,6 +13,7 @@ from planner.resources.compute import M_HALF_ROWS, gemm_time, layer_work
 from planner.resources.deepep import deepep_buffer_bytes
 from planner.resources.layer_comm import COMM_SMS, fsdp_gather_s, sm_contention_s
 from planner.resources.layer_cost import layer_cost
+from planner.resources.memory import layer_activations
 from planner.specs import EFFICIENCIES, PARTIAL_GRAPH_SHARE, ClusterSpec, SpecError, TrainingSpec
 from tests.planner.resources.resource_specs import make_cluster, make_model
 
@@ -119,3 +120,27 @@ def test_deepep_buffers_by_hand():
     want = deepep_buffer_bytes(model.hidden_size * 2, 4)
     assert dict(deep.workspace)["deepep_buffers"] == pytest.approx(want)
     assert "deepep_buffers" not in dict(flat.workspace)
+
+
+def test_fp8_recipes_save_the_gemm_inputs_quantized():
+    # Transformer Engine keeps a low-precision GEMM's input for wgrad in FP8 (1 B/element;
+    # MXFP8 1 + 1/32): the norm outputs, the context, the routed copies and the activation
+    # outputs; q/k/v, the fc1 outputs, the router and the norm inputs stay bf16
+    model, par = make_model(layers=1), ParallelConfig(pp=1, dp=2, ep=2)
+    bf16 = dict(layer_activations(model, model.layers[0], TrainingSpec(seq_len=32), par).components)
+    for dtype, saved in (("fp8", 1.0), ("mxfp8", 1.0 + 1 / 32)):
+        tr = TrainingSpec(seq_len=32, dtype=dtype)
+        low = dict(layer_activations(model, model.layers[0], tr, par).components)
+        r = saved / 2
+        assert low["attn_norm"] == pytest.approx(bf16["attn_norm"] * (1 + r) / 2)
+        assert low["mlp_norm"] == pytest.approx(bf16["mlp_norm"] * (1 + r) / 2)
+        assert low["context"] == pytest.approx(bf16["context"] * r)
+        assert low["dispatch"] == pytest.approx(bf16["dispatch"] * r)
+        assert low["experts"] == pytest.approx(bf16["experts"] * (2 + r) / 3)  # SwiGLU: 1 of 3
+        for name in ("qkv", "router", "combine", "scores"):
+            assert low[name] == pytest.approx(bf16[name]), name
+    # recomputed activation outputs are not kept, so nothing of them is quantized
+    sel = ParallelConfig(pp=1, dp=2, ep=2, recompute="selective", recompute_modules=("moe_act",))
+    tr = TrainingSpec(seq_len=32, dtype="fp8")
+    kept = dict(layer_activations(model, model.layers[0], tr, sel, "selective").components)
+    assert kept["experts"] == pytest.approx(bf16["experts"] * 2 / 3)

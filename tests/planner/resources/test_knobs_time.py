@@ -194,7 +194,6 @@ def test_mxfp8_needs_the_devices_peak():
         ),
         (dict(mtp_layers=1), dict(pp=1, dp=2, cp=2, ep=2), "flat", "context parallelism"),
         (dict(a2a_overlap=True, mtp_layers=1), dict(pp=1, dp=2, ep=2), "flat", "needs pp > 1"),
-        (dict(a2a_overlap=True, cuda_graphs="full"), dict(pp=1, dp=2, ep=2), "flat", "CUDA graphs"),
         (dict(), dict(pp=1, dp=2, ep=2), "ring", "dispatcher 'ring'"),
     ],
 )
