@@ -216,6 +216,12 @@ def format_row(r: dict, time_tol: float = 0.10, mem_tol: float = 0.05) -> str:
         f"  predicted fwd+bwd {r['pred_fwd_bwd_s'] * 1e3:.2f} ms, time error "
         f"{100 * r['time_error']:+.1f}% (tolerance {100 * time_tol:.0f}%)",
     ]
+    host = r["pred_work_s"].get("host", 0.0)
+    if host > 0:
+        lines[-1] += (
+            f"; {100 * (r['pred_fwd_bwd_s'] - host - total) / total:+.1f}% without the "
+            f"profile's host time per layer ({host * 1e3:.2f} ms)"
+        )
     if "mem_bytes" in r:
         lines.append(
             f"  peak memory measured {r['mem_bytes'] / 2**30:.3f} GiB, predicted "
