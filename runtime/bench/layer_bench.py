@@ -2,8 +2,8 @@
 prediction for the same layer (planner.resources.layer_cost).
 
 `python -m runtime.bench.layer_bench [--model M | --plan PLAN] [--cluster C] [--seq-len S]
-[--micro-batch B] [--layers i,j] [--scale F] [--time-tol T] [--mem-tol M] [--check] [--json]
-[--out PREFIX]`
+[--micro-batch B] [--layers i,j] [--scale F] [--time-tol T] [--mem-tol M] [--check]
+[--other-cluster C] [--json] [--out PREFIX]`
 
 What is compared is what layer_cost prices for one layer on one rank and one micro-batch at
 pp = dp = tp = ep = 1 with no recompute:
@@ -19,7 +19,8 @@ On CUDA: NCCL process group of one rank, bf16, the flat all-to-all dispatcher ov
 between device synchronisations. On CPU (tests): gloo, fp32 (predicted in fp32 too), peak
 memory not separable so only time is compared. Each row carries the error (predicted -
 measured) / measured and passes when |time error| <= --time-tol (default 0.10) and |memory
-error| <= --mem-tol (default 0.05); `--check` exits 1 when a row fails. Default layers: the
+error| <= --mem-tol (default 0.05); `--check` exits 1 when a row fails. `--other-cluster C`
+adds C's prediction and errors beside the same measurement (not checked). Default layers: the
 first dense layer (if any) and the first MoE layer. Writes PREFIX.json and PREFIX.csv.
 """
 
@@ -149,8 +150,10 @@ def bench(
     iters: int = 5,
     time_tol: float = 0.10,
     mem_tol: float = 0.05,
+    other=None,
 ) -> list:
-    """One row per layer: measured next to predicted, with the errors and the verdict."""
+    """One row per layer: measured next to predicted, with the errors and the verdict; with
+    `other` (a second cluster) also that cluster's prediction and errors under `other`."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
     device = device or torch.device("cpu")
@@ -162,6 +165,11 @@ def bench(
         row.update(predicted(model, index, cluster, seq_len, micro_batch, _dtype_name(device)))
         row.update(measure(model, index, seq_len, micro_batch, device, iters))
         row.update(compare(row, time_tol, mem_tol))
+        if other is not None:
+            alt = predicted(model, index, other, seq_len, micro_batch, _dtype_name(device))
+            alt.update({k: row[k] for k in ("fwd_s", "bwd_s", "mem_bytes") if k in row})
+            alt.update(compare(alt, time_tol, mem_tol))
+            row["other"] = {"cluster": other.name, **alt}
         rows.append(row)
     if started:
         dist.destroy_process_group()
@@ -232,6 +240,13 @@ def format_row(r: dict, time_tol: float = 0.10, mem_tol: float = 0.05) -> str:
         lines.append("  peak memory not measured on this device")
     work = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in r["pred_work_s"].items())
     lines.append(f"  predicted work (ms): {work}; tables: {', '.join(r['pred_tables']) or 'none'}")
+    alt = r.get("other")
+    if alt:
+        mem = f", memory error {100 * alt['mem_error']:+.1f}%" if "mem_error" in alt else ""
+        lines.append(
+            f"  cluster {alt['cluster']} predicts {alt['pred_fwd_bwd_s'] * 1e3:.2f} ms, time "
+            f"error {100 * alt['time_error']:+.1f}%{mem} (not checked)"
+        )
     lines.append(f"  {'PASS' if r['pass'] else 'FAIL'}")
     return "\n".join(lines)
 
@@ -265,6 +280,9 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--time-tol", type=float, default=0.10, help="pass: |time error| <= this")
     p.add_argument("--mem-tol", type=float, default=0.05, help="pass: |memory error| <= this")
     p.add_argument("--check", action="store_true", help="exit 1 when a layer fails")
+    p.add_argument(
+        "--other-cluster", default=None, help="also print this cluster's prediction (unchecked)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     p.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.csv")
     args = p.parse_args(argv)
@@ -283,8 +301,17 @@ def _main(argv: list[str] | None) -> int:
         )
     layers = _parse_layers(args.layers, model) if args.layers else _default_layers(model)
     cluster = load_cluster(args.cluster)
+    other = load_cluster(args.other_cluster) if args.other_cluster else None
     rows = bench(
-        model, cluster, seq_len, args.micro_batch, layers, args.iters, args.time_tol, args.mem_tol
+        model,
+        cluster,
+        seq_len,
+        args.micro_batch,
+        layers,
+        args.iters,
+        args.time_tol,
+        args.mem_tol,
+        other,
     )
     if args.out:
         write_files(

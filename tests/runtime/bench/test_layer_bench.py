@@ -97,3 +97,17 @@ def test_gpu_layer_measures_memory_near_prediction():
     rows = lb.bench(small, load_cluster("h200"), 2048, 1, [0], iters=3)
     assert rows[0]["device"].startswith("cuda") and rows[0]["mem_bytes"] > 0
     assert abs(rows[0]["mem_error"]) < 0.25
+
+
+def test_other_cluster_predicts_the_same_measurement(capsys):
+    model = load_model("tiny-moe")
+    rows = lb.bench(
+        model, load_cluster("cpu-gloo"), 32, 1, [1], iters=1, other=load_cluster("h200")
+    )
+    alt, total = rows[0]["other"], rows[0]["fwd_s"] + rows[0]["bwd_s"]
+    assert alt["cluster"] == "h200"
+    assert alt["pred_fwd_bwd_s"] == pytest.approx(
+        lb.predicted(model, 1, load_cluster("h200"), 32, 1, "fp32")["pred_fwd_bwd_s"]
+    )
+    assert alt["time_error"] == pytest.approx((alt["pred_fwd_bwd_s"] - total) / total)
+    assert "cluster h200 predicts" in lb.format_row(rows[0])
