@@ -23,7 +23,11 @@ KEY = ("model", "hardware", "gpus", "precision", "seq", "gbs", "mbs", "tp", "pp"
 
 def test_holdout_file_loads_and_holds_no_calibration_row():
     runs = load_runs(hr.RUNS)
-    assert len(runs) == 28
+    assert len(runs) == 36
+    assert [int(r.field("id")) for r in runs] == list(range(101, 137))
+    full = [r for r in runs if r.cuda_graphs == "full"]
+    assert [int(r.field("id")) for r in full] == list(range(129, 137))
+    assert all(r.training.a2a_overlap and r.training.dtype == "mxfp8" for r in full)
     assert {r.hardware for r in runs} == set(hr.CLUSTERS)
     calibration = load_runs(ROOT / "profiles" / "runs" / "published_runs.csv")
     fitted = {tuple(r.field(k) for k in KEY) for r in calibration}
