@@ -8,7 +8,6 @@ All values are per rank and per micro-batch (forward + backward) unless named ot
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Literal
@@ -300,8 +299,9 @@ def layer_costs(
 def with_index(obj, index: int, name: str = "layer"):
     """A copy of frozen dataclass `obj` with field `name` = `index` (dataclasses.replace
     without re-running __init__: the planner copies costs per layer thousands of times)."""
-    new = copy.copy(obj)
-    object.__setattr__(new, name, index)
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__[name] = index
     return new
 
 
