@@ -22,10 +22,15 @@ def span_level_index(cluster: ClusterSpec, devices: Sequence[int]) -> int:
 
     A single device spans level -1 (no communication link used).
     """
-    if len(set(devices)) <= 1:
+    if not devices:
         return -1
-    for idx, _level in enumerate(cluster.levels):
-        if len({domain_of(cluster, d, idx) for d in devices}) == 1:
+    lo, hi = min(devices), max(devices)
+    if lo == hi:
+        return -1
+    # domains are blocks of consecutive devices, so one domain holds them all iff it holds
+    # the lowest and the highest
+    for idx, level in enumerate(cluster.levels):
+        if lo // level.devices == hi // level.devices:
             return idx
     return len(cluster.levels) - 1
 

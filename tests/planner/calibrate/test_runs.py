@@ -41,7 +41,10 @@ def test_the_published_file_reads_as_its_layouts():
     r9 = runs["id 9"]
     assert r9.parallel.cp == 2 and r9.metric == "TFLOPS/GPU" and r9.measured == 335
     assert runs["id 23"].training.cuda_graphs == "partial"
-    assert runs["id 36"].training.cuda_graphs == "full" and runs["id 36"].training.dtype == "mxfp8"
+    r36 = runs["id 36"]
+    assert r36.training.cuda_graphs == "partial" and r36.training.dtype == "mxfp8"
+    assert runs["id 36"].parallel.selective_modules == ("mlp",)  # the 26.04.01 config's
+    assert runs["id 35"].training.cuda_graphs == "none" and runs["id 35"].dispatcher == "deepep"
     # the recipes' settings columns override the notes: DeepSeek-V3 on H100 runs DeepEP
     assert runs["id 33"].dispatcher == "deepep" and runs["id 33"].training.a2a_overlap
     assert runs["id 34"].dispatcher == "flat" and runs["id 34"].training.a2a_overlap
