@@ -71,6 +71,14 @@ class LayerSpec:
     dense_gated: bool = True
     moe: MoESpec | None = None
 
+    def __post_init__(self) -> None:
+        # the planner keys per-layer costs by LayerSpec thousands of times per plan: hash once
+        fields_ = (self.kind, self.attention, self.dense_ffn, self.dense_gated, self.moe)
+        object.__setattr__(self, "_hash", hash(fields_))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
 
 @dataclass(frozen=True)
 class ModelSpec:
