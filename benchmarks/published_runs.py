@@ -17,7 +17,7 @@ Printed:
   leave-one-out ratio, whether it fits, peak GiB, device GiB and the headroom, the layout;
 - per hardware: every constant, preset vs fitted, and the fit's errors;
 - Spearman rank correlation per (model, hardware, GPUs) group;
-- issue 15's targets with pass / fail, for the preset and for the fit;
+- the accuracy targets with pass / fail, for the preset and for the fit;
 - per setting (model, hardware, GPUs, global batch, sequence, precision): the layout
   `piper plan` picks (make_plan, as the CLI calls it with --gpus) and its
   predicted tokens/s/GPU beside the measured-fastest published layout's predicted and
@@ -252,7 +252,7 @@ def _targets(rows: list[Row], differs: bool, plan_lines: dict[str, tuple[int, in
     bf16 = [r for r in rows if r.run.training.dtype == "bf16"]
     loo = [r.left_out for r in bf16 if r.left_out is not None]
     loo_within = sum(abs(x - 1) <= WITHIN for x in loo) / len(loo) if loo else math.nan
-    print(f"\ntargets of issue 15 ({len(bf16)} BF16 rows, {len(rows) - len(bf16)} FP8/MXFP8 "
+    print(f"\naccuracy targets ({len(bf16)} BF16 rows, {len(rows) - len(bf16)} FP8/MXFP8 "
           f"rows){': preset | fit' if differs else ': preset'}")  # fmt: skip
     names = list(results[whichs[0]])
     for name in names:

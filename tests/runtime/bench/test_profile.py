@@ -10,6 +10,7 @@ import torch
 
 from planner.cli import main
 from planner.inputs.clusters import load_cluster
+from runtime.bench import comm_bench
 from runtime.bench import profile as prof
 
 TINY = prof.ProfileSizes(
@@ -92,7 +93,7 @@ def test_expert_gemm_products_are_the_training_gemms():
 
 
 def test_compute_block_has_every_shape_and_head_dim(monkeypatch):
-    monkeypatch.setattr(prof, "_median_over_ranks", lambda values: values)
+    monkeypatch.setattr(prof, "median_over_ranks", lambda values: values)
     out = prof.measure_compute(TINY, torch.float32, CPU)
     assert [(s["model"], s["k"], s["n"]) for s in out["gemm_grouped_shapes"]] == [
         ("a", 32, 48),
@@ -115,8 +116,8 @@ def test_real_timings_are_positive_and_finite():
 
 
 def _comm_body(rank, world, sizes):
-    nodes = prof.node_of_ranks(2)
-    rows = prof._comm(sizes, nodes, CPU)
+    nodes = comm_bench.node_of_ranks(2)
+    rows = comm_bench.comm_rows(sizes, nodes, CPU)
     return nodes, [(r["kind"], r["ranks"], r["x"], r["y"]) for r in rows]
 
 
