@@ -174,8 +174,9 @@ def solve(model: LinearModel, options: SolverOptions) -> Solution:
     else:
         status, obj, bound, values = _solve_cbc(model, run)
     if status == "OPTIMAL" and model.canonical_vars():
-        left_s = options.time_limit_s - (time.perf_counter() - model.created_at)
-        canonical = _canonical_cpsat(model, obj, left_s) if left_s > 0 else None
+        # a deterministic budget (CP-SAT's work units, not the wall clock left), so whether
+        # the canonical answer is reached does not depend on the machine's load
+        canonical = _canonical_cpsat(model, obj, options.time_limit_s)
         values = canonical if canonical is not None else values
     wall_s = time.perf_counter() - start
     if status in ("OPTIMAL", "FEASIBLE"):
@@ -249,10 +250,16 @@ def _solve_cpsat(model: LinearModel, options: SolverOptions):
     return "NOT_SOLVED", 0, 0, []
 
 
+# The canonical search stops at `time_limit_s` of CP-SAT's deterministic time; the wall clock
+# only stops it at this multiple, far beyond, so load on the machine does not change the plan.
+CANONICAL_WALL_FACTOR = 20.0
+
+
 def _canonical_cpsat(model: LinearModel, objective_units: int, time_limit_s: float):
     """The lexicographically largest `model.canonical_vars()` vector among solutions with
     the given objective: a single-worker depth-first search in that variable order, first
-    solution. Deterministic whatever found the optimum; None if it runs out of time."""
+    solution. Deterministic whatever found the optimum; None if it runs out of its
+    deterministic time."""
     from ortools.sat.python import cp_model
 
     cp, xs, objective = _cp_model(model)
@@ -260,7 +267,8 @@ def _canonical_cpsat(model: LinearModel, objective_units: int, time_limit_s: flo
     order = [xs[v] for v in model.canonical_vars()]
     cp.AddDecisionStrategy(order, cp_model.CHOOSE_FIRST, cp_model.SELECT_MAX_VALUE)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.max_time_in_seconds = CANONICAL_WALL_FACTOR * time_limit_s  # a backstop
     solver.parameters.num_workers = 1
     solver.parameters.search_branching = cp_model.FIXED_SEARCH
     solver.parameters.random_seed = 0
