@@ -92,13 +92,10 @@ def layer_comm(
     parallel: ParallelConfig,
     dispatcher: str,
     work: tuple[Work, ...],
-    backward_extra_s: float = 0.0,
 ) -> LayerComm:
     """Four all-to-alls per MoE layer (dispatch + combine, forward + backward), TP collectives
     over tp, expert-TP all-gather/reduce-scatter over etp, the cp ring of K/V and FSDP's
-    gathers; volumes from planner.resources.traffic, overlap from planner.resources.overlap.
-    `backward_extra_s`: compute the backward of the layer also runs (its recompute), which
-    FSDP's backward gather and gradient reduce-scatter hide behind as well."""
+    gathers; volumes from planner.resources.traffic, overlap from planner.resources.overlap."""
     exposed: list[tuple[str, float]] = []
     hidden: list[tuple[str, float]] = []
     t, level, tables = _a2a_s(model, layer, cluster, training, parallel, dispatcher)
@@ -126,7 +123,7 @@ def layer_comm(
         repeat.append(etp_s)
     cp_fwd = _cp_ring(model, layer, cluster, training, parallel, work, exposed, hidden)
     params = layer_param_split(model, layer, parallel)
-    _fsdp(cluster, training, parallel, work, params, exposed, hidden, backward_extra_s)
+    _fsdp(cluster, training, parallel, work, params, exposed, hidden)
     moe_s = (a2a_full + etp_s) / 2
     return LayerComm(tuple(exposed), tuple(hidden), sum(repeat) / 2, moe_s, cp_fwd, tables)
 
@@ -199,19 +196,32 @@ def _fsdp(
     params: tuple[float, float],
     exposed: list[tuple[str, float]],
     hidden: list[tuple[str, float]],
-    backward_extra_s: float = 0.0,
 ) -> None:
-    """Append FSDP's exposed and hidden seconds for one unit: forward gather, backward
-    gather and reduce-scatter, each behind that pass's compute (the backward's with its
-    recompute, `backward_extra_s`)."""
+    """Append FSDP's exposed and hidden seconds for one unit (fsdp_exposed_s)."""
     if not training.fsdp:
         return
+    level, shown, total = fsdp_exposed_s(cluster, training, parallel, work, params)
+    if level:
+        exposed.append((f"fsdp_{level}", shown))
+        hidden.append((f"fsdp_{level}", total - shown))
+
+
+def fsdp_exposed_s(
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    work: tuple[Work, ...],
+    params: tuple[float, float],
+    backward_extra_s: float = 0.0,
+) -> tuple[str, float, float]:
+    """(level, exposed s, total s) of one FSDP unit: the forward gather behind the forward,
+    the backward gather and the reduce-scatter behind the backward (with `backward_extra_s`
+    more compute in it: the layer's recompute); level "" when nothing crosses a link."""
     gather, reduce, level = fsdp_gather_s(cluster, training, parallel, params)
     if not level:
-        return
+        return "", 0.0, 0.0
     fwd = sum(w.forward_s for w in work)
     bwd = sum(w.time_s for w in work) - fwd + backward_extra_s
+    total = 2 * gather + reduce
     shown = overlap.prefetch_exposed_s(gather, reduce, fwd, bwd)
-    shown = overlap.imperfect_s(shown, 2 * gather + reduce, cluster.overlap_efficiency)
-    exposed.append((f"fsdp_{level}", shown))
-    hidden.append((f"fsdp_{level}", 2 * gather + reduce - shown))
+    return level, overlap.imperfect_s(shown, total, cluster.overlap_efficiency), total

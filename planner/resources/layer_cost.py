@@ -14,11 +14,16 @@ from typing import Literal
 
 from planner.parallel import ParallelConfig
 from planner.parallel import check_layout as check_model_layout
-from planner.resources import overlap, recompute, traffic
+from planner.resources import recompute, traffic
 from planner.resources.compute import ELEMENTWISE_PASSES, TRAIN_FACTOR, Work, head_work, layer_work
 from planner.resources.deepep import deepep_buffer_bytes
 from planner.resources.knobs import knob_conflict
-from planner.resources.layer_comm import DISPATCHERS, LayerComm, fsdp_gather_s, layer_comm
+from planner.resources.layer_comm import (
+    DISPATCHERS,
+    LayerComm,
+    fsdp_exposed_s,
+    layer_comm,
+)
 from planner.resources.memory import (
     Accounting,
     ActBytes,
@@ -207,8 +212,10 @@ def layer_cost(
     if training.fsdp and policy != "none":
         # recomputed, the layer's FSDP backward gather and reduce-scatter also hide behind
         # its recompute: the recomputed time is max(recompute, exposed) where it was exposed
-        hid = layer_comm(model, layer, cluster, training, parallel, dispatcher, work, extra)
-        extra = max(extra + sum(t for _, t in hid.exposed) - sum(t for _, t in lc.exposed), 0.0)
+        params = layer_param_split(model, layer, parallel)
+        _, plain, _ = fsdp_exposed_s(cluster, training, parallel, work, params)
+        _, behind, _ = fsdp_exposed_s(cluster, training, parallel, work, params, extra)
+        extra = max(extra + behind - plain, 0.0)
     tables = tuple(sorted({t for w in work for t in w.tables} | set(lc.tables)))
     dense, expert = layer_param_split(model, layer, parallel, accounting)
     return LayerCost(
@@ -319,14 +326,9 @@ def _role(
     comm_s: tuple[tuple[str, float], ...] = ()
     workspace: tuple[tuple[str, float], ...] = ()
     if training.fsdp:
-        gather, reduce, level = fsdp_gather_s(
-            cluster, training, parallel, (held_dense, held_expert)
-        )
-        fwd = sum(w.forward_s for w in work)
-        bwd = sum(w.time_s for w in work) - fwd
+        held = (held_dense, held_expert)
+        level, shown, _ = fsdp_exposed_s(cluster, training, parallel, work, held)
         if level:
-            shown = overlap.prefetch_exposed_s(gather, reduce, fwd, bwd)
-            shown = overlap.imperfect_s(shown, 2 * gather + reduce, cluster.overlap_efficiency)
             comm_s = ((f"fsdp_{level}", shown),)
         workspace = (("fsdp_gathered", fsdp_gathered_bytes(held_dense + held_expert, training)),)
     return ExtrasCost(held_dense, held_expert, state, act_bytes, work, comm_s, workspace)

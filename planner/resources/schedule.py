@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from planner.parallel import ParallelConfig
 from planner.resources import comm, interleave, overlap, traffic
 from planner.resources.compute import TRAIN_FACTOR
-from planner.resources.layer_cost import ExtrasCost, LayerCost, fsdp_gather_s
+from planner.resources.layer_comm import fsdp_gather_s
+from planner.resources.layer_cost import ExtrasCost, LayerCost
 from planner.resources.memory import StateBytes, grad_bytes_per_param
 from planner.specs import GIB, ClusterSpec, ModelSpec, TrainingSpec
 
