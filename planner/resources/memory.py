@@ -258,12 +258,13 @@ def layer_activations(
     else:
         parts = attention_activations(model, layer, training, parallel)
         parts += mlp_activations(model, layer, training, parallel)
+    full = dict(parts)
     if recompute == "selective":
         modules = parallel.recompute_modules or ("core_attn",)
         a, tokens = act_bytes_per_element(training), rank_tokens(training, parallel)
         parts = kept_components(layer, parts, modules, a * tokens, model.hidden_size)
     if accounting != "paper" and training.dtype in SAVED_LOW_PRECISION_BYTES:
-        parts = low_precision_saved(model, layer, training, parallel, parts)
+        parts = low_precision_saved(model, layer, training, parallel, parts, full)
     return ActBytes(tuple(parts))
 
 
@@ -280,18 +281,18 @@ def low_precision_saved(
     training: TrainingSpec,
     parallel: ParallelConfig,
     parts: list[tuple[str, float]],
+    full: dict[str, float],
 ) -> list[tuple[str, float]]:
-    """`parts` with the kept inputs of the low-precision GEMMs at SAVED_LOW_PRECISION_BYTES
-    per element: the norm outputs (QKV / fc1 inputs; a norm's input stays bf16), MLA's
-    latents (up-projection inputs), the attention context (o-proj input), the routed copies
-    (fc1 input) and the activation outputs (fc2 inputs, 1 of `mats` expert intermediates);
-    q / k / v for the attention kernel, the fc1 outputs, router and combine stay bf16."""
+    """`parts` (what recompute keeps of `full`, the layer's components without it) with the
+    kept inputs of the low-precision GEMMs at SAVED_LOW_PRECISION_BYTES per element: the
+    norm outputs (QKV / fc1 inputs; a norm's input stays bf16), MLA's latents (up-projection
+    inputs), the attention context (o-proj input), the routed copies (fc1 input) and the
+    activation outputs (fc2 inputs, 1 of `mats` expert intermediates); q / k / v for the
+    attention kernel, the fc1 outputs, router and combine stay bf16."""
     a = act_bytes_per_element(training)
     ratio = SAVED_LOW_PRECISION_BYTES[training.dtype] / a
     tokens = rank_tokens(training, parallel)
     d = model.hidden_size
-    full = dict(attention_activations(model, layer, training, parallel))
-    full.update(mlp_activations(model, layer, training, parallel))
     att, moe = layer.attention, layer.moe
     latent = att.q_lora_rank + att.kv_lora_rank + att.qk_rope_head_dim if att.kind == "mla" else 0
 
@@ -303,7 +304,7 @@ def low_precision_saved(
         if name in ("context", "dispatch"):
             return kept
         if name in ("experts", "shared", "dense_mlp"):
-            gated = (moe.gated if name != "dense_mlp" and moe else layer.dense_gated)
+            gated = moe.gated if name != "dense_mlp" and moe else layer.dense_gated
             mats = 3 if gated else 2
             return max(kept - full[name] * (mats - 1) / mats, 0.0)  # act output, when kept
         return 0.0
