@@ -32,11 +32,11 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 from results_md import ROOT, recorded
 
-from planner.calibrate.fit import WITHIN, FitResult, fit, fit_error
+from planner.calibrate.fit import WITHIN, FitResult, derived, fit, fit_error
 from planner.calibrate.runs import Run, accounted_split, estimate_run, load_runs, predicted_value
 from planner.inputs.clusters import load_cluster
 from planner.resources.cost import Estimate
@@ -158,8 +158,7 @@ def _derived_start(preset: ClusterSpec) -> tuple[ClusterSpec, tuple[str, ...]]:
     names = tuple(n.strip() for n in text.split(",") if n.strip()) or tuple(
         e.name for e in EFFICIENCIES
     )
-    defaults = {f.name: f.default for f in fields(ClusterSpec)}
-    return replace(preset, **{n: defaults[n] for n in names}), names
+    return derived(preset, names), names
 
 
 def _moved(result: FitResult) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 from scipy.optimize import least_squares
@@ -74,6 +74,14 @@ class FitResult:
     left_out: FitError | None
     converged: bool
     message: str
+
+
+def derived(cluster: ClusterSpec, names: Sequence[str] | None = None) -> ClusterSpec:
+    """`cluster` with the named efficiencies (all of EFFICIENCIES when None) at ClusterSpec's
+    defaults: the model as derived, before any fit."""
+    defaults = {f.name: f.default for f in fields(ClusterSpec)}
+    chosen = [e.name for e in EFFICIENCIES] if names is None else list(names)
+    return replace(cluster, **{n: defaults[n] for n in chosen})
 
 
 def fit_params(names: Sequence[str] | None) -> tuple[Efficiency, ...]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import csv
 import io
-from dataclasses import fields, replace
+from dataclasses import replace
 
+from planner.calibrate.fit import derived
 from planner.calibrate.runs import estimate_run, parse_runs, predicted_value
 from planner.inputs.clusters import load_cluster
-from planner.specs import EFFICIENCIES, ClusterSpec
+from planner.specs import ClusterSpec
 
 COLUMNS = ("id", "model", "hardware", "gpus", "precision", "seq", "gbs", "mbs", "tp", "pp", "vp",
            "cp", "ep", "etp", "recompute", "measured_tokens_per_s_per_gpu")  # fmt: skip
@@ -28,8 +29,7 @@ TRUTH = {"gemm_efficiency": 0.55, "grouped_gemm_half_rows": 300.0, "layer_overhe
 def derived_cluster(base: str = "h100") -> ClusterSpec:
     """The base preset with every named efficiency at ClusterSpec's default (the analytic
     model as derived, before any fit): a start that does not move when presets are refit."""
-    defaults = {f.name: f.default for f in fields(ClusterSpec)}
-    return replace(load_cluster(base), **{e.name: defaults[e.name] for e in EFFICIENCIES})
+    return derived(load_cluster(base))
 
 
 def truth_cluster(base: str = "h100", **values: float) -> ClusterSpec:
