@@ -125,7 +125,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="extra expert slots per MoE layer over the EP group for replicas of hot experts "
-        "(default: E/8, at most one per EP rank, where memory allows; 0 = none)",
+        "(default: E/8, at most one per EP rank, where memory allows, none with FSDP; 0 = "
+        "none; N > 0 keeps FSDP off)",
     )
     p.add_argument("--out", default=None, help="output dir (default results/MODEL-CLUSTER-GPUS)")
     p.add_argument(
@@ -215,6 +216,14 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.gpus}; lower --gpus or allocate more nodes"
             )
     loads = trace_loads(args.trace, model) if args.trace else None
+    fsdp = args.fsdp
+    if args.redundant_slots:  # piper run sums the replicas' gradients as whole experts
+        if fsdp:
+            raise SpecError(
+                f"--redundant-slots {args.redundant_slots} with --fsdp: the runtime sums the "
+                "replicas' gradients as whole experts and FSDP shards them; drop one of them"
+            )
+        fsdp = False
     fixed = {k: getattr(args, k) for k in ("pp", "dp", "tp", "ep", "vp", "cp", "etp")}
     fixed["micro_batch"] = args.micro_batch
     with progress("search: candidates solved") as update:
@@ -230,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             update,
             recompute=[args.recompute] if args.recompute else None,
             recompute_modules=recompute_modules(args.recompute_modules),
-            sharding=sharding_choices(args.zero, args.fsdp),
+            sharding=sharding_choices(args.zero, fsdp),
             a2a_overlap=args.a2a_overlap,
             dispatchers=[args.dispatcher] if args.dispatcher else None,
             max_ep=args.max_ep,

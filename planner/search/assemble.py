@@ -214,7 +214,9 @@ def slot_budget(plan: Plan, model: ModelSpec, requested: int | None) -> SlotBudg
     stage, split over etp; headroom is usable memory minus the predicted peak of the stage.
     Default: E / 8 slots (DeepSeek-V3's 288 for 256 experts), at most one per EP rank and
     only what fits every stage; fewer than 2 are none (one replica cannot keep every rank
-    at the mean load). Requested: that many, or a SpecError when they do not fit.
+    at the mean load). Requested: that many, or a SpecError when they do not fit. A plan
+    with FSDP gets none (piper run sums the replicas' gradients as whole experts, FSDP
+    shards them), and asking for some there is a SpecError.
     """
     par = plan.parallel.config()
     training = _training_of(plan)
@@ -233,6 +235,14 @@ def slot_budget(plan: Plan, model: ModelSpec, requested: int | None) -> SlotBudg
     fits = [math.floor(room / gib) for room, gib in zip(headroom, per_stage, strict=True) if gib]
     fit = max(0, min(fits)) if fits else 0
     experts = model.num_experts
+    if training.fsdp:  # piper run sums the replicas' gradients as whole experts
+        if requested:
+            raise SpecError(
+                f"--redundant-slots {requested} with FSDP: the runtime sums the replicas' "
+                "gradients as whole experts and FSDP shards them; pass --no-fsdp or "
+                "--redundant-slots 0"
+            )
+        return SlotBudget(0, tuple(per_stage), fit)
     if requested is None:
         total = min(par.ep * min(fit, 1), int(experts * REDUNDANT_SLOTS_PER_EXPERT))
         total = total if total >= 2 and par.ep > 1 else 0

@@ -76,12 +76,12 @@ def test_slot_counts_spread_a_total_over_the_ranks():
 
 @pytest.fixture(scope="module")
 def tiny_plan(tmp_path_factory):
-    """piper plan for tiny-moe (8 experts, 3 MoE layers) on 4 cpu-gloo ranks, ep 4."""
+    """piper plan for tiny-moe (8 experts, 3 MoE layers) on 4 cpu-gloo ranks, ep 4, no FSDP."""
     from planner.cli import main
     from planner.plan import load_plan
 
     out = tmp_path_factory.mktemp("plan")
-    sizes = ["--gpus", "4", "--pp", "1", "--tp", "1", "--ep", "4"]
+    sizes = ["--gpus", "4", "--pp", "1", "--tp", "1", "--ep", "4", "--no-fsdp"]
     args = ["plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", *sizes]
     assert main([*args, "--seq-len", "128", "--global-batch", "16", "--out", str(out)]) == 0
     return load_plan(out / "plan.json")
@@ -143,3 +143,39 @@ def test_with_redundant_slots_places_replicas_and_counts_their_memory(tiny_plan)
     assert with_redundant_slots(tiny_plan, model, None, SolverOptions(), 0).experts == (
         tiny_plan.experts
     )
+
+
+def test_fsdp_plans_get_no_redundant_slots(tiny_plan):
+    """piper run sums the replicas' gradients as whole experts, FSDP shards them: an FSDP
+    plan gets no slots by default, and asking for some is one line naming the fix."""
+    from dataclasses import replace
+
+    from planner.inputs.models import load_model
+    from planner.search.assemble import slot_budget
+
+    model = load_model("tiny-moe")
+    assert slot_budget(tiny_plan, model, 6).redundant_slots == 6
+    fsdp = replace(tiny_plan, training={**tiny_plan.training, "fsdp": True, "zero": False})
+    roomy = replace(fsdp, predicted=replace(fsdp.predicted, usable_memory_gib=1e6))
+    budget = slot_budget(roomy, model, None)
+    assert budget.redundant_slots == 0 and budget.fit_per_rank > 1
+    with pytest.raises(SpecError, match="--redundant-slots 6 with FSDP.*--no-fsdp"):
+        slot_budget(fsdp, model, 6)
+
+
+def test_plan_with_redundant_slots_keeps_fsdp_off(tmp_path, capsys):
+    from planner.cli import main
+    from planner.plan import load_plan
+
+    args = ["plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", "4", "--pp", "1",
+            "--tp", "1", "--ep", "4", "--seq-len", "128", "--global-batch", "16"]  # fmt: skip
+    assert main([*args, "--redundant-slots", "4", "--out", str(tmp_path / "a")]) == 0
+    plan = load_plan(tmp_path / "a" / "plan.json")
+    assert plan.training["fsdp"] is False
+    assert all(entry.redundant_slots == 4 for entry in plan.experts)
+    capsys.readouterr()
+    out = tmp_path / "b"
+    assert main([*args, "--fsdp", "--redundant-slots", "4", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--redundant-slots 4 with --fsdp" in err[0]
+    assert not out.exists()
