@@ -2,7 +2,11 @@
 
 Cases: drifting synthetic traces (several seeds) at 64 experts / 8 EP ranks, 128 / 16 and
 256 / 64, and 256 / 64 with 32 redundant slots (DeepSeek-V3's 288 slots); then each
-recorded trace (profiles/traces/*.csv, made by `piper run`, see its README) at its shape.
+recorded setting (profiles/traces/*-bias*.csv, made by `piper run`, see its README) at its
+shape: the runs of one setting that differ only in their seed (NAME.csv, NAME-seedN.csv)
+are one case, scored on their mean like the synthetic seeds; for these it also prints each
+run's mean imbalance and Piper's gap to the re-pack over the first 5 decided intervals (the
+router still settling) and over the rest.
 Every case is priced with a model of that shape on frontier (EP rank r on device r, 100
 steps of 8 x 4096 tokens per rank per interval). Every policy is replayed; the table shows
 mean realized imbalance, p95, experts moved, transfer and total priced seconds (hottest-rank
@@ -24,6 +28,7 @@ Writes what it prints to results/migration_quality.md (--results FILE, --no-resu
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +49,7 @@ METRICS = ("mean_imbalance", "p95_imbalance", "experts_moved", "transfer_s", "to
 MODEL_FOR = {64: "deepseek-v2-lite", 128: "qwen3-30b-a3b", 256: "deepseek-v3"}
 TRACE_MODEL_FOR = {64: "olmoe-1b-7b", 256: "deepseek-v3"}  # the recorded traces' shapes
 RANKS_FOR = {64: 8, 128: 16, 256: 64}
+SEED_SUFFIX = re.compile(r"-seed\d+$")  # NAME-seedN.csv: the run of NAME.csv with seed N
 
 
 @dataclass(frozen=True)
@@ -89,26 +95,44 @@ def synthetic_cases(args) -> list[Case]:
     return cases
 
 
+def _seed_order(path: str) -> tuple[str, int]:
+    """NAME.csv (seed 0) before NAME-seed1.csv, NAME-seed2.csv, ..."""
+    stem = Path(path).stem
+    found = SEED_SUFFIX.search(stem)
+    return SEED_SUFFIX.sub("", stem), int(found.group()[5:]) if found else 0
+
+
 def trace_cases(args) -> list[Case]:
-    paths = args.trace or sorted(str(p) for p in (ROOT / "profiles" / "traces").glob("*-bias*.csv"))
-    cases = []
+    """One case per recorded setting: the runs of one setting that differ only in their seed
+    (NAME.csv is seed 0, NAME-seedN.csv seed N) form one case, scored on their mean."""
+    paths = args.trace or sorted(
+        (str(p) for p in (ROOT / "profiles" / "traces").glob("*-bias*.csv")), key=_seed_order
+    )
+    groups: dict[tuple[str, int], list[Trace]] = {}
     for i, path in enumerate(paths):
         trace = load_trace(path)
         experts = trace.num_experts
         ranks = args.ep[i] if args.ep and i < len(args.ep) else RANKS_FOR.get(experts, 8)
+        groups.setdefault((SEED_SUFFIX.sub("", Path(path).stem), ranks), []).append(trace)
+    cases = []
+    for (stem, ranks), traces in groups.items():
+        experts = traces[0].num_experts
         model = TRACE_MODEL_FOR.get(experts) or MODEL_FOR.get(experts, "")
-        name = f"trace {Path(path).stem} {experts}/{ranks}"
-        cases.append(Case(name, (trace,), ranks, model))
+        name = f"trace {stem} {experts}/{ranks}"
+        cases.append(Case(name, tuple(traces), ranks, model))
         if experts == 256:
             cases.append(
-                Case(f"{name} +{ranks // 2} slots", (trace,), ranks, model, ranks // 2, name)
+                Case(f"{name} +{ranks // 2} slots", tuple(traces), ranks, model, ranks // 2, name)
             )
     return cases
 
 
 def run_case(case: Case, opts: MigrationOptions) -> dict[str, np.ndarray]:
-    """Per policy: METRICS averaged over the case's traces."""
+    """Per policy: METRICS averaged over the case's traces; under PER_TRACE, per policy,
+    the rows of each trace (traces, METRICS) and under EARLY the mean realized imbalance
+    of each trace's intervals 1..EARLY_INTERVALS and of the rest (traces, 2)."""
     rows: dict[str, list[list[float]]] = {p: [] for p in POLICIES}
+    early: dict[str, list[list[float]]] = {p: [] for p in POLICIES}
     for trace in case.traces:
         setup = migrate_setup(
             trace, case.ranks, model_name=case.model, cluster_name="frontier",
@@ -116,9 +140,16 @@ def run_case(case: Case, opts: MigrationOptions) -> dict[str, np.ndarray]:
         )  # fmt: skip
         for name, run in replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, opts).items():
             rows[name].append([getattr(run, m) for m in METRICS])
-    return {name: np.mean(np.array(r), axis=0) for name, r in rows.items()}
+            imb_I = run.imbalance_IL[1:].mean(axis=1)
+            early[name].append([imb_I[:EARLY_INTERVALS].mean(), imb_I[EARLY_INTERVALS:].mean()])
+    out = {name: np.mean(np.array(r), axis=0) for name, r in rows.items()}
+    out[PER_TRACE] = {name: np.array(r) for name, r in rows.items()}
+    out[EARLY] = {name: np.array(r) for name, r in early.items()}
+    return out
 
 
+PER_TRACE, EARLY = "per trace", "early"  # run_case's extra keys beside the policies
+EARLY_INTERVALS = 5  # the recorded runs' first intervals: the router is still settling
 FORECASTS = ("kalman", "last", "ema", "mean", "next interval")
 
 
@@ -151,9 +182,9 @@ def criteria(case: Case, res, plain) -> list[tuple[str, str, bool]]:
     Without replicas: the re-pack and swap criteria; with them: the re-pack's imbalance
     without replicas. Every case: total priced cost below every baseline's.
     """
-    imb = {n: r[0] for n, r in res.items()}
-    moved = {n: r[2] for n, r in res.items()}
-    cost = {n: r[4] for n, r in res.items()}
+    imb = {n: res[n][0] for n in POLICIES}
+    moved = {n: res[n][2] for n in POLICIES}
+    cost = {n: res[n][4] for n in POLICIES}
     if plain is None:
         out = [
             ("imbalance <= re-pack + 0.01", f"{imb['piper'] - imb['repack']:+.4f}",
@@ -182,8 +213,17 @@ def report(case: Case, res, plain) -> list[tuple[str, str, bool]]:
     print(f"\n{case.name}, {len(case.traces)} trace(s), priced as {case.model} on frontier")
     print(f"  {'policy':8s} {'mean imb':>9s} {'p95 imb':>8s} {'moved':>8s} {'transfer s':>11s} "
           f"{'total cost s':>13s}")  # fmt: skip
-    for name, m in res.items():
+    for name in POLICIES:
+        m = res[name]
         print(f"  {name:8s} {m[0]:9.4f} {m[1]:8.4f} {m[2]:8.1f} {m[3]:11.2f} {m[4]:13.1f}")
+    if case.name.startswith("trace"):
+        per, early = res[PER_TRACE], res[EARLY]
+        print("  mean imbalance per run (seed 0, 1, ...): "
+              + "; ".join(f"{n} " + " ".join(f"{v:.4f}" for v in per[n][:, 0]) for n in POLICIES))
+        gap = early["piper"] - early["repack"]
+        print(f"  piper - repack imbalance, intervals 1-{EARLY_INTERVALS}: "
+              + " ".join(f"{v:+.4f}" for v in gap[:, 0])
+              + f"; intervals {EARLY_INTERVALS + 1}+: " + " ".join(f"{v:+.4f}" for v in gap[:, 1]))
     rows = criteria(case, res, plain)
     for label, value, ok in rows:
         print(f"  {'pass' if ok else 'FAIL'}  {label:40s} {value}")
