@@ -84,5 +84,9 @@ def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -
                 block.moe.experts, edp_mesh, mesh.edp_ranks, counter, "grad_expert", set()
             )
             experts.set_gradient_divide_factor(float(dp))
+            if dist.get_backend(mesh.edp_group) == "gloo" and mesh.edp_group.size() != dp:
+                # a divide factor other than the group's size is NCCL's PreMulSum, which gloo
+                # lacks: sum, then divide by dp after the reduce-scatter (the same gradients)
+                experts.set_force_sum_reduction_for_comms(True)
         _shard(block, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored)
     _shard(chunk, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored)
