@@ -84,7 +84,8 @@ def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -
                 block.moe.experts, edp_mesh, mesh.edp_ranks, counter, "grad_expert", set()
             )
             experts.set_gradient_divide_factor(float(dp))
-            if dist.get_backend(mesh.edp_group) == "gloo" and mesh.edp_group.size() != dp:
+            wide = mesh.edp_group.size() not in (1, dp)  # 1: FSDP reduces nothing
+            if wide and dist.get_backend(mesh.edp_group) == "gloo":
                 # a divide factor other than the group's size is NCCL's PreMulSum, which gloo
                 # lacks: sum, then divide by dp after the reduce-scatter (the same gradients)
                 experts.set_force_sum_reduction_for_comms(True)
