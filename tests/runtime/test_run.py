@@ -243,7 +243,10 @@ def test_piper_run_end_to_end_through_torchrun(tmp_path, capsys):
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     run = json.loads((out / "run.json").read_text())
     assert (run["pp"], run["hidden_size"], run["seq_len"], run["backend"]) == (2, 32, 32, "gloo")
-    assert "4 steps: loss" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "4 steps: loss" in printed
+    tokens = run["dp"] * run["micro_batch"] * run["num_microbatches"] * run["seq_len"]
+    assert f"seq=32, {tokens:,} tokens per step" in printed  # the size of a step, up front
 
 
 @pytest.mark.slow
