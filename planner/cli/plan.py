@@ -199,7 +199,11 @@ def run(args: argparse.Namespace) -> int:
         summary_dict,
         summary_text,
     )
-    from planner.search.assemble import estimate_with_slots, with_redundant_slots
+    from planner.search.assemble import (
+        check_slots_without_fsdp,
+        estimate_with_slots,
+        with_redundant_slots,
+    )
     from planner.search.make_plan import make_plan
 
     model, cluster, training = _inputs(args)
@@ -216,14 +220,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.gpus}; lower --gpus or allocate more nodes"
             )
     loads = trace_loads(args.trace, model) if args.trace else None
-    fsdp = args.fsdp
-    if args.redundant_slots:  # piper run sums the replicas' gradients as whole experts
-        if fsdp:
-            raise SpecError(
-                f"--redundant-slots {args.redundant_slots} with --fsdp: the runtime sums the "
-                "replicas' gradients as whole experts and FSDP shards them; drop one of them"
-            )
-        fsdp = False
+    check_slots_without_fsdp(args.redundant_slots, args.fsdp)
+    fsdp = False if args.redundant_slots else args.fsdp  # slots keep FSDP out of the search
     fixed = {k: getattr(args, k) for k in ("pp", "dp", "tp", "ep", "vp", "cp", "etp")}
     fixed["micro_batch"] = args.micro_batch
     with progress("search: candidates solved") as update:

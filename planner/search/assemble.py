@@ -205,6 +205,17 @@ class SlotBudget:
         }
 
 
+def check_slots_without_fsdp(requested: int | None, fsdp: bool | None) -> None:
+    """Redundant slots and FSDP do not go together: piper run sums the replicas' gradients
+    as whole experts, FSDP shards them. A SpecError when both are asked for."""
+    if requested and fsdp:
+        raise SpecError(
+            f"--redundant-slots {requested} with FSDP: the runtime sums the replicas' "
+            "gradients as whole experts and FSDP shards them; pass --no-fsdp or "
+            "--redundant-slots 0"
+        )
+
+
 def slot_budget(plan: Plan, model: ModelSpec, requested: int | None) -> SlotBudget:
     """How many redundant slots per MoE layer the plan gets (None = the default).
 
@@ -235,13 +246,8 @@ def slot_budget(plan: Plan, model: ModelSpec, requested: int | None) -> SlotBudg
     fits = [math.floor(room / gib) for room, gib in zip(headroom, per_stage, strict=True) if gib]
     fit = max(0, min(fits)) if fits else 0
     experts = model.num_experts
-    if training.fsdp:  # piper run sums the replicas' gradients as whole experts
-        if requested:
-            raise SpecError(
-                f"--redundant-slots {requested} with FSDP: the runtime sums the replicas' "
-                "gradients as whole experts and FSDP shards them; pass --no-fsdp or "
-                "--redundant-slots 0"
-            )
+    if training.fsdp:
+        check_slots_without_fsdp(requested, True)
         return SlotBudget(0, tuple(per_stage), fit)
     if requested is None:
         total = min(par.ep * min(fit, 1), int(experts * REDUNDANT_SLOTS_PER_EXPERT))

@@ -177,5 +177,5 @@ def test_plan_with_redundant_slots_keeps_fsdp_off(tmp_path, capsys):
     out = tmp_path / "b"
     assert main([*args, "--fsdp", "--redundant-slots", "4", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--redundant-slots 4 with --fsdp" in err[0]
+    assert len(err) == 1 and "--redundant-slots 4 with FSDP" in err[0] and "--no-fsdp" in err[0]
     assert not out.exists()
