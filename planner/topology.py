@@ -29,8 +29,8 @@ def span_level_index(cluster: ClusterSpec, devices: Sequence[int]) -> int:
         return -1
     # domains are blocks of consecutive devices, so one domain holds them all iff it holds
     # the lowest and the highest
-    for idx, level in enumerate(cluster.levels):
-        if lo // level.devices == hi // level.devices:
+    for idx in range(len(cluster.levels)):
+        if domain_of(cluster, lo, idx) == domain_of(cluster, hi, idx):
             return idx
     return len(cluster.levels) - 1
 
