@@ -85,9 +85,9 @@ def _gain(load_R, h_H, new_h, new_r, sigma):
 
     new_h, new_r: (H, C, R, C) as in _best_of_size.
     """
-    if sigma <= 0:  # plain maximum: credit the relief of h itself, so ties still progress
-        return load_R[h_H][:, None, None, None] - np.maximum(new_h, new_r)
     top = float(load_R.max())
+    if sigma <= 0:
+        return _plain_gain(load_R, h_H, new_h, new_r, top)
     z_R = np.exp((load_R - top) / sigma)
     z = z_R.sum()
     rest = z - z_R[h_H][:, None, None, None] - z_R[None, None, :, None]
@@ -95,6 +95,24 @@ def _gain(load_R, h_H, new_h, new_r, sigma):
     up_h = np.minimum((new_h - top) / sigma, 700.0)
     up_r = np.minimum((new_r - top) / sigma, 700.0)
     return sigma * (np.log(z) - np.log(np.maximum(rest, 0.0) + np.exp(up_h) + np.exp(up_r)))
+
+
+def _plain_gain(load_R, h_H, new_h, new_r, top):
+    """Decrease of the plain maximum, (H, C, R, C). Where several ranks share the maximum,
+    no single exchange lowers it, so a rank at the maximum is credited with its own relief
+    (ties still progress); any other rank only with what the maximum loses (nothing)."""
+    num_r = load_R.shape[0]
+    top3_K = np.argsort(-load_R, kind="stable")[: min(3, num_r)]
+    r_R = np.arange(num_r)
+    rest_HR = np.full((len(h_H), num_r), -np.inf)
+    for k in top3_K[::-1]:  # the first of the three that is neither h nor r
+        free_HR = (h_H[:, None] != k) & (r_R[None, :] != k)
+        rest_HR = np.where(free_HR, load_R[k], rest_HR)
+    new_top = np.maximum(rest_HR[:, None, :, None], np.maximum(new_h, new_r))
+    tied = (load_R >= top - _TOL).sum() > 1
+    at_top_H = load_R[h_H] >= top - _TOL
+    relief = load_R[h_H][:, None, None, None] - np.maximum(new_h, new_r)
+    return np.where(tied & at_top_H[:, None, None, None], relief, top - new_top)
 
 
 def _best_of_size(ids_RS, load_R, w_X, cost_XR, held_XR, scale_s, sigma, h_H, combo_Ck, noise):

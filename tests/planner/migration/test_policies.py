@@ -228,3 +228,19 @@ def test_absent_slots_are_never_filled_and_ranks_keep_their_counts():
         assert capacity(got).tolist() == [2, 3, 3]
         assert np.array_equal(got == ABSENT, start == ABSENT)
     assert replica_counts(piper(start, load, free, EXACT), 6)[0] >= 2
+
+
+def test_plain_maximum_search_lowers_the_hottest_rank_not_another():
+    # rank 0 holds 277 (shedding its 40 or 226 relieves it by 40-46); ranks 1-5 sit at
+    # 235-238 and each can shed a 100-137 expert onto a cold rank, a larger relief, but only
+    # rank 0 sets the maximum. The plain-maximum search must lower 277, not relieve the
+    # others one by one until its patience (4 exchanges without a new best) runs out
+    hot = [[40, 11, 0, 226], [137, 39, 59, 0], [120, 60, 58, 0], [100, 90, 46, 0]]
+    hot += [[110, 70, 55, 0], [100, 80, 57, 0]]
+    cold = [[0, 0, 0, 5]] * 6
+    load_E = np.array(hot + cold, dtype=float).ravel()
+    start = initial_slots(np.arange(48) // 4, 12)
+    found = priced_local_search(start, load_E, np.full((48, 12), 0.01), 1.0, 48, sources=8)
+    assert rank_loads(start, load_E).max() == 277
+    assert rank_loads(found.slots_RS, load_E).max() < 235
+    assert found.steps >= 1
