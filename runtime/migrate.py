@@ -1,8 +1,9 @@
 """Live expert migration: ask the planner for a new placement, move and copy experts with
 their state.
 
-Every K steps the stage's per-expert token counts (summed over its data-parallel ranks)
-feed the planner's migration policy (`planner.migration.next_placement`), priced from the
+Every K steps (one interval) the stage's per-expert token counts of its past intervals (each
+summed over the interval's steps and the stage's data-parallel ranks) feed the planner's
+migration policy (`planner.migration.next_placement`), priced from the
 plan's cluster; the stage leader asks and broadcasts, so every EP group of the stage (all
 expert-DP replicas) applies the same placement. A placement is a slot table per MoE layer
 (planner.run.spec.ExpertSlots): which expert each slot of each EP rank holds. A new
@@ -18,8 +19,9 @@ checksum and finiteness; the whole stage agrees (all-reduce MIN of an ok flag). 
 all agree are the staged slots copied in place and the slot tables swapped; otherwise
 nothing changes, so a failure mid-move leaves the old placement intact.
 
-Shape letters: L = MoE layers of the stage, E = experts, T = steps of the load history,
-R = EP ranks. The policy sees plan EP indices (ep_idx); MoELayer tables hold EP *group* ranks.
+Shape letters: L = MoE layers of the stage, E = experts, T = past intervals of the load
+history, R = EP ranks. The policy sees plan EP indices (ep_idx); MoELayer tables hold EP
+*group* ranks.
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ def decide(
 
     Args:
         current: the slot table of each MoE layer of the stage, in plan EP indices.
-        history_TLE: tokens per expert of the stage's MoE layers, per past step.
+        history_TLE: tokens per expert of the stage's MoE layers, per past interval (the
+            sum of its steps; runtime.train.close_interval).
     """
     box = [None]
     if mesh.me.physical == mesh.stage_ranks[0]:

@@ -71,17 +71,30 @@ def update_router_bias(module: StageModule, tokens_LE: torch.Tensor, rate: float
         moe.router.bias_E += rate * torch.sign(load_E.mean() - load_E).to(moe.router.bias_E)
 
 
+MAX_INTERVALS = 64  # past intervals the migration policy sees
+
+
+def close_interval(history: list, intervals: list, k: int) -> list:
+    """Sum the last k steps' tokens [L][E] into one interval, append it to `intervals` (kept
+    to the newest MAX_INTERVALS) and return them: the (T, L, E) history of past intervals
+    the policy reads, as `piper migrate` and benchmarks/migration_quality.py replay it."""
+    intervals.append(torch.tensor(history[-k:], dtype=torch.int64).sum(dim=0).tolist())
+    del intervals[:-MAX_INTERVALS]
+    return intervals
+
+
 def _maybe_migrate(
-    spec, module, mesh, optimizer, counter, history, step, fail_at, migration: MigrationPolicy
+    spec, module, mesh, optimizer, counter, history, intervals, step, fail_at, migration
 ) -> int:
-    """Every migrate_every steps: ask the policy from the history and move; returns expert
-    copies made."""
+    """Every migrate_every steps: close the interval, ask the policy from the past intervals
+    and move; returns expert copies made."""
     moes = module.moe_layers()
     k = spec.migrate_every
     if not moes or k <= 0 or (step + 1) % k or step + 1 >= spec.steps:
         return 0
     fail = step + 1 == fail_at
-    return migrate_stage(moes, mesh, migration, history[-k:], optimizer, counter, fail)
+    past = close_interval(history, intervals, k)
+    return migrate_stage(moes, mesh, migration, past, optimizer, counter, fail)
 
 
 def _gather(obj, rank: int) -> list | None:
@@ -119,7 +132,8 @@ class Trainer:
         moes = list(module.moe_layers().values())
         self.dispatcher = moes[0].dispatcher if moes else LocalDispatcher()
         self.leader = mesh.me.physical == mesh.stage_ranks[0]  # of its stage
-        self.history: list = []  # per step: tokens [L][E] of this stage's MoE layers
+        self.history: list = []  # per step of the interval: tokens [L][E] of the MoE layers
+        self.intervals: list = []  # per past interval: the sum of its steps' tokens [L][E]
 
     def step(self, step: int, fail_migration_at: int = -1) -> tuple[float | None, dict, list]:
         """One optimizer step (+ migration when due); returns (loss, record, trace rows)."""
@@ -145,6 +159,7 @@ class Trainer:
             self.optimizer,
             self.counter,
             self.history,
+            self.intervals,
             step,
             fail_migration_at,
             self.migration,

@@ -179,3 +179,33 @@ def test_a_scaled_run_prices_its_own_shrunken_experts(plan_path):
         np.testing.assert_array_equal(costs.level_LRR, full[stage].level_LRR[: len(moe)])
     # no --migrate-every: nothing to price
     assert plan_migration(plan_path, run_spec_from_plan(plan, model, 0.5)).costs_by_stage == ()
+
+
+def test_the_policy_sees_the_sums_of_past_intervals(monkeypatch):
+    """Every K steps the trainer closes an interval (the sum of its K steps) and hands the
+    policy every past interval, oldest first, as the benchmark replays traces; at most
+    MAX_INTERVALS of them."""
+    import runtime.train as train
+
+    seen = []
+    monkeypatch.setattr(train, "migrate_stage", lambda moes, m, p, past, *a: seen.append(
+        [list(map(list, iv)) for iv in past]) or 0)  # fmt: skip
+    module = SimpleNamespace(moe_layers=lambda: {1: None})
+    spec = SimpleNamespace(migrate_every=3, steps=100)
+    history, intervals = [], []
+    for step in range(9):
+        history.append([[step, 1], [2 * step, 0]])  # one layer pair of 2 experts per step
+        del history[:-3]
+        train._maybe_migrate(spec, module, None, None, None, history, intervals, step, -1, None)
+    # intervals: steps 0-2, 3-5, 6-8 -> first expert 0+1+2, 3+4+5, 6+7+8; second layer doubled
+    assert seen == [
+        [[[3, 3], [6, 0]]],
+        [[[3, 3], [6, 0]], [[12, 3], [24, 0]]],
+        [[[3, 3], [6, 0]], [[12, 3], [24, 0]], [[21, 3], [42, 0]]],
+    ]
+    monkeypatch.setattr(train, "MAX_INTERVALS", 2)
+    for step in range(9, 12):
+        history.append([[step, 1], [2 * step, 0]])
+        del history[:-3]
+        train._maybe_migrate(spec, module, None, None, None, history, intervals, step, -1, None)
+    assert seen[-1] == [[[21, 3], [42, 0]], [[30, 3], [60, 0]]]
