@@ -2,11 +2,13 @@
 
 Cases: drifting synthetic traces (several seeds) at 64 experts / 8 EP ranks, 128 / 16 and
 256 / 64, and 256 / 64 with 32 redundant slots (DeepSeek-V3's 288 slots); then each
-recorded setting (profiles/traces/*-bias*.csv, made by `piper run`, see its README) at its
-shape: the runs of one setting that differ only in their seed (NAME.csv, NAME-seedN.csv)
-are one case, scored on their mean like the synthetic seeds; for these it also prints each
-run's mean imbalance and Piper's gap to the re-pack over the first 5 decided intervals (the
-router still settling) and over the rest.
+recorded setting (profiles/traces/*-bias*.csv.gz, made by `piper run --trace-every 1`, see
+its README: one row per step) at its shape and interval (20 steps with 256 experts, 10 with
+64, as the runs were recorded; every policy sees the steps before the interval it places):
+the runs of one setting that differ only in their seed (NAME, NAME-seedN) are one case,
+scored on their mean like the synthetic seeds; for these it also prints each run's mean
+imbalance and Piper's gap to the re-pack over the first 5 decided intervals (the router
+still settling) and over the rest.
 Every case is priced with a model of that shape on frontier (EP rank r on device r, 100
 steps of 8 x 4096 tokens per rank per interval). Every policy is replayed; the table shows
 mean realized imbalance, p95, experts moved, transfer and total priced seconds (hottest-rank
@@ -18,7 +20,8 @@ expert compute + transfers), then the issue's criteria per case as pass/fail:
 
 With --forecast-check it prints instead, per case, the realized imbalance of the EPLB re-pack
 (replicas included) when it packs each forecast method's loads, and the next interval's own
-loads (perfect foresight): how much a better forecast could give, moves free.
+loads (perfect foresight): how much a better forecast could give, moves free; for the
+recorded traces also Piper's own forecast from the steps ("steps", forecast_interval).
 
 Run: python3 benchmarks/migration_quality.py [--seeds 5] [--trace FILE --ep R ...] [--quick]
      [--forecast-check]
@@ -36,20 +39,21 @@ from pathlib import Path
 import numpy as np
 from results_md import ROOT, recorded
 
-from planner.migration.forecast import ForecastOptions, forecast_loads
+from planner.migration.forecast import ForecastOptions, forecast_interval, forecast_loads
 from planner.migration.inputs import migrate_setup
 from planner.migration.placement import capacity, imbalance
 from planner.migration.policies import POLICIES, MigrationOptions
 from planner.migration.replicate import pack, replica_counts_for
 from planner.migration.run import replay_all
 from planner.migration.synth import SynthOptions, synth_trace
-from planner.migration.trace import Trace, load_trace
+from planner.migration.trace import Trace, interval_trace, load_trace
 
 METRICS = ("mean_imbalance", "p95_imbalance", "experts_moved", "transfer_s", "total_cost_s")
 MODEL_FOR = {64: "deepseek-v2-lite", 128: "qwen3-30b-a3b", 256: "deepseek-v3"}
 TRACE_MODEL_FOR = {64: "olmoe-1b-7b", 256: "deepseek-v3"}  # the recorded traces' shapes
 RANKS_FOR = {64: 8, 128: 16, 256: 64}
-SEED_SUFFIX = re.compile(r"-seed\d+$")  # NAME-seedN.csv: the run of NAME.csv with seed N
+STEPS_FOR = {64: 10, 256: 20}  # steps per interval of the recorded runs (their README)
+SEED_SUFFIX = re.compile(r"-seed\d+$")  # NAME-seedN: the run of NAME with seed N
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class Case:
     model: str
     redundant_slots: int = 0
     baseline_of: str = ""  # name of the case without replicas this one is compared with
+    rows_per_interval: int = 1  # trace rows per interval (recorded traces: steps)
 
 
 def synthetic_cases(args) -> list[Case]:
@@ -95,35 +100,42 @@ def synthetic_cases(args) -> list[Case]:
     return cases
 
 
+def _stem(path: str) -> str:
+    """The file name without .csv or .csv.gz."""
+    return re.sub(r"\.csv(\.gz)?$", "", Path(path).name)
+
+
 def _seed_order(path: str) -> tuple[str, int]:
-    """NAME.csv (seed 0) before NAME-seed1.csv, NAME-seed2.csv, ..."""
-    stem = Path(path).stem
+    """NAME (seed 0) before NAME-seed1, NAME-seed2, ..."""
+    stem = _stem(path)
     found = SEED_SUFFIX.search(stem)
     return SEED_SUFFIX.sub("", stem), int(found.group()[5:]) if found else 0
 
 
 def trace_cases(args) -> list[Case]:
     """One case per recorded setting: the runs of one setting that differ only in their seed
-    (NAME.csv is seed 0, NAME-seedN.csv seed N) form one case, scored on their mean."""
+    (NAME is seed 0, NAME-seedN seed N) form one case, scored on their mean. A --trace
+    given by hand is taken as one row per interval, the recorded ones as one row per step."""
     paths = args.trace or sorted(
-        (str(p) for p in (ROOT / "profiles" / "traces").glob("*-bias*.csv")), key=_seed_order
+        (str(p) for p in (ROOT / "profiles" / "traces").glob("*-bias*.csv.gz")), key=_seed_order
     )
-    groups: dict[tuple[str, int], list[Trace]] = {}
+    groups: dict[tuple[str, int, int], list[Trace]] = {}
     for i, path in enumerate(paths):
         trace = load_trace(path)
         experts = trace.num_experts
         ranks = args.ep[i] if args.ep and i < len(args.ep) else RANKS_FOR.get(experts, 8)
-        groups.setdefault((SEED_SUFFIX.sub("", Path(path).stem), ranks), []).append(trace)
+        rows = 1 if args.trace else STEPS_FOR[experts]
+        groups.setdefault((SEED_SUFFIX.sub("", _stem(path)), ranks, rows), []).append(trace)
     cases = []
-    for (stem, ranks), traces in groups.items():
+    for (stem, ranks, rows), traces in groups.items():
         experts = traces[0].num_experts
         model = TRACE_MODEL_FOR.get(experts) or MODEL_FOR.get(experts, "")
         name = f"trace {stem} {experts}/{ranks}"
-        cases.append(Case(name, tuple(traces), ranks, model))
+        cases.append(Case(name, tuple(traces), ranks, model, rows_per_interval=rows))
         if experts == 256:
-            cases.append(
-                Case(f"{name} +{ranks // 2} slots", tuple(traces), ranks, model, ranks // 2, name)
-            )
+            slots = ranks // 2
+            cases.append(Case(f"{name} +{slots} slots", tuple(traces), ranks, model, slots, name,
+                              rows))  # fmt: skip
     return cases
 
 
@@ -133,12 +145,14 @@ def run_case(case: Case, opts: MigrationOptions) -> dict[str, np.ndarray]:
     of each trace's intervals 1..EARLY_INTERVALS and of the rest (traces, 2)."""
     rows: dict[str, list[list[float]]] = {p: [] for p in POLICIES}
     early: dict[str, list[list[float]]] = {p: [] for p in POLICIES}
-    for trace in case.traces:
+    k = case.rows_per_interval
+    for rows in case.traces:
         setup = migrate_setup(
-            trace, case.ranks, model_name=case.model, cluster_name="frontier",
+            interval_trace(rows, k), case.ranks, model_name=case.model, cluster_name="frontier",
             redundant_slots=case.redundant_slots,
         )  # fmt: skip
-        for name, run in replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, opts).items():
+        runs = replay_all(rows, setup.initial_LRS, setup.costs, POLICIES, opts, k)
+        for name, run in runs.items():
             rows[name].append([getattr(run, m) for m in METRICS])
             imb_I = run.imbalance_IL[1:].mean(axis=1)
             early[name].append([imb_I[:EARLY_INTERVALS].mean(), imb_I[EARLY_INTERVALS:].mean()])
@@ -155,8 +169,10 @@ FORECASTS = ("kalman", "last", "ema", "mean", "next interval")
 
 def forecast_check(case: Case) -> dict[str, float]:
     """Per forecast: mean realized imbalance of the re-pack of its loads (intervals 1..I-1)."""
-    out: dict[str, list[float]] = {f: [] for f in FORECASTS}
-    for trace in case.traces:
+    k = case.rows_per_interval
+    out: dict[str, list[float]] = {f: [] for f in (*FORECASTS, "steps")}
+    for rows in case.traces:
+        trace = interval_trace(rows, k)
         setup = migrate_setup(
             trace, case.ranks, model_name=case.model, cluster_name="frontier",
             redundant_slots=case.redundant_slots,
@@ -165,15 +181,19 @@ def forecast_check(case: Case) -> dict[str, float]:
             cap_R = capacity(setup.initial_LRS[lj])
             for t in range(1, trace.num_intervals):
                 actual_E = trace.tokens_ILE[t, lj]
-                for f in FORECASTS:
+                for f in out:
                     if f == "next interval":
                         load_E = actual_E.astype(float)
+                    elif f == "steps":
+                        if k == 1:
+                            continue
+                        load_E = forecast_interval(rows.tokens_ILE[: t * k, lj], k)
                     else:
                         opts = ForecastOptions(method=f)
                         load_E = forecast_loads(trace.tokens_ILE[:t, lj], opts)
                     counts_E = replica_counts_for(load_E, case.ranks, int(cap_R.sum()))
                     out[f].append(imbalance(pack(load_E, counts_E, cap_R), actual_E))
-    return {f: float(np.mean(v)) for f, v in out.items()}
+    return {f: float(np.mean(v)) if v else float("nan") for f, v in out.items()}
 
 
 def criteria(case: Case, res, plain) -> list[tuple[str, str, bool]]:
@@ -240,8 +260,8 @@ def main() -> None:
     p.add_argument("--drift", type=float, default=SynthOptions.drift)
     p.add_argument("--margin-sigmas", type=float, default=MigrationOptions.margin_sigmas)
     p.add_argument(
-        "--trace", action="append", help="recorded trace CSV (repeatable; default: "
-        "profiles/traces/*-bias*.csv)",
+        "--trace", action="append", help="trace CSV, one row per interval (repeatable; "
+        "default: the recorded profiles/traces/*-bias*.csv.gz, one row per step)",
     )  # fmt: skip
     p.add_argument("--ep", type=int, action="append", help="EP ranks for each --trace")
     p.add_argument("--no-traces", action="store_true", help="synthetic cases only")
@@ -275,10 +295,11 @@ def run_all(args: argparse.Namespace) -> None:
     cases += [] if args.no_traces else trace_cases(args)
     if args.forecast_check:
         print("\nre-pack of each forecast's loads: mean realized imbalance")
-        print(f"| case | {' | '.join(FORECASTS)} |\n|---|{'---|' * len(FORECASTS)}")
+        names = (*FORECASTS, "steps")
+        print(f"| case | {' | '.join(names)} |\n|---|{'---|' * len(names)}")
         for case in cases:
             got = forecast_check(case)
-            print(f"| {case.name} | {' | '.join(f'{got[f]:.4f}' for f in FORECASTS)} |")
+            print(f"| {case.name} | {' | '.join(f'{got[f]:.4f}' for f in names)} |")
         return
     done: dict[str, dict[str, np.ndarray]] = {}
     table = []

@@ -2,7 +2,9 @@
 
 256 experts on 64 EP ranks (top-8, priced as deepseek-v3 on frontier): one drifting
 synthetic trace without replicas and with 32 redundant slots (DeepSeek-V3's 288 slots),
-then each recorded trace of that shape (profiles/traces/tiny-256e-*.csv, or --trace).
+then each recorded trace of that shape (profiles/traces/tiny-256e-*.csv.gz, one row per
+step, 20 steps per interval as recorded: every policy sees the steps; or --trace, one row
+per interval).
 Every policy decides every interval from the past loads; the median wall-clock time of one
 (layer, interval) decision is printed with its ratio to the greedy swap. Target from the
 issue: Piper's median <= 50 ms per layer per interval at 256 x 64 with replicas.
@@ -23,9 +25,10 @@ from planner.migration.inputs import migrate_setup
 from planner.migration.policies import POLICIES, MigrationOptions
 from planner.migration.run import replay
 from planner.migration.synth import SynthOptions, synth_trace
-from planner.migration.trace import Trace, load_trace
+from planner.migration.trace import Trace, interval_trace, load_trace
 
 TARGET_MS = 50.0
+RECORDED_STEPS = 20  # steps per interval of the recorded 256-expert runs (their README)
 
 
 def main() -> None:
@@ -36,7 +39,7 @@ def main() -> None:
     p.add_argument("--intervals", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--model", default="deepseek-v3")
-    p.add_argument("--trace", action="append", help="recorded trace CSV (repeatable)")
+    p.add_argument("--trace", action="append", help="trace CSV, one row per interval (repeatable)")
     p.add_argument("--results", default="results/migration_speed.md", help="markdown to write")
     p.add_argument("--no-results", action="store_true", help="print only")
     args = p.parse_args()
@@ -45,15 +48,15 @@ def main() -> None:
         run(args)
 
 
-def time_policies(trace: Trace, args, redundant: int) -> dict[str, np.ndarray]:
+def time_policies(trace: Trace, args, redundant: int, rows: int = 1) -> dict[str, np.ndarray]:
     """Milliseconds of every (interval >= 1, layer) decision, per policy."""
     setup = migrate_setup(
-        trace, args.ranks, model_name=args.model, cluster_name="frontier",
+        interval_trace(trace, rows), args.ranks, model_name=args.model, cluster_name="frontier",
         redundant_slots=redundant,
     )  # fmt: skip
     out = {}
     for name in POLICIES:
-        run = replay(trace, setup.initial_LRS, setup.costs, name, MigrationOptions())
+        run = replay(trace, setup.initial_LRS, setup.costs, name, MigrationOptions(), rows)
         out[name] = run.solve_s_IL[1:].ravel() * 1e3
     return out
 
@@ -74,17 +77,20 @@ def run(args: argparse.Namespace) -> None:
     synth = SynthOptions(
         layers=args.layers, experts=args.experts, intervals=args.intervals, tokens=32768, top_k=8
     )
-    cases = [(f"synthetic (skew {synth.skew}, drift {synth.drift})", synth_trace(synth))]
-    paths = args.trace or sorted(str(p) for p in (ROOT / "profiles/traces").glob("tiny-256e-*.csv"))
-    cases += [(f"trace {Path(p).stem}", load_trace(p)) for p in paths]
+    cases = [(f"synthetic (skew {synth.skew}, drift {synth.drift})", synth_trace(synth), 1)]
+    recorded_paths = sorted(str(p) for p in (ROOT / "profiles/traces").glob("tiny-256e-*.csv.gz"))
+    paths = args.trace or recorded_paths
+    rows = 1 if args.trace else RECORDED_STEPS
+    cases += [(f"trace {Path(p).name.split('.')[0]}", load_trace(p), rows) for p in paths]
     print(f"{args.experts} experts x {args.ranks} ranks, priced as {args.model} on frontier; "
           f"synthetic: {args.layers} layers x {args.intervals} intervals")  # fmt: skip
     verdicts = []
-    for label, trace in cases:
+    for label, trace, rows in cases:
         for redundant in (0, args.redundant_slots):
-            shape = f"{trace.num_layers} layers x {trace.num_intervals} intervals"
+            steps = f" of {rows} steps" if rows > 1 else ""
+            shape = f"{trace.num_layers} layers x {trace.num_intervals // rows} intervals{steps}"
             name = f"{label}, {shape}, {redundant} redundant slots"
-            median = print_times(name, time_policies(trace, args, redundant))
+            median = print_times(name, time_policies(trace, args, redundant, rows))
             verdicts.append((name, median))
     print("\n| case | Piper median ms per layer per interval | <= 50 ms |\n|---|---|---|")
     for name, median in verdicts:

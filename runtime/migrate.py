@@ -1,11 +1,12 @@
 """Live expert migration: ask the planner for a new placement, move and copy experts with
 their state.
 
-Every K steps (one interval) the stage's per-expert token counts of its past intervals (each
-summed over the interval's steps and the stage's data-parallel ranks) feed the planner's
-migration policy (`planner.migration.next_placement`), priced from the
-plan's cluster; the stage leader asks and broadcasts, so every EP group of the stage (all
-expert-DP replicas) applies the same placement. A placement is a slot table per MoE layer
+Every K steps (one interval) the stage's per-expert token counts of its past intervals (in
+rows of one or a few steps, summed over the stage's data-parallel ranks;
+runtime.train.close_interval) feed the planner's migration policy
+(`planner.migration.next_placement`), priced from the plan's cluster; the stage leader asks
+and broadcasts, so every EP group of the stage (all expert-DP replicas) applies the same
+placement. A placement is a slot table per MoE layer
 (planner.run.spec.ExpertSlots): which expert each slot of each EP rank holds. A new
 placement may move an expert, add a copy of it in a free slot or a slot it takes over
 (a replica), or drop a copy (the slot is zeroed and stays free); every rank keeps its number
@@ -19,9 +20,9 @@ checksum and finiteness; the whole stage agrees (all-reduce MIN of an ok flag). 
 all agree are the staged slots copied in place and the slot tables swapped; otherwise
 nothing changes, so a failure mid-move leaves the old placement intact.
 
-Shape letters: L = MoE layers of the stage, E = experts, T = past intervals of the load
-history, R = EP ranks. The policy sees plan EP indices (ep_idx); MoELayer tables hold EP
-*group* ranks.
+Shape letters: L = MoE layers of the stage, E = experts, T = rows of the load history (steps
+or groups of steps of the past intervals), R = EP ranks. The policy sees plan EP indices
+(ep_idx); MoELayer tables hold EP *group* ranks.
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ def decide(
 
     Args:
         current: the slot table of each MoE layer of the stage, in plan EP indices.
-        history_TLE: tokens per expert of the stage's MoE layers, per past interval (the
-            sum of its steps; runtime.train.close_interval).
+        history_TLE: tokens per expert of the stage's MoE layers, per row of the past
+            intervals (runtime.train.close_interval; migration.options.rows_per_interval
+            rows make one interval).
     """
     box = [None]
     if mesh.me.physical == mesh.stage_ranks[0]:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
+from planner.migration import MigrationOptions
 from planner.run.spec import EMPTY, RunSpec
 from runtime.data import sample_batch
 from runtime.dispatch.local import LocalDispatcher
@@ -72,28 +73,49 @@ def update_router_bias(module: StageModule, tokens_LE: torch.Tensor, rate: float
 
 
 MAX_INTERVALS = 64  # past intervals the migration policy sees
+MAX_ROWS_PER_INTERVAL = 20  # rows of one interval in the policy's history
 
 
-def close_interval(history: list, intervals: list, k: int) -> list:
-    """Sum the last k steps' tokens [L][E] into one interval, append it to `intervals` (kept
-    to the newest MAX_INTERVALS) and return them: the (T, L, E) history of past intervals
-    the policy reads, as `piper migrate` and benchmarks/migration_quality.py replay it."""
-    intervals.append(torch.tensor(history[-k:], dtype=torch.int64).sum(dim=0).tolist())
-    del intervals[:-MAX_INTERVALS]
-    return intervals
+def rows_per_interval(migrate_every: int) -> int:
+    """Rows the policy's history gives one interval of K steps: the largest divisor of K up
+    to MAX_ROWS_PER_INTERVAL (K <= 20: one row per step; 100: rows of 5 steps)."""
+    k = max(1, migrate_every)
+    return max(d for d in range(1, min(k, MAX_ROWS_PER_INTERVAL) + 1) if k % d == 0)
+
+
+def close_interval(history: list, rows: list, k: int) -> list:
+    """Sum the last k steps' tokens [L][E] into rows_per_interval(k) rows of consecutive
+    steps, append them to `rows` (kept to the newest MAX_INTERVALS intervals) and return
+    them: the history the policy reads (MigrationOptions.rows_per_interval rows per
+    interval, oldest first), as `piper migrate --rows-per-interval` replays a run's
+    per-step trace."""
+    n = rows_per_interval(k)
+    window = torch.tensor(history[-k:], dtype=torch.int64)
+    rows.extend(window.reshape(n, k // n, *window.shape[1:]).sum(dim=1).tolist())
+    del rows[: -MAX_INTERVALS * n]
+    return rows
+
+
+def with_rows(migration: MigrationPolicy, migrate_every: int) -> MigrationPolicy:
+    """The policy told how many rows of its history make one interval."""
+    if migrate_every <= 0:
+        return migration
+    rows = rows_per_interval(migrate_every)
+    opts = replace(migration.options or MigrationOptions(), rows_per_interval=rows)
+    return replace(migration, options=opts)
 
 
 def _maybe_migrate(
-    spec, module, mesh, optimizer, counter, history, intervals, step, fail_at, migration
+    spec, module, mesh, optimizer, counter, history, rows, step, fail_at, migration
 ) -> int:
-    """Every migrate_every steps: close the interval, ask the policy from the past intervals
-    and move; returns expert copies made."""
+    """Every migrate_every steps: close the interval, ask the policy from the past intervals'
+    rows and move; returns expert copies made."""
     moes = module.moe_layers()
     k = spec.migrate_every
     if not moes or k <= 0 or (step + 1) % k or step + 1 >= spec.steps:
         return 0
     fail = step + 1 == fail_at
-    past = close_interval(history, intervals, k)
+    past = close_interval(history, rows, k)
     return migrate_stage(moes, mesh, migration, past, optimizer, counter, fail)
 
 
@@ -118,7 +140,7 @@ class Trainer:
     ) -> None:
         self.spec, self.mesh, self.module = spec, mesh, module
         self.counter, self.device = counter, device
-        self.migration = migration or MigrationPolicy()
+        self.migration = with_rows(migration or MigrationPolicy(), spec.migrate_every)
         self.rank = mesh.me.physical
         install_slots(module, spec, mesh)  # replicas and free slots, before the optimizer
         if spec.etp > 1:  # slices of the final slots' experts
@@ -133,7 +155,7 @@ class Trainer:
         self.dispatcher = moes[0].dispatcher if moes else LocalDispatcher()
         self.leader = mesh.me.physical == mesh.stage_ranks[0]  # of its stage
         self.history: list = []  # per step of the interval: tokens [L][E] of the MoE layers
-        self.intervals: list = []  # per past interval: the sum of its steps' tokens [L][E]
+        self.rows: list = []  # the past intervals' rows (close_interval): tokens [L][E]
 
     def step(self, step: int, fail_migration_at: int = -1) -> tuple[float | None, dict, list]:
         """One optimizer step (+ migration when due); returns (loss, record, trace rows)."""
@@ -159,7 +181,7 @@ class Trainer:
             self.optimizer,
             self.counter,
             self.history,
-            self.intervals,
+            self.rows,
             step,
             fail_migration_at,
             self.migration,

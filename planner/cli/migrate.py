@@ -11,7 +11,7 @@ from planner.ip.solvers import SolverOptions
 from planner.migration.placement import capacity
 from planner.migration.policies import POLICIES, MigrationOptions
 from planner.migration.run import replay
-from planner.migration.trace import load_trace
+from planner.migration.trace import interval_trace, load_trace
 from planner.outputs.console import print_table, progress
 from planner.outputs.files import write_files
 from planner.specs import SpecError
@@ -30,7 +30,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "an EPLB-style re-pack and Piper's priced assignment."
         ),
     )
-    p.add_argument("--trace", required=True, help="CSV interval,layer,expert,tokens")
+    p.add_argument(
+        "--trace", required=True, help="CSV interval,layer,expert,tokens (.csv.gz read too)"
+    )
+    p.add_argument(
+        "--rows-per-interval",
+        type=int,
+        default=1,
+        help="trace rows per migration interval: 1 (default) when each row is an interval; "
+        "K when each row is a step (piper run --trace-every 1) and an interval K steps",
+    )
     p.add_argument("--ep", type=int, required=True, help="expert-parallel ranks")
     p.add_argument("--plan", help="plan.json: model, cluster, rank devices, start placement")
     p.add_argument(
@@ -76,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     from planner.migration.inputs import migrate_setup
 
     start = time.perf_counter()
-    trace = load_trace(args.trace)
+    rows = load_trace(args.trace)
+    trace = interval_trace(rows, args.rows_per_interval)
     setup = migrate_setup(
         trace,
         args.ep,
@@ -103,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
     runs = {}
     with progress("replaying the trace per policy", total=len(POLICIES)) as update:
         for i, name in enumerate(POLICIES):
-            runs[name] = replay(trace, setup.initial_LRS, setup.costs, name, opts)
+            runs[name] = replay(
+                rows, setup.initial_LRS, setup.costs, name, opts, args.rows_per_interval
+            )
             update(i + 1)
     chosen = runs[args.policy]
     files: dict[str, str | bytes] = {

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.migration.forecast import forecast_loads
+from planner.migration.forecast import forecast_interval
 from planner.migration.placement import (
     ABSENT,
     EMPTY,
@@ -125,8 +125,10 @@ def next_placement(
         current: the placement in force: (L, E) EP rank of each expert (E/R per rank), or,
             with redundant slots, (L, R, S) slot rows: per layer and EP rank the experts in
             its slots, entries < 0 free (rows may differ in length: that rank's slots).
-        load_history_TLE: (T, L, E) tokens per expert in past intervals (or steps), oldest
-            first; only these are used (never the future). T = 0 keeps the placement.
+        load_history_TLE: (T, L, E) tokens per expert in past intervals, oldest first; or
+            in past steps with options.rows_per_interval = the steps of one interval (the
+            runtime's way; planner.migration.forecast.forecast_interval). Only these are
+            used (never the future); fewer rows than one interval keep the placement.
         costs: move and imbalance prices (pricing.build_move_costs); None = uniform_costs.
         options: policy knobs; None = the documented defaults.
         layer_ids: transformer layer id per row, written into each Move.layer (default
@@ -147,7 +149,7 @@ def next_placement(
     ids = tuple(layer_ids) if layer_ids is not None else tuple(range(num_l))
     new_L, moves, gain_s = [], [], 0.0
     for lj, old_RS in enumerate(slots_L):
-        if history_TLE.shape[0] == 0:
+        if history_TLE.shape[0] < max(1, options.rows_per_interval):  # no whole interval
             new_L.append(old_RS)
             continue
         layer = LayerCosts(costs.move_s_LRR[lj], float(costs.balanced_s_L[lj]))
@@ -158,7 +160,9 @@ def next_placement(
         )
         moves.extend(step)
         if step:
-            load_E = forecast_loads(history_TLE[:, lj, :], options.forecast)
+            load_E = forecast_interval(
+                history_TLE[:, lj, :], options.rows_per_interval, options.forecast
+            )
             saved = imbalance(old_RS, load_E) - imbalance(new_RS, load_E)
             gain_s += layer.balanced_s * saved - sum(m.seconds for m in step)
     num_e = history_TLE.shape[2]

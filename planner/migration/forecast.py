@@ -75,10 +75,19 @@ def _drift_kappa(shares_TE: np.ndarray, totals_T: np.ndarray) -> float:
 
 
 def _kalman(shares_TE: np.ndarray, totals_T: np.ndarray, shift_tv: float) -> np.ndarray:
+    return _kalman_path(shares_TE, totals_T, shift_tv)[0]
+
+
+def _kalman_path(shares_TE: np.ndarray, totals_T: np.ndarray, shift_tv: float):
+    """The filter's forecast after the last interval (E,) and its one-step predictions
+    (T, E): row t forecasts interval t from intervals < t (row 0: interval 0 itself)."""
     kappa = _drift_kappa(shares_TE, totals_T)
     est_E = shares_TE[0].copy()
     var_E = est_E / max(totals_T[0], 1)
-    for s_E, n in zip(shares_TE[1:], totals_T[1:], strict=True):
+    preds_TE = np.empty_like(shares_TE)
+    preds_TE[0] = est_E
+    for t, (s_E, n) in enumerate(zip(shares_TE[1:], totals_T[1:], strict=True), start=1):
+        preds_TE[t] = est_E / max(float(est_E.sum()), 1e-300)
         if 0.5 * np.abs(s_E - est_E).sum() > shift_tv:
             est_E, var_E = s_E.copy(), s_E / max(n, 1)
             continue
@@ -91,4 +100,69 @@ def _kalman(shares_TE: np.ndarray, totals_T: np.ndarray, shift_tv: float) -> np.
         gain_E = prior_E / (prior_E + noise_E)
         est_E = est_E + gain_E * (s_E - est_E)
         var_E = (1.0 - gain_E) * prior_E
-    return est_E / est_E.sum()
+    return est_E / est_E.sum(), preds_TE
+
+
+# smoothing constants of the per-step moving averages `forecast_interval` chooses among
+STEP_ALPHAS = (1.0, 0.5, 0.3, 0.2, 0.12, 0.08, 0.05, 0.03, 0.02, 0.012, 0.008, 0.005)
+
+
+def interval_sums(history_TE: np.ndarray, rows_per_interval: int) -> np.ndarray:
+    """The rows summed into intervals of `rows_per_interval` rows, aligned to the newest row
+    (older rows that fill no whole interval are left out)."""
+    k = max(1, rows_per_interval)
+    n = history_TE.shape[0] // k
+    rows_TE = history_TE[history_TE.shape[0] - n * k :]
+    return rows_TE.reshape(n, k, history_TE.shape[1]).sum(axis=1)
+
+
+def forecast_interval(
+    history_TE: np.ndarray, rows_per_interval: int = 1, opts: ForecastOptions | None = None
+) -> np.ndarray:
+    """Expected tokens per expert (E,) over the next interval, scaled to the last interval's
+    tokens. Each row of `history_TE` is an interval (rows_per_interval 1: forecast_loads) or
+    a step, `rows_per_interval` of them one interval, aligned to the newest row.
+
+    From steps, method "kalman" picks the forecast whose forecasts of the past intervals
+    were closest (sum of squared share errors): a moving average of the per-step shares for
+    each of STEP_ALPHAS, taken at the start of each past interval, or the Kalman filter on
+    the interval sums (also the choice while no past interval can be scored). Steps show a
+    router's newest state, which the interval sum averages away (a collapsing router), but
+    also its step-to-step swings, which the interval sum averages out (the aux-loss-free
+    bias overshooting each step); which one predicts better is measured, not assumed.
+    """
+    opts = opts or ForecastOptions()
+    k = max(1, rows_per_interval)
+    if k == 1:
+        return forecast_loads(history_TE, opts)
+    if history_TE.shape[0] < k:
+        raise ValueError(f"forecast_interval needs at least one interval ({k} rows)")
+    total = float(history_TE[-k:].sum())
+    intervals_IE = interval_sums(history_TE, k)
+    if opts.method != "kalman":
+        return forecast_loads(intervals_IE, opts) / max(float(intervals_IE[-1].sum()), 1) * total
+    return _select_step_forecast(history_TE.astype(float), intervals_IE, k, opts) * total
+
+
+def _select_step_forecast(rows_TE, intervals_IE, k: int, opts: ForecastOptions) -> np.ndarray:
+    num_i = intervals_IE.shape[0]
+    kalman_E, preds_IE = _kalman_path(
+        _shares(intervals_IE), intervals_IE.sum(axis=1).astype(float), opts.shift_tv
+    )
+    if num_i < 2:
+        return kalman_E
+    shares_TE = _shares(rows_TE)
+    target_IE = _shares(intervals_IE)
+    first = rows_TE.shape[0] - num_i * k  # row where interval 0 starts
+    alpha_A1 = np.array(STEP_ALPHAS)[:, None]
+    avg_AE = np.repeat(shares_TE[:1], len(STEP_ALPHAS), axis=0)
+    err_A = np.zeros(len(STEP_ALPHAS))
+    for t in range(1, rows_TE.shape[0]):
+        if t > first and (t - first) % k == 0:  # interval (t - first) // k starts at row t
+            err_A += ((avg_AE - target_IE[(t - first) // k]) ** 2).sum(axis=1)
+        avg_AE = alpha_A1 * shares_TE[t] + (1.0 - alpha_A1) * avg_AE
+    kalman_err = float(((preds_IE[1:] - target_IE[1:]) ** 2).sum())
+    best = int(np.argmin(err_A))
+    if kalman_err <= err_A[best]:
+        return kalman_E
+    return avg_AE[best] / max(float(avg_AE[best].sum()), 1e-300)

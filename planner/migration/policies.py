@@ -27,7 +27,7 @@ import numpy as np
 from planner.ip.solvers import SolverOptions
 from planner.migration.assignment import priced_local_search, smooth_max
 from planner.migration.exact import solve_assignment
-from planner.migration.forecast import ForecastOptions, forecast_loads
+from planner.migration.forecast import ForecastOptions, forecast_interval
 from planner.migration.placement import (
     ABSENT,
     capacity,
@@ -72,6 +72,9 @@ class MigrationOptions:
     # None = the local search; set = also solve the integer program (exact.py) on the
     # plain maximum, hinted by the local search (no replicas).
     solver: SolverOptions | None = None
+    # Rows of the load history per interval: 1 when each row is an interval; K when each row
+    # is a step and an interval is K steps (piper run passes steps; forecast_interval).
+    rows_per_interval: int = 1
 
 
 @dataclass(frozen=True)
@@ -86,9 +89,14 @@ def no_migration(current_RS, history_TE, costs, opts):  # noqa: ARG001 - uniform
     return current_RS.copy()
 
 
+def last_interval(history_TE: np.ndarray, rows_per_interval: int = 1) -> np.ndarray:
+    """Tokens per expert of the newest interval: the sum of the last rows_per_interval rows."""
+    return history_TE[-max(1, rows_per_interval) :].sum(axis=0).astype(float)
+
+
 def greedy_swap(current_RS: np.ndarray, history_TE: np.ndarray, costs, opts) -> np.ndarray:
     """The paper's heuristic on the last interval's loads (see module docstring)."""
-    load_E = history_TE[-1].astype(float)
+    load_E = last_interval(history_TE, opts.rows_per_interval)
     slots_RS = current_RS.copy()
     num_e = len(load_E)
     share_X = np.append(load_E / np.maximum(replica_counts(slots_RS, num_e), 1), 0.0)
@@ -117,22 +125,25 @@ def greedy_swap(current_RS: np.ndarray, history_TE: np.ndarray, costs, opts) -> 
 
 def repack(current_RS: np.ndarray, history_TE: np.ndarray, costs, opts) -> np.ndarray:
     """EPLB: replicas by load per replica, then heaviest-first packing, from scratch."""
-    load_E = history_TE[-1].astype(float)
+    load_E = last_interval(history_TE, opts.rows_per_interval)
     capacity_R = capacity(current_RS)
     counts_E = replica_counts_for(load_E, len(capacity_R), int(capacity_R.sum()))
     return pack(load_E, counts_E, capacity_R)
 
 
-def rank_error(current_RS: np.ndarray, history_TE: np.ndarray, fopts: ForecastOptions) -> float:
-    """RMS error, tokens, of the forecast of a rank load, measured on the last past interval.
+def rank_error(
+    current_RS: np.ndarray, history_TE: np.ndarray, fopts: ForecastOptions, rows: int = 1
+) -> float:
+    """RMS error, tokens, of the forecast of a rank load, measured on the last past interval
+    (the last `rows` rows of the history: forecast_interval).
 
     With one past interval only, the counting noise sqrt(mean rank load) stands in.
     """
-    last_E = history_TE[-1].astype(float)
+    last_E = last_interval(history_TE, rows)
     mean = float(last_E.sum()) / current_RS.shape[0]
-    if history_TE.shape[0] < 2:
+    if history_TE.shape[0] < 2 * rows:
         return float(np.sqrt(max(mean, 0.0)))
-    guess_E = forecast_loads(history_TE[:-1], fopts)
+    guess_E = forecast_interval(history_TE[:-rows], rows, fopts)
     guess_E = guess_E * last_E.sum() / max(float(guess_E.sum()), 1e-300)
     err_R = rank_loads(current_RS, last_E) - rank_loads(current_RS, guess_E)
     return float(np.sqrt(np.mean(err_R**2)))
@@ -157,7 +168,7 @@ def piper(
 ) -> np.ndarray:
     """Forecast, then priced search from several starts; keep the current placement unless
     the best start's predicted gain over the interval exceeds its move cost and margins."""
-    load_E = forecast_loads(history_TE, opts.forecast)
+    load_E = forecast_interval(history_TE, opts.rows_per_interval, opts.forecast)
     ranks = current_RS.shape[0]
     num_e = len(load_E)
     mean = float(load_E.sum()) / ranks
@@ -166,7 +177,9 @@ def piper(
     scale_s = costs.balanced_s / mean
     cost_ER = placement_cost_ER(current_RS, num_e, costs.move_s_RR)
     held_ER = holders(current_RS, num_e)
-    sigma = opts.noise_scale * rank_error(current_RS, history_TE, opts.forecast)
+    sigma = opts.noise_scale * rank_error(
+        current_RS, history_TE, opts.forecast, opts.rows_per_interval
+    )
     # per moved expert: the fixed floor; per move set of n experts: k sqrt(n) standard
     # errors of a mean expert's count
     cost_ER = cost_ER + np.where(held_ER, 0.0, opts.move_margin * costs.balanced_s)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -83,11 +83,23 @@ def replay(
     costs: MoveCosts,
     policy: str,
     opts: MigrationOptions | None = None,
+    rows_per_interval: int = 1,
 ) -> PolicyRun:
-    """Replay `trace` under one policy from the initial placement (L, R, S)."""
-    opts = opts or MigrationOptions()
+    """Replay `trace` under one policy from the initial placement (L, R, S).
+
+    rows_per_interval: 1 when each row of the trace is an interval; K when each row is a
+    step (`piper run --trace-every 1`) and an interval K steps: every policy then sees the
+    steps before the interval it places (opts.rows_per_interval = K), and imbalance is
+    measured on each interval's sum.
+    """
+    opts = replace(opts or MigrationOptions(), rows_per_interval=rows_per_interval)
     fn = POLICY_FNS[policy]
-    num_i, num_l, _ = trace.tokens_ILE.shape
+    rows_ILE = trace.tokens_ILE
+    k = rows_per_interval
+    if k < 1 or rows_ILE.shape[0] % k:
+        raise ValueError(f"{rows_ILE.shape[0]} trace rows are no whole number of {k}-row intervals")
+    tokens_ILE = rows_ILE.reshape(-1, k, *rows_ILE.shape[1:]).sum(axis=1)
+    num_i, num_l, _ = tokens_ILE.shape
     slots_ILRS = np.empty((num_i, *initial_LRS.shape), dtype=np.int64)
     slots_ILRS[0] = initial_LRS
     solve_s_IL = np.zeros((num_i, num_l))
@@ -95,7 +107,7 @@ def replay(
     for t in range(1, num_i):
         for lj in range(num_l):
             layer_costs = LayerCosts(costs.move_s_LRR[lj], float(costs.balanced_s_L[lj]))
-            history_TE = trace.tokens_ILE[:t, lj, :]  # the past only: intervals < t
+            history_TE = rows_ILE[: t * k, lj, :]  # the past only: the rows before interval t
             start = time.perf_counter()
             new_RS = fn(slots_ILRS[t - 1, lj], history_TE, layer_costs, opts)
             solve_s_IL[t, lj] = time.perf_counter() - start
@@ -110,7 +122,7 @@ def replay(
             moves.extend((t, m) for m in step)
     imbalance_IL = np.array(
         [
-            [imbalance(slots_ILRS[t, lj], trace.tokens_ILE[t, lj]) for lj in range(num_l)]
+            [imbalance(slots_ILRS[t, lj], tokens_ILE[t, lj]) for lj in range(num_l)]
             for t in range(num_i)
         ]
     )
@@ -124,6 +136,10 @@ def replay_all(
     costs: MoveCosts,
     policies: Sequence[str],
     opts: MigrationOptions | None = None,
+    rows_per_interval: int = 1,
 ) -> dict[str, PolicyRun]:
     """Replay several policies side by side on the same trace and prices."""
-    return {name: replay(trace, initial_LRS, costs, name, opts) for name in policies}
+    return {
+        name: replay(trace, initial_LRS, costs, name, opts, rows_per_interval)
+        for name in policies
+    }

@@ -10,6 +10,7 @@ Shape letters: I = intervals, L = MoE layers of the trace (in ascending layer id
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,10 +155,13 @@ def trace_from_rows(rows: list[tuple[int, int, int, int]], path: str) -> Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read and validate a trace CSV; every fault is a SpecError naming the file and row."""
+    """Read and validate a trace CSV (gzip-compressed when the name ends in .gz); every fault
+    is a SpecError naming the file and row."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
+    except (gzip.BadGzipFile, EOFError):
+        raise SpecError(f"{p}: not a gzip file; name a plain trace CSV without .gz") from None
     except FileNotFoundError:
         raise SpecError(
             f"{p}: no such trace file; make one with 'piper trace synth --out {p}'"
@@ -174,6 +178,22 @@ def load_trace(path: str | Path) -> Trace:
 def trace_from_text(text: str, source: str = "trace.csv") -> Trace:
     """Parse and validate trace CSV text; every fault is a SpecError naming `source` and row."""
     return trace_from_rows(_read_rows(text, source), source)
+
+
+def interval_trace(trace: Trace, rows_per_interval: int, flag: str = "--rows-per-interval"):
+    """The trace whose rows are the sums of `rows_per_interval` consecutive rows of `trace`
+    (its rows steps, an interval that many steps); a count that is not positive or does not
+    divide the rows into whole intervals is a SpecError naming `flag`."""
+    k, rows = rows_per_interval, trace.num_intervals
+    if k < 1:
+        raise SpecError(f"{flag} must be a positive number of rows, got {k}")
+    if rows % k:
+        raise SpecError(
+            f"{trace.source or 'trace'}: {rows} rows make no whole number of {k}-row "
+            f"intervals; pass a {flag} that divides {rows}"
+        )
+    tokens = trace.tokens_ILE.reshape(rows // k, k, *trace.tokens_ILE.shape[1:]).sum(axis=1)
+    return Trace(tokens, trace.layer_ids, trace.source)
 
 
 def check_divisible(trace: Trace, ranks: int) -> None:

@@ -181,31 +181,40 @@ def test_a_scaled_run_prices_its_own_shrunken_experts(plan_path):
     assert plan_migration(plan_path, run_spec_from_plan(plan, model, 0.5)).costs_by_stage == ()
 
 
-def test_the_policy_sees_the_sums_of_past_intervals(monkeypatch):
-    """Every K steps the trainer closes an interval (the sum of its K steps) and hands the
-    policy every past interval, oldest first, as the benchmark replays traces; at most
-    MAX_INTERVALS of them."""
+def test_the_policy_sees_the_rows_of_past_intervals(monkeypatch):
+    """Every K steps the trainer closes an interval and hands the policy the rows of every
+    past interval, oldest first: one row per step up to K = 20, else rows of K / n steps for
+    the largest divisor n <= 20 of K; at most MAX_INTERVALS intervals; and the policy's
+    options say how many rows make one interval."""
     import runtime.train as train
 
+    assert [train.rows_per_interval(k) for k in (1, 3, 20, 40, 100, 23)] == [1, 3, 20, 20, 20, 1]
     seen = []
     monkeypatch.setattr(train, "migrate_stage", lambda moes, m, p, past, *a: seen.append(
-        [list(map(list, iv)) for iv in past]) or 0)  # fmt: skip
+        [list(map(list, row)) for row in past]) or 0)  # fmt: skip
     module = SimpleNamespace(moe_layers=lambda: {1: None})
-    spec = SimpleNamespace(migrate_every=3, steps=100)
-    history, intervals = [], []
-    for step in range(9):
-        history.append([[step, 1], [2 * step, 0]])  # one layer pair of 2 experts per step
-        del history[:-3]
-        train._maybe_migrate(spec, module, None, None, None, history, intervals, step, -1, None)
-    # intervals: steps 0-2, 3-5, 6-8 -> first expert 0+1+2, 3+4+5, 6+7+8; second layer doubled
+
+    def steps(k, first, last, history, rows):
+        spec = SimpleNamespace(migrate_every=k, steps=1000)
+        for step in range(first, last):
+            history.append([[step, 1], [2 * step, 0]])  # two layers of 2 experts per step
+            del history[:-k]
+            train._maybe_migrate(spec, module, None, None, None, history, rows, step, -1, None)
+
+    history, rows = [], []
+    steps(3, 0, 6, history, rows)  # K = 3: a row per step
     assert seen == [
-        [[[3, 3], [6, 0]]],
-        [[[3, 3], [6, 0]], [[12, 3], [24, 0]]],
-        [[[3, 3], [6, 0]], [[12, 3], [24, 0]], [[21, 3], [42, 0]]],
+        [[[0, 1], [0, 0]], [[1, 1], [2, 0]], [[2, 1], [4, 0]]],
+        [[[s, 1], [2 * s, 0]] for s in range(6)],
     ]
+    seen.clear()
+    history, rows = [], []
+    steps(40, 0, 40, history, rows)  # K = 40: 20 rows of 2 steps
+    assert seen == [[[[2 * j + 2 * j + 1, 2], [2 * (4 * j + 1), 0]] for j in range(20)]]
     monkeypatch.setattr(train, "MAX_INTERVALS", 2)
-    for step in range(9, 12):
-        history.append([[step, 1], [2 * step, 0]])
-        del history[:-3]
-        train._maybe_migrate(spec, module, None, None, None, history, intervals, step, -1, None)
-    assert seen[-1] == [[[21, 3], [42, 0]], [[30, 3], [60, 0]]]
+    history, rows = [], []
+    steps(3, 0, 9, history, rows)
+    assert seen[-1] == [[[s, 1], [2 * s, 0]] for s in range(3, 9)]
+    policy = train.with_rows(MigrationPolicy(), 40)
+    assert policy.options.rows_per_interval == 20 and policy.choose is next_placement
+    assert train.with_rows(MigrationPolicy(), 0).options is None

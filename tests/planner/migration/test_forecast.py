@@ -62,3 +62,37 @@ def test_a_revived_expert_is_followed():
     tokens = np.array(rows)
     assert tokens[:6, 0].sum() == 0 and tokens[6:, 0].min() > 800
     assert forecast_loads(tokens)[0] == pytest.approx(tokens[6:, 0].mean(), rel=0.1)
+
+
+def test_per_interval_rows_are_the_plain_forecast():
+    from planner.migration.forecast import forecast_interval
+
+    rng = np.random.default_rng(3)
+    history_TE = rng.integers(0, 100, size=(7, 5))
+    assert np.allclose(forecast_interval(history_TE, 1), forecast_loads(history_TE))
+
+
+def test_from_steps_a_trend_is_followed_and_a_swing_is_averaged():
+    """Per-step rows, 10 steps an interval. A collapsing router (expert 0's share rising
+    step by step) is forecast from its newest steps, near where the next interval will be;
+    one that swings every step around a fixed share (the bias overshooting) is forecast at
+    that share, not at the last step's; one interval alone gives its own shares."""
+    from planner.migration.forecast import forecast_interval, interval_sums
+
+    k, steps = 10, 40
+    share_T = np.linspace(0.3, 0.7, steps + k)  # expert 0's share, rising
+    rising_TE = np.stack([1000 * share_T, 1000 * (1 - share_T)], axis=1).round()
+    got = forecast_interval(rising_TE[:steps], k)
+    truth = rising_TE[steps:].sum(axis=0)  # the next interval
+    plain = forecast_loads(interval_sums(rising_TE[:steps], k))
+    plain = plain / plain.sum() * got.sum()
+    assert abs(got[0] - truth[0]) < 0.6 * abs(plain[0] - truth[0])  # the last step, 0.55
+    assert got.sum() == rising_TE[steps - k : steps].sum()  # the last interval's tokens
+    swing_T = np.where(np.arange(steps) % 2 == 0, 0.7, 0.3)  # mean 0.5, ends low
+    swing_TE = np.stack([1000 * swing_T, 1000 * (1 - swing_T)], axis=1)
+    got = forecast_interval(swing_TE, k)
+    assert got[0] / got.sum() == pytest.approx(0.5, abs=0.02)
+    one = forecast_interval(rising_TE[:k], k)
+    assert np.allclose(one, rising_TE[:k].sum(axis=0))
+    with pytest.raises(ValueError, match="one interval"):
+        forecast_interval(rising_TE[: k - 1], k)

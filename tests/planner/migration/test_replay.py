@@ -159,3 +159,41 @@ def test_next_placement_rejects_broken_slots():
         next_placement([[[0, 0], [1, 2, 3]]], history)
     with pytest.raises(SpecError, match="every expert"):
         next_placement([[[0, 1], [1, 3, -1]]], history)
+
+
+def test_per_step_rows_replay_as_their_intervals():
+    """A trace of steps, 4 per interval: the baselines see the last interval's sum, so they
+    place exactly as on the interval trace; imbalance is measured on each interval's sum;
+    Piper sees the steps and still only the past (later steps never change earlier
+    placements)."""
+    from planner.migration.trace import Trace, interval_trace
+
+    rng = np.random.default_rng(5)
+    rows = Trace(rng.poisson(50, size=(24, 1, 8)) * np.arange(1, 9), (3,))
+    coarse = interval_trace(rows, 4)
+    assert coarse.num_intervals == 6
+    assert coarse.tokens_ILE[1, 0, 2] == rows.tokens_ILE[4:8, 0, 2].sum()
+    initial = initial_slots(np.arange(8) // 4, 2)[None]
+    costs = uniform_costs(1, 2)
+    for policy in ("none", "swap", "repack"):
+        a = replay(rows, initial, costs, policy, rows_per_interval=4)
+        b = replay(coarse, initial, costs, policy)
+        assert np.array_equal(a.slots_ILRS, b.slots_ILRS)
+        assert np.allclose(a.imbalance_IL, b.imbalance_IL)
+    base = replay(rows, initial, costs, "piper", rows_per_interval=4)
+    later = Trace(rows.tokens_ILE.copy(), (3,))
+    later.tokens_ILE[16:] = later.tokens_ILE[16:][:, :, ::-1]
+    again = replay(later, initial, costs, "piper", rows_per_interval=4)
+    assert np.array_equal(base.slots_ILRS[:5], again.slots_ILRS[:5])  # decided before row 16
+    with pytest.raises(ValueError, match="4-row intervals"):
+        replay(Trace(rows.tokens_ILE[:22], (3,)), initial, costs, "piper", rows_per_interval=4)
+
+
+def test_next_placement_from_steps_waits_for_a_whole_interval():
+    current = [[0, 0, 1, 1]]
+    steps = [[[90, 80, 1, 1]]] * 3
+    opts = MigrationOptions(rows_per_interval=4)
+    kept = next_placement(current, steps, options=opts)
+    assert kept.placement_LE.tolist() == current and kept.moves == ()
+    moved = next_placement(current, steps * 2, options=opts)
+    assert sorted(moved.placement_LE[0][:2].tolist()) == [0, 1]  # the two hot experts split

@@ -96,3 +96,33 @@ def test_text_variant_names_its_source_and_rows_come_back_sorted():
         trace_from_text(text + "0,3,0,1\n", "run/trace.csv")
     assert str(err.value).startswith("run/trace.csv: interval 0, layer 3, expert 0")
     assert "duplicate" in str(err.value)
+
+
+def test_gzip_traces_read_like_plain_ones_and_a_bad_one_is_one_line(tmp_path):
+    import gzip
+
+    path = write_csv(tmp_path / "t.csv", _rows())
+    packed = tmp_path / "t.csv.gz"
+    packed.write_bytes(gzip.compress((tmp_path / "t.csv").read_bytes()))
+    assert np.array_equal(load_trace(packed).tokens_ILE, load_trace(path).tokens_ILE)
+    fake = tmp_path / "fake.csv.gz"
+    fake.write_text("interval,layer,expert,tokens\n")
+    with pytest.raises(SpecError, match="not a gzip file"):
+        load_trace(fake)
+
+
+def test_cli_replays_steps_by_rows_per_interval(tmp_path, capsys):
+    rows = [(t, 0, e, 10 + (t % 3) * e) for t in range(12) for e in range(8)]
+    path = write_csv(tmp_path / "steps.csv", rows)
+    out = tmp_path / "o"
+    assert main(["migrate", "--trace", path, "--ep", "2", "--rows-per-interval", "3",
+                 "--out", str(out), "--no-plots"]) == 0  # fmt: skip
+    assert "4 intervals" in capsys.readouterr().out
+    placements = (out / "placements.csv").read_text().splitlines()
+    assert len(placements) == 1 + 4 * 8  # header + 4 intervals x 8 experts
+    for bad in ("5", "0"):
+        code = main(["migrate", "--trace", path, "--ep", "2", "--rows-per-interval", bad,
+                     "--out", str(tmp_path / "bad")])  # fmt: skip
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "--rows-per-interval" in err[0]
+        assert not (tmp_path / "bad").exists()
