@@ -146,12 +146,12 @@ def run_case(case: Case, opts: MigrationOptions) -> dict[str, np.ndarray]:
     rows: dict[str, list[list[float]]] = {p: [] for p in POLICIES}
     early: dict[str, list[list[float]]] = {p: [] for p in POLICIES}
     k = case.rows_per_interval
-    for rows in case.traces:
+    for trace in case.traces:
         setup = migrate_setup(
-            interval_trace(rows, k), case.ranks, model_name=case.model, cluster_name="frontier",
+            interval_trace(trace, k), case.ranks, model_name=case.model, cluster_name="frontier",
             redundant_slots=case.redundant_slots,
         )  # fmt: skip
-        runs = replay_all(rows, setup.initial_LRS, setup.costs, POLICIES, opts, k)
+        runs = replay_all(trace, setup.initial_LRS, setup.costs, POLICIES, opts, k)
         for name, run in runs.items():
             rows[name].append([getattr(run, m) for m in METRICS])
             imb_I = run.imbalance_IL[1:].mean(axis=1)

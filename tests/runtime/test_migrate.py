@@ -218,3 +218,35 @@ def test_the_policy_sees_the_rows_of_past_intervals(monkeypatch):
     policy = train.with_rows(MigrationPolicy(), 40)
     assert policy.options.rows_per_interval == 20 and policy.choose is next_placement
     assert train.with_rows(MigrationPolicy(), 0).options is None
+
+
+@pytest.mark.slow
+def test_the_runs_decisions_are_the_replay_of_its_trace(run_distributed):
+    """The planner's policy in a run (pp=1 dp=2 ep=2, migration every 3 steps, uniform
+    prices) makes exactly the decisions `replay` makes on the run's per-step trace.csv with
+    3 rows per interval: the same experts moved per interval and the same final placement.
+    So what the benchmark measures on a recorded per-step trace is what a run decides."""
+    from planner.migration.api import uniform_costs
+    from planner.migration.placement import initial_slots, rank_of_expert
+    from planner.migration.policies import MigrationOptions
+    from planner.migration.run import replay
+
+    load_corpus()
+    spec = tiny_spec(pp=1, dp=2, ep=2, ranks_per_node=2, steps=15, layers=3, migrate_every=3,
+                     trace_every=1)  # fmt: skip
+    results = run_distributed(train_body, 2, spec, -1, None, timeout_s=240)
+    lines = [json.loads(x) for x in results[0][1]["metrics.jsonl"].splitlines()]
+    trace = trace_from_text(results[0][1]["trace.csv"])
+    assert trace.num_intervals == spec.steps
+    num_e = trace.num_experts
+    start = initial_slots(np.arange(num_e) // (num_e // 2), 2)
+    moved = {t: 0 for t in range(1, spec.steps // 3)}
+    for lj, layer in enumerate(trace.layer_ids):
+        one = type(trace)(trace.tokens_ILE[:, lj : lj + 1], (layer,))
+        run = replay(one, start[None], uniform_costs(1, 2), "piper", MigrationOptions(), 3)
+        for t, _ in run.moves:
+            moved[t] += 1
+        assert results[0][3][layer] == rank_of_expert(run.slots_ILRS[-1, 0], num_e).tolist()
+    got = {t: lines[3 * t - 1]["migrated_experts"] for t in moved}
+    assert got == moved
+    assert sum(moved.values()) > 0
