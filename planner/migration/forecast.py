@@ -154,13 +154,18 @@ def _select_step_forecast(rows_TE, intervals_IE, k: int, opts: ForecastOptions) 
     shares_TE = _shares(rows_TE)
     target_IE = _shares(intervals_IE)
     first = rows_TE.shape[0] - num_i * k  # row where interval 0 starts
-    alpha_A1 = np.array(STEP_ALPHAS)[:, None]
-    avg_AE = np.repeat(shares_TE[:1], len(STEP_ALPHAS), axis=0)
+    a_A1 = np.array(STEP_ALPHAS)[:, None]
+    avg_AE = np.repeat(shares_TE[:1], len(STEP_ALPHAS), axis=0)  # the average after row 0
     err_A = np.zeros(len(STEP_ALPHAS))
-    for t in range(1, rows_TE.shape[0]):
-        if t > first and (t - first) % k == 0:  # interval (t - first) // k starts at row t
-            err_A += ((avg_AE - target_IE[(t - first) // k]) ** 2).sum(axis=1)
-        avg_AE = alpha_A1 * shares_TE[t] + (1.0 - alpha_A1) * avg_AE
+    # block i: the rows up to the start of interval i + 1 (the last block: up to the end);
+    # over a block of n rows avg <- (1 - a)^n avg + sum_j a (1 - a)^(n - 1 - j) s_j
+    for i, stop in enumerate(first + k * np.arange(1, num_i + 1)):
+        block_NE = shares_TE[1 if i == 0 else stop - k : stop]
+        n = block_NE.shape[0]
+        weight_AN = a_A1 * (1.0 - a_A1) ** np.arange(n - 1, -1, -1)[None, :]
+        avg_AE = (1.0 - a_A1) ** n * avg_AE + weight_AN @ block_NE
+        if i + 1 < num_i:  # the average at the start of interval i + 1 forecasts it
+            err_A += ((avg_AE - target_IE[i + 1]) ** 2).sum(axis=1)
     kalman_err = float(((preds_IE[1:] - target_IE[1:]) ** 2).sum())
     best = int(np.argmin(err_A))
     if kalman_err <= err_A[best]:
