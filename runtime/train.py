@@ -91,7 +91,7 @@ def close_interval(history: list, rows: list, k: int) -> list:
     per-step trace."""
     n = rows_per_interval(k)
     window = torch.tensor(history[-k:], dtype=torch.int64)
-    rows.extend(window.reshape(n, k // n, *window.shape[1:]).sum(dim=1).tolist())
+    rows.extend(window.reshape(n, k // n, *window.shape[1:]).sum(dim=1).numpy())
     del rows[: -MAX_INTERVALS * n]
     return rows
 
@@ -109,13 +109,14 @@ def _maybe_migrate(
     spec, module, mesh, optimizer, counter, history, rows, step, fail_at, migration
 ) -> int:
     """Every migrate_every steps: close the interval, ask the policy from the past intervals'
-    rows and move; returns expert copies made."""
+    rows and move; returns expert copies made. `rows` is None on the ranks that do not ask
+    the policy (all but the stage leader): they keep no history."""
     moes = module.moe_layers()
     k = spec.migrate_every
     if not moes or k <= 0 or (step + 1) % k or step + 1 >= spec.steps:
         return 0
     fail = step + 1 == fail_at
-    past = close_interval(history, rows, k)
+    past = close_interval(history, rows, k) if rows is not None else []
     return migrate_stage(moes, mesh, migration, past, optimizer, counter, fail)
 
 
@@ -155,7 +156,7 @@ class Trainer:
         self.dispatcher = moes[0].dispatcher if moes else LocalDispatcher()
         self.leader = mesh.me.physical == mesh.stage_ranks[0]  # of its stage
         self.history: list = []  # per step of the interval: tokens [L][E] of the MoE layers
-        self.rows: list = []  # the past intervals' rows (close_interval): tokens [L][E]
+        self.rows: list = []  # the leader's past interval rows (close_interval): (L, E) arrays
 
     def step(self, step: int, fail_migration_at: int = -1) -> tuple[float | None, dict, list]:
         """One optimizer step (+ migration when due); returns (loss, record, trace rows)."""
@@ -181,7 +182,7 @@ class Trainer:
             self.optimizer,
             self.counter,
             self.history,
-            self.rows,
+            self.rows if self.leader else None,
             step,
             fail_migration_at,
             self.migration,
