@@ -137,22 +137,22 @@ def forecast_interval(
         return forecast_loads(history_TE, opts)
     if history_TE.shape[0] < k:
         raise ValueError(f"forecast_interval needs at least one interval ({k} rows)")
-    total = float(history_TE[-k:].sum())
-    intervals_IE = interval_sums(history_TE, k)
+    intervals_IE = interval_sums(history_TE, k)  # aligned to the newest row
     if opts.method != "kalman":
-        return forecast_loads(intervals_IE, opts) / max(float(intervals_IE[-1].sum()), 1) * total
+        return forecast_loads(intervals_IE, opts)  # scaled to the last interval's tokens
+    total = float(intervals_IE[-1].sum())
     return _select_step_forecast(history_TE.astype(float), intervals_IE, k, opts) * total
 
 
 def _select_step_forecast(rows_TE, intervals_IE, k: int, opts: ForecastOptions) -> np.ndarray:
     num_i = intervals_IE.shape[0]
+    target_IE = _shares(intervals_IE)
     kalman_E, preds_IE = _kalman_path(
-        _shares(intervals_IE), intervals_IE.sum(axis=1).astype(float), opts.shift_tv
+        target_IE, intervals_IE.sum(axis=1).astype(float), opts.shift_tv
     )
     if num_i < 2:
         return kalman_E
     shares_TE = _shares(rows_TE)
-    target_IE = _shares(intervals_IE)
     first = rows_TE.shape[0] - num_i * k  # row where interval 0 starts
     a_A1 = np.array(STEP_ALPHAS)[:, None]
     avg_AE = np.repeat(shares_TE[:1], len(STEP_ALPHAS), axis=0)  # the average after row 0

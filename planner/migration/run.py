@@ -20,7 +20,7 @@ import numpy as np
 from planner.migration.placement import Move, diff_moves, imbalance
 from planner.migration.policies import POLICY_FNS, LayerCosts, MigrationOptions
 from planner.migration.pricing import MoveCosts
-from planner.migration.trace import Trace
+from planner.migration.trace import Trace, interval_trace
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,11 +94,8 @@ def replay(
     """
     opts = replace(opts or MigrationOptions(), rows_per_interval=rows_per_interval)
     fn = POLICY_FNS[policy]
-    rows_ILE = trace.tokens_ILE
-    k = rows_per_interval
-    if k < 1 or rows_ILE.shape[0] % k:
-        raise ValueError(f"{rows_ILE.shape[0]} trace rows are no whole number of {k}-row intervals")
-    tokens_ILE = rows_ILE.reshape(-1, k, *rows_ILE.shape[1:]).sum(axis=1)
+    rows_ILE, k = trace.tokens_ILE, rows_per_interval
+    tokens_ILE = interval_trace(trace, k, "rows_per_interval").tokens_ILE
     num_i, num_l, _ = tokens_ILE.shape
     slots_ILRS = np.empty((num_i, *initial_LRS.shape), dtype=np.int64)
     slots_ILRS[0] = initial_LRS
