@@ -126,7 +126,9 @@ def forecast_interval(
     From steps, method "kalman" picks the forecast whose forecasts of the past intervals
     were closest (sum of squared share errors): a moving average of the per-step shares for
     each of STEP_ALPHAS, taken at the start of each past interval, or the Kalman filter on
-    the interval sums (also the choice while no past interval can be scored). Steps show a
+    the interval sums. While no past interval can be scored (the first decision), the same
+    choice is made on the halves of the one interval: each moving average of its first half
+    against the first half's sum, as forecasts of the second half. Steps show a
     router's newest state, which the interval sum averages away (a collapsing router), but
     also its step-to-step swings, which the interval sum averages out (the aux-loss-free
     bias overshooting each step); which one predicts better is measured, not assumed.
@@ -150,20 +152,16 @@ def _select_step_forecast(rows_TE, intervals_IE, k: int, opts: ForecastOptions) 
     kalman_E, preds_IE = _kalman_path(
         target_IE, intervals_IE.sum(axis=1).astype(float), opts.shift_tv
     )
+    a_A1 = np.array(STEP_ALPHAS)[:, None]
     if num_i < 2:
-        return kalman_E
+        return _select_in_interval(rows_TE[-k:], k // 2, a_A1, kalman_E)
     shares_TE = _shares(rows_TE)
     first = rows_TE.shape[0] - num_i * k  # row where interval 0 starts
-    a_A1 = np.array(STEP_ALPHAS)[:, None]
     avg_AE = np.repeat(shares_TE[:1], len(STEP_ALPHAS), axis=0)  # the average after row 0
     err_A = np.zeros(len(STEP_ALPHAS))
-    # block i: the rows up to the start of interval i + 1 (the last block: up to the end);
-    # over a block of n rows avg <- (1 - a)^n avg + sum_j a (1 - a)^(n - 1 - j) s_j
+    # block i: the rows up to the start of interval i + 1 (the last block: up to the end)
     for i, stop in enumerate(first + k * np.arange(1, num_i + 1)):
-        block_NE = shares_TE[1 if i == 0 else stop - k : stop]
-        n = block_NE.shape[0]
-        weight_AN = a_A1 * (1.0 - a_A1) ** np.arange(n - 1, -1, -1)[None, :]
-        avg_AE = (1.0 - a_A1) ** n * avg_AE + weight_AN @ block_NE
+        avg_AE = _averaged(avg_AE, shares_TE[1 if i == 0 else stop - k : stop], a_A1)
         if i + 1 < num_i:  # the average at the start of interval i + 1 forecasts it
             err_A += ((avg_AE - target_IE[i + 1]) ** 2).sum(axis=1)
     kalman_err = float(((preds_IE[1:] - target_IE[1:]) ** 2).sum())
@@ -171,3 +169,32 @@ def _select_step_forecast(rows_TE, intervals_IE, k: int, opts: ForecastOptions) 
     if kalman_err <= err_A[best]:
         return kalman_E
     return avg_AE[best] / max(float(avg_AE[best].sum()), 1e-300)
+
+
+def _averaged(avg_AE: np.ndarray, block_NE: np.ndarray, a_A1: np.ndarray) -> np.ndarray:
+    """The moving averages (one per smoothing constant) after the rows of `block_NE`:
+    over n rows avg <- (1 - a)^n avg + sum_j a (1 - a)^(n - 1 - j) s_j."""
+    n = block_NE.shape[0]
+    weight_AN = a_A1 * (1.0 - a_A1) ** np.arange(n - 1, -1, -1)[None, :]
+    return (1.0 - a_A1) ** n * avg_AE + weight_AN @ block_NE
+
+
+def _select_in_interval(rows_KE, half: int, a_A1, kalman_E: np.ndarray) -> np.ndarray:
+    """The first decision's choice, on the halves of its one interval (`rows_KE`, tokens, one
+    row per step): the first half's sum (what the Kalman filter gives from one interval) against
+    each moving average of its rows, as forecasts of the second half's shares; the winner
+    is then taken over the whole interval (the Kalman filter: `kalman_E`)."""
+    if half < 1:
+        return kalman_E
+    shares_KE = _shares(rows_KE)
+    halves = np.split(rows_KE, [half])
+    first_E, target_E = (_shares(r.sum(axis=0, keepdims=True))[0] for r in halves)
+    sum_err = float(((first_E - target_E) ** 2).sum())
+    start_AE = np.repeat(shares_KE[:1], a_A1.shape[0], axis=0)
+    avg_AE = _averaged(start_AE, shares_KE[1:half], a_A1)
+    err_A = ((avg_AE - target_E) ** 2).sum(axis=1)
+    best = int(np.argmin(err_A))
+    if sum_err <= err_A[best]:
+        return kalman_E
+    avg_E = _averaged(avg_AE[best : best + 1], shares_KE[half:], a_A1[best : best + 1])[0]
+    return avg_E / max(float(avg_E.sum()), 1e-300)
