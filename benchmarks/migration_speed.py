@@ -19,6 +19,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+from migration_quality import STEPS_FOR
 from results_md import ROOT, recorded
 
 from planner.migration.inputs import migrate_setup
@@ -28,7 +29,6 @@ from planner.migration.synth import SynthOptions, synth_trace
 from planner.migration.trace import Trace, interval_trace, load_trace
 
 TARGET_MS = 50.0
-RECORDED_STEPS = 20  # steps per interval of the recorded 256-expert runs (their README)
 
 
 def main() -> None:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> None:
     cases = [(f"synthetic (skew {synth.skew}, drift {synth.drift})", synth_trace(synth), 1)]
     recorded_paths = sorted(str(p) for p in (ROOT / "profiles/traces").glob("tiny-256e-*.csv.gz"))
     paths = args.trace or recorded_paths
-    rows = 1 if args.trace else RECORDED_STEPS
+    rows = 1 if args.trace else STEPS_FOR[256]  # the recorded 256-expert runs' interval
     cases += [(f"trace {Path(p).name.split('.')[0]}", load_trace(p), rows) for p in paths]
     print(f"{args.experts} experts x {args.ranks} ranks, priced as {args.model} on frontier; "
           f"synthetic: {args.layers} layers x {args.intervals} intervals")  # fmt: skip
