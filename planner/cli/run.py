@@ -103,16 +103,27 @@ def _check_memory(world: int) -> None:
         )
 
 
-def _summary(out: Path) -> str:
+def _summary(out: Path, checkpoint: str | None = None) -> str:
+    """One line on a finished run from its metrics.jsonl: steps, loss from first to last,
+    median tokens/s, the last step's bytes, the migrations made (steps that moved experts),
+    the expert copies and bytes they moved, and the checkpoint the run left."""
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     if not lines:
         return f"no steps recorded in {out}"
     first, last = lines[0], lines[-1]
     tps = sorted(x["tokens_per_s"] for x in lines)[len(lines) // 2]
+    moved_per_step = [x.get("migrated_experts", 0) for x in lines]
+    moved_bytes = sum(
+        v for x in lines for k, v in x.get("bytes_by_kind", {}).items() if k.startswith("migrate_")
+    )
+    made = sum(1 for m in moved_per_step if m)
+    saved = f"; checkpoint {checkpoint}" if checkpoint else ""
     return (
         f"{len(lines)} steps: loss {first['loss']:.3f} -> {last['loss']:.3f}; median "
         f"{tps:,.0f} tokens/s; last step sent {last['bytes_intra_node']:,} B intra-node, "
-        f"{last['bytes_inter_node']:,} B inter-node; wrote {out}/metrics.jsonl, trace.csv"
+        f"{last['bytes_inter_node']:,} B inter-node; {made} migrations "
+        f"moved {sum(moved_per_step)} expert copies ({moved_bytes:,} B){saved}; "
+        f"wrote {out}/metrics.jsonl, trace.csv"
     )
 
 

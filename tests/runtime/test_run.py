@@ -307,3 +307,26 @@ def test_available_memory_is_read_from_proc():
 
     gib = _available_gib()
     assert gib is None or 0 < gib < 1 << 20
+
+
+def test_the_run_summary_counts_migrations_their_copies_and_bytes(tmp_path):
+    """The last line of `piper run`: steps, loss, and what migration moved (metrics.jsonl)."""
+    from planner.cli.run import _summary
+
+    def line(step, loss, moved, migrate_bytes):
+        kinds = {"dispatch_intra": 10, "migrate_intra": migrate_bytes, "migrate_inter": 1}
+        return {
+            "step": step, "loss": loss, "tokens_per_s": 100.0 * (step + 1),
+            "bytes_intra_node": 1000, "bytes_inter_node": 2000,
+            "migrated_experts": moved, "bytes_by_kind": kinds if moved else {"p2p_intra": 5},
+        }  # fmt: skip
+
+    lines = [line(0, 5.5, 0, 0), line(1, 5.0, 16, 4096), line(2, 4.5, 0, 0), line(3, 4.0, 8, 904)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    text = _summary(tmp_path, checkpoint="ckpt/step-000004")
+    assert text.startswith("4 steps: loss 5.500 -> 4.000; median 300 tokens/s;")
+    assert "2 migrations moved 24 expert copies (5,002 B)" in text
+    assert "checkpoint ckpt/step-000004" in text and "\n" not in text
+    still = [{**x, "migrated_experts": 0, "bytes_by_kind": {}} for x in lines]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in still))
+    assert "; 0 migrations moved 0 expert copies (0 B); wrote " in _summary(tmp_path)
