@@ -238,6 +238,8 @@ def _files(data: dict) -> dict[str, str]:
 
 
 def _table(d: dict) -> str:
+    from planner.outputs.numbers import number, percent
+
     par, tr = d["parallel"], d["training"]
     rc = par["recompute"]
     if par["recompute_modules"]:
@@ -245,8 +247,8 @@ def _table(d: dict) -> str:
     sharding = "fsdp" if tr["fsdp"] else "distributed optimizer" if tr["zero"] else "replicated"
     lines = [
         f"{d['tokens_per_s']:,.0f} tokens/s ({d['tokens_per_s_per_gpu']:,.0f} per GPU), "
-        f"step {d['step_time_s']:.4f} s, {d['tflops_per_gpu']:.1f} TFLOPS/GPU, "
-        f"MFU {d['mfu']:.1%} ({d['flops_convention']} FLOP convention)",
+        f"step {number(d['step_time_s'])} s, {number(d['tflops_per_gpu'], 3)} TFLOPS/GPU, "
+        f"MFU {percent(d['mfu'])} ({d['flops_convention']} FLOP convention)",
         f"{d['model']} on {d['cluster']}: pp={par['pp']} vp={par['vp']} dp={par['dp']} "
         f"tp={par['tp']} cp={par['cp']} ep={par['ep']} etp={par['etp']} edp={par['edp']} "
         f"micro-batch={par['micro_batch']} micro-batches={par['num_microbatches']} "
@@ -261,8 +263,10 @@ def _table(d: dict) -> str:
     lines.append(f"{'stage':>5} {'layers':>7} " + " ".join(f"{k[:11]:>11}" for k in mem_keys)
                  + f" {'total':>8}")  # fmt: skip
     for st in d["stages"]:
-        row = " ".join(f"{st['memory_gib'][k]:>11.2f}" for k in mem_keys)
-        lines.append(f"{st['stage']:>5} {len(st['layers']):>7} {row} {st['total_gib']:>8.2f}")
+        row = " ".join(f"{number(st['memory_gib'][k], 3):>11}" for k in mem_keys)
+        lines.append(
+            f"{st['stage']:>5} {len(st['layers']):>7} {row} {number(st['total_gib'], 3):>8}"
+        )
     time_keys = sorted({k for st in d["stages"] for k in st["time_s"]})
     lines += ["", "time per micro-batch, forward + backward (ms)"]
     lines.append(f"{'stage':>5} " + " ".join(f"{k[:11]:>11}" for k in time_keys) + f" {'total':>9}")
@@ -292,8 +296,8 @@ def _table(d: dict) -> str:
         f"tokens/s         {d['tokens_per_s']:,.0f}  ({d['tokens_per_s_per_gpu']:,.1f} per GPU)",
         f"step time        {d['step_time_s']:.4f} s  (bubble {d['bubble_fraction']:.1%}, "
         f"exposed comm {d['exposed_comm_s']:.4f} s{extras})",
-        f"TFLOPS per GPU   {d['tflops_per_gpu']:.1f}  (MFU {d['mfu']:.1%}; "
-        f"{d['flops_per_token'] / 1e9:.2f} GFLOP/token, {d['flops_convention']} convention)",
+        f"TFLOPS per GPU   {number(d['tflops_per_gpu'], 3)}  (MFU {percent(d['mfu'])}; "
+        f"{number(d['flops_per_token'] / 1e9)} GFLOP/token, {d['flops_convention']} convention)",
         f"memory limit     {d['usable_memory_gib']:.1f} GiB per GPU (stage totals include "
         f"the framework overhead)",
         f"fits             {'yes' if d['fits'] else 'NO: ' + d['reason']}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from numbers import Real
 from typing import Any
 
 from rich import box
@@ -24,6 +25,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+
+from planner.outputs.numbers import EMPTY, number
 
 PIPE_WIDTH = 200  # columns of a table printed to a pipe or a file
 Update = Callable[[int, int | None], None]  # (done, total or None to keep it)
@@ -63,7 +66,7 @@ def print_table(
     title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], stderr: bool = False
 ) -> None:
     """A rich table under an optional title line: one header per column, numbers
-    right-aligned, cells as given (str())."""
+    right-aligned; numeric cells written by planner.outputs.numbers.number, text as given."""
     out = console(stderr)
     if title:
         out.print(title)
@@ -72,16 +75,24 @@ def print_table(
     for name, right in zip(columns, numeric, strict=True):
         table.add_column(name, justify="right" if right and rows else "left")
     for row in rows:
-        table.add_row(*(str(v) for v in row))
+        table.add_row(*(_cell(v) for v in row))
     out.print(table)
 
 
+def _cell(value: Any) -> str:
+    """A number as people read it (separators, no exponent for counts), else str()."""
+    if isinstance(value, Real) and not isinstance(value, bool):
+        return number(value)
+    return str(value)
+
+
 def _is_number(value: Any) -> bool:
-    """An int, a float, or text that reads as one (a formatted number)."""
-    if isinstance(value, int | float):
+    """An int, a float, or text that reads as one (a formatted number, a percentage, a
+    ratio such as 1.25x)."""
+    if isinstance(value, Real) or value == EMPTY:
         return True
     try:
-        float(str(value))
+        float(str(value).replace(",", "").removesuffix("%").removesuffix("x"))
     except ValueError:
         return False
     return True

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from planner.outputs.numbers import number, percent
 from planner.outputs.tables import (
     CANDIDATE_DIGITS,
     COMM_DIGITS,
@@ -22,7 +23,6 @@ from planner.outputs.tables import (
     candidates_frame,
     capacity_gib,
     comm_frame,
-    fmt,
     memory_frame,
     stages_frame,
     to_csv,
@@ -75,9 +75,9 @@ def _baseline_rows(baselines: Sequence[Baseline], step_s: float, gpus: int) -> l
             [
                 b.title,
                 layout,
-                fmt(e.tokens_per_s / gpus, 4) if e else "-",
-                fmt(e.step_time_s, 4) if e else "-",
-                fmt(e.tflops_per_gpu, 4) if e else "-",
+                number(e.tokens_per_s / gpus, 4) if e else "-",
+                number(e.step_time_s, 4) if e else "-",
+                number(e.tflops_per_gpu, 4) if e else "-",
                 fits,
                 f"{speed:.2f}x" if not math.isnan(speed) else "-",
                 b.note or (e.reason if e and not e.fits else ""),
@@ -120,7 +120,7 @@ def summary_md(result: PlanResult) -> str:
         "",
         _predicted_table(est, result.gpus),
         "",
-        f"TFLOPS/GPU and MFU: {FLOPS_NOTE}, {_gflop_per_token(est, result.gpus):.2f} GFLOP "
+        f"TFLOPS/GPU and MFU: {FLOPS_NOTE}, {number(_gflop_per_token(est, result.gpus), 4)} GFLOP "
         "per token.",
         "",
         "## Solvers",
@@ -160,14 +160,14 @@ def _predicted_table(est: EstimateView, gpus: int) -> str:
         "capacity GiB",
     )
     row = [
-        fmt(est.tokens_per_s, 4),
-        fmt(est.tokens_per_s / gpus, 4),
-        fmt(est.step_time_s, 4),
-        fmt(est.tflops_per_gpu, 4),
-        f"{100 * est.mfu:.1f}%",
-        f"{100 * est.bubble_fraction:.1f}%",
-        fmt(max(est.memory_gib_per_stage), 4),
-        fmt(capacity_gib(est), 4),
+        number(est.tokens_per_s, 4),
+        number(est.tokens_per_s / gpus, 4),
+        number(est.step_time_s, 4),
+        number(est.tflops_per_gpu, 4),
+        percent(est.mfu),
+        percent(est.bubble_fraction),
+        number(max(est.memory_gib_per_stage), 4),
+        number(capacity_gib(est), 4),
     ]
     return _table(header, [row])
 
@@ -182,8 +182,8 @@ def _solver_lines(plan: Any) -> str:
         if rep:
             out.append(
                 f"- {name}: {rep['backend']} {rep['status']}, "
-                f"objective {fmt(rep['objective'], 6)}, bound {fmt(rep['bound'], 6)}, "
-                f"gap {fmt(rep['gap'], 3)}"
+                f"objective {number(rep['objective'], 6)}, bound {number(rep['bound'], 6)}, "
+                f"gap {number(rep['gap'], 3)}"
             )
     if plan.extra.get("rank_note"):
         out.append(f"- rank placement: {plan.extra['rank_note']}")
@@ -205,10 +205,10 @@ def _top_candidates(rows: Sequence[CandidateRow], gpus: int, n: int = 10) -> str
             [
                 rank,
                 describe(r.parallel, r.knobs),
-                fmt(e.tokens_per_s / gpus, 4) if e else "-",
-                fmt(e.step_time_s, 4) if e else "-",
-                fmt(e.tflops_per_gpu, 4) if e else "-",
-                fmt(e.memory_gib_per_stage[0], 4) if e else "-",
+                number(e.tokens_per_s / gpus, 4) if e else "-",
+                number(e.step_time_s, 4) if e else "-",
+                number(e.tflops_per_gpu, 4) if e else "-",
+                number(e.memory_gib_per_stage[0], 4) if e else "-",
                 r.reason or "-",
             ]
         )
@@ -245,14 +245,14 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
     if result.interrupted:
         lines.append("interrupted: best plan found so far (search stopped by Ctrl-C)")
     lines += [
-        f"{est.tokens_per_s:,.0f} tokens/s ({est.tokens_per_s / result.gpus:,.0f} per GPU): "
+        f"{number(est.tokens_per_s)} tokens/s ({number(est.tokens_per_s / result.gpus)} per GPU): "
         f"{plan.model.name} on {result.gpus} GPUs of {plan.cluster.name}, "
         f"{describe(best.parallel, best.knobs)}",
-        f"  step {est.step_time_s:.4g} s, max stage memory {max(est.memory_gib_per_stage):.1f} "
-        f"GiB of {capacity_gib(est):.1f}",
-        f"  {est.tflops_per_gpu:.1f} TFLOPS/GPU, MFU {100 * est.mfu:.1f}% ({FLOPS_NOTE}, "
-        f"{_gflop_per_token(est, result.gpus):.4g} GFLOP/token)",
-        f"  stage IP {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.3g})",
+        f"  step {number(est.step_time_s, 4)} s, max stage memory "
+        f"{number(max(est.memory_gib_per_stage), 3)} GiB of {number(capacity_gib(est), 3)}",
+        f"  {number(est.tflops_per_gpu, 3)} TFLOPS/GPU, MFU {percent(est.mfu)} ({FLOPS_NOTE}, "
+        f"{number(_gflop_per_token(est, result.gpus), 4)} GFLOP/token)",
+        f"  stage IP {plan.solver.backend} {plan.solver.status} (gap {number(plan.solver.gap, 3)})",
     ]
     lines.append(f"  wrote {out_dir}/ (plan.json, candidates.csv, summary.md, plots)")
     return "\n".join(lines)
