@@ -141,7 +141,8 @@ def test_summary_lists_baselines_with_speedups(result, files):
     for row, b in zip(rows, result.baselines, strict=True):
         if b.estimate is not None and b.estimate.fits:
             assert row[speedup] == f"{b.speedup(result.best.step_time_s):.2f}x"
-            assert float(row[per_gpu]) == pytest.approx(b.estimate.tokens_per_s / result.gpus, 1e-3)
+            per_gpu_value = float(row[per_gpu].replace(",", ""))
+            assert per_gpu_value == pytest.approx(b.estimate.tokens_per_s / result.gpus, 1e-3)
 
 
 def test_rendering_is_byte_identical_across_runs(files):
