@@ -1,5 +1,8 @@
-"""`piper migrate --trace FILE --ep R ...`: replay a trace under each migration policy and
-write placements.csv, migrations.csv, summary.md, plots and timings.json."""
+"""`piper migrate --trace FILE [--plan PLAN.json | --ep R ...]`: replay a trace under each
+migration policy and write placements.csv, migrations.csv, summary.md, plots and timings.json.
+
+Intervals come from the run that wrote the trace (its run.json), ep and tokens per step from
+the plan (planner/migration/recorded.py); flags fill in what neither records."""
 
 from __future__ import annotations
 
@@ -10,10 +13,12 @@ from dataclasses import replace
 from planner.ip.solvers import SolverOptions
 from planner.migration.placement import capacity
 from planner.migration.policies import POLICIES, MigrationOptions
+from planner.migration.recorded import load_run_record, replay_intervals
 from planner.migration.run import replay
-from planner.migration.trace import interval_trace, load_trace
+from planner.migration.trace import Trace, interval_trace, load_trace
 from planner.outputs.console import print_table, progress
 from planner.outputs.files import write_files
+from planner.plan import load_plan
 from planner.specs import SpecError
 
 POLICY_COLUMNS = ("policy", "mean imb", "p95 imb", "moved", "GB moved", "transfer s",
@@ -34,19 +39,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--trace", required=True, help="CSV interval,layer,expert,tokens (.csv.gz read too)"
     )
     p.add_argument(
+        "--plan",
+        help="plan.json: ep, model, cluster, rank devices, tokens per step, start placement",
+    )
+    p.add_argument(
         "--rows-per-interval",
         type=int,
-        default=1,
-        help="trace rows per migration interval: 1 (default) when each row is an interval; "
-        "K when each row is a step (piper run --trace-every 1) and an interval K steps",
+        help="trace rows per migration interval (default: the run's, from run.json beside the "
+        "trace; else 1, each row an interval); K when each row is a step and an interval K steps",
     )
-    p.add_argument("--ep", type=int, required=True, help="expert-parallel ranks")
-    p.add_argument("--plan", help="plan.json: model, cluster, rank devices, start placement")
+    p.add_argument("--ep", type=int, help="expert-parallel ranks (default: the plan's or run's)")
     p.add_argument(
         "--model", help="prices an expert's bytes; default: the first preset with the trace's E"
     )
     p.add_argument("--cluster", help="prices the links (default frontier)")
-    p.add_argument("--steps-per-interval", type=int, default=100, help="default 100")
+    p.add_argument(
+        "--steps-per-interval",
+        type=int,
+        help="training steps per interval (default: the run's --migrate-every; else the rows "
+        "per interval when above 1, else 100)",
+    )
     p.add_argument(
         "--tokens-per-step",
         type=int,
@@ -86,16 +98,23 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     rows = load_trace(args.trace)
-    trace = interval_trace(rows, args.rows_per_interval)
+    plan = load_plan(args.plan) if args.plan else None
+    run_record = load_run_record(args.trace)
+    given = (args.ep, args.rows_per_interval, args.steps_per_interval, args.tokens_per_step)
+    chosen_by = replay_intervals(rows, run_record, plan, args.plan, *given)
+    k = chosen_by.rows_per_interval
+    rows = Trace(rows.tokens_ILE[: chosen_by.trace_rows], rows.layer_ids, rows.source)
+    trace = interval_trace(rows, k)
     setup = migrate_setup(
         trace,
-        args.ep,
+        chosen_by.ep,
         plan_path=args.plan,
         model_name=args.model,
         cluster_name=args.cluster,
-        steps_per_interval=args.steps_per_interval,
-        tokens_per_rank_step=args.tokens_per_step,
+        steps_per_interval=chosen_by.steps_per_interval,
+        tokens_per_rank_step=chosen_by.tokens_per_rank_step,
         redundant_slots=args.redundant_slots,
+        plan=plan,
     )
     opts = MigrationOptions()
     if args.move_margin is not None:
@@ -113,15 +132,13 @@ def run(args: argparse.Namespace) -> int:
     runs = {}
     with progress("replaying the trace per policy", total=len(POLICIES)) as update:
         for i, name in enumerate(POLICIES):
-            runs[name] = replay(
-                rows, setup.initial_LRS, setup.costs, name, opts, args.rows_per_interval
-            )
+            runs[name] = replay(rows, setup.initial_LRS, setup.costs, name, opts, k)
             update(i + 1)
     chosen = runs[args.policy]
     files: dict[str, str | bytes] = {
         "placements.csv": report.placements_csv(chosen, trace),
         "migrations.csv": report.migrations_csv(chosen),
-        "summary.md": report.summary_md(runs, trace, setup, args.ep),
+        "summary.md": report.summary_md(runs, trace, setup, chosen_by.ep),
         "summary.json": report.summary_json(runs, setup),
     }
     if not args.no_plots:
@@ -140,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
              f"{r.total_cost_s:.3f}", f"{r.solve_ms_per_layer:.2f}")
             for name, r in runs.items()
         ]  # fmt: skip
-        print_table(f"{args.ep} EP ranks, {trace.num_intervals} intervals", POLICY_COLUMNS, rows)
+        title = (
+            f"{chosen_by.ep} EP ranks, {trace.num_intervals} intervals of "
+            f"{setup.steps_per_interval} steps x {setup.tokens_per_rank_step} tokens per rank "
+            f"({k} trace rows each; from {chosen_by.source})"
+        )
+        print_table(title, POLICY_COLUMNS, rows)
         print(f"wrote {', '.join(sorted(files))} to {args.out}")
     return 0

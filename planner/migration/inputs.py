@@ -4,7 +4,9 @@ Defaults: without --plan or --model, the model is the first preset of `PREFERRED
 (then any preset, alphabetically) whose routed-expert count equals the trace's; the cluster
 is frontier; EP rank r sits on device r (a contiguous group starting at device 0); expert e
 starts on rank e // (E / R). With --plan, the plan's model, cluster, training, ranks table
-(the device of EP rank r for the stage holding the layer) and experts table are used.
+(the device of EP rank r for the stage holding the layer) and experts table are used; a
+--model or --cluster that names another, or a trace layer that is not one of the plan's MoE
+layers, is a SpecError.
 
 Shape letters: L trace layers, R EP ranks, S slots per rank, E experts.
 """
@@ -24,6 +26,7 @@ from planner.migration.placement import (
     slots_of_ranks,
 )
 from planner.migration.pricing import MoveCosts, build_move_costs
+from planner.migration.recorded import plan_tokens_per_rank_step
 from planner.migration.trace import Trace, check_divisible
 from planner.plan import Plan, load_plan
 from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
@@ -181,20 +184,37 @@ def _model_and_cluster(
     """--model / --cluster, else the plan's, else the defaults (module docstring)."""
     from planner.inputs.clusters import load_cluster
 
-    if plan is not None and not model_name:
-        model = plan.model_spec(str(plan_path))
-        if model.num_experts != trace.num_experts:
-            raise SpecError(
-                f"{plan_path}: its model has {model.num_experts} experts, the trace "
-                f"{trace.num_experts}; use the trace recorded for this plan's model"
-            )
-    else:
-        model = pick_model(trace.num_experts, model_name)
-    if plan is not None and not cluster_name:
-        # moves are priced on the very cluster the plan was made for
-        cluster = plan.cluster_spec(str(plan_path))
-    else:
-        cluster = load_cluster(cluster_name or DEFAULT_CLUSTER)
+    if plan is None:
+        return pick_model(trace.num_experts, model_name), load_cluster(
+            cluster_name or DEFAULT_CLUSTER
+        )
+    model = plan.model_spec(str(plan_path))
+    if (
+        model_name
+        and model_name != plan.model.name
+        and pick_model(model.num_experts, model_name) != model
+    ):
+        raise SpecError(
+            f"--model {model_name} contradicts {plan_path}'s model {plan.model.name}; drop --model"
+        )
+    if model.num_experts != trace.num_experts:
+        raise SpecError(
+            f"{plan_path}: its model has {model.num_experts} experts, the trace "
+            f"{trace.num_experts}; use the trace recorded for this plan's model"
+        )
+    not_moe = [i for i in trace.layer_ids if i >= model.num_layers or not model.layers[i].moe]
+    if not_moe:
+        raise SpecError(
+            f"{trace.source or 'trace'}: layer {not_moe[0]} is not an MoE layer of {plan_path}'s "
+            f"model {model.name}; use the trace recorded for this plan"
+        )
+    # moves are priced on the very cluster the plan was made for
+    cluster = plan.cluster_spec(str(plan_path))
+    if cluster_name and load_cluster(cluster_name).name != cluster.name:
+        raise SpecError(
+            f"--cluster {cluster_name} contradicts {plan_path}'s cluster {cluster.name}; "
+            f"drop --cluster"
+        )
     return model, cluster
 
 
@@ -207,17 +227,20 @@ def migrate_setup(
     steps_per_interval: int = 100,
     tokens_per_rank_step: int | None = None,
     redundant_slots: int | None = None,
+    plan: Plan | None = None,
 ) -> MigrateSetup:
     """Resolve model, cluster, rank devices, start placement and prices for a replay.
 
     redundant_slots: spare slots over the whole EP group (placement.slot_counts spreads
     them), empty at interval 0; None = the plan's (its experts' `slots`), else none.
+    plan: the plan at plan_path when the caller has read it already.
     """
     check_divisible(trace, ranks)
     if redundant_slots is not None and redundant_slots < 0:
         raise SpecError(f"--redundant-slots must be >= 0, got {redundant_slots}")
     wanted = -1 if redundant_slots is None else redundant_slots
-    plan = load_plan(plan_path) if plan_path else None
+    if plan is None and plan_path:
+        plan = load_plan(plan_path)
     if plan is not None and plan.parallel.ep != ranks:
         raise SpecError(
             f"{plan_path}: the plan has ep={plan.parallel.ep}; pass --ep {plan.parallel.ep}"
@@ -229,7 +252,7 @@ def migrate_setup(
     if plan is not None:
         devices = tuple(_plan_devices(plan, cluster, layer, ranks) for layer in trace.layer_ids)
         start_L = _plan_start(plan, trace, ranks, wanted)
-        per_step = training.seq_len * plan.parallel.micro_batch * plan.parallel.num_microbatches
+        per_step = plan_tokens_per_rank_step(plan)
     else:
         devices = tuple(tuple(range(ranks)) for _ in trace.layer_ids)
         start = default_rank_of_expert(trace.num_experts, ranks)
