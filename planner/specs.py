@@ -324,6 +324,12 @@ class TrainingSpec:
     # moe_preprocess: the dropless experts stay eager), "none"; None = the cluster's
     # `cuda_graphs` (true = full).
     cuda_graphs: CudaGraphs | None = None
+    # The recompute policy applies to every layer (Megatron-Core's selective modules and
+    # uniform full recompute, torchtitan's activation checkpointing): no per-layer choice.
+    uniform_recompute: bool = False
+    # Memory kept free on every stage (GiB): a layout fits when each stage's total stays at
+    # or below device memory minus this margin (planner/PLANNING.md, "Memory headroom").
+    memory_margin_gib: float = 0.0
 
     def __post_init__(self) -> None:
         if self.cuda_graphs is not None and self.cuda_graphs not in CUDA_GRAPHS:
@@ -336,6 +342,10 @@ class TrainingSpec:
                 raise SpecError(f"training: {name} must be positive, got {getattr(self, name)}")
         if self.bytes_per_param not in (16, 18):
             raise SpecError("training: bytes_per_param must be 16 (paper) or 18 (Megatron)")
+        if not 0.0 <= self.memory_margin_gib < float("inf"):
+            raise SpecError(
+                f"training: memory_margin_gib must be >= 0, got {self.memory_margin_gib}"
+            )
         if self.routing_skew < 1.0:
             raise SpecError("training: routing_skew is max/mean load and must be >= 1.0")
         if self.fsdp and self.zero:

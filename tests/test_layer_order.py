@@ -37,6 +37,7 @@ PLANNER_RANKS = {
     "planner.specs": 0,
     "planner.parallel": 0.5,  # both build on specs
     "planner.topology": 0.5,
+    "planner.targets": 0.5,  # the engines a plan is made for (builds on specs)
     "planner.inputs": 1,
     "planner.resources": 2,
     "planner.plan": 3,

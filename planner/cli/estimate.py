@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from planner.cli.target_args import add_target_arguments, resolve
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
+from planner.search.target_space import check_layout_for
 from planner.specs import CUDA_GRAPHS, ClusterSpec, ModelSpec, SpecError, TrainingSpec
+from planner.targets import Target, with_conventions
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp8", "mxfp8", "fp32")
@@ -58,19 +61,21 @@ def _layout_arguments(p: argparse.ArgumentParser) -> None:
 def _training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
-    p.add_argument("--zero", action="store_true", help="distributed optimizer (shard Adam)")
-    p.add_argument("--fsdp", action="store_true", help="shard weights, gradients and optimizer")
+    p.add_argument("--zero", action=argparse.BooleanOptionalAction, default=None,
+                   help="distributed optimizer (shard Adam); default: the target's "
+                   "(megatron on, piper and torchtitan off)")  # fmt: skip
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="shard weights, gradients and optimizer; default: the target's "
+                   "(torchtitan on, megatron and piper off)")  # fmt: skip
     p.add_argument("--optimizer-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="Adam moments dtype")  # fmt: skip
     p.add_argument("--mtp-layers", type=int, default=None, help="MTP layers (default: model's)")
     p.add_argument("--a2a-overlap", action="store_true",
                    help="1F1B all-to-all overlap behind another micro-batch")  # fmt: skip
-    p.add_argument("--gate-in-activation", action="store_true",
-                   help="router weights applied in the expert activation")  # fmt: skip
     p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=None,
                    help="CUDA graphs: the per-layer host time paid (default: the cluster's "
                    "cuda_graphs)")  # fmt: skip
-    p.add_argument("--bytes-per-param", type=int, choices=(16, 18), default=16)
+    add_target_arguments(p)
     p.add_argument("--routing-skew", type=float, default=1.0, help="hot rank load / mean")
     p.add_argument("--no-flash", action="store_true", help="attention without flash kernels")
     p.add_argument("--dtype", default="bf16", choices=DTYPES,
@@ -105,7 +110,7 @@ def _microbatches(args: argparse.Namespace) -> tuple[int, int]:
 
 def _inputs(
     args: argparse.Namespace,
-) -> tuple[ModelSpec, ClusterSpec, TrainingSpec, ParallelConfig]:
+) -> tuple[ModelSpec, ClusterSpec, TrainingSpec, ParallelConfig, Target]:
     """Load the model and cluster and build the training setup and layout from the flags."""
     from planner.inputs.clusters import check_dtype, load_cluster
     from planner.inputs.models import load_model
@@ -124,15 +129,25 @@ def _inputs(
             f"layout: pp*dp*tp*cp = {parallel.world} but --gpus {args.gpus}; make them multiply "
             "to the GPU count"
         )
+    target, margin = resolve(args, cluster)
+    zero, fsdp = _sharding(args, target)
     training = TrainingSpec(
-        seq_len=args.seq_len, global_batch=gb, dtype=args.dtype,
-        bytes_per_param=args.bytes_per_param, zero=args.zero, recompute=recompute,
-        flash_attention=not args.no_flash, routing_skew=args.routing_skew, fsdp=args.fsdp,
-        optimizer_dtype=args.optimizer_dtype, mtp_layers=args.mtp_layers,
-        a2a_overlap=args.a2a_overlap, gate_in_activation=args.gate_in_activation,
-        cuda_graphs=args.cuda_graphs,
+        seq_len=args.seq_len, global_batch=gb, dtype=args.dtype, zero=zero,
+        recompute=recompute, flash_attention=not args.no_flash,
+        routing_skew=args.routing_skew, fsdp=fsdp, optimizer_dtype=args.optimizer_dtype,
+        mtp_layers=args.mtp_layers, a2a_overlap=args.a2a_overlap,
+        cuda_graphs=args.cuda_graphs, memory_margin_gib=margin,
     )  # fmt: skip
-    return model, cluster, training, parallel
+    training = with_conventions(training, target)
+    check_layout_for(target, training, parallel, args.dispatcher)
+    return model, cluster, training, parallel, target
+
+
+def _sharding(args: argparse.Namespace, target: Target) -> tuple[bool, bool]:
+    """(zero, fsdp): the flags given, else the target's default sharding."""
+    if args.zero is None and args.fsdp is None:
+        return target.default_sharding == "zero", target.default_sharding == "fsdp"
+    return bool(args.zero), bool(args.fsdp)
 
 
 def _recompute(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
@@ -155,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.resources.cost import estimate, estimate_to_dict
     from planner.resources.flops import FLOPS_CONVENTION
 
-    model, cluster, training, parallel = _inputs(args)
+    model, cluster, training, parallel, target = _inputs(args)
     m, gb = parallel.num_microbatches, training.global_batch
     est = estimate(
         model, cluster, training, parallel, dispatcher=args.dispatcher, accounting=args.accounting
@@ -191,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         },  # fmt: skip
         "dispatcher": args.dispatcher,
         "accounting": args.accounting,
+        "target": target.name,
         **estimate_to_dict(est),
         "tokens_per_s_per_gpu": est.tokens_per_s / parallel.world,
         "flops_per_token": est.model_flops_per_step / (gb * training.seq_len),
@@ -300,7 +316,23 @@ def _table(d: dict) -> str:
         f"{number(d['flops_per_token'] / 1e9)} GFLOP/token, {d['flops_convention']} convention)",
         f"memory limit     {d['usable_memory_gib']:.1f} GiB per GPU (stage totals include "
         f"the framework overhead)",
-        f"fits             {'yes' if d['fits'] else 'NO: ' + d['reason']}",
+        f"fits             {_verdict(d)}",
+        f"headroom         {_headroom(d)}",
+        f"target           {d['target']} (conventions and what it runs: planner/EXPORT.md)",
         f"measured tables  {tables}",
     ]
     return "\n".join(lines)
+
+
+def _verdict(d: dict) -> str:
+    """yes / only inside the margin / NO, with the reason."""
+    if d["fits"]:
+        return f"yes, with the {d['memory_margin_gib']:.1f} GiB memory margin kept free"
+    if d["fits_without_margin"]:
+        return "ONLY INSIDE THE MARGIN: " + d["reason"]
+    return "NO: " + d["reason"]
+
+
+def _headroom(d: dict) -> str:
+    """Free device memory per stage (GiB)."""
+    return ", ".join(f"stage {st['stage']} {st['headroom_gib']:.1f} GiB" for st in d["stages"])

@@ -13,10 +13,12 @@ from dataclasses import replace
 from typing import Any
 
 from planner.cli.estimate import DTYPES
+from planner.cli.target_args import add_target_arguments, resolve
 from planner.outputs.console import print_table, progress
 from planner.parallel import RECOMPUTE_MODULES
 from planner.search.space import DISPATCHERS, sharding_choices
 from planner.specs import CUDA_GRAPHS, ModelSpec, SpecError, TrainingSpec
+from planner.targets import Target, with_conventions
 
 DEFAULTS = {"model": "mixtral-8x7b", "cluster": "frontier", "gpus": 64}
 
@@ -103,12 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--optimizer-dtype", choices=("fp32", "bf16"), default="fp32", help="Adam moments dtype"
     )
-    p.add_argument(
-        "--gate-in-activation",
-        action="store_true",
-        help="router weights applied in the expert activation",
-    )
-    p.add_argument("--bytes-per-param", type=int, choices=(16, 18), default=16)
+    add_target_arguments(p)
     p.add_argument("--solver", choices=("cpsat", "cbc"), default="cpsat")
     p.add_argument("--time-limit-s", type=float, default=10.0, help="limit for each IP solve")
     p.add_argument(
@@ -161,25 +158,25 @@ def trace_loads(path: str, model: ModelSpec) -> dict[int, tuple[float, ...]]:
     return out
 
 
-def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec]:
+def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec, Target]:
     from planner.inputs.clusters import check_dtype, load_cluster
     from planner.inputs.models import load_model
 
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
     check_dtype(cluster, args.dtype, args.cluster)
+    target, margin = resolve(args, cluster)
     training = TrainingSpec(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
         dtype=args.dtype,
         recompute=args.recompute or "none",
-        bytes_per_param=args.bytes_per_param,
         mtp_layers=args.mtp_layers,
         optimizer_dtype=args.optimizer_dtype,
-        gate_in_activation=args.gate_in_activation,
         cuda_graphs=args.cuda_graphs,
+        memory_margin_gib=margin,
     )
-    return model, cluster, training
+    return model, cluster, with_conventions(training, target), target
 
 
 def recompute_modules(values: list[str] | None) -> list[str] | None:
@@ -206,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from planner.search.make_plan import make_plan
 
-    model, cluster, training = _inputs(args)
+    model, cluster, training, target = _inputs(args)
     options = SolverOptions(args.solver, args.time_limit_s, args.threads, args.seed)
     allocation = None
     if args.allocation:
@@ -220,6 +217,13 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.gpus}; lower --gpus or allocate more nodes"
             )
     loads = trace_loads(args.trace, model) if args.trace else None
+    if not target.expert_placement:
+        if args.redundant_slots:
+            raise SpecError(
+                f"--redundant-slots {args.redundant_slots}: {target.engine} loads experts in its "
+                "own placement, with no replicas; drop it or re-plan with --target piper"
+            )
+        args.redundant_slots = 0
     check_slots_without_fsdp(args.redundant_slots, args.fsdp)
     fsdp = False if args.redundant_slots else args.fsdp  # slots keep FSDP out of the search
     fixed = {k: getattr(args, k) for k in ("pp", "dp", "tp", "ep", "vp", "cp", "etp")}
@@ -242,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
             dispatchers=[args.dispatcher] if args.dispatcher else None,
             max_ep=args.max_ep,
             score=args.score,
+            target=target,
         )
     if result.plan is None:
         if result.interrupted:

@@ -80,10 +80,23 @@ def _baseline_rows(baselines: Sequence[Baseline], step_s: float, gpus: int) -> l
                 number(e.tflops_per_gpu, 4) if e else "-",
                 fits,
                 f"{speed:.2f}x" if not math.isnan(speed) else "-",
-                b.note or (e.reason if e and not e.fits else ""),
+                _note(b, speed),
             ]
         )
     return rows
+
+
+def _note(b: Baseline, speedup: float) -> str:
+    """The note column: why the baseline does not fit or what it needed, and when it beats
+    Piper's plan (speedup under 1.00x as printed), why."""
+    e = b.estimate
+    notes = [b.note or (e.reason if e and not e.fits else "")]
+    if not math.isnan(speedup) and round(speedup, 2) < 1.0:
+        if b.outside_search:
+            notes.append("faster: the search excluded " + ", ".join(b.outside_search))
+        else:
+            notes.append("faster, inside the plan's search space: the search missed it")
+    return "; ".join(n for n in notes if n)
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -230,6 +243,10 @@ def summary_dict(result: PlanResult) -> dict[str, Any]:
         "solver": plan.to_dict()["solver"] if plan else None,
         "baselines": plan.extra.get("baselines", []) if plan else [],
         "step_time_s": est.step_time_s if est else None,
+        "target": plan.extra.get("target", "piper") if plan else None,
+        "headroom_gib_per_stage": [capacity_gib(est) - m for m in est.memory_gib_per_stage]
+        if est
+        else None,
         "candidates": dict(_status_counts(result.rows)),
         "inputs_sha256": plan.inputs_sha256 if plan else "",
     }
@@ -250,6 +267,10 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
         f"{describe(best.parallel, best.knobs)}",
         f"  step {number(est.step_time_s, 4)} s, max stage memory "
         f"{number(max(est.memory_gib_per_stage), 3)} GiB of {number(capacity_gib(est), 3)}",
+        f"  headroom per stage (GiB) "
+        f"{', '.join(number(capacity_gib(est) - m, 3) for m in est.memory_gib_per_stage)}; "
+        f"memory margin {number(plan.training.get('memory_margin_gib', 0.0), 3)} GiB kept free; "
+        f"target {plan.extra.get('target', 'piper')}",
         f"  {number(est.tflops_per_gpu, 3)} TFLOPS/GPU, MFU {percent(est.mfu)} ({FLOPS_NOTE}, "
         f"{number(_gflop_per_token(est, result.gpus), 4)} GFLOP/token)",
         f"  stage IP {plan.solver.backend} {plan.solver.status} (gap {number(plan.solver.gap, 3)})",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.parallel import ParallelConfig
 from planner.resources import interleave, traffic
@@ -72,10 +72,20 @@ class Estimate:
     used_measured_tables: tuple[str, ...]
     unpaired_s: float = 0.0  # all-to-all overlap: warm-up/cool-down that runs unpaired
     fsdp_first_gather_s: float = 0.0  # FSDP: the step's first all-gather, not hidden
+    memory_margin_gib: float = 0.0  # kept free on every stage: fits means total <= mem - this
 
     @property
     def memory_gib_per_stage(self) -> tuple[float, ...]:
         return tuple(s.total_gib for s in self.stages)
+
+    @property
+    def headroom_gib_per_stage(self) -> tuple[float, ...]:
+        """Device memory left free on each stage (GiB; negative = over)."""
+        return tuple(self.usable_memory_gib - s.total_gib for s in self.stages)
+
+    @property
+    def fits_without_margin(self) -> bool:
+        return all(h >= 0 for h in self.headroom_gib_per_stage)
 
 
 def even_split(num_layers: int, pp: int) -> tuple[tuple[int, ...], ...]:
@@ -89,9 +99,15 @@ def even_split(num_layers: int, pp: int) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def usable_memory_bytes(cluster: ClusterSpec) -> float:
-    """Device memory minus the framework overhead (context, allocator slack, workspaces)."""
-    return (cluster.device.memory_gib - cluster.framework_overhead_gib) * GIB
+def usable_memory_bytes(cluster: ClusterSpec, margin_gib: float = 0.0) -> float:
+    """Device memory minus the framework overhead (context, allocator slack, workspaces) and
+    the memory margin kept free (TrainingSpec.memory_margin_gib)."""
+    return (cluster.device.memory_gib - cluster.framework_overhead_gib - margin_gib) * GIB
+
+
+def _uniform(unit: UnitCost) -> UnitCost:
+    """The unit as recomputed: the engine recomputes every layer, so there is no choice."""
+    return replace(unit, time_s=unit.time_recompute_s, act_bytes=unit.act_recompute_bytes)
 
 
 def _workspace_reserve(costs: tuple[LayerCost, ...], ends: Sequence[ExtrasCost]) -> float:
@@ -141,10 +157,12 @@ def stage_cost_inputs(
     first = first_extras(model, cluster, training, parallel, accounting)
     last = last_extras(model, cluster, training, parallel, accounting)
     allowed = effective_recompute(training, parallel) != "none"
-    usable = usable_memory_bytes(cluster)
+    usable = usable_memory_bytes(cluster, training.memory_margin_gib)
     if allowed:
         usable -= max(c.act.total - c.act_recompute.total for c in costs)
     usable -= _workspace_reserve(costs, (first, last))
+    if allowed and training.uniform_recompute:
+        units, allowed = [_uniform(u) for u in units], False
     return StageCostInputs(
         units=tuple(units),
         first=StageExtras(first.time_s, first.state.total, first.act_bytes / vp),
@@ -203,7 +221,7 @@ def estimate(
     split = tuple(tuple(s) for s in (stage_layers or even_split(model.num_layers, pp)))
     _check_split(split, model.num_layers, pp)
     policy = effective_recompute(training, parallel)
-    if recompute_layers is None:
+    if recompute_layers is None or (training.uniform_recompute and policy != "none"):
         recomputed = set(range(model.num_layers)) if policy != "none" else set()
     else:
         recomputed = _flatten(recompute_layers)
@@ -235,13 +253,22 @@ def _assemble(
     flops = flops_per_token(model, training.seq_len).total * tokens
     tflops = flops / (step.step_s * parallel.world) / 1e12
     usable = usable_memory_bytes(cluster) / GIB
-    over = [st for st in stages if st.total_gib > cluster.device.memory_gib]
+    margin = training.memory_margin_gib
+    limit = cluster.device.memory_gib - margin
+    over = [st for st in stages if st.total_gib > limit]
     reason = ""
     if over:
         st = max(over, key=lambda s: s.total_gib)
+        inside = st.total_gib <= cluster.device.memory_gib
         reason = (
-            f"stage {st.stage} needs {st.total_gib:.1f} GiB > {cluster.device.memory_gib:.1f} "
-            f"GiB on {cluster.device.name} ({usable:.1f} usable after "
+            f"stage {st.stage} needs {st.total_gib:.1f} GiB"
+            + (
+                f", inside the {margin:.1f} GiB memory margin ({limit:.1f} GiB of "
+                f"{cluster.device.memory_gib:.1f} GiB may be used)"
+                if inside
+                else f" > {cluster.device.memory_gib:.1f} GiB"
+            )
+            + f" on {cluster.device.name} ({usable:.1f} usable after "
             f"{cluster.framework_overhead_gib:.1f} GiB framework overhead)"
         )
     tables = {t for c in costs for t in c.tables} | set(step.tables)
@@ -257,6 +284,7 @@ def _assemble(
         exposed_comm_s=step.exposed_comm_s,
         usable_memory_gib=cluster.device.memory_gib,
         fits=not over,
+        memory_margin_gib=margin,
         reason=reason,
         model_flops_per_step=flops,
         slot_s=step.slot_s,
@@ -322,6 +350,8 @@ def estimate_to_dict(est: Estimate) -> dict:
         "model_flops_per_step": est.model_flops_per_step,
         "usable_memory_gib": est.usable_memory_gib,
         "fits": est.fits,
+        "fits_without_margin": est.fits_without_margin,
+        "memory_margin_gib": est.memory_margin_gib,
         "reason": est.reason,
         "comm_s": dict(est.comm_s),
         "used_measured_tables": list(est.used_measured_tables),
@@ -333,6 +363,7 @@ def estimate_to_dict(est: Estimate) -> dict:
                 "in_flight": st.in_flight,
                 "memory_gib": dict(st.memory_gib),
                 "total_gib": st.total_gib,
+                "headroom_gib": est.usable_memory_gib - st.total_gib,
                 "time_s": dict(st.time_s),
                 "total_s": st.total_s,
                 "hidden_s": dict(st.hidden_s),

@@ -94,6 +94,8 @@ def _expert_meshes(model: ModelSpec, tp: int, cp: int, dp: int, space: SearchSpa
                 continue
             if fixed_ep is not None and ep != fixed_ep:
                 continue
+            if space.etp_rule == "one_or_tp" and etp not in (1, tp):
+                continue
             if sp.etp_ok(etp, ep, model, searched=fixed_etp is None):
                 out.append((etp, ep))
     return out

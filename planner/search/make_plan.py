@@ -28,7 +28,9 @@ from planner.search.costing import training_for
 from planner.search.evaluator import Evaluator
 from planner.search.rows import CandidateRow, describe
 from planner.search.space import Candidate, Sharding, make_space
+from planner.search.target_space import target_choices
 from planner.specs import ClusterSpec, ModelSpec, Recompute, SpecError, TrainingSpec
+from planner.targets import Target, check_training, with_conventions
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ def make_plan(
     max_ep: int | None = None,
     evaluator: Evaluator | None = None,
     score: Literal["dp", "ip"] = "dp",
+    target: Target | None = None,
 ) -> PlanResult:
     """Find the layout and placement with the best predicted step time that fits in memory.
 
@@ -107,6 +110,8 @@ def make_plan(
         score: "dp" finds each candidate's split with the exact DP (the stage IP where the DP
             is not exact) and re-solves the winner with the stage IP; "ip" solves every
             candidate with the stage IP. Both give the same plan; "dp" is much faster.
+        target: the engine the plan is for (planner.targets): the search offers only what it
+            executes and prices it with its conventions; None = no engine's limits.
     Returns:
         PlanResult; plan is None when nothing fits (message says what would) or when Ctrl-C
         came before any candidate was solved (interrupted is then True).
@@ -124,6 +129,19 @@ def make_plan(
                 "drop --a2a-overlap"
             )
         a2a_overlap = False
+    module_set, etp_rule = None, "any"
+    if target is not None:
+        training = with_conventions(training, target)
+        check_training(training, target)
+        cut = target_choices(
+            target, fixed or {}, recompute, recompute_modules, sharding or ("zero", "fsdp"),
+            a2a_overlap, dispatchers or default_dispatchers(cluster), bool(dispatchers),
+        )  # fmt: skip
+        fixed, recompute, recompute_modules = cut.fixed, cut.recompute, cut.recompute_modules
+        sharding, a2a_overlap, dispatchers = cut.sharding, cut.a2a_overlap, cut.dispatchers
+        module_set, etp_rule = cut.module_set, cut.etp_rule
+        if not target.expert_placement:
+            trace_loads = None  # the engine loads experts in its default placement
     space = make_space(
         gpus,
         fixed,
@@ -133,6 +151,8 @@ def make_plan(
         sharding=sharding,
         a2a_overlap=a2a_overlap,
         dispatchers=dispatchers or default_dispatchers(cluster),
+        module_set=module_set,
+        etp_rule=etp_rule,  # type: ignore[arg-type]
     )
     ctx = new_context(model, cluster, training, space, options, evaluator, score)
     found = search_layouts(ctx, progress)
@@ -150,7 +170,7 @@ def make_plan(
         message = "" if interrupted else no_fit_message(ctx, rows)
         timings["total_s"] = time.perf_counter() - t0
         return PlanResult(None, rows, None, baselines, _t(timings), interrupted, message, gpus)
-    doc = _plan_document(ctx, best, allocation, trace_loads, baselines, interrupted)
+    doc = _plan_document(ctx, best, allocation, trace_loads, baselines, interrupted, target)
     timings["placement_s"] = time.perf_counter() - t2
     timings["total_s"] = time.perf_counter() - t0
     return PlanResult(doc, rows, best, baselines, _t(timings), interrupted, "", gpus)
@@ -167,6 +187,7 @@ def _plan_document(
     trace_loads: Mapping[int, Sequence[float]] | None,
     baselines: Sequence[Baseline],
     interrupted: bool,
+    target: Target | None = None,
 ) -> Plan:
     assert best.estimate is not None and best.stages is not None
     par, est, knobs = best.parallel, best.estimate, best.knobs
@@ -199,6 +220,7 @@ def _plan_document(
         "seed": ctx.options.seed,
         "trace": {str(k): list(v) for k, v in sorted((trace_loads or {}).items())},
         "allocation": repr(getattr(allocation, "nodes", allocation)) if allocation else None,
+        "target": target.name if target else None,
     }
     digest = assemble.inputs_sha256(model.to_dict(), cluster.to_dict(), ctx.training, sizes)
     predicted = Predicted(
@@ -212,6 +234,7 @@ def _plan_document(
         tuple(sorted(est.comm_s)),
     )
     extra = {
+        "target": target.name if target else "piper",
         "dispatcher": knobs.dispatcher,
         "interrupted": interrupted,
         "baselines": [_baseline_doc(b, est.step_time_s) for b in baselines],
@@ -222,13 +245,21 @@ def _plan_document(
         training=training_for(ctx.training, best_candidate(best)),
         par=par,
         stage_layers=best.stages.stage_layers,
-        recompute_layers=best.stages.recompute_layers,
+        recompute_layers=_recomputed(ctx.training, par, best.stages),
         predicted=predicted,
         stage_report=best.stages.report,
         placement=placement,
         digest=digest,
         extra=extra,
     )
+
+
+def _recomputed(training: TrainingSpec, par: Any, stages: Any) -> tuple[tuple[int, ...], ...]:
+    """Layers recomputed per stage: the stage IP's choice, or every layer where the engine
+    applies the policy uniformly (TrainingSpec.uniform_recompute)."""
+    if training.uniform_recompute and par.recompute != "none":
+        return tuple(tuple(s) for s in stages.stage_layers)
+    return tuple(tuple(r) for r in stages.recompute_layers)
 
 
 def best_candidate(row: CandidateRow) -> Candidate:

@@ -76,6 +76,9 @@ class SearchSpace:
     dispatchers: tuple[DispatcherName, ...] = DISPATCHERS
     max_ep: int | None = None  # None = no fast-domain limit on the EP group
     cp_fallback: tuple[int, ...] = ()
+    # the target engine's one selective module set (None = module_sets); its expert-TP rule
+    module_set: tuple[RecomputeModule, ...] | None = None
+    etp_rule: Literal["any", "one_or_tp"] = "any"
 
     def value(self, name: str) -> int | None:
         return dict(self.fixed).get(name)
@@ -91,6 +94,8 @@ def make_space(
     sharding: Sequence[Sharding] | None = None,
     a2a_overlap: bool | None = None,
     dispatchers: Sequence[str] | None = None,
+    module_set: Sequence[str] | None = None,
+    etp_rule: Literal["any", "one_or_tp"] = "any",
 ) -> SearchSpace:
     """Build a SearchSpace, dropping unset (None) fixed sizes and checking names and values."""
     items = []
@@ -120,6 +125,8 @@ def make_space(
         a2a_overlap=a2a_overlap,
         dispatchers=tuple(dispatchers) if dispatchers else DISPATCHERS,  # type: ignore[arg-type]
         max_ep=max_ep,
+        module_set=tuple(module_set) if module_set is not None else None,  # type: ignore[arg-type]
+        etp_rule=etp_rule,
     )
 
 
@@ -292,6 +299,8 @@ def policies(
             out.append((rc, ()))
         elif space.recompute_modules is not None:
             out.append(("selective", space.recompute_modules))
+        elif space.module_set is not None:
+            out.append(("selective", space.module_set))
         else:
             out += [("selective", s) for s in module_sets(model, training)]
     return out

@@ -1,0 +1,178 @@
+"""The training engines a plan is made for: what each executes and how it keeps its state.
+
+A plan is only worth what the run that executes it does, so `piper plan`, `piper estimate`
+and `piper export` take `--target megatron|torchtitan|piper`. Each target is one `Target`
+row: its conventions (bytes per parameter of training state, where the router weights are
+applied, whether recompute is chosen per layer) and its capabilities (what the search may
+offer). The search offers only what the target executes and prices it as the engine runs
+it; an export of a plan made for another target refuses the settings it cannot carry.
+planner/EXPORT.md ("Targets") gives each row's source, file and line in the engines' code.
+
+Shape of the vocabulary: `Sharding` "none" | "zero" (distributed optimizer) | "fsdp";
+dispatchers "flat" | "halo" | "deepep" (the search's names); recompute "none" | "selective"
+| "full"; etp rule "any" (etp divides the expert FFN) or "one_or_tp" (etp is 1 or tp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal, get_args
+
+from planner.specs import ClusterSpec, SpecError, TrainingSpec
+
+TargetName = Literal["piper", "megatron", "torchtitan"]
+TARGET_NAMES: tuple[TargetName, ...] = get_args(TargetName)
+DEFAULT_TARGET: TargetName = "piper"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One engine's capability table and conventions.
+
+    bytes_per_param: weight + gradient + optimizer bytes per parameter before sharding
+        (16: bf16 weight, bf16 gradient, fp32 master and two fp32 moments, or fp32 weight,
+        fp32 gradient and two fp32 moments; 18: Megatron-Core's bf16 weight, fp32 main
+        gradient, fp32 main weight and two fp32 moments).
+    gate_in_activation: the router weights multiply inside the expert activation (or before
+        the experts), so the combine keeps no expert outputs for the gate's gradient.
+    per_layer_recompute: recompute may differ from layer to layer (the stage IP's choice);
+        False = the policy applies to every layer of the model.
+    recompute_modules: the selective-recompute modules the engine reruns (None = the search's
+        Megatron-Core module sets).
+    etp_rule: "any" or "one_or_tp" (expert TP is 1 or the attention TP).
+    """
+
+    name: TargetName
+    engine: str
+    version: str  # the release whose code the table was checked against
+    bytes_per_param: int
+    gate_in_activation: bool
+    per_layer_recompute: bool
+    recompute: tuple[str, ...]
+    recompute_modules: tuple[str, ...] | None
+    sharding: tuple[str, ...]
+    a2a_overlap: bool
+    dispatchers: tuple[str, ...]
+    cuda_graphs: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    optimizer_dtypes: tuple[str, ...]
+    vp: bool
+    cp: bool
+    etp_rule: Literal["any", "one_or_tp"]
+    expert_placement: bool  # a planned (non-contiguous) expert placement and replicas
+    mtp: bool
+    uneven_stages: bool
+    default_sharding: str  # what `piper estimate` prices when neither --zero nor --fsdp is given
+
+    def offers(self, what: str, value: object) -> bool:
+        """True when `value` is among the target's choices for `what` (a field name)."""
+        return value in getattr(self, what)
+
+
+TARGETS: dict[TargetName, Target] = {
+    "piper": Target(
+        name="piper", engine="Piper's runtime (piper run)", version="this checkout",
+        bytes_per_param=16, gate_in_activation=False, per_layer_recompute=True,
+        recompute=("none", "selective", "full"), recompute_modules=("core_attn",),
+        sharding=("none", "fsdp"), a2a_overlap=False, dispatchers=("flat", "halo"),
+        cuda_graphs=("none",), dtypes=("bf16", "fp32"), optimizer_dtypes=("fp32",),
+        vp=True, cp=False, etp_rule="any", expert_placement=True, mtp=False,
+        uneven_stages=True, default_sharding="none",
+    ),
+    "megatron": Target(
+        name="megatron", engine="Megatron-LM (Megatron-Core)", version="core 0.16",
+        bytes_per_param=18, gate_in_activation=True, per_layer_recompute=False,
+        recompute=("none", "selective", "full"), recompute_modules=None,
+        sharding=("none", "zero", "fsdp"), a2a_overlap=True, dispatchers=("flat", "deepep"),
+        cuda_graphs=("none", "partial", "full"), dtypes=("bf16", "fp16", "fp8", "mxfp8", "fp32"),
+        optimizer_dtypes=("fp32", "bf16"), vp=True, cp=True, etp_rule="any",
+        expert_placement=False, mtp=True, uneven_stages=True, default_sharding="zero",
+    ),
+    "torchtitan": Target(
+        name="torchtitan", engine="torchtitan", version="0.3.0",
+        bytes_per_param=16, gate_in_activation=True, per_layer_recompute=False,
+        recompute=("none", "full"), recompute_modules=None,
+        sharding=("none", "fsdp"), a2a_overlap=False, dispatchers=("flat",),
+        cuda_graphs=("none",), dtypes=("bf16", "fp8", "mxfp8", "fp32"),
+        optimizer_dtypes=("fp32",), vp=True, cp=True, etp_rule="one_or_tp",
+        expert_placement=False, mtp=False, uneven_stages=True, default_sharding="fsdp",
+    ),
+}  # fmt: skip
+
+
+def get_target(name: str) -> Target:
+    """The Target named `name`; an unknown name is one SpecError line."""
+    if name not in TARGETS:
+        raise SpecError(f"--target {name} is unknown; use {'|'.join(TARGET_NAMES)}")
+    return TARGETS[name]  # type: ignore[index]
+
+
+def with_conventions(training: TrainingSpec, target: Target) -> TrainingSpec:
+    """`training` with the target's state accounting, router-weight convention and recompute
+    granularity; an engine without MTP trains none and one without CUDA graphs runs eager
+    (where the user left those to the defaults)."""
+    mtp = training.mtp_layers
+    graphs = training.cuda_graphs
+    return replace(
+        training,
+        bytes_per_param=target.bytes_per_param,
+        gate_in_activation=target.gate_in_activation,
+        uniform_recompute=not target.per_layer_recompute,
+        mtp_layers=0 if mtp is None and not target.mtp else mtp,
+        cuda_graphs="none" if graphs is None and target.cuda_graphs == ("none",) else graphs,
+    )
+
+
+def refuse(target: Target, flag: str, value: object, what: str) -> None:
+    """Raise one SpecError line when `value` (given as `flag`) is not among `what`."""
+    if not target.offers(what, value):
+        others = [n for n in TARGET_NAMES if TARGETS[n].offers(what, value)]
+        fix = f"re-plan with --target {others[0]}" if others else "choose another value"
+        raise SpecError(
+            f"{flag} {value}: {target.engine} {target.version} does not run it (it offers "
+            f"{', '.join(map(str, getattr(target, what)))}); drop it or {fix}"
+        )
+
+
+def check_training(training: TrainingSpec, target: Target) -> None:
+    """Refuse training settings the target cannot run (dtype, Adam moments, CUDA graphs,
+    MTP), each in one SpecError line naming the flag and the fix."""
+    refuse(target, "--dtype", training.dtype, "dtypes")
+    refuse(target, "--optimizer-dtype", training.optimizer_dtype, "optimizer_dtypes")
+    if training.cuda_graphs is not None:
+        refuse(target, "--cuda-graphs", training.cuda_graphs, "cuda_graphs")
+    if training.mtp_layers and not target.mtp:
+        raise SpecError(
+            f"--mtp-layers {training.mtp_layers}: {target.engine} {target.version} trains no "
+            "MTP layers; give --mtp-layers 0 or re-plan with --target megatron"
+        )
+
+
+# The default memory margin: the memory model's error on runs that reported their peak
+# (planner/PLANNING.md, "Memory headroom"; results/memory_margin.md).
+DEFAULT_MEMORY_MARGIN = "5%"
+
+
+def default_target(cluster: ClusterSpec) -> TargetName:
+    """The engine a cluster's plans are for when --target is not given: Piper's runtime on an
+    emulated (CPU, gloo) cluster, where no GPU engine runs; Megatron-Core elsewhere, the
+    engine the presets' constants were fitted on."""
+    return "piper" if cluster.topology == "emulated" else "megatron"
+
+
+def memory_margin_gib(text: str, memory_gib: float) -> float:
+    """`--memory-margin` as GiB: "4" or "4GiB" is GiB, "5%" a share of device memory."""
+    raw = text.strip()
+    try:
+        if raw.endswith("%"):
+            value = float(raw[:-1]) / 100.0 * memory_gib
+        else:
+            value = float(raw.removesuffix("GiB").removesuffix("gib").strip())
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < memory_gib:
+        raise SpecError(
+            f"--memory-margin {text}: give GiB (e.g. 4) or a share of device memory (e.g. "
+            f"5%), at least 0 and below the device's {memory_gib:.1f} GiB"
+        )
+    return value
