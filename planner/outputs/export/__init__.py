@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.outputs.export.megatron import megatron_script
+from planner.outputs.export.shell import check_plan_text
 from planner.outputs.export.slurm import TRAINERS, Trainer, slurm_script
 from planner.outputs.export.torchtitan import torchtitan_script
 from planner.plan.schema import Plan
@@ -60,6 +61,7 @@ def export_plan(
         raise SpecError(
             f"export: unknown target '{target}'; use one of {', '.join(EXPORT_TARGETS)}"
         )
+    check_plan_text(plan)
     if target == "slurm":
         text, notes = slurm_script(plan, plan_path, command, trainer, args_file)
     elif target == "megatron":
