@@ -12,6 +12,9 @@ Each is scored by the same resource model as Piper's plan, with the flat all-to-
 the user fixed the dispatcher, no interleaving, context or expert tensor parallelism and no
 all-to-all overlap; speedup = its step / Piper's step. The uniform split is taken among the
 candidates the search costed and screened (a pruned family's other members are never costed).
+A baseline's `outside_search` names its settings that the plan's search could not choose (a
+size the user fixed, a recompute policy, sharding, dispatcher or overlap left out, an EP group
+over --max-ep): the reason a baseline can beat Piper's plan.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from planner.search import bounds
 from planner.search.branch_bound import SearchContext
 from planner.search.costing import training_for
 from planner.search.evaluator import EstimateView
-from planner.search.space import Candidate, Knobs
+from planner.search.space import Candidate, Knobs, SearchSpace
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Baseline:
     estimate: EstimateView | None
     note: str = ""  # why there is no estimate, or what was needed to make it fit
     knobs: Knobs = Knobs()
+    outside_search: tuple[str, ...] = ()  # "pp=1 (--pp 2 given)": settings the search excluded
 
     def speedup(self, piper_step_s: float) -> float:
         """How many times faster Piper's step is (nan when the baseline does not fit)."""
@@ -82,7 +86,38 @@ def _finish(
     est = ctx.evaluator.estimate(
         ctx.model, ctx.cluster, training, par, layers, rc, knobs.dispatcher
     )
-    return Baseline(name, TITLES[name], par, knobs.sharding == "zero", est, fit_note, knobs)
+    outside = outside_search(ctx.space, par, knobs)
+    return Baseline(
+        name, TITLES[name], par, knobs.sharding == "zero", est, fit_note, knobs, outside
+    )
+
+
+def outside_search(space: SearchSpace, par: ParallelConfig, knobs: Knobs) -> tuple[str, ...]:
+    """The settings of `par` and `knobs` that `space` excludes, each with the flag or limit
+    that excluded it, e.g. "pp=1 (--pp 2 given)"; () when the search could have chosen them."""
+    out = [
+        f"{name}={getattr(par, name)} (--{name.replace('_', '-')} {value} given)"
+        for name, value in space.fixed
+        if getattr(par, name) != value
+    ]
+    if par.recompute not in space.recompute:
+        out.append(f"recompute={par.recompute} (--recompute {'|'.join(space.recompute)} given)")
+    # Without sharding is never faster than the distributed optimizer, which only shards the
+    # optimizer state (planner/resources/memory.py:100-112), so it is no reason to list.
+    plain_for_zero = knobs.sharding == "none" and "zero" in space.sharding
+    if knobs.sharding not in space.sharding and not plain_for_zero:
+        out.append(f"sharding {knobs.sharding} (the plan allows {'|'.join(space.sharding)})")
+    if knobs.dispatcher not in space.dispatchers:
+        given = "|".join(space.dispatchers)
+        out.append(f"dispatcher={knobs.dispatcher} (--dispatcher {given} given)")
+    if space.a2a_overlap is not None and knobs.a2a_overlap != space.a2a_overlap:
+        state = "on" if knobs.a2a_overlap else "off"
+        out.append(
+            f"all-to-all overlap {state} (the plan fixed it {'off' if state == 'on' else 'on'})"
+        )
+    if space.max_ep is not None and par.ep > space.max_ep:
+        out.append(f"ep={par.ep} (--max-ep {space.max_ep} given)")
+    return tuple(out)
 
 
 def _dispatcher(ctx: SearchContext) -> str:
