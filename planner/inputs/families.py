@@ -14,19 +14,21 @@ All rules combine (a layer is MoE when every rule present says so).
 
 from __future__ import annotations
 
+import difflib
 import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+from planner.inputs.config_keys import EXPERTS_KEYS, SHARED_KEYS, TOP_K_KEYS, check_key_typos
 from planner.inputs.hf_config import ConfigReader
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecError
 
 log = logging.getLogger(__name__)
 
 MAX_LAYERS = 10_000  # each layer is one spec object; the deepest published models have ~200
-EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_top_k", "top_k")
-SHARED_KEYS = ("n_shared_experts", "num_shared_experts")
+MOE_FFN = ("moe_intermediate_size",)  # the expert width where the family has its own key
+FFN = ("intermediate_size",)
+EITHER_FFN = MOE_FFN + FFN
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,19 @@ class FamilyTraits:
     tie_default: bool = False
     mla: bool = False
     residual_mlp: bool = False  # Arctic: dense MLP of width d beside the MoE
+    # the keys of the expert and dense MLP widths: a family reads only its own, so a missing
+    # one is an error naming it, never a fallback to the other width
+    expert_ffn_keys: tuple[str, ...] = FFN
+    dense_ffn_keys: tuple[str, ...] = FFN
 
 
-_DEEPSEEK = dict(mla=True)
+_DEEPSEEK = dict(mla=True, expert_ffn_keys=MOE_FFN)
 FAMILIES: dict[str, FamilyTraits] = {
     "mixtral": FamilyTraits("mixtral"),
-    "qwen2_moe": FamilyTraits("qwen2_moe", qkv_bias=True, shared_gate=True),
-    "qwen3_moe": FamilyTraits("qwen3_moe", qk_norm="head"),
+    "qwen2_moe": FamilyTraits(
+        "qwen2_moe", qkv_bias=True, shared_gate=True, expert_ffn_keys=MOE_FFN
+    ),
+    "qwen3_moe": FamilyTraits("qwen3_moe", qk_norm="head", expert_ffn_keys=MOE_FFN),
     "deepseek_v2": FamilyTraits("deepseek_v2", **_DEEPSEEK),
     "deepseek_v3": FamilyTraits("deepseek_v3", **_DEEPSEEK),
     "kimi_k2": FamilyTraits("kimi_k2", **_DEEPSEEK),
@@ -63,33 +71,58 @@ FAMILIES: dict[str, FamilyTraits] = {
     ),
     "phimoe": FamilyTraits("phimoe", o_bias_with_qkv=True, norms_per_layer=4),
     "arctic": FamilyTraits("arctic", residual_mlp=True),
-    "llama4": FamilyTraits("llama4", shared_default=1),
+    "llama4": FamilyTraits("llama4", shared_default=1, dense_ffn_keys=("intermediate_size_mlp",)),
     "grok-1": FamilyTraits("grok-1", norms_per_layer=4, tie_default=True),
-    "llama": FamilyTraits("llama"),
-    "mistral": FamilyTraits("mistral"),
-    "qwen2": FamilyTraits("qwen2", qkv_bias=True),
-    "qwen3": FamilyTraits("qwen3", qk_norm="head"),
-    "moe": FamilyTraits("moe"),  # Piper's generic MoE keys (tiny-moe, X-MoE, weak scaling)
-    "dense": FamilyTraits("dense"),
+    # dense families and Piper's generic keys (tiny-moe, X-MoE, weak scaling) have no expert
+    # width of their own: either key gives it
+    "llama": FamilyTraits("llama", expert_ffn_keys=EITHER_FFN),
+    "mistral": FamilyTraits("mistral", expert_ffn_keys=EITHER_FFN),
+    "qwen2": FamilyTraits("qwen2", qkv_bias=True, expert_ffn_keys=EITHER_FFN),
+    "qwen3": FamilyTraits("qwen3", qk_norm="head", expert_ffn_keys=EITHER_FFN),
+    "moe": FamilyTraits("moe", expert_ffn_keys=EITHER_FFN),
+    "dense": FamilyTraits("dense", expert_ffn_keys=EITHER_FFN),
 }
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "dense")
 _ALIASES = {"llama4_text": "llama4", "grok": "grok-1", "grok1": "grok-1", "phi_moe": "phimoe"}
 
 
+def _model_type(cfg: dict[str, Any]) -> str:
+    model_type = str(cfg.get("model_type") or "").lower()
+    return _ALIASES.get(model_type, model_type)
+
+
 def family_of(cfg: dict[str, Any]) -> str:
     """The family key for a config: its model_type, else generic 'moe' or 'dense'."""
-    model_type = str(cfg.get("model_type") or "").lower()
-    model_type = _ALIASES.get(model_type, model_type)
+    model_type = _model_type(cfg)
     if model_type in FAMILIES:
         return model_type
     if "ffn_config" in cfg:
         return "dbrx"
-    generic = "moe" if any(cfg.get(k) for k in EXPERTS_KEYS) else "dense"
-    if model_type:
-        log.warning(
-            "unknown model_type '%s'; reading it with the generic %s keys", model_type, generic
-        )
-    return generic
+    return "moe" if any(cfg.get(k) for k in EXPERTS_KEYS) else "dense"
+
+
+def _warn_generic(cfg: dict[str, Any], r: ConfigReader, family: str) -> None:
+    """One WARNING line: the config fell back to Piper's generic keys; what it read from it."""
+    model_type = str(cfg.get("model_type") or "")
+    known = sorted(set(FAMILIES) - {"moe", "dense"})
+    close = difflib.get_close_matches(model_type.lower(), known, n=1, cutoff=0.6)
+    kind = f"model_type '{model_type}' is not a supported family"
+    kind = kind if model_type else "no model_type"
+    took = ", ".join(f"{k}={_show(v)}" for k, v in r.taken.items())
+    defaults = ", ".join(f"{k}={_show(v)}" for k, v in r.defaulted.items())
+    fix = f"'{close[0]}'" if close else f"one of {', '.join(known)}"
+    log.warning(
+        "%s: %s; read it as a generic %s model with Piper's generic keys: took %s; "
+        "defaults %s; if the model is %s, set model_type to it",
+        r.where, kind, "MoE" if family == "moe" else "dense", took, defaults or "none", fix,
+    )  # fmt: skip
+
+
+def _show(value: Any) -> str:
+    """A value for the warning; long layer lists are shortened."""
+    if isinstance(value, tuple) and len(value) > 6:
+        return f"[{', '.join(map(str, value[:3]))}, ... {len(value)} entries]"
+    return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
 def flatten_dbrx(r: ConfigReader) -> dict[str, Any]:
@@ -183,7 +216,7 @@ def _moe_spec(r: ConfigReader, t: FamilyTraits, gated: bool) -> MoESpec:
     if top_k > experts:
         raise r.error(r.first_key(TOP_K_KEYS) or "top_k", f"({top_k}) exceeds the {experts} "
                       "experts", "use top_k <= number of experts")  # fmt: skip
-    expert_ffn = r.int(("moe_intermediate_size", "intermediate_size"))
+    expert_ffn = r.int(t.expert_ffn_keys)
     num_shared = r.int(SHARED_KEYS, t.shared_default, minimum=0)
     shared_ffn = 0
     if r.has("shared_expert_intermediate_size"):
@@ -203,11 +236,7 @@ def _moe_spec(r: ConfigReader, t: FamilyTraits, gated: bool) -> MoESpec:
 def build_model(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     """Parse one HF-style config dict (any family above) into a ModelSpec without metadata."""
     family = family_of(cfg)
-    if family == "llama4" and isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg["text_config"], "model_type": "llama4"}
-    r = ConfigReader(cfg, source or name)
-    if family == "dbrx":
-        r = ConfigReader(flatten_dbrx(r), source or name)
+    r = _reader(cfg, family, source or name)
     t = FAMILIES[family]
     d, vocab = r.int("hidden_size"), r.int("vocab_size")
     num_layers = r.int("num_hidden_layers", maximum=MAX_LAYERS)
@@ -220,7 +249,7 @@ def build_model(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     pattern = _moe_pattern(r, num_layers) if moe else [False] * num_layers
     dense_ffn = 0
     if not all(pattern):
-        dense_ffn = r.int(("intermediate_size_mlp", "intermediate_size"))
+        dense_ffn = r.int(t.dense_ffn_keys)
     residual = t.residual_mlp and (
         r.bool("use_residual", False) or r.bool("parallel_attn_mlp_res", False)
     )
@@ -236,12 +265,25 @@ def build_model(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
         for is_moe, window in zip(pattern, windows, strict=True)
     )
     norms = (t.norms_per_layer + (1 if residual else 0)) * d + extra_norms
-    return ModelSpec(
+    model = ModelSpec(
         name=name, family=family, hidden_size=d, vocab_size=vocab, layers=layers,
         tie_word_embeddings=r.bool("tie_word_embeddings", t.tie_default),
         num_mtp_layers=r.int("num_nextn_predict_layers", 0, minimum=0),
         norm_params_per_layer=norms, max_position_embeddings=max_pos, source=source,
     )  # fmt: skip
+    if _model_type(cfg) not in FAMILIES:  # read with the generic keys: say so, and what
+        _warn_generic(cfg, r, family)
+    return model
+
+
+def _reader(cfg: dict[str, Any], family: str, where: str) -> ConfigReader:
+    """The reader of a config's model keys, after the near-miss check of every key."""
+    check_key_typos(cfg, where)
+    if family == "llama4" and isinstance(cfg.get("text_config"), dict):
+        check_key_typos(cfg["text_config"], where)
+        cfg = {**cfg["text_config"], "model_type": "llama4"}
+    r = ConfigReader(cfg, where)
+    return ConfigReader(flatten_dbrx(r), where) if family == "dbrx" else r
 
 
 def _with_window(att: AttentionSpec, window: int | None) -> AttentionSpec:

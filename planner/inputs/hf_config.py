@@ -26,6 +26,17 @@ class ConfigReader:
         self.cfg = cfg
         self.where = where
         self.prefix = prefix
+        self.taken: dict[str, Any] = {}  # key -> value of every key read from the config
+        self.defaulted: dict[str, Any] = {}  # key -> default used for an absent key
+
+    def _took(self, key: str, value: Any) -> Any:
+        self.taken[self._name(key)] = value
+        return value
+
+    def _default(self, keys: tuple[str, ...], value: Any) -> Any:
+        if value is not None:
+            self.defaulted[self._name(keys[0])] = value
+        return value
 
     def _name(self, key: str) -> str:
         return f"{self.prefix}{key}"
@@ -58,7 +69,7 @@ class ConfigReader:
                 raise SpecError(
                     f"{self.where}: missing key {names}; add it (an integer >= {minimum})"
                 )
-            return default
+            return self._default(keys, default)
         value = self.cfg[found]
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -72,16 +83,16 @@ class ConfigReader:
             raise self.error(
                 found, f"must be <= {maximum}, got {value}", "no model has one that large"
             )
-        return value
+        return self._took(found, value)
 
     def bool(self, key: str, default: bool) -> bool:
         """A JSON boolean; absent or null gives `default`."""
         if not self.has(key):
-            return default
+            return self._default((key,), default)
         value = self.cfg[key]
         if not isinstance(value, bool):
             raise self.error(key, f"must be true or false, got {value!r}", "write true or false")
-        return value
+        return self._took(key, value)
 
     def int_list(self, key: str, minimum: int = 0) -> tuple[int, ...]:
         """A list of integers (e.g. mlp_only_layers); absent gives ()."""
@@ -95,7 +106,7 @@ class ConfigReader:
             raise self.error(
                 key, f"must be a list of integers >= {minimum}", "write e.g. [0, 1, 2]"
             )
-        return tuple(value)
+        return self._took(key, tuple(value))
 
     def str_list(self, key: str) -> tuple[str, ...]:
         """A list of strings (e.g. GPT-OSS layer_types); absent gives ()."""
@@ -104,7 +115,7 @@ class ConfigReader:
         value = self.cfg[key]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise self.error(key, "must be a list of strings", 'write e.g. ["full_attention"]')
-        return tuple(value)
+        return self._took(key, tuple(value))
 
     def sub(self, key: str) -> ConfigReader:
         """A nested mapping (DBRX's ffn_config / attn_config, Llama-4's text_config)."""

@@ -22,6 +22,7 @@ import yaml
 
 from planner.inputs.families import MAX_LAYERS, build_model, check_model
 from planner.inputs.hf_config import ConfigReader
+from planner.inputs.json_errors import json_error_line
 from planner.inputs.paths import MODELS_DIR, read_text_file
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecError
 
@@ -72,7 +73,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     try:
         cfg = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SpecError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        fix = "repair it, or take the model's config.json again"
+        raise SpecError(json_error_line(str(path), exc, fix)) from None
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     if not isinstance(cfg, dict):

@@ -230,8 +230,12 @@ def test_unknown_preset_suggests_closest():
 def test_bad_json_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"hidden_size": 8,')
-    with pytest.raises(SpecError, match="not valid JSON"):
+    with pytest.raises(SpecError) as err:
         load_model(str(path))
+    assert str(err.value) == (
+        f"{path}: invalid JSON at line 1 column 19: expecting property name enclosed in double "
+        "quotes (fix: repair it, or take the model's config.json again)"
+    )
 
 
 def test_piper_format_rejects_inconsistent_layer_count():
