@@ -160,18 +160,24 @@ class _Data:
                 "expert placement: too few replicas allowed to fill the redundant "
                 "slots; raise max_replicas or lower redundant_slots"
             )
+        copies = min(max_replicas, ep)
+        # With replicas a load is split into 1..copies equal shares (C9): integer loads that
+        # are multiples of lcm(1..copies) split exactly, so the model's optimum and its lower
+        # bound are the true ones (rounded-up shares leave equal loads one unit above the
+        # mean, which CP-SAT then spends its whole limit trying to reach).
+        split = math.lcm(*range(1, copies + 1)) if redundant else 1
         unit = unit_for(sum(loads), RESOLUTION)
         return _Data(
             loads,
-            tuple(quantize(x, unit) for x in loads),
-            unit,
+            tuple(quantize(x, unit) * split for x in loads),
+            unit / split,
             ep,
             slot_counts(num_e, ep, redundant),
             nodes,
             _pairs(coact, num_e),
             float(weight),
             redundant,
-            min(max_replicas, ep),
+            copies,
         )
 
     @property

@@ -151,6 +151,20 @@ def test_uniform_loads_with_redundant_slots_keep_every_rank_at_the_mean():
     assert sum(len(held) for held in sol.slots) == 288
 
 
+@pytest.mark.parametrize("ep, slots", [(8, 8), (4, 4), (16, 8)])
+def test_equal_loads_with_replicas_split_exactly_and_need_no_solve(ep, slots):
+    """64 equal experts (OLMoE's layer): 1/64 of the total is an odd number of integer units,
+    so halves rounded up left every rank one unit above the mean and CP-SAT ran its whole
+    limit (plus the canonical pass) to close that unit. Shares that split exactly meet the
+    bound at once."""
+    opts = SolverOptions(backend="cpsat", time_limit_s=0.5, threads=1, seed=0)
+    sol = solve_experts([1.0] * 64, ep, opts, redundant_slots=slots)
+    assert sol.report.message == "greedy placement meets the lower bound"
+    assert sol.report.status == "OPTIMAL" and sol.report.gap == 0.0
+    assert sol.report.wall_s == 0.0 and sol.rank_load == (64 / ep,) * ep
+    check_placement(sol, 64, ep, slots)
+
+
 def test_large_replica_instance_returns_the_greedy_with_its_bound():
     """256 x 64 with 32 replicas is not built as an IP: the greedy and an honest gap."""
     rng = random.Random(18)
