@@ -80,6 +80,7 @@ MODEL_FAULTS = [
     Fault("negative-size", _model(lambda c: c.update(vocab_size=-256)), "vocab_size"),
     Fault("top-k-over-experts", _model(lambda c: c.update(num_experts_per_tok=9)), "experts"),
     Fault("no-experts", _model(lambda c: c.pop("num_experts")), "num_experts"),
+    Fault("near-miss", _model(lambda c: c.update(num_expert=c.pop("num_experts"))), "'num_expert'"),
     Fault("heads-not-dividing", _model(lambda c: c.update(num_key_value_heads=3)), "heads"),
     Fault("not-json", _text_file("config.json", '{"hidden_size": 64,'), "JSON"),
     Fault("not-a-mapping", _json_file("config.json", [64, 4]), "mapping"),

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from planner.inputs.json_errors import json_error_line
 from planner.specs import SpecError
 
 # Every step must carry these, numbers >= 0 (the first five are what calibration reads).
@@ -91,7 +92,10 @@ def parse_metrics(text: str, source: str = "metrics.jsonl") -> list[dict[str, An
             continue
         try:
             d = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, a > 4300-digit number, deep nesting
+        except json.JSONDecodeError as exc:
+            fix = "metrics.jsonl has one JSON object per line, as 'piper run' writes it"
+            raise SpecError(json_error_line(source, exc, fix, line=n)) from None
+        except (ValueError, RecursionError):  # a > 4300-digit number, deep nesting
             raise SpecError(
                 f"{source} line {n}: not JSON; metrics.jsonl has one object per line"
             ) from None

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from planner.inputs.json_errors import json_error_line
 from planner.inputs.paths import CLUSTERS_DIR
 from planner.outputs.console import print_table, progress
 from planner.outputs.files import write_files
@@ -114,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
     if args.raw:
         try:
             raw = json.loads(Path(args.raw).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except json.JSONDecodeError as exc:
+            fix = "pass the raw JSON that 'piper profile --keep-raw' wrote"
+            raise SpecError(json_error_line(f"--raw {args.raw}", exc, fix)) from None
+        except OSError as exc:
             raise SpecError(f"--raw {args.raw}: cannot read measurements ({exc})") from None
     else:
         with tempfile.TemporaryDirectory() as tmp:

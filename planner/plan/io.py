@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from planner.inputs.json_errors import json_error_line
 from planner.inputs.paths import read_text_file
 from planner.plan.check import check_plan_dict
 from planner.plan.schema import (
@@ -89,7 +90,8 @@ def load_plan(path: str | Path) -> Plan:
     try:
         d = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SpecError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        fix = "regenerate it with 'piper plan --out DIR'"
+        raise SpecError(json_error_line(str(p), exc, fix)) from None
     except (ValueError, RecursionError):  # a number of > 4300 digits, nesting past the stack
         raise SpecError(f"{p}: not a plan (a number or nesting too large to read)") from None
     return plan_from_dict(d, str(p))

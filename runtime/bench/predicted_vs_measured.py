@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from planner.calibrate.profile_tables import hbm_efficiency_from
 from planner.inputs.clusters import load_cluster
+from planner.inputs.json_errors import json_error_line
 from planner.resources.compute import (
     ATTN_TILE,
     KERNEL_LAUNCH_S,
@@ -147,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.raw, encoding="utf-8") as fh:
             raw = json.load(fh)
         text = report(raw, load_cluster(args.base))
-    except (OSError, json.JSONDecodeError) as exc:
+    except json.JSONDecodeError as exc:
+        fix = "pass the raw JSON of runtime/bench/profile.py"
+        print(f"predicted_vs_measured: {json_error_line(args.raw, exc, fix)}", file=sys.stderr)
+        return 2
+    except OSError as exc:
         print(f"predicted_vs_measured: {args.raw}: cannot read ({exc})", file=sys.stderr)
         return 2
     except (KeyError, TypeError) as exc:
