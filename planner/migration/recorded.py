@@ -1,11 +1,12 @@
 """The intervals `piper migrate` replays: from the run that wrote the trace, the plan, or flags.
 
 `piper run` writes run.json next to its trace.csv (runtime/launch.py, `_run_info`): the run's
-`ep`, `steps`, `migrate_every` (steps per migration interval, 0 = never) and `trace_every`
-(steps summed into one trace row). A replay of that trace uses the run's own intervals:
-migrate_every / trace_every trace rows per interval, migrate_every steps per interval. The
-plan gives ep and the tokens each EP rank feeds its MoE layers per step (seq_len x
-micro_batch x num_microbatches, as planner/run/migration.py prices the run's live moves).
+`ep`, `steps`, `migrate_every` (steps per migration interval, 0 = never), `trace_every`
+(steps summed into one trace row) and its seq_len, micro_batch and num_microbatches. A
+replay of that trace uses the run's own intervals: migrate_every / trace_every trace rows per
+interval, migrate_every steps per interval. The plan gives ep and the tokens each EP rank
+feeds its MoE layers per step (seq_len x micro_batch x num_microbatches, as
+planner/run/migration.py prices the run's live moves); without a plan the run gives both.
 A flag that contradicts the run or the plan is a SpecError, as is a trace whose shape
 contradicts them; a flag is only needed for what neither records.
 """
@@ -17,6 +18,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from planner.migration.trace import Trace
 from planner.plan import Plan
 from planner.specs import SpecError
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"  # written by `piper run` beside trace.csv
 RUN_KEYS = ("ep", "steps", "migrate_every", "trace_every")
+TOKEN_KEYS = ("seq_len", "micro_batch", "num_microbatches")  # tokens per EP rank and step
 DEFAULT_STEPS_PER_INTERVAL = 100  # a trace of one row per interval, without a run.json
 
 
@@ -37,6 +41,7 @@ class RunRecord:
     steps: int
     migrate_every: int  # steps per migration interval; 0 = the run never migrated
     trace_every: int  # steps summed into one trace row
+    tokens_per_rank_step: int | None = None  # seq_len x micro_batch x num_microbatches
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,9 @@ def load_run_record(trace_path: str) -> RunRecord | None:
             f"{path}: field '{field}' must be a positive integer; rerun 'piper run' to "
             f"rewrite it, or move the trace out of that folder"
         )
-    return RunRecord(str(path), *(int(values[k]) for k in RUN_KEYS))
+    shape = [values.get(k) for k in TOKEN_KEYS]
+    tokens = int(np.prod(shape)) if all(isinstance(v, int) and v > 0 for v in shape) else None
+    return RunRecord(str(path), *(int(values[k]) for k in RUN_KEYS), tokens)
 
 
 def _agree(flag: str, given: int | None, value: int, where: str) -> int:
@@ -157,6 +164,9 @@ def replay_intervals(
     if plan is not None:
         per_step = plan_tokens_per_rank_step(plan)
         tokens = _agree("--tokens-per-step", tokens, per_step, f"{plan_path}'s tokens per rank")
+    elif run is not None and run.tokens_per_rank_step is not None:
+        where = f"the tokens per rank of the run, {run.path}"
+        tokens = _agree("--tokens-per-step", tokens, run.tokens_per_rank_step, where)
     sources = [s for s, used in ((plan_path, plan), (run and run.path, run)) if used]
     used = trace.num_intervals
     if run is not None and used % rows:

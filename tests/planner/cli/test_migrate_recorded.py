@@ -59,12 +59,14 @@ def test_plan_and_run_json_give_every_setting(tmp_path, capsys):
     assert 0 < summary[0]["total_cost_s"] < 1  # 5 steps per interval, not 100 x 32768 tokens
 
 
-def test_run_json_without_plan_gives_ep_and_intervals(tmp_path, capsys):
-    trace = _run_dir(tmp_path)
-    code, printed, _ = _migrate(
-        capsys, "--trace", trace, "--model", "tiny-moe", "--out", str(tmp_path / "o")
-    )
-    assert code == 0 and "4 EP ranks, 4 intervals of 5 steps" in printed
+def test_run_json_without_plan_gives_ep_intervals_and_tokens(tmp_path, capsys):
+    shape = {"seq_len": 64, "micro_batch": 2, "num_microbatches": 3}
+    trace = _run_dir(tmp_path, **shape)
+    args = ["--trace", trace, "--model", "tiny-moe", "--out", str(tmp_path / "o")]
+    code, printed, _ = _migrate(capsys, *args)
+    assert code == 0 and "4 EP ranks, 4 intervals of 5 steps x 384 tokens per rank" in printed
+    code, _, err = _migrate(capsys, *args, "--tokens-per-step", "999")
+    assert code == 2 and "--tokens-per-step 999 contradicts" in err and "(384)" in err
 
 
 @pytest.mark.parametrize(
