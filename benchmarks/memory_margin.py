@@ -77,6 +77,7 @@ class Point:
     moe: bool = False
     current: bool = True  # an engine version Piper prices (Megatron-Core of 2025-26, torchtitan)
     gap: str = ""  # a named term the model lacks that explains the row's shortfall
+    logits_gib: float = 0.0  # one fp32 copy of the compared stage's logits (the model counts 1)
 
     @property
     def error_gib(self) -> float:
@@ -237,9 +238,9 @@ def report(path: Path) -> None:
         point = Point(row["id"], predicted, float(row["measured_peak_gib"]),
                       float(row["device_gib"]), row["exact"] == "1",
                       run.model.num_experts > 0, row["current"] == "1",
-                      row["gap"])  # fmt: skip
+                      row["gap"], logits_gib(run, stage))  # fmt: skip
         points.append(point)
-        logits = logits_gib(run, stage)
+        logits = point.logits_gib
         kind = {"nvidia_smi_used": "smi-used", "max_reserved": "reserved",
                 "max_allocated": "allocated"}[row["peak_kind"]]  # fmt: skip
         print(f"{point.label:>4} {row['engine']:<10} {model:<16} {run.hardware:<5} "
@@ -330,7 +331,15 @@ def _margin(points: list[Point], presets) -> None:
     print("\nnamed gaps (model fixes; their rows leave the default set until the model counts "
           "them)")  # fmt: skip
     for gap, members in gaps.items():
-        shown = ", ".join(f"{p.label} {p.error_gib:+.1f} GiB" for p in members)
+        shown = ", ".join(
+            f"{p.label} {p.error_gib:+.1f} GiB"
+            + (
+                f" ({-p.error_gib / p.logits_gib:.1f} x the fp32 logits)"
+                if p.gap == "loss_logits_copies" and p.logits_gib
+                else ""
+            )
+            for p in members
+        )
         print(f"  {gap:<30} {shown}")
     default = default_margin(points)
     chosen = default_set(points)
