@@ -72,7 +72,16 @@ IGNORED_KEYS = frozenset({
     "vision_config", "boi_token_index", "eoi_token_index", "image_token_index",
     "moe_train_capacity_factor", "moe_eval_capacity_factor", "moe_min_capacity",
     "moe_token_dropping", "enable_expert_tensor_parallelism", "attn_output_multiplier",
-    "embedding_multiplier_scale", "output_multiplier_scale", "max_attn_value",
+    "embedding_multiplier_scale", "output_multiplier_scale", "max_attn_value", "swiglu_alpha",
+    # real keys of other families' configs that resemble a read key; such a config is read with
+    # the generic keys (and says so), its own keys are not typos
+    "n_layer", "num_layers", "n_head", "num_heads", "ffn_hidden_size", "mlp_intermediate_size",
+    "dense_intermediate_size", "tie_embedding", "qk_head_dim", "q_head_dim", "o_lora_rank",
+    "sliding_window_size", "sliding_window_period", "swa_num_attention_heads",
+    "swa_num_key_value_heads", "swa_head_dim", "num_global_key_value_heads",
+    "num_experts_per_token", "moe_topk", "moe_shared_expert_intermediate_size",
+    "shared_intermediate_size", "expert_intermediate_size", "num_dense_layers",
+    "moe_layers_enum", "moe_layer_offset", "mlp_layer_types", "mtp_num_hidden_layers",
 })  # fmt: skip
 
 

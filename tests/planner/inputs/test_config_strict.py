@@ -13,7 +13,12 @@ import pytest
 
 from planner.cli import main
 from planner.inputs import hf_config
-from planner.inputs.config_keys import IGNORED_KEYS, NESTED_IGNORED_KEYS, READ_KEYS
+from planner.inputs.config_keys import (
+    IGNORED_KEYS,
+    NESTED_IGNORED_KEYS,
+    READ_KEYS,
+    check_key_typos,
+)
 from planner.inputs.models import list_model_presets, load_model, resolve_model
 from planner.resources.params import count_params
 
@@ -155,6 +160,40 @@ def test_unrelated_hf_keys_stay_ignored(tmp_path):
     )  # fmt: skip
     model = load_model(str(_write(tmp_path, cfg)))
     assert count_params(model).total == PRESET_TOTALS["mixtral-8x7b"]
+
+
+# the fields of transformers' config classes (src/transformers/models/<family>/configuration_*.py:
+# Qwen3MoeConfig, DeepseekV3Config.__init__, GptOssConfig, Llama4TextConfig, Llama4Config) and
+# keys of other families' real configs that resemble a key Piper reads
+HF_KEYS = {
+    "qwen3_moe": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads "
+    "num_key_value_heads hidden_act max_position_embeddings initializer_range rms_norm_eps "
+    "use_cache tie_word_embeddings rope_parameters attention_bias use_sliding_window "
+    "sliding_window attention_dropout decoder_sparse_step moe_intermediate_size "
+    "num_experts_per_tok num_experts norm_topk_prob output_router_logits router_aux_loss_coef "
+    "mlp_only_layers pad_token_id bos_token_id eos_token_id",
+    "deepseek_v3": "moe_intermediate_size n_shared_experts n_routed_experts routed_scaling_factor "
+    "kv_lora_rank q_lora_rank qk_rope_head_dim v_head_dim qk_nope_head_dim n_group topk_group "
+    "first_k_dense_replace norm_topk_prob pretraining_tp rope_interleave head_dim",
+    "gpt_oss": "num_local_experts head_dim sliding_window swiglu_alpha swiglu_limit layer_types",
+    "llama4": "intermediate_size_mlp moe_layers interleave_moe_layer_step use_qk_norm "
+    "no_rope_layers no_rope_layer_interval attention_chunk_size layer_types "
+    "attn_temperature_tuning floor_scale attn_scale router_jitter_noise vision_config "
+    "text_config boi_token_index eoi_token_index image_token_index",
+    "other families": "n_layer num_layers n_head num_heads ffn_hidden_size mlp_intermediate_size "
+    "dense_intermediate_size tie_embedding qk_head_dim q_head_dim o_lora_rank "
+    "sliding_window_size sliding_window_period swa_num_attention_heads swa_num_key_value_heads "
+    "swa_head_dim num_global_key_value_heads num_experts_per_token moe_topk "
+    "moe_shared_expert_intermediate_size shared_intermediate_size expert_intermediate_size "
+    "num_dense_layers moe_layers_enum moe_layer_offset mlp_layer_types mtp_num_hidden_layers",
+}
+
+
+@pytest.mark.parametrize("family", sorted(HF_KEYS))
+def test_real_hf_config_keys_are_never_taken_for_typos(family):
+    cfg = {key: 1 for key in HF_KEYS[family].split()}
+    check_key_typos(cfg, "config.json")  # raises on a near miss
+    assert set(cfg) <= READ_KEYS | IGNORED_KEYS
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
