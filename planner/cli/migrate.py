@@ -92,19 +92,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from planner.migration import report
+def _setup(args: argparse.Namespace):
+    """(step rows, interval trace, resolved settings, MigrateSetup) from the flags, the plan
+    and the run.json beside the trace."""
     from planner.migration.inputs import migrate_setup
 
-    start = time.perf_counter()
     rows = load_trace(args.trace)
     plan = load_plan(args.plan) if args.plan else None
-    run_record = load_run_record(args.trace)
     given = (args.ep, args.rows_per_interval, args.steps_per_interval, args.tokens_per_step)
-    chosen_by = replay_intervals(rows, run_record, plan, args.plan, *given)
-    k = chosen_by.rows_per_interval
+    chosen_by = replay_intervals(rows, load_run_record(args.trace), plan, args.plan, *given)
     rows = Trace(rows.tokens_ILE[: chosen_by.trace_rows], rows.layer_ids, rows.source)
-    trace = interval_trace(rows, k)
+    trace = interval_trace(rows, chosen_by.rows_per_interval)
     setup = migrate_setup(
         trace,
         chosen_by.ep,
@@ -116,19 +114,33 @@ def run(args: argparse.Namespace) -> int:
         redundant_slots=args.redundant_slots,
         plan=plan,
     )
+    return rows, trace, chosen_by, setup
+
+
+def _options(args: argparse.Namespace, trace: Trace, initial_LRS) -> MigrationOptions:
     opts = MigrationOptions()
     if args.move_margin is not None:
         if args.move_margin < 0:
             raise SpecError(f"--move-margin must be >= 0, got {args.move_margin}")
         opts = replace(opts, move_margin=args.move_margin)
     if args.solver != "local":
-        if any(capacity(slots_RS).sum() > trace.num_experts for slots_RS in setup.initial_LRS):
+        if any(capacity(slots_RS).sum() > trace.num_experts for slots_RS in initial_LRS):
             raise SpecError(
                 "--solver cpsat|cbc does not model replicas; drop --redundant-slots "
                 "(or use a plan without them)"
             )
         solver = SolverOptions(args.solver, args.time_limit_s, threads=1, seed=args.seed)
         opts = replace(opts, solver=solver)
+    return opts
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.migration import report
+
+    start = time.perf_counter()
+    rows, trace, chosen_by, setup = _setup(args)
+    opts = _options(args, trace, setup.initial_LRS)
+    k = chosen_by.rows_per_interval
     runs = {}
     with progress("replaying the trace per policy", total=len(POLICIES)) as update:
         for i, name in enumerate(POLICIES):
@@ -150,18 +162,18 @@ def run(args: argparse.Namespace) -> int:
     write_files(args.out, files)
     if args.json:
         print(files["summary.json"], end="")
-    else:
-        rows = [
-            (report.LABELS.get(name, name), f"{r.mean_imbalance:.4f}", f"{r.p95_imbalance:.4f}",
-             r.experts_moved, f"{r.bytes_moved / 1e9:.3f}", f"{r.transfer_s:.3f}",
-             f"{r.total_cost_s:.3f}", f"{r.solve_ms_per_layer:.2f}")
-            for name, r in runs.items()
-        ]  # fmt: skip
-        title = (
-            f"{chosen_by.ep} EP ranks, {trace.num_intervals} intervals of "
-            f"{setup.steps_per_interval} steps x {setup.tokens_per_rank_step} tokens per rank "
-            f"({k} trace rows each; from {chosen_by.source})"
-        )
-        print_table(title, POLICY_COLUMNS, rows)
-        print(f"wrote {', '.join(sorted(files))} to {args.out}")
+        return 0
+    table = [
+        (report.LABELS.get(name, name), f"{r.mean_imbalance:.4f}", f"{r.p95_imbalance:.4f}",
+         r.experts_moved, f"{r.bytes_moved / 1e9:.3f}", f"{r.transfer_s:.3f}",
+         f"{r.total_cost_s:.3f}", f"{r.solve_ms_per_layer:.2f}")
+        for name, r in runs.items()
+    ]  # fmt: skip
+    title = (
+        f"{chosen_by.ep} EP ranks, {trace.num_intervals} intervals of "
+        f"{setup.steps_per_interval} steps x {setup.tokens_per_rank_step} tokens per rank "
+        f"({k} trace rows each; from {chosen_by.source})"
+    )
+    print_table(title, POLICY_COLUMNS, table)
+    print(f"wrote {', '.join(sorted(files))} to {args.out}")
     return 0
