@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from planner.outputs.export.megatron import megatron_script
+from planner.outputs.export.slurm import slurm_script
+from planner.outputs.export.torchtitan import torchtitan_script
+from planner.plan import load_plan
 from tests.hardening_cli import run_piper
 from tests.planner.outputs.export_plans import make_plan
 
@@ -109,10 +113,9 @@ def test_paths_with_shell_syntax_stay_text(tmp_path):
     folder = tmp_path / f"$({PWNED})"
     folder.mkdir()
     plan = folder / "plan.json"
-    plan.write_text(make_plan().to_json())
     script = tmp_path / "job.sbatch"
-    args = ["export", str(plan), "--to", "slurm", "--trainer", "megatron", "--out", str(script)]
-    assert run_piper([*args, "--args-file", str(folder / "megatron_args.sh")]).code == 0
+    text, _ = slurm_script(make_plan(), str(plan), None, "megatron", str(folder / "args.sh"))
+    script.write_text(text)
     work = tmp_path / "work"
     work.mkdir()
     env = {**_no_slurm_env(), "PIPER_HOSTFILE": str(work / "h"), "PATH": "/usr/bin:/bin"}
@@ -127,9 +130,12 @@ def test_sourcing_an_args_file_runs_nothing(target, tmp_path):
     """Every word of the Megatron and torchtitan files is quoted: a model source that becomes
     torchtitan's --hf_model and a title full of shell syntax stay text when sourced."""
     source = f"x';{PWNED};'$({PWNED})"
-    plan = _plan_file(tmp_path, lambda d: d["model"].update(name=f"$({PWNED})", source=source))
+    plan = load_plan(
+        _plan_file(tmp_path, lambda d: d["model"].update(name=f"$({PWNED})", source=source))
+    )
+    render = megatron_script if target == "megatron" else torchtitan_script
     out = tmp_path / "args.sh"
-    assert run_piper(["export", str(plan), "--to", target, "--out", str(out)]).code == 0
+    out.write_text(render(plan, plan.model_spec())[0])
     work = tmp_path / "work"
     work.mkdir()
     array = "MEGATRON_ARGS" if target == "megatron" else "TORCHTITAN_ARGS"
