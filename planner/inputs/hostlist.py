@@ -1,0 +1,121 @@
+"""A Slurm job's node list: hostlist expressions expanded as `scontrol show hostnames` does.
+
+Syntax (Slurm's hostlist functions, `slurm_hostlist_create(3)`, and the Slurm::Hostlist
+manual of slurm 23.11): hosts are separated by ',' or whitespace; a bracketed hostlist is a
+common prefix followed by numeric ranges in brackets, `tux[0-5,12,20-25]`, optionally
+followed by a suffix (`gpu-a[01-02]-ib`). A range keeps the width of its first number when
+that number is written with leading zeros (`frontier[00012-00016]` -> frontier00012 ...
+frontier00016; `n[8-10]` -> n8 n9 n10), and a name with several bracket groups expands
+left to right, the first group varying slowest. Hosts keep the order written.
+
+`load_nodelist(text_or_path)` also accepts a file with one host (or expression) per line;
+'#' starts a comment. A malformed expression, a character a hostname cannot hold (anything
+but letters, digits, '-', '_' and '.'), a host listed twice or an empty list is a SpecError.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import product
+from pathlib import Path
+
+from planner.specs import SpecError
+
+MAX_HOSTS = 1 << 20  # far above any machine; stops `n[0-999999999]` from filling memory
+_HOSTNAME = re.compile(r"[A-Za-z0-9_.-]{1,253}\Z")
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?\Z")
+
+
+def expand_hostlist(expression: str, where: str = "--nodelist") -> tuple[str, ...]:
+    """The hosts of a Slurm hostlist expression, in order (duplicates kept, as Slurm does)."""
+    hosts: list[str] = []
+    for item in _split_items(expression, where):
+        hosts += _expand_item(item, where)
+        if len(hosts) > MAX_HOSTS:
+            raise SpecError(f"{where}: expands to more than {MAX_HOSTS} hosts; check the ranges")
+    for host in hosts:
+        if not _HOSTNAME.match(host):
+            raise SpecError(
+                f"{where}: {host!r} is not a hostname (letters, digits, '-', '_', '.'); "
+                "fix the node list"
+            )
+    return tuple(hosts)
+
+
+def load_nodelist(value: str) -> tuple[str, ...]:
+    """Hosts from a hostlist expression, or from a file of one host (or expression) a line.
+
+    Raises SpecError for a malformed list, a host listed twice, or no hosts at all.
+    """
+    path = Path(value)
+    if "[" not in value and "," not in value and path.is_file():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise SpecError(f"{value}: not a text file; pass one host per line") from None
+        lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+        hosts = [h for i, line in enumerate(lines) if line
+                 for h in expand_hostlist(line, f"{value}: line {i + 1}")]  # fmt: skip
+        where = value
+    else:
+        hosts, where = list(expand_hostlist(value)), "--nodelist"
+    if not hosts:
+        raise SpecError(f"{where}: no hosts; pass a Slurm hostlist such as node[01-04]")
+    seen: set[str] = set()
+    for host in hosts:
+        if host in seen:
+            raise SpecError(f"{where}: host {host!r} is listed twice; list each node once")
+        seen.add(host)
+    return tuple(hosts)
+
+
+def _split_items(expression: str, where: str) -> list[str]:
+    """Split at ',' and whitespace outside brackets; refuse unbalanced or nested brackets."""
+    items, current, depth = [], [], 0
+    for ch in expression:
+        if ch == "[":
+            if depth:
+                raise SpecError(f"{where}: nested '[' in {expression!r}; close each range first")
+            depth = 1
+        elif ch == "]":
+            if not depth:
+                raise SpecError(f"{where}: ']' without '[' in {expression!r}; fix the brackets")
+            depth = 0
+        if depth == 0 and (ch == "," or ch.isspace()):
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    if depth:
+        raise SpecError(f"{where}: '[' without ']' in {expression!r}; close the range")
+    items.append("".join(current))
+    return [item for item in items if item]
+
+
+def _expand_item(item: str, where: str) -> list[str]:
+    """One name with zero or more bracket groups -> its hosts."""
+    parts = re.split(r"\[([^\]]*)\]", item)  # text, ranges, text, ranges, ..., text
+    choices: list[list[str]] = []
+    for i, part in enumerate(parts):
+        choices.append(_expand_ranges(part, item, where) if i % 2 else [part])
+    return ["".join(combo) for combo in product(*choices)]
+
+
+def _expand_ranges(ranges: str, item: str, where: str) -> list[str]:
+    """'0-5,12' -> ['0', ..., '5', '12'], zero-padded to the first number's width."""
+    out: list[str] = []
+    for piece in ranges.split(","):
+        m = _RANGE.match(piece.strip())
+        if not m:
+            raise SpecError(
+                f"{where}: {piece!r} in {item!r} is not a number or range like 01-04; "
+                "fix the node list"
+            )
+        lo_text, hi_text = m.group(1), m.group(2) or m.group(1)
+        lo, hi = int(lo_text), int(hi_text)
+        if hi < lo:
+            raise SpecError(f"{where}: range {piece!r} in {item!r} runs backwards; write lo-hi")
+        if hi - lo + 1 > MAX_HOSTS:
+            raise SpecError(f"{where}: range {piece!r} holds more than {MAX_HOSTS} hosts")
+        out += [str(n).zfill(len(lo_text)) for n in range(lo, hi + 1)]
+    return out
