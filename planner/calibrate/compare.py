@@ -12,16 +12,22 @@ Components (error = (predicted - measured) / measured):
 - a2a_s: dispatch + combine, forward and backward, of the slowest rank (predicted: the
   `a2a_*` entries of comm_s, which cover the four all-to-alls per MoE layer per micro-batch);
 - rest_s: step time minus a2a_s (compute, pipeline bubble, p2p, gradient sync, optimizer);
-- per stage: memory_gib (largest rank of the stage) and a2a_s.
+- per stage: memory_gib (largest rank of the stage) and a2a_s (predicted: the stage's
+  all-to-all time per micro-batch, exposed and hidden behind compute, times the micro-batches).
+
+Given a Repricing (the run used another all-to-all than the plan priced), every prediction
+comes from the resource model re-run for the run's dispatcher instead of plan.json, and
+`note` says so (planner.calibrate.run_settings writes both).
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from planner.calibrate.run_settings import Repricing
 from planner.plan.schema import Plan
 from planner.specs import GIB, ClusterSpec, SpecError, TrainingSpec
 
@@ -51,6 +57,7 @@ class Calibration:
     components: tuple[Component, ...]
     steps_used: int
     per_stage_source: str  # "resource model" or "plan.json only (<why>)"
+    note: str = ""  # one line: how the run differs from what the plan priced ('' = it does not)
 
     def get(self, name: str, stage: int | None = None) -> Component | None:
         for c in self.components:
@@ -80,6 +87,8 @@ def calibrate(
     metrics: list[dict[str, Any]],
     skip_steps: int = 1,
     cluster: ClusterSpec | None = None,
+    reprice: Repricing | None = None,
+    note: str = "",
 ) -> Calibration:
     """Compare `plan`'s prediction with measured `metrics` (see the module docstring).
 
@@ -88,9 +97,13 @@ def calibrate(
         metrics: metrics.jsonl objects (planner.calibrate.metrics.load_metrics).
         skip_steps: warm-up steps dropped (all are kept when fewer remain).
         cluster: re-estimate per stage on this cluster instead of the plan's.
+        reprice: price the run's dispatcher instead of the plan's (the run used another);
+            None keeps plan.json's prediction.
+        note: the line saying how the run differs from the plan, kept in the result.
     """
     steps = metrics[skip_steps:] if len(metrics) > skip_steps else metrics
-    pred = plan.predicted
+    est, source = _re_estimate(plan, cluster, reprice)
+    pred = plan.predicted if reprice is None or est is None else est
     step_m = _median([d["step_time_s"] for d in steps])
     a2a_m = _median([d["dispatch_s"] + d["combine_s"] for d in steps])
     a2a_p = sum(s for name, s in pred.comm_s if name.startswith("a2a"))
@@ -101,7 +114,7 @@ def calibrate(
         Component("a2a_s", None, a2a_p, a2a_m, "s"),
         Component("rest_s", None, pred.step_time_s - a2a_p, step_m - a2a_m, "s"),
     ]
-    stage_a2a, source = _predicted_stage_a2a(plan, cluster)
+    stage_a2a = None if est is None else _stage_a2a(est, plan.parallel.num_microbatches)
     for k, mem_p in enumerate(pred.memory_gib_per_stage):
         measured = _stage_measured(steps, k)
         if measured is None:
@@ -109,19 +122,26 @@ def calibrate(
         comps.append(Component("memory_gib", k, mem_p, measured[0], "GiB"))
         if stage_a2a is not None:
             comps.append(Component("a2a_s", k, stage_a2a[k], measured[1], "s"))
-    return Calibration(tuple(comps), len(steps), source)
+    return Calibration(tuple(comps), len(steps), source, note)
 
 
-def _predicted_stage_a2a(plan: Plan, cluster: ClusterSpec | None):
-    """Per-stage all-to-all seconds per step from the resource model, and where they came from."""
+def _re_estimate(plan: Plan, cluster: ClusterSpec | None, reprice: Repricing | None):
+    """The resource model's Estimate of the plan (None when it fails), and the source line."""
     try:
-        est = estimate_plan(plan, cluster)
+        est = estimate_plan(plan, cluster, reprice)
     except (SpecError, KeyError, TypeError, ValueError, ImportError) as exc:
         log.warning("per-stage re-estimate failed: %s", exc)
         return None, f"plan.json only (re-estimate failed: {exc})"
-    m = plan.parallel.num_microbatches
-    out = [m * sum(s for n, s in st.time_s if n.startswith("a2a")) for st in est.stages]
-    return out, "resource model"
+    return est, "resource model"
+
+
+def _stage_a2a(est: Any, num_microbatches: int) -> list[float]:
+    """All-to-all seconds per step of each stage: exposed (time_s) and hidden behind compute
+    (hidden_s) per micro-batch, as the runtime's dispatch_s + combine_s times both."""
+    return [
+        num_microbatches * sum(s for n, s in (*st.time_s, *st.hidden_s) if n.startswith("a2a"))
+        for st in est.stages
+    ]
 
 
 def plan_inputs(plan: Plan, cluster: ClusterSpec | None = None):
@@ -137,12 +157,17 @@ def plan_inputs(plan: Plan, cluster: ClusterSpec | None = None):
     return model, cluster, TrainingSpec(**tr), plan.parallel.config()
 
 
-def estimate_plan(plan: Plan, cluster: ClusterSpec | None = None):
-    """The resource model's Estimate for the plan's layout and layer split."""
+def estimate_plan(plan: Plan, cluster: ClusterSpec | None = None, reprice: Repricing | None = None):
+    """The resource model's Estimate for the plan's layout and layer split, priced as the
+    plan was or as `reprice` says."""
     from planner.resources.cost import estimate
 
     model, cl, training, parallel = plan_inputs(plan, cluster)
-    dispatcher = plan.extra.get("dispatcher", "flat") if isinstance(plan.extra, dict) else "flat"
+    extra = plan.extra if isinstance(plan.extra, dict) else {}
+    dispatcher = extra.get("dispatcher", "flat")
+    if reprice is not None:
+        dispatcher = reprice.dispatcher
+        training = replace(training, a2a_overlap=reprice.a2a_overlap)
     return estimate(
         model,
         cl,

@@ -6,7 +6,8 @@ Two modes (planner/PROFILING.md):
   runs' throughput; prints the constants before and after, the fit's and the leave-one-out
   errors; writes the fitted cluster profile.
 - `piper calibrate PLAN METRICS [--out DIR] [--write-profile OUT]`: predicted vs measured
-  per component for one `piper run`.
+  per component for one `piper run`; where the run's run.json records another dispatcher or
+  layout than the plan priced, one line says so and the dispatcher is repriced.
 """
 
 from __future__ import annotations
@@ -93,13 +94,22 @@ def run_compare(args: argparse.Namespace) -> int:
     from planner.calibrate.compare import calibrate, fit_profile, plan_inputs
     from planner.calibrate.metrics import load_metrics
     from planner.calibrate.report import calibration_csv, calibration_markdown, calibration_png
+    from planner.calibrate.run_settings import (
+        differences_line,
+        load_run_info,
+        repricing,
+        run_differences,
+    )
     from planner.inputs.clusters import load_cluster
     from planner.plan import load_plan
 
     plan = load_plan(args.plan)
     metrics = load_metrics(args.metrics)
     cluster = load_cluster(args.cluster) if args.cluster else None
-    cal = calibrate(plan, metrics, args.skip_steps, cluster)
+    differences = run_differences(plan, load_run_info(args.metrics))
+    reprice = repricing(plan, differences)
+    note = differences_line(differences, reprice, bool(plan.training.get("a2a_overlap")))
+    cal = calibrate(plan, metrics, args.skip_steps, cluster, reprice, note)
     table = calibration_markdown(cal)
     out = Path(args.out) if args.out else Path(args.metrics).parent
     files: dict[str, str | bytes] = {

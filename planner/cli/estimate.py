@@ -254,7 +254,7 @@ def _files(data: dict) -> dict[str, str]:
 
 
 def _table(d: dict) -> str:
-    from planner.outputs.numbers import number, percent
+    from planner.numbers import number, percent
 
     par, tr = d["parallel"], d["training"]
     rc = par["recompute"]

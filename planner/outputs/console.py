@@ -26,7 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from planner.outputs.numbers import EMPTY, number
+from planner.numbers import EMPTY, number
 
 PIPE_WIDTH = 200  # columns of a table printed to a pipe or a file
 Update = Callable[[int, int | None], None]  # (done, total or None to keep it)
@@ -66,7 +66,7 @@ def print_table(
     title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], stderr: bool = False
 ) -> None:
     """A rich table under an optional title line: one header per column, numbers
-    right-aligned; numeric cells written by planner.outputs.numbers.number, text as given."""
+    right-aligned; numeric cells written by planner.numbers.number, text as given."""
     out = console(stderr)
     if title:
         out.print(title)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from planner.outputs.numbers import number, percent
+from planner.numbers import number, percent
 from planner.outputs.tables import (
     CANDIDATE_DIGITS,
     COMM_DIGITS,

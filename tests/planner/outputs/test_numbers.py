@@ -1,4 +1,4 @@
-"""The number formatter people read (planner.outputs.numbers) and where it is used: `piper plan`'s
+"""The number formatter people read (planner.numbers) and where it is used: `piper plan`'s
 summary and baseline table, summary.md, `piper estimate`, rich tables."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from planner.cli import main
+from planner.numbers import number, percent
 from planner.outputs.console import print_table
-from planner.outputs.numbers import number, percent
 from planner.parallel import ParallelConfig
 from planner.search.baselines import outside_search
 from planner.search.space import Knobs, make_space
