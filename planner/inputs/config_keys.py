@@ -88,15 +88,21 @@ IGNORED_KEYS = frozenset({
 def check_key_typos(cfg: dict[str, Any], where: str) -> None:
     """Raise a SpecError for the first key of `cfg` (or of DBRX's nested sections) that is
     unknown and a near miss of a key Piper reads; other unknown keys are left alone."""
-    _check(cfg, READ_KEYS, IGNORED_KEYS, where, "")
+    reject_near_misses(cfg, READ_KEYS, IGNORED_KEYS, where)
     for section, read in NESTED_READ_KEYS.items():
         if isinstance(cfg.get(section), dict):
-            _check(cfg[section], read, NESTED_IGNORED_KEYS, where, f"{section}.")
+            reject_near_misses(cfg[section], read, NESTED_IGNORED_KEYS, where, f"{section}.")
 
 
-def _check(
-    cfg: dict[str, Any], read: frozenset[str], ignored: frozenset[str], where: str, prefix: str
+def reject_near_misses(
+    cfg: dict[str, Any],
+    read: frozenset[str],
+    ignored: frozenset[str] = frozenset(),
+    where: str = "config",
+    prefix: str = "",
 ) -> None:
+    """Raise a SpecError for the first key of `cfg` outside `read` and `ignored` that is a near
+    miss of one in `read`; `prefix` names the section in the message."""
     targets = sorted(read)
     for key in cfg:
         if not isinstance(key, str) or key in read or key in ignored:
@@ -105,5 +111,5 @@ def _check(
         if close:
             raise SpecError(
                 f"{where}: unknown key '{prefix}{key}'; did you mean '{prefix}{close[0]}'? "
-                "rename it (Piper would otherwise build the model without it)"
+                "rename it (an unknown key is ignored)"
             )

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from planner.inputs.config_keys import reject_near_misses
 from planner.inputs.families import MAX_LAYERS, build_model, check_model
 from planner.inputs.hf_config import ConfigReader
 from planner.inputs.json_errors import json_error_line
@@ -30,6 +31,10 @@ PIPER_KEY = "_piper"  # Piper's metadata inside a preset: published counts and t
 COUNT_UNITS = {"1": 1.0, "1e9": 1e9, "1e12": 1e12, "2**30": float(2**30)}
 TOTAL_BASES = ("total", "no_embeddings", "total_with_mtp")
 ACTIVE_BASES = ("active", "active_no_input_embedding", "active_no_embeddings")
+PIPER_META_KEYS = frozenset({
+    "published_total_params", "published_active_params", "count_unit", "count_basis",
+    "active_basis", "source", "tolerance_pct", "note",
+})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,7 @@ def published_counts(cfg: dict[str, Any], where: str = "config") -> PublishedCou
         return None
     r = ConfigReader(cfg[PIPER_KEY], where, f"{PIPER_KEY}.")
     meta = r.cfg
+    reject_near_misses(meta, PIPER_META_KEYS, where=where, prefix=f"{PIPER_KEY}.")
     unit = str(meta.get("count_unit", "1"))
     if unit not in COUNT_UNITS:
         raise r.error("count_unit", f"is '{unit}'", f"use one of {', '.join(COUNT_UNITS)}")

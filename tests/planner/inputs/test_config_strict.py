@@ -108,7 +108,7 @@ def test_misspelt_expert_width_is_an_error_with_the_suggestion(tmp_path, capsys)
     assert code == 2
     assert err == (
         f"piper model-info: error: {path}: unknown key 'moe_intermediate_sise'; did you mean "
-        "'moe_intermediate_size'? rename it (Piper would otherwise build the model without it)\n"
+        "'moe_intermediate_size'? rename it (an unknown key is ignored)\n"
     )
 
 
@@ -120,7 +120,7 @@ def test_misspelt_expert_count_in_a_user_config_is_an_error(tmp_path, capsys):
     assert code == 2
     assert err == (
         f"piper model-info: error: {path}: unknown key 'num_expert'; did you mean "
-        "'num_experts'? rename it (Piper would otherwise build the model without it)\n"
+        "'num_experts'? rename it (an unknown key is ignored)\n"
     )
 
 
@@ -231,3 +231,15 @@ def test_a_config_without_model_type_warns_too(caplog):
     assert record.levelname == "WARNING"
     assert record.getMessage().startswith("m.json: no model_type; read it as a generic MoE model")
     assert "took hidden_size=64," in record.getMessage()
+
+
+def test_misspelt_published_count_is_an_error(tmp_path, capsys):
+    cfg = _preset("mixtral-8x7b")
+    cfg["_piper"]["published_total_param"] = cfg["_piper"].pop("published_total_params")
+    path = _write(tmp_path, cfg)
+    code, err = _model_info(capsys, path)
+    assert code == 2
+    assert err == (
+        f"piper model-info: error: {path}: unknown key '_piper.published_total_param'; did you "
+        "mean '_piper.published_total_params'? rename it (an unknown key is ignored)\n"
+    )
