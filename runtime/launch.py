@@ -23,6 +23,7 @@ import torch.distributed as dist
 from planner.outputs.files import write_files
 from planner.run.options import LAUNCH_MODULE, RunOptions, add_run_arguments
 from planner.run.spec import RunSpec, spec_from_options
+from runtime.checkpoint import CheckpointOptions
 from runtime.dispatch.factory import make_dispatcher
 from runtime.metrics import ByteCounter
 from runtime.migrate import MigrationPolicy, plan_migration
@@ -157,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"world size {dist.get_world_size()} != plan's pp*dp*tp = {spec.world}")
     rank = dist.get_rank()
     t0 = time.perf_counter()
-    result = train(build_trainer(spec, rank, device, migration), plot=True)
+    checkpoints = None
+    if options.checkpoint_dir:
+        every, resume = options.checkpoint_every, options.resume
+        checkpoints = CheckpointOptions(options.checkpoint_dir, every, resume)
+    result = train(build_trainer(spec, rank, device, migration), plot=True, checkpoints=checkpoints)
     if rank == 0:
         files = dict(result.files)
         files["run.json"] = json.dumps(_run_info(spec), indent=2, sort_keys=True) + "\n"

@@ -13,12 +13,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from planner.migration import MigrationOptions
 from planner.run.spec import EMPTY, RunSpec
+from runtime.checkpoint import Checkpointer, CheckpointOptions
 from runtime.data import sample_batch
 from runtime.dispatch.local import LocalDispatcher
 from runtime.metrics import (
@@ -49,6 +51,7 @@ class RunResult:
     expert_state: dict = field(default_factory=dict)  # (layer, expert) -> packed tensors
     placements: dict = field(default_factory=dict)  # run layer -> ep_idx per expert
     slots: dict = field(default_factory=dict)  # run layer -> experts of each ep_idx's slots
+    checkpoint: Path | None = None  # the newest checkpoint saved (rank 0)
 
 
 def _stage_tokens(module: StageModule, mesh: Mesh) -> torch.Tensor:
@@ -211,16 +214,25 @@ class Trainer:
         return loss, record, rows
 
 
-def train(trainer: Trainer, fail_migration_at: int = -1, plot: bool = False) -> RunResult:
+def train(
+    trainer: Trainer,
+    fail_migration_at: int = -1,
+    plot: bool = False,
+    checkpoints: CheckpointOptions | None = None,
+) -> RunResult:
     """Run spec.steps optimizer steps on this rank (process group already initialized).
 
     Rank 0 gathers every rank's record each step and logs the step's loss; its result holds
     metrics.jsonl, trace.csv and (with `plot`) loss.png.
     fail_migration_at: inject a failed migration after that step (tests).
+    checkpoints: save them (runtime/checkpoint.py) and, with `resume`, start from the newest
+    intact one: its steps are not run again, its metrics lines and trace rows are kept.
     """
     spec, rank = trainer.spec, trainer.rank
-    result, lines, trace = RunResult(), [], {}
-    for step in range(spec.steps):
+    saver = Checkpointer(checkpoints, trainer) if checkpoints else None
+    start, lines, trace = saver.restore() if saver else (0, [], {})
+    result = RunResult()
+    for step in range(start, spec.steps):
         loss, record, rows = trainer.step(step, fail_migration_at)
         for interval, layer, expert, tokens in rows:  # summed over trace_every steps
             key = (interval, layer, expert)
@@ -236,13 +248,27 @@ def train(trainer: Trainer, fail_migration_at: int = -1, plot: bool = False) -> 
                 lines[-1]["loss"],
                 lines[-1]["step_time_s"],
             )
+        if saver:
+            saver.after_step(step, lines, trace)
+    if saver:
+        result.checkpoint = saver.wait()
+    _finish(trainer, result, lines, trace, plot)
+    return result
+
+
+def _finish(trainer: Trainer, result: RunResult, lines: list, trace: dict, plot: bool) -> None:
+    """Rank 0's files; every rank's expert state, placements and slot tables."""
+    spec, rank = trainer.spec, trainer.rank
     all_rows = _gather([(*k, v) for k, v in trace.items()], rank)
     if rank == 0:
+        summed: dict = {}  # a resumed run's restored rows may share an interval with new ones
+        for *key, tokens in (r for rows in all_rows for r in rows):
+            summed[tuple(key)] = summed.get(tuple(key), 0) + tokens
         result.files = {
             "metrics.jsonl": "".join(json.dumps(d, sort_keys=True) + "\n" for d in lines),
-            "trace.csv": trace_csv([r for rows in all_rows for r in rows]),
+            "trace.csv": trace_csv([(*k, v) for k, v in summed.items()]),
         }
-        png = loss_plot_png(lines) if plot else None
+        png = loss_plot_png(lines) if plot and lines else None
         if png is not None:
             result.files["loss.png"] = png
     mesh, module = trainer.mesh, trainer.module
@@ -257,7 +283,6 @@ def train(trainer: Trainer, fail_migration_at: int = -1, plot: bool = False) -> 
         layer: [list(row) for row in m.slots.reorder(to_plan).slots_RS]
         for layer, m in module.moe_layers().items()
     }
-    return result
 
 
 def _expert_state(module: StageModule, optimizer, mesh: Mesh) -> dict:

@@ -57,6 +57,13 @@ class RunOptions:
     router_bias_rate: float = _flag(
         0.0, "aux-loss-free balancing: router bias step per update (0 = off)", metavar="R"
     )
+    checkpoint_dir: str | None = _flag(
+        None, "save checkpoints (torch.distributed.checkpoint) under D", metavar="D"
+    )
+    checkpoint_every: int = _flag(
+        0, "checkpoint every N steps and after the last (0 = after the last only)", metavar="N"
+    )
+    resume: bool = _flag(False, "continue from the newest intact checkpoint in --checkpoint-dir")
     force: bool = _flag(
         False,
         "run even if the model or cluster changed since planning, or the processes may "
@@ -88,6 +95,10 @@ class RunOptions:
                 raise SpecError(
                     f"{_flag_name(name)} must be >= 1, got {value}; leave it out for the default"
                 )
+        if self.checkpoint_every < 0:
+            raise SpecError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise SpecError("--checkpoint-every and --resume need --checkpoint-dir D")
         if not self.lr > 0:
             raise SpecError(f"--lr must be a positive learning rate, got {self.lr}")
 

@@ -1,0 +1,123 @@
+"""Checkpoints on torch.distributed.checkpoint: a run resumed from one trains exactly as the
+run that never stopped, migration crossing the boundary; another plan of the same model
+reads it; a corrupt or partial checkpoint is refused and the one before is used."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from planner.run.checkpoint_dir import (
+    MANIFEST,
+    checkpoints,
+    newest_valid,
+    problem,
+    read_state,
+    resume_point,
+    step_dir,
+)
+from planner.specs import SpecError
+from runtime.checkpoint import CheckpointOptions
+from runtime.data import load_corpus
+from runtime.launch import build_trainer  # imported here, not in each forked rank: fast
+from runtime.migrate import MigrationPolicy
+from runtime.train import train
+from tests.runtime.tiny_plans import rotate_policy, tiny_spec
+
+pytestmark = pytest.mark.slow  # one module fixture: three 2-rank runs, 40 steps, ~15 s
+
+
+def _body(rank, world, spec, options, policy=None):
+    migration = MigrationPolicy(choose=policy) if policy else MigrationPolicy()
+    saves = CheckpointOptions(*options) if options else None
+    r = train(build_trainer(spec, rank, migration=migration), checkpoints=saves)
+    state = {k: v.numpy().copy() for k, v in r.expert_state.items()}
+    return r.losses, r.files, state, r.slots, str(r.checkpoint)
+
+
+def _losses(files) -> list[float]:
+    return [json.loads(x)["loss"] for x in files["metrics.jsonl"].splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight_and_resumed(tmp_path_factory):
+    """dp = ep = 2, rotate every 3 steps: 20 steps straight, and 10 + resume to 20."""
+    from tests.runtime.conftest import run_distributed
+
+    load_corpus()
+    root = tmp_path_factory.mktemp("ckpt")
+    spec = tiny_spec(pp=1, dp=2, ep=2, ranks_per_node=2, steps=20, layers=3, migrate_every=3)
+    first = tiny_spec(pp=1, dp=2, ep=2, ranks_per_node=2, steps=10, layers=3, migrate_every=3)
+    straight = run_distributed(_body, 2, spec, None, rotate_policy, timeout_s=120)
+    part = run_distributed(_body, 2, first, (str(root), 5, False), rotate_policy, timeout_s=120)
+    resumed = run_distributed(_body, 2, spec, (str(root), 0, True), rotate_policy, timeout_s=120)
+    return spec, root, straight, part, resumed
+
+
+def test_ten_steps_and_a_resume_train_bitwise_like_twenty_straight(straight_and_resumed):
+    spec, root, straight, part, resumed = straight_and_resumed
+    # checkpoints after 5 and 10 steps; the resumed run left one after 20 (newest 2 kept)
+    assert [p.name for p in checkpoints(root)] == ["step-000020", "step-000010"]
+    assert part[0][4] == str(step_dir(root, 10))
+    assert len(resumed[0][0]) == 10  # steps 10..19 only were run
+    assert _losses(resumed[0][1]) == _losses(straight[0][1])  # bitwise, all 20 lines
+    assert resumed[0][0] == straight[0][0][10:]
+    # rotations after steps 3, 6, 9 (before the checkpoint) and 12, 15, 18 (after)
+    moved = [json.loads(x)["migrated_experts"] for x in resumed[0][1]["metrics.jsonl"].splitlines()]
+    assert [i for i, m in enumerate(moved) if m] == [2, 5, 8, 11, 14, 17]
+    assert resumed[0][1]["trace.csv"] == straight[0][1]["trace.csv"]
+    for a, b in zip(straight, resumed, strict=True):
+        assert a[3] == b[3]  # the same slot tables at the end
+        assert a[2].keys() == b[2].keys()
+        for key in a[2]:  # every expert's weights, grads and Adam moments, bitwise
+            assert (a[2][key] == b[2][key]).all(), key
+    state = read_state(step_dir(root, 10))
+    assert state["step"] == 10 and len(state["lines"]) == 10
+    # after 3 rotations of 2 ranks every expert sits on the other rank
+    assert state["slots"]["1"][0] == [[4, 5, 6, 7], [0, 1, 2, 3]]
+
+
+def test_another_plan_of_the_model_resumes_from_the_checkpoint(straight_and_resumed, tmp_path):
+    """ep = 1 (every expert on both dp ranks) reads the dp = ep = 2 checkpoint taken with
+    the experts rotated: DCP hands each rank the tensors its keys name. (dp stays 2: the
+    data is sharded by data-parallel rank.)"""
+    from tests.runtime.conftest import run_distributed
+
+    spec, root, straight, _, _ = straight_and_resumed
+    shutil.copytree(step_dir(root, 10), step_dir(tmp_path, 10))
+    other = tiny_spec(pp=1, dp=2, ep=1, ranks_per_node=2, steps=20, layers=3)
+    out = run_distributed(_body, 2, other, (str(tmp_path), 0, True), None, timeout_s=120)
+    losses = _losses(out[0][1])
+    assert losses[:10] == _losses(straight[0][1])[:10]  # the lines it resumed with
+    # the same math; the expert gradients are summed in another order
+    assert losses[10:] == pytest.approx(_losses(straight[0][1])[10:], rel=1e-5, abs=1e-5)
+
+
+def test_a_corrupt_or_partial_checkpoint_is_refused_and_the_one_before_used(
+    straight_and_resumed, tmp_path
+):
+    spec, root, *_ = straight_and_resumed
+    for step in (10, 20):
+        shutil.copytree(step_dir(root, step), step_dir(tmp_path, step))
+    newest = step_dir(tmp_path, 20)
+    victim = sorted(newest.glob("*.distcp"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte flipped
+    victim.write_bytes(bytes(data))
+    path, refused = newest_valid(tmp_path)
+    assert path == step_dir(tmp_path, 10)
+    assert refused == [
+        f"checkpoint {newest} refused: file {victim.name} does not match its SHA-256 in "
+        f"{MANIFEST}; trying the one before"
+    ]
+    (newest / MANIFEST).unlink()  # as a crash before the manifest would leave it
+    assert problem(newest) == f"{MANIFEST} missing or unreadable (a partial checkpoint)"
+    assert resume_point(str(tmp_path), spec)[:2] == (step_dir(tmp_path, 10), 10)
+    with pytest.raises(SpecError, match="has 10 steps done and --steps is 10; raise --steps"):
+        resume_point(str(tmp_path), tiny_spec(pp=1, dp=2, ep=2, ranks_per_node=2, steps=10,
+                                              layers=3))  # fmt: skip
+    shutil.rmtree(step_dir(tmp_path, 10))
+    with pytest.raises(SpecError, match="no intact checkpoint in"):
+        resume_point(str(tmp_path), spec)
