@@ -82,6 +82,12 @@ FAMILIES: dict[str, FamilyTraits] = {
     "moe": FamilyTraits("moe", expert_ffn_keys=EITHER_FFN),
     "dense": FamilyTraits("dense", expert_ffn_keys=EITHER_FFN),
 }
+_OWN_EXPERTS_KEY = dict.fromkeys(
+    ("qwen2_moe", "qwen3_moe", "olmoe", "grok-1", "moe"), "num_experts"
+)
+_OWN_EXPERTS_KEY.update(
+    dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2"), "n_routed_experts")
+)
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "dense")
 _ALIASES = {"llama4_text": "llama4", "grok": "grok-1", "grok1": "grok-1", "phi_moe": "phimoe"}
 
@@ -211,7 +217,8 @@ def _moe_pattern(r: ConfigReader, num_layers: int) -> list[bool]:
 
 
 def _moe_spec(r: ConfigReader, t: FamilyTraits, gated: bool) -> MoESpec:
-    experts = r.int(EXPERTS_KEYS)
+    own = _OWN_EXPERTS_KEY.get(t.family, "num_local_experts")  # first: named when missing
+    experts = r.int((own, *(k for k in EXPERTS_KEYS if k != own)))
     top_k = r.int(TOP_K_KEYS)
     if top_k > experts:
         raise r.error(r.first_key(TOP_K_KEYS) or "top_k", f"({top_k}) exceeds the {experts} "

@@ -243,3 +243,16 @@ def test_misspelt_published_count_is_an_error(tmp_path, capsys):
         f"piper model-info: error: {path}: unknown key '_piper.published_total_param'; did you "
         "mean '_piper.published_total_params'? rename it (an unknown key is ignored)\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("preset", "key"),
+    [("qwen3-30b-a3b", "num_experts"), ("deepseek-v3", "n_routed_experts"),
+     ("mixtral-8x7b", "num_local_experts")],
+)  # fmt: skip
+def test_a_missing_expert_count_names_the_familys_own_key_first(tmp_path, capsys, preset, key):
+    cfg = _preset(preset)
+    cfg.pop(key)
+    code, err = _model_info(capsys, _write(tmp_path, cfg))
+    assert code == 2
+    assert err.split(": missing key ")[1].startswith(f"'{key}' or ")
