@@ -28,6 +28,7 @@ COMMANDS = (
     "profile",
     "calibrate",
     "export",
+    "place",
 )
 
 

@@ -1,0 +1,154 @@
+"""`piper place`: the rank IP on the nodes Slurm allocated, priced against the plain Slurm order
+and a compact allocation; bad inputs are one line; the sbatch script places at job start and
+falls back to the plan's order with a warning."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from planner.inputs.clusters import load_cluster
+from planner.inputs.hostlist import expand_hostlist
+from planner.inputs.models import load_model
+from planner.inputs.slurm_topology import allocation_of
+from planner.ip.solvers import SolverOptions
+from planner.outputs.export.slurm import slurm_script
+from planner.plan import load_plan
+from planner.run.place import place_plan
+from planner.search.make_plan import make_plan
+from planner.specs import TrainingSpec
+from tests.hardening_cli import run_piper
+
+# Two dragonfly groups whose switches hold alternate host names: Slurm's sorted order puts
+# every pair of consecutive hosts in different groups.
+INTERLEAVED = """\
+SwitchName=s0 Nodes=tux[1,3,5,7]
+SwitchName=s1 Nodes=tux[2,4,6,8]
+SwitchName=s2 Nodes=tux[9-16]
+SwitchName=g0 Switches=s0
+SwitchName=g1 Switches=s[1-2]
+"""
+
+
+@pytest.fixture(scope="module")
+def frontier_plan(tmp_path_factory) -> Path:
+    """weak-16e on 8 Frontier nodes: pp 4, each stage's EP group of 16 on 2 nodes."""
+    result = make_plan(
+        load_model("weak-16e"),
+        load_cluster("frontier"),
+        TrainingSpec(seq_len=1024, global_batch=64),
+        64,
+        {"tp": 1, "ep": 16},
+        SolverOptions("cpsat", 5.0, 1, 0),
+    )
+    assert result.plan is not None, result.message
+    assert (result.plan.parallel.pp, result.plan.parallel.ep) == (4, 16)
+    folder = tmp_path_factory.mktemp("place")
+    (folder / "plan.json").write_text(result.plan.to_json())
+    (folder / "topology.conf").write_text(INTERLEAVED)
+    return folder
+
+
+def test_placement_beats_the_slurm_order_and_compact_reproduces_the_plan(frontier_plan):
+    plan = load_plan(frontier_plan / "plan.json")
+    topology = str(frontier_plan / "topology.conf")
+    alloc = allocation_of(expand_hostlist("tux[1-8]"), topology, "frontier")
+    placement = place_plan(plan, alloc, SolverOptions("cpsat", 5.0, 1, 0))
+    assert placement.compact.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
+    assert placement.compact.crossings == ()
+    # the Slurm order splits every EP and data-parallel group over the two groups
+    assert placement.slurm_order.crossings == ("a2a+dp+fsdp: switch -> system",)
+    # placement keeps them on one switch; only pipeline neighbours cross
+    assert placement.placed.crossings == ("p2p: switch -> system",)
+    assert placement.chosen is placement.placed
+    gain = placement.slurm_order.step_time_s / placement.placed.step_time_s
+    assert gain > 1.1, gain
+    switch_of = {n.hostname: n.switch for n in alloc.nodes}
+    hosts = placement.placed.hosts
+    for stage in range(4):  # the 16 ranks of a stage: one switch
+        assert len({switch_of[h] for h in hosts[16 * stage : 16 * stage + 16]}) == 1
+    assert placement.placed.local_ranks == tuple(r % 8 for r in range(64))
+
+
+def test_cli_writes_hostfile_and_report(frontier_plan, tmp_path):
+    out = tmp_path / "placement"
+    argv = ["place", str(frontier_plan / "plan.json"), "--nodelist", "tux[1-8]",
+            "--topology", str(frontier_plan / "topology.conf"), "--out", str(out)]  # fmt: skip
+    result = run_piper(argv)
+    assert result.code == 0, result.stderr
+    assert result.stdout.startswith("placed: step ")
+    hosts = (out / "hostfile").read_text().splitlines()
+    assert len(hosts) == 64 and set(hosts) == {f"tux{i}" for i in range(1, 9)}
+    assert (out / "local_ranks").read_text().split() == [str(r % 8) for r in range(64)]
+    report = (out / "placement.md").read_text()
+    assert "| slurm order |" in report and "a2a+dp+fsdp: switch -> system" in report
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "topology", "field"),
+    [
+        ("tux[1-8", "topology.conf", "'[' without ']'"),
+        ("tux[1-7],tux17", "topology.conf", "node 'tux17'"),
+        ("tux[1-7]", "topology.conf", "7 nodes but the plan uses 8"),
+        ("tux[1-8]", "missing.conf", "no such topology file"),
+        ("tux[1-8]", None, "no network position for host 'tux1'"),
+    ],
+)
+def test_bad_input_is_one_line(frontier_plan, tmp_path, nodelist, topology, field):
+    out = tmp_path / "out"
+    argv = ["place", str(frontier_plan / "plan.json"), "--nodelist", nodelist, "--out", str(out)]
+    if topology:
+        argv += ["--topology", str(frontier_plan / topology)]
+    result = run_piper(argv)
+    assert result.code == 2, result.stderr
+    assert len(result.err_lines) == 1 and "Traceback" not in result.stderr
+    assert result.err_lines[0].startswith("piper place: error: ")
+    assert field in result.err_lines[0]
+    assert not out.exists()
+
+
+def _job(tmp_path: Path, plan_dir: Path, topology: str | None) -> subprocess.CompletedProcess:
+    """The exported sbatch script run in a fake allocation of tux[1-8]."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fakes = {
+        "scontrol": "#!/bin/bash\n" + "".join(f"echo tux{i}\n" for i in range(1, 9)),
+        "srun": "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+        'for ((i = 0; i < WORLD_SIZE; i += 16)); do SLURM_PROCID=$i "$@"; done\n',
+    }
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    plan = load_plan(plan_dir / "plan.json")
+    script = tmp_path / "job.sbatch"
+    cmd = "sh -c 'echo task $RANK $LOCAL_RANK $MASTER_ADDR'"
+    script.write_text(slurm_script(plan, str(plan_dir / "plan.json"), cmd)[0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PIPER_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="tux[1-8]",
+               PIPER_HOSTFILE=str(tmp_path / "hostfile"), PIPER_PLACE_TIME_LIMIT_S="5")  # fmt: skip
+    if topology:
+        env["PIPER_TOPOLOGY"] = topology
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+
+
+def test_sbatch_places_at_job_start_and_falls_back(frontier_plan, tmp_path):
+    run = _job(tmp_path, frontier_plan, str(frontier_plan / "topology.conf"))
+    assert run.returncode == 0, run.stderr
+    assert "WARNING" not in run.stderr
+    placed = (tmp_path / "hostfile.placement" / "hostfile").read_text()
+    assert (tmp_path / "hostfile").read_text() == placed
+    first = placed.split()[0]
+    assert run.stdout.split("\n")[:4] == [f"task {r} 0 {first}" for r in (0, 16, 32, 48)]
+    # without a topology, placement fails: one warning, the plan's order on Slurm's list
+    run = _job(tmp_path, frontier_plan, None)
+    assert run.returncode == 0, run.stderr
+    assert "piper: WARNING: placement failed" in run.stderr
+    assert "no network position for host 'tux1'" in run.stderr
+    plan = json.loads((frontier_plan / "plan.json").read_text())
+    nodes = [r["node"] for r in sorted(plan["ranks"], key=lambda r: r["rank"])]
+    assert (tmp_path / "hostfile").read_text().split() == [f"tux{n + 1}" for n in nodes]
