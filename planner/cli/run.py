@@ -21,6 +21,7 @@ from typing import Any
 
 from planner.outputs.console import progress
 from planner.plan import Plan, load_plan
+from planner.run.checkpoint_dir import check_checkpointable, checkpoints, resume_point
 from planner.run.migration import run_move_costs
 from planner.run.options import RunOptions, add_run_arguments
 from planner.run.spec import checked_spec
@@ -150,6 +151,20 @@ def _train(cmd: list[str], env: dict[str, str], out: Path, steps: int) -> int:
     return code
 
 
+def _check_checkpoints(options: RunOptions, spec) -> None:
+    """The layout can be checkpointed; with --resume, a checkpoint to continue from (newer
+    corrupt or partial ones are named on stderr, the launcher skips them as well)."""
+    try:
+        check_checkpointable(spec)
+        if options.resume:
+            path, done, refused = resume_point(options.checkpoint_dir, spec)
+            for line in refused:
+                print(f"piper run: {line}", file=sys.stderr)
+            print(f"piper run: resuming from {path} ({done} steps done)", flush=True)
+    except SpecError as exc:
+        raise SpecError(f"{options.plan}: {exc}") from None
+
+
 def _launch_cmd(options: RunOptions, world: int) -> list[str]:
     """torchrun (standalone, one machine) running runtime.launch with the run's options."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -173,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
             run_move_costs(load_plan(options.plan), spec, options.plan)
         except SpecError as exc:
             raise SpecError(f"{options.plan}: {exc}") from None
+    if options.checkpoint_dir:
+        _check_checkpoints(options, spec)
     if not options.force:
         _check_memory(spec.world)
     print(
@@ -188,5 +205,6 @@ def run(args: argparse.Namespace) -> int:
     if code != 0:
         print(f"piper run: training failed (torchrun exit {code})", file=sys.stderr)
         return 1
-    print(f"piper run: {_summary(options.out_dir)}")
+    saved = checkpoints(options.checkpoint_dir) if options.checkpoint_dir else []
+    print(f"piper run: {_summary(options.out_dir, str(saved[0]) if saved else None)}")
     return 0

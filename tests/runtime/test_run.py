@@ -83,6 +83,8 @@ def test_migration_priced_from_a_cluster_that_cannot_load_is_one_line(tmp_path, 
         (["--nproc", "0"], 1, "--nproc must be >= 1"),
         (["--ranks-per-node", "0"], 1, "--ranks-per-node must be >= 1"),
         (["--lr", "-1"], 1, "--lr must be a positive"),
+        (["--resume"], 1, "--checkpoint-every and --resume need --checkpoint-dir D"),
+        (["--checkpoint-dir", "no-ckpt", "--resume"], 1, "--resume: no intact checkpoint in"),
     ],
 )
 def test_bad_runs_exit_2_with_one_line(tmp_path, capsys, args, tp, msg):
@@ -151,6 +153,7 @@ def test_one_run_options_builds_both_parsers_and_the_torchrun_line():
     argv += ["--dispatcher", "flat", "--migrate-every", "3", "--out", "o", "--seed", "5"]
     argv += ["--lr", "0.01", "--trace-every", "2", "--halo-direct-below-bytes", "0"]
     argv += ["--router-bias-rate", "0.5", "--nproc", "8", "--force"]
+    argv += ["--checkpoint-dir", "ck", "--checkpoint-every", "5", "--resume"]
     options = RunOptions.from_args(cli.parse_args(argv))
     assert (options.plan, options.steps, options.nproc, options.force) == ("p.json", 7, 8, True)
     cmd = _launch_cmd(options, 8)
@@ -166,6 +169,7 @@ def test_one_run_options_builds_both_parsers_and_the_torchrun_line():
     assert defaults == RunOptions("p.json")
     want = "--plan p.json --steps 30 --scale 1.0 --dispatcher halo --migrate-every 0 --seed 0"
     want += " --lr 0.003 --trace-every 1 --halo-direct-below-bytes -1 --router-bias-rate 0.0"
+    want += " --checkpoint-every 0"
     assert defaults.to_launch_argv() == ["-m", "runtime.launch", *want.split()]
     assert str(defaults.out_dir).endswith("/run") and options.out_dir.name == "o"
 
@@ -233,9 +237,9 @@ def test_piper_run_end_to_end_through_torchrun(tmp_path, capsys):
         )
         == 0
     )
-    rc = main(
-        ["run", str(plan_dir / "plan.json"), "--steps", "4", "--scale", "0.5", "--out", str(out)]
-    )
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+    plan = str(plan_dir / "plan.json")
+    rc = main(["run", plan, "--steps", "4", "--scale", "0.5", "--out", str(out), *ckpt])
     assert rc == 0, capsys.readouterr().err
     lines = load_metrics(out / "metrics.jsonl")
     assert len(lines) == 4 and lines[-1]["loss"] < lines[0]["loss"]
@@ -247,6 +251,13 @@ def test_piper_run_end_to_end_through_torchrun(tmp_path, capsys):
     assert "4 steps: loss" in printed
     tokens = run["dp"] * run["micro_batch"] * run["num_microbatches"] * run["seq_len"]
     assert f"seq=32, {tokens:,} tokens per step" in printed  # the size of a step, up front
+    assert f"; checkpoint {tmp_path / 'ckpt' / 'step-000004'}; wrote" in printed
+    # two more steps from the checkpoint after step 4: metrics.jsonl holds all six
+    more = ["run", plan, "--steps", "6", "--scale", "0.5", "--out", str(tmp_path / "more")]
+    assert main([*more, *ckpt, "--resume"]) == 0, capsys.readouterr().err
+    resumed = load_metrics(tmp_path / "more" / "metrics.jsonl")
+    assert [d["loss"] for d in resumed[:4]] == [d["loss"] for d in lines]
+    assert len(resumed) == 6 and "resuming from" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -330,3 +341,14 @@ def test_the_run_summary_counts_migrations_their_copies_and_bytes(tmp_path):
     still = [{**x, "migrated_experts": 0, "bytes_by_kind": {}} for x in lines]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in still))
     assert "; 0 migrations moved 0 expert copies (0 B); wrote " in _summary(tmp_path)
+
+
+def test_checkpoints_are_refused_for_layouts_that_split_weights():
+    from planner.run.checkpoint_dir import check_checkpointable
+    from tests.runtime.tiny_plans import tiny_spec
+
+    spec = tiny_spec(pp=1, dp=2, ep=2, ranks_per_node=2)
+    check_checkpointable(spec)  # whole weights: fine
+    for split in ({"tp": 2}, {"etp": 2}, {"fsdp": True}):
+        with pytest.raises(SpecError, match="--checkpoint-dir needs tp = etp = 1 without FSDP"):
+            check_checkpointable(replace(spec, **split))
