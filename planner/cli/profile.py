@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from planner.inputs.json_errors import json_error_line
+from planner.inputs.json_errors import load_json_file
 from planner.inputs.paths import CLUSTERS_DIR
 from planner.outputs.console import print_table, progress
 from planner.outputs.files import write_files
@@ -113,13 +113,10 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--nproc {args.nproc}: must be at least 1")
     out = Path(args.out or CLUSTERS_DIR / f"measured-{socket.gethostname()}.yaml")
     if args.raw:
-        try:
-            raw = json.loads(Path(args.raw).read_text())
-        except json.JSONDecodeError as exc:
-            fix = "pass the raw JSON that 'piper profile --keep-raw' wrote"
-            raise SpecError(json_error_line(f"--raw {args.raw}", exc, fix)) from None
-        except OSError as exc:
-            raise SpecError(f"--raw {args.raw}: cannot read measurements ({exc})") from None
+        fix = "pass the raw JSON that 'piper profile --keep-raw' wrote"
+        raw = load_json_file(args.raw, "raw profile", fix)
+        if not isinstance(raw, dict):
+            raise SpecError(f"{args.raw}: the raw measurements are not a JSON object; {fix}")
     else:
         with tempfile.TemporaryDirectory() as tmp:
             raw_path = Path(tmp) / "raw.json"

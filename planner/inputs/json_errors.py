@@ -9,6 +9,11 @@ the position given once, as line and column.
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
+
+from planner.inputs.paths import read_text_file
+from planner.specs import SpecError
 
 _TAILS = (" starting at", " at")
 
@@ -24,3 +29,15 @@ def json_error_line(
     what = what[:1].lower() + what[1:]
     lineno = exc.lineno if line is None else line
     return f"{where}: invalid JSON at line {lineno} column {exc.colno}: {what} (fix: {fix})"
+
+
+def load_json_file(path: str | Path, what: str, fix: str) -> Any:
+    """The parsed JSON of a user's file; every fault is one SpecError line naming `path`: not
+    found, not readable, not UTF-8, not JSON (with `fix`), or a number or nesting too large."""
+    text = read_text_file(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(json_error_line(str(path), exc, fix)) from None
+    except (ValueError, RecursionError):  # a number of > 4300 digits, nesting past the stack
+        raise SpecError(f"{path}: a number or nesting too large to read; {fix}") from None

@@ -20,14 +20,13 @@ malformed file is one line and exit code 2.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import dataclass
 
 from planner.calibrate.profile_tables import hbm_efficiency_from
 from planner.inputs.clusters import load_cluster
-from planner.inputs.json_errors import json_error_line
+from planner.inputs.json_errors import load_json_file
 from planner.resources.compute import (
     ATTN_TILE,
     KERNEL_LAUNCH_S,
@@ -145,16 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", default="h200", help="cluster whose constants predict")
     args = p.parse_args(argv)
     try:
-        with open(args.raw, encoding="utf-8") as fh:
-            raw = json.load(fh)
-        text = report(raw, load_cluster(args.base))
-    except json.JSONDecodeError as exc:
         fix = "pass the raw JSON of runtime/bench/profile.py"
-        print(f"predicted_vs_measured: {json_error_line(args.raw, exc, fix)}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"predicted_vs_measured: {args.raw}: cannot read ({exc})", file=sys.stderr)
-        return 2
+        raw = load_json_file(args.raw, "raw profile", fix)
+        text = report(raw, load_cluster(args.base))
     except (KeyError, TypeError) as exc:
         print(
             f"predicted_vs_measured: {args.raw}: missing field {exc}; re-run the profile",

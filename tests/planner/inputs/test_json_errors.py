@@ -74,13 +74,21 @@ def test_metrics_jsonl(tmp_path, capsys):
     assert str(err.value).startswith("m.jsonl: invalid JSON at line 3 column 12: expecting")
 
 
-def test_profile_raw(tmp_path, capsys):
-    path = _write(tmp_path, "raw.json", '{"machine": {"backend": "gloo"} "x": 1}')
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ('{"machine": {"backend": "gloo"} "x": 1}', "invalid JSON at line 1 column 33: expecting "
+         "',' delimiter (fix: pass the raw JSON that 'piper profile --keep-raw' wrote)"),
+        (b"\xff\xfe{", "not UTF-8 text (byte 0xff at offset 0); a raw profile is a text file"),
+        ("[1, 2]", "the raw measurements are not a JSON object; pass the raw JSON that 'piper "
+         "profile --keep-raw' wrote"),
+    ],
+)  # fmt: skip
+def test_profile_raw(tmp_path, capsys, text, error):
+    path = tmp_path / "raw.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     assert main(["profile", "--raw", str(path), "--out", str(tmp_path / "p" / "x.yaml")]) == 2
-    assert capsys.readouterr().err == (
-        f"piper profile: error: --raw {path}: invalid JSON at line 1 column 33: expecting ',' "
-        "delimiter (fix: pass the raw JSON that 'piper profile --keep-raw' wrote)\n"
-    )
+    assert capsys.readouterr().err == f"piper profile: error: {path}: {error}\n"
     assert not (tmp_path / "p").exists()
 
 
