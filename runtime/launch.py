@@ -31,7 +31,7 @@ from runtime.model.transformer import StageModule
 from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.parallel.pipeline import RankChunks
 from runtime.parallel.tensor_parallel import TPGroup
-from runtime.train import Trainer, train
+from runtime.train import Trainer, rows_per_interval, train
 
 
 def build_stage(
@@ -138,6 +138,8 @@ def _run_info(spec: RunSpec) -> dict:
         "backend": dist.get_backend(),
         "seed": spec.seed,
         "migrate_every": spec.migrate_every,
+        # rows of one interval in the policy's history (piper migrate replays the same rows)
+        "migrate_rows_per_interval": rows_per_interval(spec.migrate_every),
         "trace_every": spec.trace_every,
         "router_bias_rate": spec.router_bias_rate,
         "recompute": spec.recompute,

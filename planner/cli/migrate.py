@@ -93,8 +93,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _setup(args: argparse.Namespace):
-    """(step rows, interval trace, resolved settings, MigrateSetup) from the flags, the plan
-    and the run.json beside the trace."""
+    """(history rows, interval trace, resolved settings, MigrateSetup) from the flags, the
+    plan and the run.json beside the trace."""
     from planner.migration.inputs import migrate_setup
 
     rows = load_trace(args.trace)
@@ -102,7 +102,8 @@ def _setup(args: argparse.Namespace):
     given = (args.ep, args.rows_per_interval, args.steps_per_interval, args.tokens_per_step)
     chosen_by = replay_intervals(rows, load_run_record(args.trace), plan, args.plan, *given)
     rows = Trace(rows.tokens_ILE[: chosen_by.trace_rows], rows.layer_ids, rows.source)
-    trace = interval_trace(rows, chosen_by.rows_per_interval)
+    rows = interval_trace(rows, chosen_by.rows_per_history_row)  # the rows policies see
+    trace = interval_trace(rows, chosen_by.rows_per_interval // chosen_by.rows_per_history_row)
     setup = migrate_setup(
         trace,
         chosen_by.ep,
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     rows, trace, chosen_by, setup = _setup(args)
     opts = _options(args, trace, setup.initial_LRS)
-    k = chosen_by.rows_per_interval
+    k = chosen_by.rows_per_interval // chosen_by.rows_per_history_row
     runs = {}
     with progress("replaying the trace per policy", total=len(POLICIES)) as update:
         for i, name in enumerate(POLICIES):
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     title = (
         f"{chosen_by.ep} EP ranks, {trace.num_intervals} intervals of "
         f"{setup.steps_per_interval} steps x {setup.tokens_per_rank_step} tokens per rank "
-        f"({k} trace rows each; from {chosen_by.source})"
+        f"({chosen_by.rows_per_interval} trace rows each; from {chosen_by.source})"
     )
     print_table(title, POLICY_COLUMNS, table)
     print(f"wrote {', '.join(sorted(files))} to {args.out}")

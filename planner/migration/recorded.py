@@ -7,8 +7,9 @@ replay of that trace uses the run's own intervals: migrate_every / trace_every t
 interval, migrate_every steps per interval. The plan gives ep and the tokens each EP rank
 feeds its MoE layers per step (seq_len x micro_batch x num_microbatches, as
 planner/run/migration.py prices the run's live moves); without a plan the run gives both.
-A flag that contradicts the run or the plan is a SpecError, as is a trace whose shape
-contradicts them; a flag is only needed for what neither records.
+The policies see the rows the run's policy saw: run.json's `migrate_rows_per_interval` rows
+per interval. A flag that contradicts the run or the plan is a SpecError, as is a trace
+whose shape contradicts them; a flag is only needed for what neither records.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class RunRecord:
     migrate_every: int  # steps per migration interval; 0 = the run never migrated
     trace_every: int  # steps summed into one trace row
     tokens_per_rank_step: int | None = None  # seq_len x micro_batch x num_microbatches
+    policy_rows: int | None = None  # rows of one interval in the run's policy history
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class ReplayIntervals:
     tokens_per_rank_step: int | None  # None: migrate_setup's default
     source: str  # where they came from, printed with the table
     trace_rows: int  # rows replayed: the whole intervals of the trace (of a run, see below)
+    rows_per_history_row: int = 1  # trace rows summed into one row the policies see
 
 
 def plan_tokens_per_rank_step(plan: Plan) -> int:
@@ -82,7 +85,9 @@ def load_run_record(trace_path: str) -> RunRecord | None:
         )
     shape = [values.get(k) for k in TOKEN_KEYS]
     tokens = int(np.prod(shape)) if all(isinstance(v, int) and v > 0 for v in shape) else None
-    return RunRecord(str(path), *(int(values[k]) for k in RUN_KEYS), tokens)
+    policy_rows = values.get("migrate_rows_per_interval")
+    policy_rows = policy_rows if isinstance(policy_rows, int) and policy_rows > 0 else None
+    return RunRecord(str(path), *(int(values[k]) for k in RUN_KEYS), tokens, policy_rows)
 
 
 def _agree(flag: str, given: int | None, value: int, where: str) -> int:
@@ -176,4 +181,22 @@ def replay_intervals(
             "(--steps not a multiple of --migrate-every) and is left out",
             trace.source, used, trace.num_intervals,
         )  # fmt: skip
-    return ReplayIntervals(ranks, rows, steps, tokens, " and ".join(sources) or "flags", used)
+    source = " and ".join(sources) or "flags"
+    return ReplayIntervals(ranks, rows, steps, tokens, source, used, _history_rows(run))
+
+
+def _history_rows(run: RunRecord | None) -> int:
+    """Trace rows per row of the run's policy history: `piper run` hands its policy
+    migrate_rows_per_interval rows per interval (runtime.train.rows_per_interval: one per
+    step up to 20 steps, coarser above), so the replay sums the trace's rows the same way."""
+    if run is None or run.migrate_every == 0 or run.policy_rows is None:
+        return 1
+    steps = run.migrate_every // run.policy_rows
+    if run.migrate_every % run.policy_rows or steps % run.trace_every:
+        log.warning(
+            "%s: the run's policy saw rows of %d / %d steps, which rows of %d steps do not "
+            "make up; the replay's policies see the trace's rows",
+            run.path, run.migrate_every, run.policy_rows, run.trace_every,
+        )  # fmt: skip
+        return 1
+    return steps // run.trace_every

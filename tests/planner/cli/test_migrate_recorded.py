@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 
 from planner.cli import main
+from planner.migration.trace import interval_trace, load_trace, trace_to_csv
 from tests.planner.cli.test_migrate import _plan as hand_plan
 from tests.planner.migration.conftest import write_csv
 
 LAYERS, E, STEPS, EVERY = (1, 2, 3), 8, 20, 5
 
 
-def _run_dir(tmp_path, steps=STEPS, rows=STEPS, **settings):
+def _run_dir(tmp_path, steps=STEPS, rows=STEPS, seed=1, **settings):
     """A run folder: a per-step trace of `rows` rows and the run.json of an ep=4 run."""
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     share = np.array([8, 4, 2, 1, 1, 1, 1, 1]) / 19
     rows_ = [
         (t, layer, e, int(n))
@@ -152,3 +153,28 @@ def test_a_run_without_migration_takes_the_users_intervals(tmp_path, capsys):
     args = ["--trace", trace, "--plan", hand_plan(tmp_path), "--out", str(tmp_path / "o")]
     code, printed, _ = _migrate(capsys, *args, "--rows-per-interval", "4")
     assert code == 0 and "5 intervals of 8 steps" in printed  # 4 rows of 2 steps each
+
+
+def test_policies_see_the_rows_the_runs_policy_saw(tmp_path, capsys):
+    """A 40-step interval: the run's policy saw 20 rows of 2 steps (run.json's
+    migrate_rows_per_interval), so the replay sums the per-step trace in pairs."""
+    record = {"migrate_every": 40, "migrate_rows_per_interval": 20}
+    trace = _run_dir(tmp_path, steps=160, rows=160, seed=0, **record)
+    plan = hand_plan(tmp_path)
+    code, printed, _ = _migrate(
+        capsys, "--trace", trace, "--plan", plan, "--out", str(tmp_path / "a")
+    )
+    assert code == 0 and "4 intervals of 40 steps x 256 tokens per rank (40 trace rows" in printed
+    # the same replays without a run.json: the trace summed in pairs, and per step
+    for name, pair in (("pairs", 2), ("steps", 1)):
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "trace.csv"
+        path.write_text(trace_to_csv(interval_trace(load_trace(trace), pair)))
+        flags = ["--rows-per-interval", str(40 // pair), "--steps-per-interval", "40"]
+        args = ["--trace", str(path), "--plan", plan, *flags, "--out", str(tmp_path / name / "o")]
+        assert _migrate(capsys, *args)[0] == 0
+    placements = {
+        name: (tmp_path / name / "placements.csv").read_bytes()
+        for name in ("a", "pairs/o", "steps/o")
+    }
+    assert placements["a"] == placements["pairs/o"] != placements["steps/o"]
