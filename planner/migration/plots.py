@@ -36,19 +36,42 @@ def _figure(width: float, height: float, cols: int = 1):
     return fig, axes
 
 
-def imbalance_png(runs: Mapping[str, PolicyRun]) -> bytes:
+# Policies often coincide (greedy swap and Piper on a calm trace): each line has its own
+# style and marker, so a line drawn over another still shows.
+STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D")
+
+
+def _integer_ticks(axis, count: int | None = None) -> None:
+    """Ticks at whole numbers only (intervals, ranks), written without decimals: every one of
+    `count` when there are at most 16, else as many as fit."""
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, MaxNLocator
+
+    small = count is not None and count <= 16
+    axis.set_major_locator(FixedLocator(range(count)) if small else MaxNLocator(integer=True))
+    axis.set_major_formatter(FormatStrFormatter("%d"))
+
+
+def imbalance_figure(runs: Mapping[str, PolicyRun]):
     """Realized imbalance per interval, mean over layers, one line per policy."""
     fig, (ax,) = _figure(7, 4)
-    for name, run in runs.items():
+    for i, (name, run) in enumerate(runs.items()):
         values_I = run.imbalance_IL.mean(axis=1)
-        ax.plot(np.arange(len(values_I)), values_I, marker=".", label=LABELS.get(name, name))
+        ax.plot(np.arange(len(values_I)), values_I, label=LABELS.get(name, name),
+                linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)],
+                markersize=4, alpha=0.85)  # fmt: skip
+    _integer_ticks(ax.xaxis, max((len(r.imbalance_IL) for r in runs.values()), default=0))
     ax.set_xlabel("interval")
     ax.set_ylabel("max rank load / mean (realized)")
     ax.set_title("Expert-parallel load imbalance per interval")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    return _png(fig)
+    return fig
+
+
+def imbalance_png(runs: Mapping[str, PolicyRun]) -> bytes:
+    return _png(imbalance_figure(runs))
 
 
 def _rank_load_RI(run: PolicyRun, trace: Trace, lj: int) -> np.ndarray:
@@ -60,16 +83,30 @@ def _rank_load_RI(run: PolicyRun, trace: Trace, lj: int) -> np.ndarray:
     return np.stack(cols, axis=1)
 
 
-def heatmap_png(before: PolicyRun, after: PolicyRun, trace: Trace) -> bytes:
-    """Rank load / mean per interval for the first layer: before (no migration) and after."""
-    fig, axes = _figure(11, 4, cols=2)
+def heatmap_figure(before: PolicyRun, after: PolicyRun, trace: Trace):
+    """Rank load / mean per interval for the first layer: before (no migration) and after,
+    side by side on shared axes (whole-number ticks; the rank label once, on the left)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
     grids = [_rank_load_RI(before, trace, 0), _rank_load_RI(after, trace, 0)]
     vmax = max(float(g.max()) for g in grids)
     image = None
     for ax, grid, run in zip(axes, grids, (before, after), strict=True):
-        image = ax.imshow(grid, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax)
+        image = ax.imshow(grid, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax,
+                          interpolation="nearest")  # fmt: skip
+        _integer_ticks(ax.xaxis, grid.shape[1])
+        _integer_ticks(ax.yaxis, grid.shape[0])
         ax.set_xlabel("interval")
-        ax.set_ylabel("EP rank")
         ax.set_title(f"{LABELS.get(run.name, run.name)}, layer {trace.layer_ids[0]}")
-    fig.colorbar(image, ax=axes, label="rank load / mean")
-    return _png(fig)
+    axes[0].set_ylabel("EP rank")
+    fig.colorbar(image, ax=list(axes), label="rank load / mean")
+    return fig
+
+
+def heatmap_png(before: PolicyRun, after: PolicyRun, trace: Trace) -> bytes:
+    return _png(heatmap_figure(before, after, trace))

@@ -3,6 +3,9 @@
 - memory.png: memory per stage, stacked by component, against usable device memory;
 - time.png: time of one micro-batch per stage, stacked by component;
 - timeline.png: one 1F1B step (forward = 1/3, backward = 2/3 of a stage's micro-batch time).
+Each `*_figure` returns the matplotlib Figure (tests read its properties), `*_png` its bytes.
+Stacked components each get their own colour (PALETTE, 40 distinct), the legend lists them
+top of the stack first, and axes write numbers with thousands separators.
 PNG metadata carries no date or version, so the same plan gives the same bytes.
 """
 
@@ -15,56 +18,87 @@ from dataclasses import dataclass
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import colormaps  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from planner.numbers import number  # noqa: E402
 from planner.plan.schema import Plan  # noqa: E402
 from planner.search.evaluator import EstimateView  # noqa: E402
 
 _META = {"Software": None}
+# tab10's strong colours, then their light partners, then tab20b: 40 distinct colours, the
+# first ten the ones readers know.
+PALETTE = (
+    colormaps["tab20"].colors[0::2] + colormaps["tab20"].colors[1::2] + colormaps["tab20b"].colors
+)
+FORWARD, BACKWARD = "tab:blue", "tab:orange"
+READABLE = FuncFormatter(lambda value, _pos: number(value, 3))
 
 
-def _png(fig) -> bytes:
+def _png(fig: Figure) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, metadata=_META)
-    plt.close(fig)
     return buf.getvalue()
 
 
 def _stacked(ax, components: Sequence[tuple[str, Sequence[float]]], stages: int) -> None:
+    """One bar per stage, stacked by component, each component its own PALETTE colour."""
     bottom = [0.0] * stages
-    for name, values in components:
-        ax.bar(range(stages), values, bottom=bottom, label=name)
+    for i, (name, values) in enumerate(components):
+        ax.bar(range(stages), values, bottom=bottom, label=name, color=PALETTE[i % len(PALETTE)])
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_xticks(range(stages))
     if stages > 16:
         ax.tick_params(axis="x", labelsize=6)
     ax.set_xlabel("pipeline stage")
+    ax.yaxis.set_major_formatter(READABLE)
 
 
-def memory_png(est: EstimateView, title: str) -> bytes:
+def _legend(ax) -> None:
+    """The legend beside the axes, top of the stack first (the order the eye reads it)."""
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))  # fmt: skip
+
+
+def memory_figure(est: EstimateView, title: str) -> Figure:
+    """Memory per stage (GiB per device), stacked by component, and the capacity line."""
     stages = len(est.memory_gib_per_stage)
     comps = est.memory_gib_SC or (("total", est.memory_gib_per_stage),)
-    fig, ax = plt.subplots(figsize=(8.5, 4))
+    fig = Figure(figsize=(8.5, 4))
+    ax = fig.add_subplot()
     _stacked(ax, comps, stages)
     cap = est.device_memory_gib if est.device_memory_gib == est.device_memory_gib else None
     ax.axhline(cap or est.usable_memory_gib, color="black", linestyle="--", label="capacity")
     ax.set_ylabel("GiB per device")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _legend(ax)
     fig.tight_layout()
-    return _png(fig)
+    return fig
 
 
-def time_png(est: EstimateView, title: str) -> bytes:
+def memory_png(est: EstimateView, title: str) -> bytes:
+    return _png(memory_figure(est, title))
+
+
+def time_figure(est: EstimateView, title: str) -> Figure:
+    """Time of one micro-batch per stage (ms, forward + backward), stacked by component."""
     stages = len(est.memory_gib_per_stage)
     comps = est.time_s_SC or (("total", est.stage_time_s),)
-    fig, ax = plt.subplots(figsize=(8.5, 4))
+    fig = Figure(figsize=(8.5, 4))
+    ax = fig.add_subplot()
     _stacked(ax, [(n, [1e3 * v for v in vals]) for n, vals in comps], stages)
     ax.set_ylabel("ms per micro-batch (fwd + bwd)")
     ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _legend(ax)
     fig.tight_layout()
-    return _png(fig)
+    return fig
+
+
+def time_png(est: EstimateView, title: str) -> bytes:
+    return _png(time_figure(est, title))
 
 
 @dataclass(frozen=True)
@@ -119,11 +153,14 @@ def one_f_one_b(stage_time_s: Sequence[float], num_microbatches: int) -> list[Op
     return ops
 
 
-def timeline_png(stage_time_s: Sequence[float], num_microbatches: int, title: str) -> bytes:
+def timeline_figure(stage_time_s: Sequence[float], num_microbatches: int, title: str) -> Figure:
+    """One 1F1B step: a row per stage, forward and backward ops in two colours (legend),
+    micro-batch numbers on the ops when there are few."""
     ops = one_f_one_b(stage_time_s, num_microbatches)
-    fig, ax = plt.subplots(figsize=(9, 0.5 * len(stage_time_s) + 1.5))
+    fig = Figure(figsize=(9, 0.5 * len(stage_time_s) + 1.8))
+    ax = fig.add_subplot()
     for stage in range(len(stage_time_s)):
-        for kind, color in (("F", "tab:blue"), ("B", "tab:orange")):
+        for kind, color in (("F", FORWARD), ("B", BACKWARD)):
             spans = [
                 (1e3 * op.start_s, 1e3 * (op.end_s - op.start_s))
                 for op in ops
@@ -132,13 +169,25 @@ def timeline_png(stage_time_s: Sequence[float], num_microbatches: int, title: st
             ax.broken_barh(
                 spans, (stage - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.3
             )
+    if num_microbatches <= 8:
+        for op in ops:
+            ax.text(500 * (op.start_s + op.end_s), op.stage, str(op.micro), ha="center",
+                    va="center", fontsize=7, color="white")  # fmt: skip
     ax.set_yticks(range(len(stage_time_s)))
     ax.invert_yaxis()
-    ax.set_ylabel("stage")
-    ax.set_xlabel("ms (blue forward, orange backward)")
+    ax.set_ylabel("pipeline stage")
+    ax.set_xlabel("ms")
+    ax.xaxis.set_major_formatter(READABLE)
+    ax.legend(handles=[Patch(color=FORWARD, label="forward"),
+                       Patch(color=BACKWARD, label="backward")],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # fmt: skip
     ax.set_title(title)
     fig.tight_layout()
-    return _png(fig)
+    return fig
+
+
+def timeline_png(stage_time_s: Sequence[float], num_microbatches: int, title: str) -> bytes:
+    return _png(timeline_figure(stage_time_s, num_microbatches, title))
 
 
 def render_plots(plan: Plan, est: EstimateView) -> dict[str, bytes]:
@@ -148,6 +197,8 @@ def render_plots(plan: Plan, est: EstimateView) -> dict[str, bytes]:
     m = plan.parallel.num_microbatches
     shown = min(m, 32)
     what = f"one 1F1B step: {name}" + (f" ({shown} of {m} micro-batches)" if shown < m else "")
+    if plan.parallel.vp > 1:
+        what += f", drawn without interleaving (vp={plan.parallel.vp})"
     return {
         "memory.png": memory_png(est, f"memory per stage: {name}"),
         "time.png": time_png(est, f"time per stage: {name}"),
