@@ -74,7 +74,7 @@ def test_gpt_oss_biases_sinks_by_hand():
 def test_mtp_module_by_hand():
     cfg = {**TINY, "model_type": "deepseek_v3", "q_lora_rank": None, "kv_lora_rank": 4,
            "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 4,
-           "num_nextn_predict_layers": 2}  # fmt: skip
+           "num_nextn_predict_layers": 2, "moe_intermediate_size": 16}  # fmt: skip
     m = model_from_config(cfg, "t")
     c = count_params(m)
     per_module = 2 * 8 + 2 * 8 * 8 + c.per_layer[-1].total + 8
