@@ -3,6 +3,10 @@
 Each family spells the same few facts differently (expert count, top-k, expert width, which
 layers are MoE, shared experts, MLA ranks, biases). `build_model` reads them through one
 table of aliases plus a small per-family trait record, so adding a family is one table row.
+The expert and dense MLP widths come only from the family's own keys (a missing one is an
+error, never the other width); every key is first checked for near misses of the keys read
+here (planner/inputs/config_keys.py); a config read with the generic keys ('moe' / 'dense'
+without saying so in its model_type) logs one WARNING listing what was taken and defaulted.
 
 Which layers are MoE, from the keys the families use (layer index i, 0-based):
 - DeepSeek / Kimi: i >= first_k_dense_replace and i % moe_layer_freq == 0
