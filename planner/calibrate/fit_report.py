@@ -15,14 +15,15 @@ import yaml
 
 from planner.calibrate.fit import PRIOR_WEIGHT, WITHIN, FitError, FitResult
 from planner.inputs.clusters import cluster_from_dict, cluster_to_dict
+from planner.numbers import number
 from planner.specs import EFFICIENCIES, ClusterSpec
 
 Table = tuple[str, tuple[str, ...], list[tuple[Any, ...]]]
 
 
 def constant_text(value: float) -> str:
-    """A constant as the tables print it (4 significant digits)."""
-    return f"{value:.4g}"
+    """A constant as the tables print it (4 significant digits, planner.numbers.number)."""
+    return number(value, 4)
 
 
 def fit_tables(result: FitResult) -> list[Table]:
@@ -39,10 +40,10 @@ def fit_tables(result: FitResult) -> list[Table]:
         m = r.run.measured
         loo = r.left_out
         runs.append((
-            r.run.label, r.run.metric, f"{m:.1f}", f"{r.before:.1f}", f"{r.before / m:.2f}",
-            f"{r.after:.1f}", f"{r.after / m:.2f}", "-" if loo is None else f"{loo:.1f}",
-            "-" if loo is None else f"{loo / m:.2f}", f"{r.peak_gib:.1f}",
-            "-" if r.run.measured_peak_gib is None else f"{r.run.measured_peak_gib:.1f}",
+            r.run.label, r.run.metric, number(m), number(r.before), f"{r.before / m:.2f}",
+            number(r.after), f"{r.after / m:.2f}", number(loo),
+            "-" if loo is None else f"{loo / m:.2f}", number(r.peak_gib, 3),
+            number(r.run.measured_peak_gib, 3),
         ))  # fmt: skip
     errors = [_error_row("before (start)", result.before), _error_row("fit", result.after)]
     if result.left_out is not None:

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {out}: {len(cluster['tables'])} tables from {raw['machine']['nproc']} "
         f"{raw['machine']['backend']} ranks on {raw['machine']['hostname']}"
     )
-    rows = [(t["name"], f"{t['x'][0]:.4g}", f"{t['x'][-1]:.4g}", f"{max(t['y']):.4g}")
-            for t in cluster["tables"]]  # fmt: skip
+    # numbers as print_table writes them: message sizes in full bytes, never 1.049e+06
+    rows = [(t["name"], t["x"][0], t["x"][-1], max(t["y"])) for t in cluster["tables"]]
     print_table("measured tables", ("table", "x from", "x to", "y max"), rows)
     return 0
