@@ -19,7 +19,12 @@ from planner.inputs.config_keys import (
     READ_KEYS,
     check_key_typos,
 )
-from planner.inputs.models import list_model_presets, load_model, resolve_model
+from planner.inputs.models import (
+    list_model_presets,
+    load_model,
+    model_from_config,
+    resolve_model,
+)
 from planner.resources.params import count_params
 
 # every committed preset: total parameters as counted before the strict reading (unchanged)
@@ -223,8 +228,6 @@ def test_generic_fallback_is_one_warning_line_showing_what_was_read(tmp_path):
 def test_a_config_without_model_type_warns_too(caplog):
     caplog.set_level(logging.WARNING)
     cfg = {k: v for k, v in USER_MOE.items() if k != "model_type"}
-    from planner.inputs.models import model_from_config
-
     model = model_from_config(cfg, "m", "m.json")
     assert model.family == "moe"
     (record,) = caplog.records
