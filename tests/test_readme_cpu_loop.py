@@ -45,6 +45,8 @@ def _check_migrate(cwd: Path, argv: list[str], printed: str, run_argv: list[str]
     run_moves = sum(line["migrated_experts"] for line in lines)
     intervals = settings["steps"] // settings["migrate_every"]
     assert settings["migrate_every"] > 0 and run_moves > 0, "the loop's run must migrate"
+    if settings["migrate_every"] <= 20:  # the policy sees one row per step (runtime/train.py)
+        assert settings["migrate_rows_per_interval"] == settings["migrate_every"]
     assert f"{settings['ep']} EP ranks, {intervals} intervals of " in printed
     assert f"of {settings['migrate_every']} steps" in printed
     out = cwd / _flag(argv, "--out")
