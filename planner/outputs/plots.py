@@ -20,6 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 from matplotlib import colormaps  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
@@ -57,10 +58,13 @@ def _stacked(ax, components: Sequence[tuple[str, Sequence[float]]], stages: int)
 
 
 def _legend(ax) -> None:
-    """The legend beside the axes, top of the stack first (the order the eye reads it)."""
-    handles, labels = ax.get_legend_handles_labels()
-    ax.legend(handles[::-1], labels[::-1], fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0))  # fmt: skip
+    """The legend beside the axes: lines (capacity) first, then the stacked components top
+    of the stack first (the order the eye reads them)."""
+    lines = [(h, label) for h, label in zip(*ax.get_legend_handles_labels(), strict=True)
+             if isinstance(h, Line2D)]  # fmt: skip
+    bars = [(c, c.get_label()) for c in ax.containers][::-1]
+    handles, labels = zip(*(lines + bars), strict=True)
+    ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def memory_figure(est: EstimateView, title: str) -> Figure:

@@ -52,7 +52,8 @@ def test_memory_plot_has_distinct_colours_and_the_capacity_line():
     (ax,) = plots.memory_figure(_estimate(), "m").axes
     assert len(set(_bar_colours(ax).values())) == 4
     assert [line.get_ydata()[0] for line in ax.get_lines()] == [8.0]
-    assert [t.get_text() for t in ax.get_legend().get_texts()][-1] == "capacity"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["capacity", "activations", "optimizer", "grads", "weights"]
 
 
 def test_axes_write_thousands_with_separators():
