@@ -5,7 +5,10 @@ Entry point `place_plan(plan, allocation, options) -> Placement`. The rank IP
 given each node's switch and group (planner.inputs.slurm_topology). Three rank-to-node
 orders are priced side by side:
 
-- placed: the rank IP's order on this allocation;
+- placed: the rank IP's order on this allocation; when the IP's model would have more than
+  PLACE_IP_CELLS node x switch cells (its build alone outlasts a job-start budget), the
+  greedy-by-switch warm start of planner.run.place_layout instead, reported with its gap to
+  the compact allocation's step time (a lower bound under this pricing);
 - slurm order: the plan's own `ranks[].node` applied to the hosts in the order Slurm lists
   them (what the sbatch script does without placement);
 - compact: the plan's order on the first nodes of the cluster (`default_allocation`), the
@@ -16,11 +19,12 @@ all-to-all, dense and expert data parallel, pipeline p2p) at one topology level,
 `comm_s` entries (`a2a_switch`, ...). On an allocation a group can reach farther: a group whose
 nodes sit on two switches crosses the links of the first level wider than a node (the switch
 tier), on two groups those of the next level, beyond that the outermost level. For each priced
-level L, the slowest level L' any group priced at L crosses replaces L's bandwidth, latency and
+level L and kind, the slowest level L' a group of that kind crosses (the slowest group sets the
+step: ranks wait for each other at the gradient reduction) replaces L's bandwidth, latency and
 taper, and the resource model (planner.resources.cost.estimate) prices the plan again, so the
-step time keeps the plan's overlap and pipeline schedule. The slowest group sets the step:
-ranks wait for each other at the gradient reduction. The compact order reproduces the plan's
-predicted step time.
+step time keeps the plan's overlap and pipeline schedule; the step-time change is charged in
+the share of level L's added communication seconds that the crossing kinds carry. The compact
+order reproduces the plan's predicted step time.
 
 The order written is the placed one unless the plan's own order is predicted faster on this
 allocation (the IP counts straddling groups, the pricing seconds); then the plan's order is
@@ -34,13 +38,27 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from planner.calibrate.compare import plan_inputs
 from planner.inputs.allocation import Allocation, default_allocation
-from planner.ip.rank_ip import group_ranks, logical_rank, solve_ranks
+from planner.ip.rank_ip import solve_ranks
 from planner.ip.solvers import SolverOptions
 from planner.parallel import ParallelConfig
 from planner.plan.schema import Plan, RankPlan, SolveReport
+from planner.run.place_layout import (
+    greedy_by_switch,
+    node_array,
+    position_ids,
+    rank_group_arrays,
+    span_nodes,
+    tiers_K,
+)
 from planner.specs import ClusterSpec, SpecError
+
+# chunk x switch cells above which the rank IP's model is not built at job start (its build
+# alone outlasts a job-start budget): the greedy-by-switch warm start is used instead
+PLACE_IP_CELLS = 8192
 
 
 @dataclass(frozen=True)
@@ -97,19 +115,29 @@ def place_plan(plan: Plan, allocation: Allocation, options: SolverOptions) -> Pl
             f"{allocation.source or '--nodelist'}: {len(allocation)} nodes but the plan uses "
             f"{need} ({par.world} ranks, {g} per node); allocate at least {need} nodes"
         )
-    start = time.perf_counter()
-    sol = solve_ranks(par, cluster, allocation, options)
-    solve_s = time.perf_counter() - start
-    plan_ranks = tuple(sorted(plan.ranks, key=lambda r: r.rank))
-    compact_alloc = default_allocation(cluster, need)
     pricer = _Pricer(plan, cluster, par)
-    compact = pricer.order("compact", compact_alloc, plan_ranks)  # first: the reference
-    placed = pricer.order("placed", allocation, sol.ranks)
+    plan_ranks = tuple(sorted(plan.ranks, key=lambda r: r.rank))
+    compact = pricer.order("compact", default_allocation(cluster, need), plan_ranks)
     slurm = pricer.order("slurm order", allocation, plan_ranks)
+    start = time.perf_counter()
+    if need * allocation.num_switches <= PLACE_IP_CELLS:
+        sol = solve_ranks(par, cluster, allocation, options)
+        placed = pricer.order("placed", allocation, sol.ranks)
+        report = sol.report
+    else:
+        ranks = greedy_by_switch(par, allocation, g, span_nodes(pricer.arrays, g))
+        placed = pricer.order("placed", allocation, ranks)
+        gap = 1 - compact.step_time_s / placed.step_time_s if placed.step_time_s else 0.0
+        report = SolveReport(
+            "greedy-by-switch", "FEASIBLE", placed.step_time_s, compact.step_time_s, gap, 0.0,
+            f"{need} nodes x {allocation.num_switches} switches: greedy warm start, no IP; "
+            "objective and bound are step times (s), the bound a compact allocation",
+        )  # fmt: skip
+    solve_s = time.perf_counter() - start
     chosen = placed if placed.step_time_s <= slurm.step_time_s else slurm
     return Placement(
-        chosen, placed, slurm, compact, sol.report, len(allocation),
-        len({r.node for r in sol.ranks}), allocation.num_switches, allocation.num_groups, solve_s,
+        chosen, placed, slurm, compact, report, len(allocation), need,
+        allocation.num_switches, allocation.num_groups, solve_s,
     )  # fmt: skip
 
 
@@ -120,57 +148,51 @@ class _Pricer:
     def __init__(self, plan: Plan, cluster: ClusterSpec, par: ParallelConfig) -> None:
         self.plan, self.cluster = plan, cluster
         self.base = self._estimate({})
-        self.index = {lv.name: i for i, lv in enumerate(cluster.levels)}
+        index = {lv.name: i for i, lv in enumerate(cluster.levels)}
         priced: dict[str, int] = {}  # comm_s prefix -> the level it is priced at
         for name, _ in self.base.comm_s:
             prefix, _, level = name.rpartition("_")
-            if level in self.index:
-                priced[prefix] = max(priced.get(prefix, -1), self.index[level])
+            if level in index:
+                priced[prefix] = max(priced.get(prefix, -1), index[level])
+        self.arrays = rank_group_arrays(par)
         self.groups = [
-            (kinds, max(priced[k] for k in kinds if k in priced), ranks)
-            for kinds, ranks in rank_groups(par)
+            (kinds, max(priced[k] for k in kinds if k in priced), ranks_KM)
+            for kinds, ranks_KM in self.arrays
             if any(k in priced for k in kinds)
         ]
         above = [i for i, lv in enumerate(cluster.levels) if lv.devices > cluster.gpus_per_node]
         last = len(cluster.levels) - 1
         # allocation tier (one switch, one group, several groups) -> topology level index
-        self.tier_level = [above[t] if t < len(above) else last for t in range(3)]
-        self.compact: list[int] | None = None
+        self.tier_level = np.asarray([above[t] if t < len(above) else last for t in range(3)])
+        self.compact: list[np.ndarray] | None = None
         self.subs: dict[tuple[int, int], Any] = {}
 
     def order(self, name: str, alloc: Allocation, ranks: tuple[RankPlan, ...]) -> PricedOrder:
-        tiers = self.tiers(alloc, ranks)
+        node_of = node_array(ranks)
+        switch_N, group_N = position_ids(alloc)
+        tiers = [tiers_K(ranks_KM, node_of, switch_N, group_N) for _, _, ranks_KM in self.groups]
         if self.compact is None:  # the first order priced is the compact one
             self.compact = tiers
-        crossed: dict[tuple[int, int], set[str]] = {}
-        for (kinds, planned, _), tier, base_tier in zip(self.groups, tiers, self.compact,
-                                                        strict=True):  # fmt: skip
-            if tier > base_tier and self.tier_level[tier] > planned:
-                crossed.setdefault((planned, self.tier_level[tier]), set()).update(kinds)
+        crossed: dict[tuple[int, int], set[str]] = {}  # the slowest group of a kind sets it
+        for (kinds, planned, _), tier_K, base_K in zip(self.groups, tiers, self.compact,
+                                                       strict=True):  # fmt: skip
+            reach_K = np.where(tier_K >= 0, self.tier_level[np.maximum(tier_K, 0)], -1)
+            farther = (tier_K > base_K) & (reach_K > planned)
+            if farther.any():
+                crossed.setdefault((planned, int(reach_K[farther].max())), set()).update(kinds)
         step = self.base.step_time_s + sum(self._extra_s(k, v) for k, v in crossed.items())
         names = [lv.name for lv in self.cluster.levels]
+        ordered = sorted(ranks, key=lambda r: r.rank)
         return PricedOrder(
             name,
-            tuple(alloc.nodes[r.node].hostname for r in ranks),
-            tuple(r.local_rank for r in ranks),
+            tuple(alloc.nodes[r.node].hostname for r in ordered),
+            tuple(r.local_rank for r in ordered),
             step,
             tuple(
                 f"{'+'.join(sorted(crossed[a, b]))}: {names[a]} -> {names[b]}"
                 for a, b in sorted(crossed)
             ),  # fmt: skip
         )
-
-    def tiers(self, alloc: Allocation, ranks: tuple[RankPlan, ...]) -> list[int]:
-        """Per group: -1 on one node, 0 one switch, 1 one group, 2 several groups."""
-        node_of = [r.node for r in ranks]
-        where_of = [(n.group, n.switch) for n in alloc.nodes]
-        out = []
-        for _, _, members in self.groups:
-            where = {where_of[node_of[r]] for r in members}
-            nodes = len({node_of[r] for r in members})
-            out.append(-1 if nodes == 1 else 0 if len(where) == 1
-                       else 1 if len({w[0] for w in where}) == 1 else 2)  # fmt: skip
-        return out
 
     def _extra_s(self, levels: tuple[int, int], kinds: set[str]) -> float:
         """Step seconds added when the groups of `kinds` priced at level levels[0] cross
@@ -209,22 +231,3 @@ class _Pricer:
             recompute_layers=[s.recompute_layers for s in stages],
             dispatcher=dispatcher if dispatcher in ("flat", "halo", "deepep") else "flat",
         )  # fmt: skip
-
-
-def rank_groups(par: ParallelConfig) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
-    """Every communicating group of ranks with the resource model's names for its traffic
-    (comm_s prefixes): TP, CP, expert-TP and EP groups (planner.ip.rank_ip), the data-parallel
-    groups of dense and expert parameters, and pipeline-neighbour pairs."""
-    names = {"tp": ("tp",), "cp": ("cp",), "etp": ("etp",), "ep": ("a2a",)}
-    groups = [(names[kind], ranks) for kind, ranks in group_ranks(par)]
-    dense: dict[tuple[int, ...], list[int]] = {}
-    expert: dict[tuple[int, ...], list[int]] = {}
-    block = par.tp * par.cp * par.dp
-    for r in range(par.world):
-        stage, _, cp_idx, tp_idx, _ = logical_rank(par, r)
-        dense.setdefault((stage, cp_idx, tp_idx), []).append(r)
-        expert.setdefault((stage, r % block % (par.etp * par.ep)), []).append(r)
-    groups += [(("dp", "fsdp"), tuple(m)) for m in dense.values() if len(m) > 1]
-    groups += [(("edp",), tuple(m)) for m in expert.values() if len(m) > 1]
-    groups += [(("p2p",), (r, r + block)) for r in range(par.world - block)]
-    return groups

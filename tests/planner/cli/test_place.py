@@ -10,16 +10,21 @@ import stat
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from planner.inputs.clusters import load_cluster
 from planner.inputs.hostlist import expand_hostlist
 from planner.inputs.models import load_model
 from planner.inputs.slurm_topology import allocation_of
+from planner.ip.rank_ip import group_ranks, logical_rank
 from planner.ip.solvers import SolverOptions
 from planner.outputs.export.slurm import slurm_script
+from planner.parallel import ParallelConfig
 from planner.plan import load_plan
+from planner.run import place
 from planner.run.place import place_plan
+from planner.run.place_layout import rank_group_arrays
 from planner.search.make_plan import make_plan
 from planner.specs import TrainingSpec
 from tests.hardening_cli import run_piper
@@ -152,3 +157,45 @@ def test_sbatch_places_at_job_start_and_falls_back(frontier_plan, tmp_path):
     plan = json.loads((frontier_plan / "plan.json").read_text())
     nodes = [r["node"] for r in sorted(plan["ranks"], key=lambda r: r["rank"])]
     assert (tmp_path / "hostfile").read_text().split() == [f"tux{n + 1}" for n in nodes]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        dict(pp=2, dp=4, tp=2, ep=4),
+        dict(pp=1, dp=4, tp=2, cp=2, ep=8, etp=2),
+        dict(pp=3, dp=2, tp=1, ep=2),
+        dict(pp=2, dp=8, tp=1, ep=4, etp=1),
+    ],
+)
+def test_group_arrays_match_the_rank_ip_groups(sizes):
+    """The reshaped groups are rank_ip.group_ranks' TP/CP/expert-TP/EP groups exactly."""
+    par = ParallelConfig(**sizes)
+    arrays = {names[0]: ranks for names, ranks in rank_group_arrays(par)}
+    mine = {(k, frozenset(map(int, row))) for k, a in arrays.items() if k != "p2p"
+            for row in a if k in ("tp", "cp", "etp", "a2a")}  # fmt: skip
+    theirs = {({"ep": "a2a"}.get(k, k), frozenset(r)) for k, r in group_ranks(par)}
+    assert mine == theirs
+    block = par.tp * par.cp * par.dp
+    assert {tuple(map(int, p)) for p in arrays.get("p2p", ())} == {
+        (r, r + block) for r in range(par.world - block)
+    }
+    # data-parallel peers share stage, cp and tp indices; expert ones stage and EP index
+    for name, key in (("dp", lambda q: q[0:1] + q[2:4]), ("edp", lambda q: (q[0], q[4]))):
+        rows = arrays.get(name, np.arange(par.world).reshape(-1, 1))
+        assert sorted(rows.ravel().tolist()) == list(range(par.world))
+        for row in rows:
+            assert len({key(logical_rank(par, int(q))) for q in row}) == 1
+
+
+def test_greedy_by_switch_keeps_ep_groups_on_a_switch(frontier_plan, monkeypatch):
+    """Above PLACE_IP_CELLS the greedy warm start is used, with its step-time gap."""
+    monkeypatch.setattr(place, "PLACE_IP_CELLS", 0)
+    plan = load_plan(frontier_plan / "plan.json")
+    alloc = allocation_of(expand_hostlist("tux[1-8]"), str(frontier_plan / "topology.conf"),
+                          "frontier")  # fmt: skip
+    placement = place.place_plan(plan, alloc, SolverOptions("cpsat", 5.0, 1, 0))
+    assert placement.report.backend == "greedy-by-switch"
+    assert placement.placed.crossings == ("p2p: switch -> system",)
+    gap = 1 - placement.compact.step_time_s / placement.placed.step_time_s
+    assert placement.report.gap == pytest.approx(gap) and 0 < gap < 0.05
