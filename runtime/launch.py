@@ -164,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     if options.checkpoint_dir:
         every, resume = options.checkpoint_every, options.resume
         checkpoints = CheckpointOptions(options.checkpoint_dir, every, resume)
-    result = train(build_trainer(spec, rank, device, migration), plot=True, checkpoints=checkpoints)
+    trainer = build_trainer(spec, rank, device, migration)
+    for moe in trainer.module.moe_layers().values():
+        moe.experts.gemm = options.expert_gemm
+    result = train(trainer, plot=True, checkpoints=checkpoints)
     if rank == 0:
         files = dict(result.files)
         files["run.json"] = json.dumps(_run_info(spec), indent=2, sort_keys=True) + "\n"

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from planner.specs import SpecError
 
 Dispatcher = Literal["halo", "halo-dedup", "flat"]
+ExpertGemm = Literal["grouped", "loop"]
 LAUNCH_MODULE = "runtime.launch"
 
 
@@ -56,6 +57,9 @@ class RunOptions:
     )
     router_bias_rate: float = _flag(
         0.0, "aux-loss-free balancing: router bias step per update (0 = off)", metavar="R"
+    )
+    expert_gemm: ExpertGemm = _flag(
+        "grouped", "a rank's experts in grouped GEMMs (torch._grouped_mm) or one by one"
     )
     checkpoint_dir: str | None = _flag(
         None, "save checkpoints (torch.distributed.checkpoint) under D", metavar="D"

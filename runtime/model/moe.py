@@ -82,6 +82,7 @@ class Experts(nn.Module):
         self.b_gate = nn.Parameter(torch.zeros(x, f)) if spec.expert_bias and spec.gated else None
         self.b_out = nn.Parameter(torch.zeros(x, d)) if spec.expert_bias else None
         self.seed, self.layer = seed, layer
+        self.gemm = "grouped"  # or "loop": the slots one by one (GEMMS)
         for slot, e in enumerate(expert_ids):
             self.init_slot(slot, e)
 
@@ -104,7 +105,13 @@ class Experts(nn.Module):
         return [p for p in (getattr(self, n) for n in names) if p is not None]
 
     def forward(self, x_ND: torch.Tensor, counts_X: list[int]) -> torch.Tensor:
-        """Apply slot i's expert to the i-th contiguous chunk of rows (counts_X rows each)."""
+        """Apply slot i's expert to the i-th contiguous chunk of rows (counts_X rows each):
+        in grouped GEMMs when `gemm` is "grouped" and the shapes allow it, else slot by slot."""
+        if self.gemm == "grouped" and grouped_mm_fits(x_ND, self.w_in, self.w_out):
+            return self._grouped(x_ND, counts_X)
+        return self._loop(x_ND, counts_X)
+
+    def _loop(self, x_ND: torch.Tensor, counts_X: list[int]) -> torch.Tensor:
         outs = []
         for slot, rows in enumerate(x_ND.split(counts_X, dim=0)):
             h = rows @ self.w_in[slot]
@@ -124,6 +131,54 @@ class Experts(nn.Module):
         if not outs:
             return x_ND[:0]
         return torch.cat(outs, dim=0)
+
+    def _grouped(self, x_ND: torch.Tensor, counts_X: list[int]) -> torch.Tensor:
+        """The same as `_loop` in three grouped GEMMs (two without a gate) over all slots:
+        torch._grouped_mm with offs = the cumulative row counts (rows of slot i between
+        offs[i - 1] and offs[i]); biases added per row from the row's slot."""
+        counts = torch.tensor(counts_X, device=x_ND.device)
+        offs = counts.cumsum(0).to(torch.int32)
+        slot_N = None
+        if self.b_in is not None:
+            slot_N = torch.repeat_interleave(
+                torch.arange(len(counts_X), device=x_ND.device), counts
+            )
+        h = _gmm(x_ND, self.w_in, offs, self.b_in, slot_N)
+        if self.gated:
+            h = F.silu(_gmm(x_ND, self.w_gate, offs, self.b_gate, slot_N)) * h
+        else:
+            h = F.gelu(h)
+        return _gmm(h, self.w_out, offs, self.b_out, slot_N)
+
+
+GEMMS = ("grouped", "loop")
+
+
+def grouped_mm_fits(x_ND: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
+    """torch._grouped_mm's layout rule: every row stride a multiple of 16 bytes (so D and F
+    multiples of 4 in fp32, 8 in bf16), one dtype, plain tensors."""
+    size = x_ND.element_size()
+    plain = all(type(t) in (torch.Tensor, nn.Parameter) for t in (x_ND, w_in, w_out))
+    same = x_ND.dtype == w_in.dtype == w_out.dtype
+    return plain and same and all((n * size) % 16 == 0 for n in w_in.shape[1:])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (torch._grouped_mm's
+    backward refuses an expanded one, e.g. from a sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _gmm(x_ND, w_XAB, offs, b_XB, slot_N) -> torch.Tensor:
+    y = _ContiguousGrad.apply(torch._grouped_mm(x_ND, w_XAB, offs=offs))
+    return y if b_XB is None else y + b_XB[slot_N]
 
 
 class MoELayer(nn.Module):
