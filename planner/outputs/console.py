@@ -8,10 +8,13 @@ not wrap.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from numbers import Real
+from pathlib import Path
 from typing import Any
 
 from rich import box
@@ -60,6 +63,71 @@ def progress(description: str, total: int | None = None) -> Iterator[Update]:
             bar.update(task, completed=done)
 
         yield update
+
+
+class Phases:
+    """The phases of one command, back to back: `start(name, label)` ends the phase running
+    and starts the next; `times()` is every phase's wall time (s), the first from the
+    process's own start (`process_age_s`: interpreter, imports, arguments), so the phases sum
+    to the command's wall time so far. On a terminal one bar on stderr shows the phase's
+    label (and its progress when `update(done, total)` is called); elsewhere nothing."""
+
+    def __init__(self, bar: Progress | None) -> None:
+        self._bar = bar
+        self._task = bar.add_task("", total=None) if bar is not None else None
+        self._times = {"startup": process_age_s()}
+        self._name, self._since = "", time.perf_counter()
+
+    def start(self, name: str, label: str, total: int | None = None) -> None:
+        now = time.perf_counter()
+        if self._name:
+            self._times[self._name] = self._times.get(self._name, 0.0) + now - self._since
+        self._name, self._since = name, now
+        if self._bar is not None and self._task is not None:
+            self._bar.reset(self._task, total=total, description=label)
+
+    def label(self, text: str) -> None:
+        """Show `text` on the bar without starting a new phase."""
+        if self._bar is not None and self._task is not None:
+            self._bar.reset(self._task, total=None, description=text)
+
+    def update(self, done: int, total: int | None = None) -> None:
+        if self._bar is not None and self._task is not None:
+            if total is not None:
+                self._bar.update(self._task, total=total)
+            self._bar.update(self._task, completed=done)
+
+    def times(self) -> dict[str, float]:
+        """Seconds per phase, the one running counted up to now."""
+        out = dict(self._times)
+        if self._name:
+            out[self._name] = out.get(self._name, 0.0) + time.perf_counter() - self._since
+        return out
+
+
+@contextmanager
+def phases() -> Iterator[Phases]:
+    """A Phases clock for the block, with its bar on stderr when stderr is a terminal (the
+    bar disappears when the block ends)."""
+    if not sys.stderr.isatty():
+        yield Phases(None)
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               MofNCompleteColumn(), TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=console(stderr=True), transient=True) as bar:
+        yield Phases(bar)
+
+
+def process_age_s() -> float:
+    """Wall seconds since this process started (Linux /proc; 0.0 where it cannot be read):
+    what a command spent before its own code ran."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, after "(comm)"
+    return max(0.0, uptime_s - ticks / os.sysconf("SC_CLK_TCK"))  # both since boot, 10 ms
 
 
 def print_table(

@@ -66,11 +66,14 @@ def place(
     trace_loads: Mapping[int, Sequence[float]] | None,
     options: SolverOptions,
 ) -> Placement:
-    """Solve the expert IP for each MoE layer (identical loads solved once) and the rank IP."""
-    opts = replace(options, threads=1)  # single-threaded solves give the same answer every run
+    """Solve the expert IP for each MoE layer (identical loads solved once, the solves sharing
+    one time limit: pattern_options) and the rank IP."""
+    loads = expert_loads(model, trace_loads)
+    to_solve = {x for x in loads.values() if par.ep > 1 and len(set(x)) > 1}
+    opts = pattern_options(options, len(to_solve))
     solved: dict[tuple[float, ...], tuple[tuple[int, ...], SolveReport]] = {}
     placements, reports = [], []
-    for layer, load_E in expert_loads(model, trace_loads).items():
+    for layer, load_E in loads.items():
         if load_E not in solved:
             if par.ep == 1 or len(set(load_E)) == 1:
                 solved[load_E] = (default_placement(len(load_E), par.ep), _uniform(load_E, par.ep))
@@ -78,8 +81,16 @@ def place(
                 solved[load_E] = evaluator.place_experts(load_E, par.ep, opts)
             reports.append(solved[load_E][1])
         placements.append(ExpertPlacement(layer, tuple(solved[load_E][0])))
-    ranks = evaluator.place_ranks(par, cluster, allocation, opts)
+    ranks = evaluator.place_ranks(par, cluster, allocation, replace(options, threads=1))
     return Placement(tuple(placements), _merge(reports, options.backend), ranks)
+
+
+def pattern_options(options: SolverOptions, patterns: int) -> SolverOptions:
+    """The options of one expert IP solve when `patterns` distinct load patterns (MoE layers
+    with different loads) are solved in turn: --time-limit-s split evenly, so placing every
+    layer takes one limit, as the stage and rank IPs do; one thread, so the answer is the
+    same every run."""
+    return replace(options, threads=1, time_limit_s=options.time_limit_s / max(patterns, 1))
 
 
 def _uniform(load_E: Sequence[float], ep: int) -> SolveReport:
@@ -292,16 +303,18 @@ def with_redundant_slots(
     requested: int | None = None,
 ) -> Plan:
     """The plan with redundant expert slots (slot_budget): the expert IP places replicas of
-    every MoE layer on its expected loads (the trace's, else equal), plan.json's experts
+    every MoE layer on its expected loads (the trace's, else equal; each distinct pattern
+    solved once, the solves sharing one time limit: pattern_options), plan.json's experts
     entries carry the slots, the predicted memory of each stage counts them, and
     extra.redundant_slots says how many and what they cost. No slots: the plan unchanged."""
     budget = slot_budget(plan, model, requested)
     if budget.redundant_slots == 0:
         return replace(plan, extra={**plan.extra, "redundant_slots": budget.to_dict()})
-    opts = replace(options, threads=1)  # single-threaded solves give the same answer every run
+    loads = expert_loads(model, trace_loads)
+    opts = pattern_options(options, len(set(loads.values())))
     solved: dict[tuple[float, ...], Any] = {}
     experts, reports = [], []
-    for layer, load_E in expert_loads(model, trace_loads).items():
+    for layer, load_E in loads.items():
         if load_E not in solved:
             solved[load_E] = solve_experts(
                 load_E, plan.parallel.ep, opts, redundant_slots=budget.redundant_slots

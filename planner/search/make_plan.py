@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -82,6 +82,7 @@ def make_plan(
     evaluator: Evaluator | None = None,
     score: Literal["dp", "ip"] = "dp",
     target: Target | None = None,
+    label: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Find the layout and placement with the best predicted step time that fits in memory.
 
@@ -112,15 +113,17 @@ def make_plan(
             candidate with the stage IP. Both give the same plan; "dp" is much faster.
         target: the engine the plan is for (planner.targets): the search offers only what it
             executes and prices it with its conventions; None = no engine's limits.
+        label: called with a short description as the baselines and the placement start
+            (the progress bar's text).
     Returns:
         PlanResult; plan is None when nothing fits (message says what would) or when Ctrl-C
         came before any candidate was solved (interrupted is then True).
     """
+    t0 = time.perf_counter()
     if evaluator is None:
         from planner.search.model_evaluator import default_evaluator
 
         evaluator = default_evaluator()
-    t0 = time.perf_counter()
     if training.cuda_graphs == "full":  # the exports' Megatron-Core 0.16 refuses the pair
         if a2a_overlap:
             raise SpecError(
@@ -155,9 +158,14 @@ def make_plan(
         etp_rule=etp_rule,  # type: ignore[arg-type]
     )
     ctx = new_context(model, cluster, training, space, options, evaluator, score)
+    t_search = time.perf_counter()
     found = search_layouts(ctx, progress)
     rows, best, interrupted, timings = found.rows, found.best, found.interrupted, found.timings
     t1 = time.perf_counter()
+    # back to back: space, enumerate, screen, stage search (the rest of the search), ...
+    timings["space_s"] = t_search - t0
+    timings["stage_search_s"] = t1 - t_search - timings["enumerate_s"] - timings["screen_s"]
+    (label or _quiet)("baselines: scoring the reference layouts")
     baselines: tuple[Baseline, ...] = ()
     if not interrupted:
         try:
@@ -170,10 +178,15 @@ def make_plan(
         message = "" if interrupted else no_fit_message(ctx, rows)
         timings["total_s"] = time.perf_counter() - t0
         return PlanResult(None, rows, None, baselines, _t(timings), interrupted, message, gpus)
+    (label or _quiet)("placement: expert and rank IPs")
     doc = _plan_document(ctx, best, allocation, trace_loads, baselines, interrupted, target)
     timings["placement_s"] = time.perf_counter() - t2
     timings["total_s"] = time.perf_counter() - t0
     return PlanResult(doc, rows, best, baselines, _t(timings), interrupted, "", gpus)
+
+
+def _quiet(_text: str) -> None:
+    return None
 
 
 def _t(timings: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
