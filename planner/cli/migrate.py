@@ -16,6 +16,7 @@ from planner.migration.policies import POLICIES, MigrationOptions
 from planner.migration.recorded import load_run_record, replay_intervals
 from planner.migration.run import replay
 from planner.migration.trace import Trace, interval_trace, load_trace
+from planner.numbers import number
 from planner.outputs.console import print_table, progress
 from planner.outputs.files import write_files
 from planner.plan import load_plan
@@ -166,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     table = [
         (report.LABELS.get(name, name), f"{r.mean_imbalance:.4f}", f"{r.p95_imbalance:.4f}",
-         r.experts_moved, f"{r.bytes_moved / 1e9:.3f}", f"{r.transfer_s:.3f}",
-         f"{r.total_cost_s:.3f}", f"{r.solve_ms_per_layer:.2f}")
+         r.experts_moved, number(r.bytes_moved / 1e9), number(r.transfer_s),
+         number(r.total_cost_s), number(r.solve_ms_per_layer, 3))
         for name, r in runs.items()
     ]  # fmt: skip
     title = (

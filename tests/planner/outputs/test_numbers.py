@@ -3,6 +3,7 @@ summary and baseline table, summary.md, `piper estimate`, rich tables."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -103,3 +104,32 @@ def test_outside_search_names_each_excluded_setting_with_its_flag():
     )
     inside = ParallelConfig(2, 4, 1, 4, 2, 1, "full")
     assert outside_search(space, inside, Knobs("zero", False, "halo")) == ()
+
+
+def test_migrate_table_keeps_small_moves_non_zero(tmp_path, capsys):
+    trace = _trace_csv(tmp_path)
+    args = ["migrate", "--trace", trace, "--ep", "4", "--model", "tiny-moe", "--cluster",
+            "cpu-gloo", "--out", str(tmp_path / "out"), "--no-plots"]  # fmt: skip
+    assert main(args) == 0
+    rows = {
+        row["policy"]: row for row in json.loads((tmp_path / "out" / "summary.json").read_text())
+    }
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("greedy swap"))
+    moved, gb, transfer = line.split()[5:8]
+    assert int(moved) == rows["swap"]["experts_moved"] > 0
+    assert float(gb) == pytest.approx(rows["swap"]["bytes_moved"] / 1e9, rel=1e-3) > 0
+    assert float(transfer) == pytest.approx(rows["swap"]["transfer_s"], rel=1e-3) > 0
+
+
+def _trace_csv(tmp_path) -> str:
+    """tiny-moe's 8 experts, layers 1-3, 5 intervals of skewed random routing."""
+    rng = np.random.default_rng(0)
+    lines = ["interval,layer,expert,tokens"]
+    for t in range(5):
+        for layer in (1, 2, 3):
+            tokens = rng.multinomial(2000, np.array([8, 4, 2, 1, 1, 1, 1, 1]) / 19)
+            lines += [f"{t},{layer},{e},{n}" for e, n in enumerate(tokens)]
+    path = tmp_path / "trace.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
