@@ -16,6 +16,7 @@ from planner.outputs.export.megatron import megatron_script
 from planner.outputs.export.shell import check_plan_text
 from planner.outputs.export.slurm import TRAINERS, Trainer, slurm_script
 from planner.outputs.export.torchtitan import torchtitan_script
+from planner.plan.priced import check_priced
 from planner.plan.schema import Plan
 from planner.specs import SpecError
 
@@ -62,6 +63,7 @@ def export_plan(
             f"export: unknown target '{target}'; use one of {', '.join(EXPORT_TARGETS)}"
         )
     check_plan_text(plan)
+    check_priced(plan, trainer if target == "slurm" else target, plan_path)
     if target == "slurm":
         text, notes = slurm_script(plan, plan_path, command, trainer, args_file)
     elif target == "megatron":

@@ -122,7 +122,8 @@ def recompute_args(plan: Plan) -> tuple[list[str], list[str]]:
             return args, [f"the plan recomputes {modules or ['core_attn']} on {sum(chosen)} of "
                           f"{layers} layers; Megatron recomputes them on every layer"]  # fmt: skip
         return args, []
-    if not any(chosen):
+    every = sum(chosen) == sum(len(s.layers) for s in stages)
+    if not any(chosen) or every:
         if par.recompute == "full":
             return ["--recompute-granularity", "full", "--recompute-method", "uniform",
                     "--recompute-num-layers", "1"], []  # fmt: skip

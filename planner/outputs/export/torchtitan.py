@@ -152,6 +152,9 @@ def _training(plan: Plan) -> list[str]:
 def _recompute(plan: Plan) -> tuple[str, list[str]]:
     """The activation-checkpoint subcommand (torchtitan's AC policies) and notes."""
     par = plan.parallel
+    every = all(tuple(s.recompute_layers) == tuple(s.layers) for s in plan.stages)
+    if par.recompute == "full" and every:
+        return "full", []
     if par.recompute != "selective" and any(s.recompute_layers for s in plan.stages):
         return "full", [
             "per-layer recompute becomes torchtitan's full AC on every layer (it cannot choose "

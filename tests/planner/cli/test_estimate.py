@@ -12,6 +12,7 @@ from planner.inputs.models import list_model_presets, load_model
 from planner.parallel import ParallelConfig
 from planner.resources.cost import estimate
 from planner.specs import TrainingSpec
+from planner.targets import TARGETS, with_conventions
 
 ARGS = ["estimate", "--model", "mixtral-8x7b", "--cluster", "frontier", "--pp", "4", "--dp",
         "8", "--ep", "8", "--global-batch", "256"]  # fmt: skip
@@ -21,10 +22,12 @@ def test_json_matches_the_api(capsys):
     assert main([*ARGS, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     par = ParallelConfig(pp=4, dp=8, ep=8, micro_batch=1, num_microbatches=32)
-    est = estimate(
-        load_model("mixtral-8x7b"), load_cluster("frontier"), TrainingSpec(global_batch=256), par
-    )
+    # frontier's default target is megatron: its conventions and its distributed optimizer
+    tr = with_conventions(TrainingSpec(global_batch=256, zero=True), TARGETS["megatron"])
+    est = estimate(load_model("mixtral-8x7b"), load_cluster("frontier"), tr, par)
     assert data["step_time_s"] == pytest.approx(est.step_time_s, rel=1e-8)
+    assert data["target"] == "megatron" and data["training"]["zero"]
+    assert data["memory_margin_gib"] == pytest.approx(0.04 * 59.6, rel=1e-6)
     assert data["parallel"]["num_microbatches"] == 32 and data["parallel"]["edp"] == 1
     assert len(data["stages"]) == 4 and data["stages"][0]["layers"] == list(range(8))
     assert set(data["comm_s"]) == {"a2a_node", "dp_node", "p2p_switch"}
@@ -77,8 +80,8 @@ def test_every_model_preset_on_every_cluster_gives_finite_numbers():
 KNOBS = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--pp", "2", "--vp", "2",
          "--dp", "4", "--tp", "2", "--cp", "2", "--ep", "8", "--etp", "2", "--seq-len", "8192",
          "--global-batch", "64", "--recompute-modules", "layernorm,moe_act", "--zero",
-         "--bytes-per-param", "18", "--dispatcher", "deepep", "--a2a-overlap", "--dtype", "fp8",
-         "--optimizer-dtype", "bf16", "--mtp-layers", "0", "--gate-in-activation"]  # fmt: skip
+         "--target", "megatron", "--dispatcher", "deepep", "--a2a-overlap", "--dtype", "fp8",
+         "--optimizer-dtype", "bf16", "--mtp-layers", "0"]  # fmt: skip
 
 
 def test_every_knob_reaches_the_resource_model(capsys):
@@ -91,7 +94,7 @@ def test_every_knob_reaches_the_resource_model(capsys):
     tr = TrainingSpec(
         seq_len=8192, global_batch=64, dtype="fp8", bytes_per_param=18, zero=True,
         recompute="selective", optimizer_dtype="bf16", mtp_layers=0, a2a_overlap=True,
-        gate_in_activation=True,
+        gate_in_activation=True, uniform_recompute=True,
     )  # fmt: skip
     est = estimate(load_model("qwen3-30b-a3b"), load_cluster("h100"), tr, par, dispatcher="deepep")
     assert data["step_time_s"] == pytest.approx(est.step_time_s, rel=1e-8)
@@ -129,7 +132,21 @@ def test_table_shows_the_new_terms(capsys):
         (["--a2a-overlap"], "needs ep > 1"),
         (["--cp", "3", "--gpus", "12", "--dp", "4"], "seq_len=4096 must be a multiple of 6"),
         (["--dtype", "mxfp8", "--cluster", "h100"], "mxfp8"),
-        (["--dispatcher", "halo", "--a2a-overlap", "--ep", "2", "--dp", "2"], "not halo"),
+        (["--dispatcher", "halo", "--ep", "2", "--dp", "2"], "re-plan with --target piper"),
+        (
+            [
+                "--dispatcher",
+                "halo",
+                "--a2a-overlap",
+                "--ep",
+                "2",
+                "--dp",
+                "2",
+                "--target",
+                "piper",
+            ],
+            "--a2a-overlap: Piper's runtime",
+        ),  # fmt: skip
     ],
 )
 def test_bad_knob_combinations_are_one_line_exit_2(extra, match, capsys):

@@ -139,7 +139,7 @@ def test_every_knob_is_fixed_by_its_flag(tmp_path):
     the plan and every candidate row carry them."""
     flags = ["--pp", "2", "--vp", "2", "--etp", "2", "--ep", "2", "--recompute-modules",
              "moe_act,layernorm", "--fsdp", "--a2a-overlap", "--dispatcher", "deepep",
-             "--mtp-layers", "0", "--optimizer-dtype", "bf16"]  # fmt: skip
+             "--mtp-layers", "0", "--optimizer-dtype", "bf16", "--target", "megatron"]  # fmt: skip
     assert main([*TINY, *flags, "--out", str(tmp_path)]) == 0
     plan = load_plan(tmp_path / "plan.json")
     par = plan.parallel
@@ -158,18 +158,25 @@ def test_every_knob_is_fixed_by_its_flag(tmp_path):
     )
 
 
-def test_the_search_varies_the_knobs_when_nothing_is_fixed(tmp_path):
-    assert main([*TINY, "--out", str(tmp_path)]) == 0
+@pytest.mark.parametrize(
+    ("target", "varied", "never"),
+    [
+        # no DeepEP on the CPU emulation's fabric; Megatron runs no HALO
+        ("megatron", {"sharding": {"zero", "fsdp"}, "a2a_overlap": {"0", "1"},
+                      "dispatcher": {"flat"}}, {"dispatcher": {"halo", "deepep"}}),
+        ("piper", {"sharding": {"none", "fsdp"}, "a2a_overlap": {"0"},
+                   "dispatcher": {"flat", "halo"}}, {"sharding": {"zero"}, "a2a_overlap": {"1"}}),
+    ],
+)  # fmt: skip
+def test_the_search_varies_the_knobs_when_nothing_is_fixed(tmp_path, target, varied, never):
+    """The search tries every value its target runs, and no other."""
+    assert main([*TINY, "--target", target, "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader((tmp_path / "candidates.csv").open()))
-    for column, values in (
-        ("vp", {"1", "2"}),
-        ("sharding", {"zero", "fsdp"}),
-        ("a2a_overlap", {"0", "1"}),
-        ("dispatcher", {"flat", "halo"}),  # no DeepEP on the CPU emulation's fabric
-        ("recompute", {"none", "full", "selective"}),
-    ):
+    varied = {**varied, "vp": {"1", "2"}, "recompute": {"none", "full", "selective"}}
+    for column, values in varied.items():
         assert {r[column] for r in rows} >= values, column
-    assert "deepep" not in {r["dispatcher"] for r in rows}
+    for column, values in never.items():
+        assert not {r[column] for r in rows} & values, column
     assert {r["status"] for r in rows} >= {"solved", "pruned"}
     assert all(r["reason"] for r in rows if r["status"] != "solved" or r["feasible"] == "0")
 
@@ -186,7 +193,7 @@ def test_the_search_varies_the_knobs_when_nothing_is_fixed(tmp_path):
     ],
 )
 def test_bad_knob_flags_exit_2_with_one_line(tmp_path, capsys, flags, words):
-    assert main([*TINY, *flags, "--out", str(tmp_path / "o")]) == 2
+    assert main([*TINY, "--target", "megatron", *flags, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
     assert not (tmp_path / "o").exists()
@@ -245,7 +252,17 @@ def test_trace_for_a_dense_layer_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_a_fixed_dispatcher_is_priced_and_recorded(tmp_path):
-    small = ["plan", "--model", "deepseek-v2-lite", "--gpus", "32", "--ep", "32"]
+    small = [
+        "plan",
+        "--model",
+        "deepseek-v2-lite",
+        "--gpus",
+        "32",
+        "--ep",
+        "32",
+        "--target",
+        "piper",
+    ]
     assert main([*small, "--dispatcher", "flat", "--out", str(tmp_path / "flat")]) == 0
     assert main([*small, "--dispatcher", "halo", "--out", str(tmp_path / "halo")]) == 0
     flat, halo = (

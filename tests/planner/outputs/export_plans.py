@@ -21,6 +21,7 @@ from planner.plan import (
     StagePlan,
     load_plan,
 )
+from planner.targets import TARGETS
 
 STAGES = ((0, 1, 2), (3, 4), (5, 6), (7,))  # first 3, middle 2 and 2, last 1
 # node of each rank (2 ranks per node), deliberately not in rank order
@@ -120,6 +121,21 @@ def knob_plan(dtype: str = "fp8") -> Plan:
         inputs_sha256="cd" * 32,
         extra={"dispatcher": "deepep"},
     )
+
+
+def priced_for(plan: Plan, engine: str) -> Plan:
+    """`plan` as priced for `engine`'s conventions (bytes per parameter, router weights), as
+    `piper plan --target ENGINE` writes it."""
+    t = TARGETS[engine]
+    training = {
+        **plan.training,
+        "bytes_per_param": t.bytes_per_param,
+        "gate_in_activation": t.gate_in_activation,
+    }
+    stages = plan.stages
+    if not t.per_layer_recompute and plan.parallel.recompute != "none":
+        stages = tuple(replace(s, recompute_layers=s.layers) for s in stages)
+    return replace(plan, training=training, stages=stages, extra={**plan.extra, "target": engine})
 
 
 def user_plans(folder: Path) -> dict[str, Plan]:

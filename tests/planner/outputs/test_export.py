@@ -14,19 +14,21 @@ from planner.outputs.export.megatron import megatron_args, pipeline_split_args
 from planner.outputs.export.model_settings import model_settings
 from planner.plan import ExpertPlacement, ModelEntry, StagePlan
 from planner.specs import SpecError
+from tests.planner.outputs import export_plans
 from tests.planner.outputs.export_plans import (
     KNOB_STAGES,
     KNOBS,
     bash_array,
     knob_plan,
     make_plan,
+    priced_for,
 )
 from tests.planner.outputs.megatron_core import megatron_namespace, transformer_config
 
 
 def megatron(plan):
     """(namespace of the exported flags as Megatron-LM parses them, export result)."""
-    result = export_plan(plan, "megatron")
+    result = export_plan(priced_for(plan, "megatron"), "megatron")
     return megatron_namespace(bash_array(result.text, "MEGATRON_ARGS")), result
 
 
@@ -60,20 +62,41 @@ def test_megatron_flags_match_plan():
     assert "# needs Megatron-Core >= 0.13 (checked with 0.16)" in result.text
 
 
-def test_megatron_zero_recompute_and_placement_notes():
-    experts = tuple(ExpertPlacement(layer, (1, 0, 0, 0, 1, 1, 1, 0)) for layer in range(1, 8))
-    plan = make_plan(zero=True, recompute={0: (0, 1), 1: (3,)}, experts=experts)
+def test_megatron_zero_and_uniform_full_recompute():
+    plan = priced_for(replace(make_plan(zero=True), parallel=replace(
+        make_plan().parallel, recompute="full")), "megatron")  # fmt: skip
     ns, result = megatron(plan)
     assert ns.use_distributed_optimizer
     assert (ns.recompute_granularity, ns.recompute_method, ns.recompute_num_layers) == (
-        "full", "block", 2,
+        "full", "uniform", 1,
     )  # fmt: skip
-    notes = " ".join(result.notes)
-    assert "recomputes [2, 1, 0, 0]" in notes and "7 of 7 MoE layers" in notes
-    assert all(f"# NOTE: {n}" in result.text for n in result.notes)
-    titan = export_plan(plan, "torchtitan")
-    assert any("7 MoE layers use a non-contiguous" in n for n in titan.notes)
-    assert not any("non-contiguous" in n for n in export_plan(make_plan(), "torchtitan").notes)
+    assert not any("recompute" in n for n in result.notes)
+
+
+@pytest.mark.parametrize("engine", ["megatron", "torchtitan"])
+def test_exports_refuse_what_the_engine_runs_differently(engine):
+    """A planned expert placement, recompute on some layers only, or another engine's
+    conventions: one line naming the setting and `re-plan with --target ENGINE`."""
+    permuted = tuple(ExpertPlacement(layer, (1, 0, 0, 0, 1, 1, 1, 0)) for layer in range(1, 8))
+
+    def make_plan(**kw):  # each engine's own sharding, so only the setting tested differs
+        plan = export_plans.make_plan(**kw)
+        return replace(plan, training={**plan.training, "fsdp": engine == "torchtitan"})
+
+    cases = {
+        "places experts off the engine's default": priced_for(make_plan(experts=permuted), engine),
+        "recomputes 3 of 8 layers": replace(
+            priced_for(make_plan(recompute={0: (0, 1), 1: (3,)}), engine),
+            parallel=replace(make_plan().parallel, recompute="full"),
+        ),
+        "B of training state per parameter": priced_for(
+            make_plan(), "piper" if engine == "megatron" else "megatron"
+        ),
+    }
+    for phrase, plan in cases.items():
+        with pytest.raises(SpecError, match=f"{phrase}.*re-plan with --target {engine}") as err:
+            export_plan(plan, engine)
+        assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -204,7 +227,7 @@ def test_megatron_rope_scaling_from_the_config_file(tmp_path):
     assert not any("rope_scaling" in n for n in result.notes)
     cfg["rope_scaling"]["beta_fast"] = 16
     path.write_text(json.dumps(cfg))
-    notes = " ".join(export_plan(plan, "megatron").notes)
+    notes = " ".join(export_plan(priced_for(plan, "megatron"), "megatron").notes)
     assert "beta_fast=16.0" in notes and "differs from Megatron's fixed" in notes
 
 
@@ -235,7 +258,7 @@ def test_megatron_core_accepts_the_first_plans(name, first_plans, monkeypatch):
     """Megatron-Core's TransformerConfig.__post_init__ validates each export."""
     pytest.importorskip("megatron.core")
     plan = first_plans[name]
-    args = bash_array(export_plan(plan, "megatron").text, "MEGATRON_ARGS")
+    args = bash_array(export_plan(priced_for(plan, "megatron"), "megatron").text, "MEGATRON_ARGS")
     config = transformer_config(args, monkeypatch)
     p, model = plan.parallel, plan.model_spec()
     assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (p.tp, p.pp)
@@ -249,7 +272,9 @@ def test_megatron_core_accepts_the_first_plans(name, first_plans, monkeypatch):
 @pytest.mark.parametrize("dtype", ["fp8", "mxfp8", "bf16"])
 def test_megatron_core_accepts_every_knob(dtype, monkeypatch):
     pytest.importorskip("megatron.core")
-    args = bash_array(export_plan(knob_plan(dtype), "megatron").text, "MEGATRON_ARGS")
+    args = bash_array(
+        export_plan(priced_for(knob_plan(dtype), "megatron"), "megatron").text, "MEGATRON_ARGS"
+    )
     config = transformer_config(args, monkeypatch)
     k = KNOBS
     assert type(config).__name__ == "MLATransformerConfig"
@@ -273,20 +298,23 @@ def test_whole_iteration_cuda_graphs_export(monkeypatch):
     plan = knob_plan("bf16")
     # whole-iteration graphs: Megatron refuses them with the all-to-all overlap
     full = replace(plan, training={**plan.training, "cuda_graphs": "full", "a2a_overlap": False})
-    args = bash_array(export_plan(full, "megatron").text, "MEGATRON_ARGS")
+    args = bash_array(export_plan(priced_for(full, "megatron"), "megatron").text, "MEGATRON_ARGS")
     assert args[args.index("--cuda-graph-impl") + 1] == "local"
     assert args[args.index("--cuda-graph-scope") + 1] == "full_iteration"
     config = transformer_config(args, monkeypatch)
     assert config.cuda_graph_impl == "local"
     none = replace(plan, training={**plan.training, "cuda_graphs": "none"})
-    text = export_plan(none, "megatron").text
+    text = export_plan(priced_for(none, "megatron"), "megatron").text
     assert "--cuda-graph-impl" not in bash_array(text, "MEGATRON_ARGS")
 
 
 def test_megatron_core_refuses_a_broken_export(first_plans, monkeypatch):
     """The check has teeth: expert bias with a softmax router is Megatron-Core's error."""
     pytest.importorskip("megatron.core")
-    args = bash_array(export_plan(first_plans["deepseek-v3"], "megatron").text, "MEGATRON_ARGS")
+    args = bash_array(
+        export_plan(priced_for(first_plans["deepseek-v3"], "megatron"), "megatron").text,
+        "MEGATRON_ARGS",
+    )
     i = args.index("--moe-router-score-function")
     args[i + 1] = "softmax"
     with pytest.raises(ValueError, match="Expert bias for aux-loss-free routing"):
@@ -298,12 +326,16 @@ def test_stage_layers_of_a_permuted_plan_are_refused():
     bad = replace(plan, parallel=replace(plan.parallel, vp=2),
                   stages=tuple(StagePlan(i, (i,)) for i in range(4)))  # fmt: skip
     with pytest.raises(SpecError, match="stages must cover layers 0..7 in order"):
-        export_plan(bad, "megatron")
+        export_plan(priced_for(bad, "megatron"), "megatron")
 
 
 def test_megatron_without_the_hf_config_says_the_defaults_are_used():
     plan = make_plan()
     entry = replace(plan.model, name="my-model", source="/nowhere/config.json")
-    notes = " ".join(export_plan(replace(plan, model=entry), "megatron").notes)
+    notes = " ".join(
+        export_plan(priced_for(replace(plan, model=entry), "megatron"), "megatron").notes
+    )
     assert "no HF config found for '/nowhere/config.json'" in notes
-    assert "no HF config" not in " ".join(export_plan(plan, "megatron").notes)
+    assert "no HF config" not in " ".join(
+        export_plan(priced_for(plan, "megatron"), "megatron").notes
+    )

@@ -9,8 +9,16 @@ from dataclasses import replace
 import pytest
 
 from planner.outputs.export import export_plan
-from planner.plan import ParallelPlan
-from tests.planner.outputs.export_plans import KNOBS, STAGES, bash_array, knob_plan, make_plan
+from planner.outputs.export.torchtitan import shard_degree
+from planner.specs import SpecError
+from tests.planner.outputs.export_plans import (
+    KNOBS,
+    STAGES,
+    bash_array,
+    knob_plan,
+    make_plan,
+    priced_for,
+)
 
 PAR = "parallelism."
 INTS = ("data_parallel_replicate_degree data_parallel_shard_degree tensor_parallel_degree "
@@ -39,18 +47,23 @@ def titan_namespace(args: list[str]) -> argparse.Namespace:
 
 
 def titan(plan):
-    result = export_plan(plan, "torchtitan")
+    result = export_plan(priced_for(plan, "torchtitan"), "torchtitan")
     return titan_namespace(bash_array(result.text, "TORCHTITAN_ARGS")), result
 
 
+def fsdp_plan(**kw):
+    plan = make_plan(**kw)
+    return replace(plan, training={**plan.training, "fsdp": True})
+
+
 def test_torchtitan_args_match_plan():
-    plan = make_plan(zero=True)
+    plan = fsdp_plan()
     ns, result = titan(plan)
     p = plan.parallel
     assert (ns.pipeline_parallel_degree, ns.expert_parallel_degree) == (p.pp, p.ep)
     assert (ns.tensor_parallel_degree, ns.context_parallel_degree) == (p.tp, p.cp)
     assert ns.data_parallel_shard_degree * ns.data_parallel_replicate_degree == p.dp
-    assert ns.data_parallel_shard_degree == p.dp  # ZeRO: all of dp sharded
+    assert ns.data_parallel_shard_degree == p.dp  # FSDP: all of dp sharded
     assert ns.pipeline_parallel_microbatch_size == p.micro_batch
     assert ns.schedule == "1F1B"
     # pp > 1: a step's micro-batches all go through the pipeline at once
@@ -70,7 +83,7 @@ def test_torchtitan_args_match_plan():
 
 
 def test_torchtitan_without_pipelining_accumulates_micro_batches():
-    plan = make_plan()
+    plan = fsdp_plan()
     par = replace(plan.parallel, pp=1, dp=8, edp=4)
     ns, _ = titan(replace(plan, parallel=par, stages=(replace(plan.stages[0], layers=tuple(
         range(8))),), ranks=()))  # fmt: skip
@@ -79,42 +92,57 @@ def test_torchtitan_without_pipelining_accumulates_micro_batches():
     assert ns.parts is None and ns.no_graphs  # ep = 2 still turns CUDA graphs off
 
 
-def test_torchtitan_recompute_and_hsdp():
-    ns, result = titan(make_plan(zero=False))
-    assert (ns.data_parallel_shard_degree, ns.data_parallel_replicate_degree) == (2, 1)
-    assert any("FSDP (ZeRO-3) over 2" in n for n in result.notes)
-    rc, notes = titan(make_plan(recompute={2: (5,)}))
+def test_torchtitan_full_recompute_on_every_layer():
+    plan = fsdp_plan()
+    rc, result = titan(replace(plan, parallel=replace(plan.parallel, recompute="full")))
     assert rc.ac == "activation_checkpoint:full"
-    assert any("per-layer recompute" in n for n in notes.notes)
+    assert not any("recompute" in n for n in result.notes)
+
+
+@pytest.mark.parametrize(
+    ("change", "phrase"),
+    [
+        ({"training": {"fsdp": False}}, "priced with no sharding"),
+        ({"training": {"a2a_overlap": True}}, "1F1B all-to-all overlap"),
+        ({"extra": {"dispatcher": "deepep"}}, "deepep dispatcher"),
+        ({"training": {"dtype": "fp8"}}, "priced in fp8"),
+    ],
+)
+def test_torchtitan_refuses_what_it_does_not_run(change, phrase):
+    plan = priced_for(fsdp_plan(), "torchtitan")
+    plan = replace(
+        plan,
+        training={**plan.training, **change.get("training", {})},
+        extra={**plan.extra, **change.get("extra", {})},
+    )
+    with pytest.raises(SpecError, match=f"{phrase}.*re-plan with --target torchtitan"):
+        export_plan(plan, "torchtitan")
 
 
 @pytest.mark.parametrize(("dp", "tp", "ep", "shard"), [(4, 1, 2, 2), (1, 4, 4, 1), (2, 2, 2, 1)])
 def test_torchtitan_shard_degree_lets_ep_fit(dp, tp, ep, shard):
-    plan = make_plan()
-    par = ParallelPlan(pp=4, dp=dp, tp=tp, ep=ep, edp=dp * tp // ep, micro_batch=2,
-                       num_microbatches=8, recompute="none")  # fmt: skip
-    ns, _ = titan(replace(plan, parallel=par))
-    assert ns.data_parallel_shard_degree == shard
-    assert ns.data_parallel_shard_degree * ns.data_parallel_replicate_degree == dp
-    assert (ns.data_parallel_shard_degree * tp) % ep == 0
+    got = shard_degree(dp, 1, tp, ep, sharded=False)
+    assert got == shard and dp % got == 0 and (got * tp) % ep == 0
+    assert shard_degree(dp, 1, tp, ep, sharded=True) == dp
 
 
 def test_torchtitan_every_knob():
-    """torchtitan's equivalents where it has them (vp, cp, FSDP, bf16 moments, its own model
-    and FP8 config), a note for each knob it lacks (etp, overlap, DeepEP by flag, modules)."""
-    ns, result = titan(knob_plan("fp8"))
+    """torchtitan's equivalents of the knobs it runs: vp, cp, FSDP, bf16 moments, full
+    recompute on every layer, its own model config; etp = 1 with ep > 1."""
+    plan = knob_plan("bf16")
     k = KNOBS
-    assert (ns.module, ns.config) == ("deepseek_v3", "deepseek_v3_671b_float8")
+    par = replace(plan.parallel, etp=1, edp=k["tp"] * k["cp"] * k["dp"] // k["ep"],
+                  recompute="full", recompute_modules=())  # fmt: skip
+    training = {**plan.training, "a2a_overlap": False, "cuda_graphs": "none", "mtp_layers": 0}
+    plan = replace(plan, parallel=par, training=training, extra={"dispatcher": "flat"})
+    ns, result = titan(plan)
+    assert (ns.module, ns.config) == ("deepseek_v3", "deepseek_v3_671b")
     assert ns.schedule == "Interleaved1F1B" and len(ns.parts) == k["pp"] * k["vp"]
     assert ns.context_parallel_degree == k["cp"] and ns.data_parallel_shard_degree == k["dp"]
     assert ns.optimizer == "fused_opt_states_bf16"
-    assert ns.ac == "activation_checkpoint:selective"
-    notes = " ".join(result.notes)
-    for lacking in ("expert tensor parallelism", "all-to-all overlap", "'deepep' dispatcher",
-                    "recompute modules moe_act, layernorm"):  # fmt: skip
-        assert lacking in notes
-    bf16, _ = titan(knob_plan("bf16"))
-    assert bf16.config == "deepseek_v3_671b"
+    assert ns.ac == "activation_checkpoint:full"
+    with pytest.raises(SpecError, match="re-plan with --target torchtitan"):
+        export_plan(knob_plan("bf16"), "torchtitan")  # etp 2, the overlap, DeepEP, modules
 
 
 PLANS = ["deepseek-v3", "qwen3-30b-a3b", "llama4-scout", "gpt-oss-20b", "default"]
