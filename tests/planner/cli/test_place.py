@@ -102,13 +102,15 @@ def test_cli_writes_hostfile_and_report(frontier_plan, tmp_path):
         ("tux[1-7]", "topology.conf", "7 nodes but the plan uses 8"),
         ("tux[1-8]", "missing.conf", "no such topology file"),
         ("tux[1-8]", None, "no network position for host 'tux1'"),
+        ("tux[1-8]", "topology.conf --time-limit-s 0", "--time-limit-s: 0.0 must be positive"),
     ],
 )
 def test_bad_input_is_one_line(frontier_plan, tmp_path, nodelist, topology, field):
     out = tmp_path / "out"
     argv = ["place", str(frontier_plan / "plan.json"), "--nodelist", nodelist, "--out", str(out)]
     if topology:
-        argv += ["--topology", str(frontier_plan / topology)]
+        name, *flags = topology.split()
+        argv += ["--topology", str(frontier_plan / name), *flags]
     result = run_piper(argv)
     assert result.code == 2, result.stderr
     assert len(result.err_lines) == 1 and "Traceback" not in result.stderr
@@ -199,3 +201,22 @@ def test_greedy_by_switch_keeps_ep_groups_on_a_switch(frontier_plan, monkeypatch
     assert placement.placed.crossings == ("p2p: switch -> system",)
     gap = 1 - placement.compact.step_time_s / placement.placed.step_time_s
     assert placement.report.gap == pytest.approx(gap) and 0 < gap < 0.05
+
+
+def test_sbatch_dry_run_shows_the_placement_it_would_run(frontier_plan, tmp_path):
+    """Outside an allocation: the `piper place` line it would run, the plan's order."""
+    plan = load_plan(frontier_plan / "plan.json")
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm_script(plan, "/runs/my plan.json", None)[0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PIPER_"))}
+    env.update(PATH="/usr/bin:/bin", PIPER_HOSTFILE=str(tmp_path / "h"))
+    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    line = next(ln for ln in run.stderr.splitlines() if "this runs:" in ln)
+    assert line.split("this runs: ")[1].split() == [
+        "piper", "place", "/runs/my\\", "plan.json", "--nodelist", '"$SLURM_JOB_NODELIST"',
+        "--out", f"{tmp_path}/h.placement", "--time-limit-s", "30",
+    ]  # fmt: skip
+    nodes = [r.node for r in sorted(plan.ranks, key=lambda r: r.rank)]
+    assert (tmp_path / "h").read_text().split() == [f"node{n}" for n in nodes]
+    assert not (tmp_path / "h.placement").exists()
