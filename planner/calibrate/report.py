@@ -61,6 +61,15 @@ def _bar(c: Component, low: float, high: float) -> tuple[float, str]:
     return (low, "//") if c.predicted <= 0 else (c.predicted / c.measured, "")
 
 
+def _bar_note(c: Component) -> str:
+    """The error above a bar, or which side is zero."""
+    if c.predicted <= 0 < c.measured:
+        return "predicted 0"
+    if c.measured <= 0 < c.predicted:
+        return "measured 0"
+    return f"{_pct(c.error)}%"
+
+
 def calibration_figure(cal: Calibration):
     """Predicted / measured per component, one bar per table row (log scale, from 1), with
     the +-25% band; a row with a zero side is hatched at the axis edge and says which."""
@@ -80,8 +89,7 @@ def calibration_figure(cal: Calibration):
         ok = hatch == "" and abs(ratio - 1) <= 0.25
         ax.bar(x, ratio - 1.0, 0.6, bottom=1.0, color="tab:green" if ok else "tab:red",
                hatch=hatch, edgecolor="black" if hatch else None, linewidth=0.5)  # fmt: skip
-        side = "predicted 0" if c.predicted <= 0 < c.measured else _pct(c.error) + "%"
-        ax.annotate(side, (x, ratio), ha="center", va="bottom" if ratio >= 1 else "top",
+        ax.annotate(_bar_note(c), (x, ratio), ha="center", va="bottom" if ratio >= 1 else "top",
                     fontsize=8)  # fmt: skip
     ax.axhspan(0.75, 1.25, color="green", alpha=0.08, label="within 25%")
     ax.axhline(1.0, color="gray", lw=0.8)

@@ -123,5 +123,6 @@ def test_calibration_plot_has_one_bar_and_label_per_table_row():
     assert len(ax.containers) == len(table_rows) - 1 == 5  # one bar per row (header aside)
     labels = [t.get_text() for t in ax.get_xticklabels()]
     assert labels[2] == "a2a_s\nstage 0" and labels[0] == "step_time_s\nstep"
-    assert "predicted 0" in [t.get_text() for t in ax.texts]
+    notes = [t.get_text() for t in ax.texts]
+    assert notes[2] == "predicted 0" and notes[3] == "measured 0" and notes[0] == "-20.0%"
     assert ax.get_yscale() == "log" and "predicted / measured" in ax.get_ylabel()
