@@ -83,13 +83,17 @@ class Phases:
         if self._name:
             self._times[self._name] = self._times.get(self._name, 0.0) + now - self._since
         self._name, self._since = name, now
-        if self._bar is not None and self._task is not None:
-            self._bar.reset(self._task, total=total, description=label)
+        self._show(label, total)
 
     def label(self, text: str) -> None:
         """Show `text` on the bar without starting a new phase."""
+        self._show(text, None)
+
+    def _show(self, text: str, total: int | None) -> None:
+        """A fresh task (rich cannot take a total back to None): the text, no progress yet."""
         if self._bar is not None and self._task is not None:
-            self._bar.reset(self._task, total=None, description=text)
+            self._bar.remove_task(self._task)
+            self._task = self._bar.add_task(text, total=total)
 
     def update(self, done: int, total: int | None = None) -> None:
         if self._bar is not None and self._task is not None:
