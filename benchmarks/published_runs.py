@@ -41,6 +41,7 @@ from planner.calibrate.runs import Run, accounted_split, estimate_run, load_runs
 from planner.inputs.clusters import load_cluster
 from planner.resources.cost import Estimate
 from planner.specs import EFFICIENCIES, ClusterSpec, SpecError, TrainingSpec
+from planner.targets import DEFAULT_MEMORY_MARGIN, TARGETS, memory_margin_gib
 
 __all__ = ["accounted_split", "spearman"]
 
@@ -318,13 +319,16 @@ def _plans(rows: list[Row], clusters: dict[str, ClusterSpec], which: str) -> tup
     for (model, hw, gpus, gbs, seq, dtype), members in settings.items():
         best = max(members, key=lambda r: r.run.measured)
         cluster = clusters[hw]
-        training = TrainingSpec(seq_len=seq, global_batch=gbs, dtype=dtype, bytes_per_param=18,
-                                gate_in_activation=True,
-                                cuda_graphs=best.run.training.cuda_graphs)  # fmt: skip
+        # what `piper plan --target megatron` plans: its conventions and the default margin
+        margin = memory_margin_gib(DEFAULT_MEMORY_MARGIN, cluster.device.memory_gib)
+        training = TrainingSpec(seq_len=seq, global_batch=gbs, dtype=dtype,
+                                cuda_graphs=best.run.training.cuda_graphs,
+                                memory_margin_gib=margin)  # fmt: skip
         where = f"{model} {hw} {gpus} gbs{gbs} seq{seq} {dtype}"
         try:
             result = make_plan(best.run.model, cluster, training, gpus, None,
-                               SolverOptions("cpsat", 10.0, 1, 0))  # fmt: skip
+                               SolverOptions("cpsat", 10.0, 1, 0),
+                               target=TARGETS["megatron"])  # fmt: skip
         except SpecError as err:
             print(f"  {where:<44} no plan: {err}")
             continue

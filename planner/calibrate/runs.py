@@ -15,7 +15,8 @@ How a row becomes a layout (decisions where a source is silent are marked "assum
 - recompute: none, full, or selective with the row's modules (`norm` = layernorm,
   `act` = moe_act, Megatron-Core's short forms; `selective` alone = core attention);
 - sharding: FSDP where the note says "FSDP on", else Megatron's distributed optimizer;
-  18 B per parameter (fp32 main gradients), fp32 Adam moments;
+  the megatron target's conventions (planner/targets.py): 18 B per parameter (fp32 main
+  gradients), fp32 Adam moments, recompute on every layer;
 - dispatcher: "deepep" where the note names DeepEP or HybridEP, else "flat" (NCCL
   all-to-all; assumed where the note names none); the all-to-all overlap where the note says
   "A2A overlap"; partial CUDA graphs where the note says "CUDA graphs" (else the cluster's
@@ -48,6 +49,7 @@ from planner.inputs.models import load_model
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig, check_layout
 from planner.resources.cost import Estimate, estimate
 from planner.specs import CUDA_GRAPHS, GIB, ClusterSpec, ModelSpec, SpecError, TrainingSpec
+from planner.targets import TARGETS, with_conventions
 
 Metric = Literal["tokens/s/GPU", "TFLOPS/GPU"]
 TOKENS, TFLOPS = "measured_tokens_per_s_per_gpu", "measured_tflops_per_gpu"
@@ -215,12 +217,12 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
     graphs = _choice(fields, "cuda_graphs", CUDA_GRAPHS, where)
     if graphs is None and "cuda graphs" in lowered:
         graphs = "partial"  # the notes name Megatron's per-module cuda_graph_scope
-    training = TrainingSpec(
+    training = with_conventions(TrainingSpec(
         seq_len=size["seq"], global_batch=gbs, dtype=_dtype(fields["precision"], where),
-        bytes_per_param=18, zero=not fsdp, fsdp=fsdp, recompute=recompute,
+        zero=not fsdp, fsdp=fsdp, recompute=recompute,
         a2a_overlap=("A2A overlap" in note) if overlap is None else overlap,
-        gate_in_activation=True, cuda_graphs=graphs,  # type: ignore[arg-type]
-    )  # fmt: skip
+        cuda_graphs=graphs,  # type: ignore[arg-type]
+    ), TARGETS["megatron"])  # fmt: skip
     try:
         check_layout(parallel, model, training)
     except SpecError as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from planner.calibrate.runs import accounted_split
 from planner.cli.target_args import add_target_arguments, resolve
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
 from planner.search.target_space import check_layout_for
@@ -31,6 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _training_arguments(p)
     p.add_argument("--dispatcher", choices=DISPATCHERS, default="flat")
     p.add_argument("--accounting", choices=("piper", "paper"), default="piper")
+    p.add_argument("--split", choices=("even", "accounted"), default="even",
+                   help="layers per pipeline stage: even (earlier stages take the extra "
+                   "layer), or accounted: the embedding and the loss count as one layer each, "
+                   "Megatron's --account-for-embedding/loss-in-pipeline-split")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="write estimate.json, memory/time/comm.csv here")
     p.set_defaults(func=run)
@@ -172,9 +177,11 @@ def run(args: argparse.Namespace) -> int:
 
     model, cluster, training, parallel, target = _inputs(args)
     m, gb = parallel.num_microbatches, training.global_batch
+    split = accounted_split(model.num_layers, parallel.pp) if args.split == "accounted" else None
     est = estimate(
-        model, cluster, training, parallel, dispatcher=args.dispatcher, accounting=args.accounting
-    )
+        model, cluster, training, parallel, stage_layers=split, dispatcher=args.dispatcher,
+        accounting=args.accounting,
+    )  # fmt: skip
     data = {
         "model": model.name,
         "cluster": cluster.name,
