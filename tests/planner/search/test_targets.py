@@ -1,0 +1,104 @@
+"""--target and --memory-margin: the search offers only what the engine runs, prices it with
+the engine's conventions, and keeps the margin free on every stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cli import main
+from planner.inputs.clusters import load_cluster
+from planner.inputs.models import load_model
+from planner.ip.solvers import SolverOptions
+from planner.search.make_plan import make_plan
+from planner.search.target_space import target_choices
+from planner.specs import SpecError, TrainingSpec
+from planner.targets import TARGETS, memory_margin_gib
+
+OPTS = SolverOptions("cpsat", 10.0, 1, 0)
+
+
+def _plan(margin_gib: float, target: str = "megatron"):
+    model, cluster = load_model("mixtral-8x7b"), load_cluster("h100")
+    training = TrainingSpec(global_batch=256, memory_margin_gib=margin_gib)
+    return make_plan(model, cluster, training, 16, None, OPTS, target=TARGETS[target]).plan
+
+
+def test_the_margin_is_kept_free_on_every_stage():
+    """Without a margin the plan fills memory to the last GiB; with 10 GiB every stage keeps
+    10 GiB free, and plan.json records the margin and the target."""
+    full, kept = _plan(0.0), _plan(10.0)
+    assert max(full.predicted.memory_gib_per_stage) > 74.5 - 10.0
+    assert max(kept.predicted.memory_gib_per_stage) <= 74.5 - 10.0
+    assert kept.training["memory_margin_gib"] == 10.0 and kept.extra["target"] == "megatron"
+    assert full.predicted.step_time_s < kept.predicted.step_time_s  # the margin costs speed
+
+
+def test_megatron_plans_carry_its_conventions():
+    plan = _plan(memory_margin_gib("4%", 74.5))
+    tr = plan.training
+    assert (tr["bytes_per_param"], tr["gate_in_activation"], tr["uniform_recompute"]) == (
+        18, True, True,
+    )  # fmt: skip
+    if plan.parallel.recompute != "none":  # Megatron recomputes every layer of the policy
+        assert all(s.recompute_layers == s.layers for s in plan.stages)
+    assert plan.extra["dispatcher"] in TARGETS["megatron"].dispatchers
+
+
+@pytest.mark.parametrize(
+    ("target", "kwargs", "words"),
+    [
+        ("torchtitan", {"a2a_overlap": True}, "--a2a-overlap: torchtitan 0.3.0 does not"),
+        ("megatron", {"dispatchers": ["halo"]}, "--dispatcher halo"),
+        ("piper", {"fixed": {"cp": 2}}, "--cp 2: Piper's runtime"),
+        ("piper", {"recompute_modules": ["moe"]}, "reruns only core_attn"),
+        ("torchtitan", {"recompute": ["selective"]}, "--recompute selective"),
+    ],
+)
+def test_a_fixed_choice_the_target_cannot_run_is_one_line(target, kwargs, words):
+    args = {"fixed": {}, "recompute": None, "recompute_modules": None,
+            "sharding": ("zero", "fsdp"), "a2a_overlap": None, "dispatchers": ["flat"]}  # fmt: skip
+    args.update(kwargs)
+    user = "dispatchers" in kwargs
+    with pytest.raises(SpecError, match=words) as err:
+        target_choices(TARGETS[target], user_dispatchers=user, **args)
+    assert "re-plan with --target" in str(err.value) or "choose another" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_searched_choices_are_cut_to_the_target():
+    args = {"fixed": {}, "recompute": None, "recompute_modules": None,
+            "sharding": ("zero", "fsdp"), "a2a_overlap": None,
+            "dispatchers": ["flat", "halo", "deepep"], "user_dispatchers": False}  # fmt: skip
+    titan = target_choices(TARGETS["torchtitan"], **args)
+    assert (titan.sharding, titan.a2a_overlap, titan.dispatchers) == (("fsdp",), False, ("flat",))
+    assert titan.recompute == ("none", "full") and titan.etp_rule == "one_or_tp"
+    piper = target_choices(TARGETS["piper"], **args)
+    assert piper.sharding == ("none", "fsdp") and piper.dispatchers == ("flat", "halo")
+    assert piper.module_set == ("core_attn",) and piper.fixed["cp"] == 1
+    mega = target_choices(TARGETS["megatron"], **args)
+    assert mega.sharding == ("zero", "fsdp") and mega.dispatchers == ("flat", "deepep")
+    assert mega.a2a_overlap is None  # searched
+
+
+@pytest.mark.parametrize(
+    ("margin", "verdict"),
+    [("0", "fits             yes"), ("12", "ONLY INSIDE THE MARGIN"), ("30%", "ONLY INSIDE")],
+)
+def test_estimate_says_plainly_whether_it_fits(margin, verdict, capsys):
+    args = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--dp", "16",
+            "--ep", "16", "--global-batch", "1024", "--target", "megatron",
+            "--memory-margin", margin]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert verdict in out and "headroom         stage 0 7.8 GiB" in out
+
+
+def test_estimate_does_not_fit_and_bad_margin(capsys):
+    args = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100", "--dp", "16", "--ep",
+            "16", "--global-batch", "1024", "--target", "piper"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "fits             NO: stage 0 needs 82.6 GiB > 74.5 GiB" in out
+    assert main([*args, "--memory-margin", "lots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--memory-margin lots: give GiB" in err
