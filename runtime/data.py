@@ -1,4 +1,5 @@
-"""Real text for training runs: bytes of the Python standard library's source files.
+"""Real text for training runs: by default, bytes of the Python standard library's source
+files; with `piper run --data`, a pre-tokenized file (planner/run/token_data.py).
 
 The corpus is on every machine that runs Python, so a CPU test, a GPU node and CI all train
 on the same text and a falling loss means the model learned something. Tokens are bytes
@@ -16,6 +17,7 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 VOCAB_SIZE = 256
@@ -61,13 +63,33 @@ def sample_batch(
         batch: sequences (micro_batch * num_microbatches). seq_len: bytes per sequence.
         seed: run seed.
     """
-    corpus = load_corpus()
+    return sample_windows(load_corpus(), step, dp_index, dp, batch, seq_len, seed)
+
+
+def sample_windows(
+    corpus, step: int, dp_index: int, dp: int, batch: int, seq_len: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_batch from any 1-D token array: a tensor, or a numpy memmap of token ids
+    (planner.run.token_data.TokenFile.array: only the windows drawn are read)."""
     slice_len = len(corpus) // dp
     if slice_len <= seq_len + 1:
-        raise ValueError(f"seq_len {seq_len} too long for a corpus slice of {slice_len} bytes")
+        raise ValueError(f"seq_len {seq_len} too long for a corpus slice of {slice_len} tokens")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + dp_index)
     start_B = torch.randint(0, slice_len - seq_len - 1, (batch,), generator=gen)
     start_B += dp_index * slice_len
     idx_BS = start_B[:, None] + torch.arange(seq_len + 1)[None, :]
-    window = corpus[idx_BS].long()
+    if torch.is_tensor(corpus):
+        window = corpus[idx_BS].long()
+    else:
+        window = torch.from_numpy(corpus[idx_BS.numpy()].astype(np.int64))
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+class TokenSampler:
+    """sample_batch's signature over a pre-tokenized file (`piper run --data`)."""
+
+    def __init__(self, tokens) -> None:
+        self.tokens = tokens
+
+    def __call__(self, step, dp_index, dp, batch, seq_len, seed=0):
+        return sample_windows(self.tokens, step, dp_index, dp, batch, seq_len, seed)

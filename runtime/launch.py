@@ -23,7 +23,9 @@ import torch.distributed as dist
 from planner.outputs.files import write_files
 from planner.run.options import LAUNCH_MODULE, RunOptions, add_run_arguments
 from planner.run.spec import RunSpec, spec_from_options
+from planner.run.token_data import open_token_file, spec_for_data
 from runtime.checkpoint import CheckpointOptions
+from runtime.data import TokenSampler
 from runtime.dispatch.factory import make_dispatcher
 from runtime.metrics import ByteCounter
 from runtime.migrate import MigrationPolicy, plan_migration
@@ -153,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     _env_from_slurm()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     spec = spec_from_options(options)
+    data = open_token_file(options.data) if options.data else None
+    if data is not None:
+        spec = spec_for_data(spec, data, options.scale)
     migration = plan_migration(options.plan, spec)  # priced from the plan's cluster, once
     device = _device()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -165,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         every, resume = options.checkpoint_every, options.resume
         checkpoints = CheckpointOptions(options.checkpoint_dir, every, resume)
     trainer = build_trainer(spec, rank, device, migration)
+    if data is not None:
+        trainer.sample = TokenSampler(data.array())
     for moe in trainer.module.moe_layers().values():
         moe.experts.gemm = options.expert_gemm
     result = train(trainer, plot=True, checkpoints=checkpoints)

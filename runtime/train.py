@@ -160,6 +160,7 @@ class Trainer:
         self.leader = mesh.me.physical == mesh.stage_ranks[0]  # of its stage
         self.history: list = []  # per step of the interval: tokens [L][E] of the MoE layers
         self.rows: list = []  # the leader's past interval rows (close_interval): (L, E) arrays
+        self.sample = sample_batch  # batches of a step: a function of (seed, step, dp rank)
 
     def step(self, step: int, fail_migration_at: int = -1) -> tuple[float | None, dict, list]:
         """One optimizer step (+ migration when due); returns (loss, record, trace rows)."""
@@ -169,7 +170,7 @@ class Trainer:
         self.counter.reset()
         self.optimizer.zero_grad(set_to_none=False)
         batch = spec.micro_batch * spec.num_microbatches
-        x, y = sample_batch(step, mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
+        x, y = self.sample(step, mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
         loss = self.runner.step(x.to(self.device), y.to(self.device))
         sync_gradients(self.module, mesh, spec.dp, self.counter)
         self.optimizer.step()

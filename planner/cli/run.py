@@ -25,6 +25,7 @@ from planner.run.checkpoint_dir import check_checkpointable, checkpoints, resume
 from planner.run.migration import run_move_costs
 from planner.run.options import RunOptions, add_run_arguments
 from planner.run.spec import checked_spec
+from planner.run.token_data import check_windows, open_token_file, spec_for_data
 from planner.specs import SpecError
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,16 @@ def _train(cmd: list[str], env: dict[str, str], out: Path, steps: int) -> int:
     return code
 
 
+def _with_data(options: RunOptions, spec):
+    """The run on --data's tokens (its vocabulary), after the file's checks."""
+    try:
+        data = open_token_file(options.data)
+        check_windows(data, spec.dp, spec.seq_len)
+        return spec_for_data(spec, data, options.scale)
+    except SpecError as exc:
+        raise SpecError(f"{options.plan}: {exc}") from None
+
+
 def _check_checkpoints(options: RunOptions, spec) -> None:
     """The layout can be checkpointed; with --resume, a checkpoint to continue from (newer
     corrupt or partial ones are named on stderr, the launcher skips them as well)."""
@@ -183,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
             "(inputs_sha256); re-run 'piper plan' or pass --force"
         )
     spec = checked_spec(options)
+    if options.data:
+        spec = _with_data(options, spec)
     if spec.migrate_every > 0:  # every rank prices its moves from the plan's cluster
         try:
             run_move_costs(load_plan(options.plan), spec, options.plan)

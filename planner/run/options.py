@@ -61,6 +61,12 @@ class RunOptions:
     expert_gemm: ExpertGemm = _flag(
         "grouped", "a rank's experts in grouped GEMMs (torch._grouped_mm) or one by one"
     )
+    data: str | None = _flag(
+        None,
+        "pre-tokenized token ids: a Megatron PREFIX(.bin/.idx) or a nanoGPT-style .bin "
+        "(default: the Python standard library's sources as bytes)",
+        metavar="PATH",
+    )
     checkpoint_dir: str | None = _flag(
         None, "save checkpoints (torch.distributed.checkpoint) under D", metavar="D"
     )

@@ -85,6 +85,7 @@ def test_migration_priced_from_a_cluster_that_cannot_load_is_one_line(tmp_path, 
         (["--lr", "-1"], 1, "--lr must be a positive"),
         (["--resume"], 1, "--checkpoint-every and --resume need --checkpoint-dir D"),
         (["--checkpoint-dir", "no-ckpt", "--resume"], 1, "--resume: no intact checkpoint in"),
+        (["--data", "no-such.bin"], 1, "--data: no-such.bin not found; give a token .bin"),
     ],
 )
 def test_bad_runs_exit_2_with_one_line(tmp_path, capsys, args, tp, msg):
