@@ -18,7 +18,20 @@ from planner.outputs.export import export_plan
 from planner.outputs.export.slurm import comm_env
 from planner.plan import ClusterEntry, load_plan
 from planner.specs import SpecError
-from tests.planner.outputs.export_plans import LOCAL_OF_RANK, NODE_OF_RANK, bash_array, make_plan
+from tests.planner.outputs.export_plans import (
+    LOCAL_OF_RANK,
+    NODE_OF_RANK,
+    bash_array,
+    make_plan,
+    priced_for,
+)
+
+
+def _priced(plan, engine: str):
+    """`plan` as `piper plan --target ENGINE` prices it (torchtitan shards with FSDP)."""
+    if engine == "torchtitan":
+        plan = replace(plan, training={**plan.training, "fsdp": True})
+    return priced_for(plan, engine)
 
 
 def _fake_slurm_bin(tmp_path: Path, hosts: list[str]) -> Path:
@@ -87,7 +100,7 @@ def test_slurm_dry_run_outside_an_allocation(tmp_path):
 def test_slurm_megatron_trainer_sources_the_args_file(tmp_path):
     """The Megatron trainer's CMD expands the sourced MEGATRON_ARGS, with Megatron's env."""
     plan_path = tmp_path / "plan.json"
-    plan_path.write_text(make_plan().to_json())
+    plan_path.write_text(priced_for(make_plan(), "megatron").to_json())
     args_file = tmp_path / "megatron_args.sh"
     script = tmp_path / "job.sbatch"
     assert main(["export", str(plan_path), "--to", "megatron", "--out", str(args_file)]) == 0
@@ -119,6 +132,7 @@ def test_slurm_default_megatron_command_and_plan_path_resolved(tmp_path, monkeyp
     script = tmp_path / "out" / "job.sbatch"
     assert main(["export", "plan.json", "--to", "slurm", "--out", str(script)]) == 0
     assert f"--plan {plan_path}" in script.read_text()  # absolute: the job may run elsewhere
+    plan_path.write_text(_priced(make_plan(), "megatron").to_json())
     assert main(["export", "plan.json", "--to", "slurm", "--trainer", "megatron", "--out",
                  str(script)]) == 0  # fmt: skip
     text = script.read_text()
@@ -130,7 +144,8 @@ def test_slurm_default_megatron_command_and_plan_path_resolved(tmp_path, monkeyp
 @pytest.mark.parametrize("trainer", ["piper", "megatron", "torchtitan"])
 def test_slurm_script_passes_shellcheck(trainer, tmp_path):
     args_file = None if trainer == "piper" else str(tmp_path / "args.sh")
-    text = export_plan(make_plan(), "slurm", "/p/plan.json", None, trainer, args_file).text
+    plan = make_plan() if trainer == "piper" else _priced(make_plan(), trainer)
+    text = export_plan(plan, "slurm", "/p/plan.json", None, trainer, args_file).text
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     out = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
@@ -159,9 +174,11 @@ def test_cli_export_round_trip(tmp_path, capsys):
     path.write_text(make_plan().to_json())
     assert load_plan(path).parallel.pp == 4
     out = tmp_path / "tt.sh"
+    path.write_text(_priced(make_plan(), "torchtitan").to_json())
     assert main(["export", str(path), "--to", "torchtitan", "--out", str(out)]) == 0
     args = bash_array(out.read_text(), "TORCHTITAN_ARGS")
     assert args[args.index("--parallelism.pipeline_parallel_degree") + 1] == "4"
+    path.write_text(priced_for(make_plan(), "megatron").to_json())
     assert main(["export", str(path), "--to", "megatron"]) == 0
     assert "MEGATRON_ARGS=(" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "missing.json"), "--to", "slurm"]) == 2
@@ -175,12 +192,13 @@ def test_end_to_end_piper_plan_then_every_export(tmp_path):
     assert main(argv) == 0
     plan = load_plan(out / "plan.json")
     p = plan.parallel
-    mega = bash_array(export_plan(plan, "megatron").text, "MEGATRON_ARGS")
+    mega = bash_array(export_plan(priced_for(plan, "megatron"), "megatron").text, "MEGATRON_ARGS")
     assert mega[mega.index("--pipeline-model-parallel-size") + 1] == str(p.pp)
     assert mega[mega.index("--global-batch-size") + 1] == str(
         p.dp * p.micro_batch * p.num_microbatches
     )
-    titan = bash_array(export_plan(plan, "torchtitan").text, "TORCHTITAN_ARGS")
+    titan = bash_array(export_plan(_priced(plan, "torchtitan"), "torchtitan").text,
+                       "TORCHTITAN_ARGS")  # fmt: skip
     assert titan[titan.index("--parallelism.expert_parallel_degree") + 1] == str(p.ep)
     script = tmp_path / "job.sbatch"
     script.write_text(export_plan(plan, "slurm", plan_path=str(out / "plan.json")).text)
