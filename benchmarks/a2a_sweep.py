@@ -129,14 +129,32 @@ def plots(res, cluster_name: str) -> dict[str, bytes]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    from planner.numbers import number
+
+    readable = FuncFormatter(lambda value, _pos: number(value, 3))
+
+    def node_axis(ax) -> None:
+        """Log-2 node counts written as plain numbers (2, 8, 32, ...), not 2^n."""
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(NODES[::2], [str(n) for n in NODES[::2]])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+
+    def plain_log_y(ax) -> None:
+        """Log scale with ticks at 1, 2 and 5 per decade, written as plain numbers."""
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(readable)
+        ax.yaxis.set_minor_formatter(NullFormatter())
 
     out = {}
     fig, axes = plt.subplots(1, len(SIZES), figsize=(4 * len(SIZES), 3.6), sharey=False)
     for ax, b in zip(axes, SIZES, strict=True):
         for a, style in zip(ALGOS, ("o-", "s-", "^--"), strict=True):
             ax.plot(NODES, [res[n, b, a].time_s * 1e6 for n in NODES], style, label=a, ms=4)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        node_axis(ax)
+        plain_log_y(ax)
         ax.set_title(f"{size_label(b)} per rank")
         ax.set_xlabel("nodes (8 GCDs each)")
         ax.grid(alpha=0.3)
@@ -149,13 +167,14 @@ def plots(res, cluster_name: str) -> dict[str, bytes]:
     out["frontier_time_vs_nodes.png"] = buf.getvalue()
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for b in SIZES:
+    # 4 KiB and 64 KiB coincide: distinct line styles and markers keep both visible
+    for b, style in zip(SIZES, ("o-", "s--", "^-.", "D:"), strict=True):
         ax.plot(NODES, [res[n, b, "flat"].time_s / res[n, b, "halo"].time_s for n in NODES],
-                "o-", label=size_label(b), ms=4)  # fmt: skip
+                style, label=size_label(b), ms=4, alpha=0.85)  # fmt: skip
     ax.axhspan(1.2, 9, color="green", alpha=0.08, label="paper 1.2-9x (16-512 nodes)")
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    node_axis(ax)
+    plain_log_y(ax)
     ax.set_xlabel("nodes")
     ax.set_ylabel("flat time / HALO time")
     ax.set_title(f"{cluster_name}: simulated flat / HALO")
