@@ -31,7 +31,8 @@ from pathlib import Path
 from results_md import recorded
 
 TARGET_S = {1024: 10.0, 16384: 60.0}
-DEFAULT_CASES = ("frontier:64", "frontier:256", "frontier:1024", "h100:1024", "frontier:4096",
+DEFAULT_CASES = ("frontier:64", "frontier:256", "frontier:1024", "h100:1024:megatron",
+                 "h100:1024:torchtitan", "h100:1024:piper", "frontier:4096",
                  "frontier:16384")  # fmt: skip
 
 
@@ -81,7 +82,9 @@ def _modules(names: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="deepseek-v3")
-    ap.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="CLUSTER:GPUS")
+    ap.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES),
+                    help="CLUSTER:GPUS[:TARGET] (TARGET: the --target engine; default the "
+                    "cluster's)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3, help="runs per case (median reported)")
     ap.add_argument("--solver", default="cpsat", choices=("cpsat", "cbc"))
     ap.add_argument("--compare-ip", action="store_true", help="also time --score ip")
@@ -97,17 +100,20 @@ def run(args: argparse.Namespace) -> None:
     """Plan every case --repeats times and print one row each."""
     print(f"{args.model}, seq 4096, global batch 1024, solver {args.solver}, "
           f"{args.repeats} runs per case; whole `piper plan` command")  # fmt: skip
-    head = (f"{'cluster':>8} {'GPUs':>6} {'median_s':>8} {'target':>6}  {'runs (s)':<20} "
-            f"{'load':>9} {'cands':>6} {'costed':>6} {'scored':>6} {'pruned':>6}")  # fmt: skip
+    head = (f"{'cluster':>8} {'engine':>10} {'GPUs':>6} {'median_s':>8} {'target':>6}  "
+            f"{'runs (s)':<20} {'load':>9} {'cands':>6} {'costed':>6} {'scored':>6} "
+            f"{'pruned':>6}")  # fmt: skip
     print(f"{head}  stage IP (status, gap)  plan")
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
-            cluster, gpus = case.split(":")[0], int(case.split(":")[1])
-            _case(args, cluster, gpus, Path(tmp) / case.replace(":", "-"))
+            cluster, gpus, *target = case.split(":")
+            _case(args, cluster, int(gpus), target, Path(tmp) / case.replace(":", "-"))
 
 
-def _case(args: argparse.Namespace, cluster: str, gpus: int, out: Path) -> None:
-    extra = ["--solver", args.solver]
+def _case(
+    args: argparse.Namespace, cluster: str, gpus: int, target: list[str], out: Path
+) -> None:
+    extra = ["--solver", args.solver, *(["--target", target[0]] if target else [])]
     load_before = os.getloadavg()[0]
     walls, code, err = [], 0, ""
     for _ in range(args.repeats):
@@ -118,7 +124,8 @@ def _case(args: argparse.Namespace, cluster: str, gpus: int, out: Path) -> None:
     target = TARGET_S.get(gpus)
     mark = f"{target:>5.0f}s" if target else f"{'-':>6}"
     runs = " ".join(f"{w:.2f}" for w in walls)
-    row = f"{cluster:>8} {gpus:>6} {median:>8.2f} {mark}  {runs:<20} {load:>9}"
+    name = target[0] if target else "default"
+    row = f"{cluster:>8} {name:>10} {gpus:>6} {median:>8.2f} {mark}  {runs:<20} {load:>9}"
     if code != 0:
         print(f"{row} {'':>27}  -                       exit {code}: {err}")
         return
