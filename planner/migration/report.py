@@ -1,4 +1,4 @@
-"""Text outputs of `piper migrate`: placements.csv, migrations.csv, summary.md, JSON, table.
+"""Text outputs of `piper migrate`: placements.csv, migrations.csv, summary.md and JSON.
 
 Everything here is deterministic (no wall-clock): solver times go to timings.json and the
 printed table only. Shape letters: I intervals, L trace layers, R ranks, S slots.
@@ -16,6 +16,7 @@ import numpy as np
 from planner.migration.inputs import MigrateSetup
 from planner.migration.run import PolicyRun
 from planner.migration.trace import Trace
+from planner.numbers import number
 
 LABELS = {
     "none": "no migration",
@@ -101,8 +102,8 @@ def summary_md(runs: Mapping[str, PolicyRun], trace: Trace, setup: MigrateSetup,
         levels = ", ".join(f"{k}: {v}" for k, v in m["moves_by_level"].items()) or "-"
         lines.append(
             f"| {LABELS.get(name, name)} | {m['mean_imbalance']:.4f} | {m['p95_imbalance']:.4f} "
-            f"| {m['experts_moved']} | {m['bytes_moved'] / 1e9:.3f} | {m['transfer_s']:.3f} "
-            f"| {m['total_cost_s']:.3f} | {levels} |"
+            f"| {m['experts_moved']} | {number(m['bytes_moved'] / 1e9)} | "
+            f"{number(m['transfer_s'])} | {number(m['total_cost_s'])} | {levels} |"
         )
     lines += [
         "",
@@ -123,19 +124,3 @@ def timings_json(runs: Mapping[str, PolicyRun], total_s: float) -> str:
         "total_wall_s": round(total_s, 3),
     }
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
-
-
-def table(runs: Mapping[str, PolicyRun], setup: MigrateSetup) -> str:
-    """The printed table: summary.md's columns plus solver ms per layer (median)."""
-    head = (
-        f"{'policy':22s} {'mean imb':>9s} {'p95 imb':>9s} {'moved':>7s} {'GB moved':>9s} "
-        f"{'transfer s':>11s} {'total s':>10s} {'solver ms':>10s}"
-    )
-    rows = [head]
-    for name, run in runs.items():
-        rows.append(
-            f"{LABELS.get(name, name):22s} {run.mean_imbalance:9.4f} {run.p95_imbalance:9.4f} "
-            f"{run.experts_moved:7d} {run.bytes_moved / 1e9:9.3f} {run.transfer_s:11.3f} "
-            f"{run.total_cost_s:10.3f} {run.solve_ms_per_layer:10.2f}"
-        )
-    return "\n".join(rows)

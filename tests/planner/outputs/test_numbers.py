@@ -121,6 +121,9 @@ def test_migrate_table_keeps_small_moves_non_zero(tmp_path, capsys):
     assert rows["swap"]["bytes_moved"] > 0 and rows["swap"]["transfer_s"] > 0
     assert float(gb) == pytest.approx(rows["swap"]["bytes_moved"] / 1e9, rel=1e-3)
     assert float(transfer) == pytest.approx(rows["swap"]["transfer_s"], rel=1e-3)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    md = next(x for x in summary.splitlines() if x.startswith("| greedy swap"))
+    assert float(md.split("|")[5]) == pytest.approx(rows["swap"]["bytes_moved"] / 1e9, rel=1e-3)
 
 
 def _trace_csv(tmp_path) -> str:
