@@ -47,6 +47,6 @@ def check_fits(cluster: ClusterSpec, gpus: int) -> None:
     if gpus > cluster.total_gpus:
         raise SpecError(
             f"cluster {cluster.name}: {gpus} GPUs requested but it has {cluster.total_gpus} "
-            f"({cluster.num_nodes} nodes x {cluster.gpus_per_node}); "
-            "lower --gpus or use a larger cluster"
+            f"({cluster.num_nodes} nodes x {cluster.gpus_per_node}); lower --gpus or resize "
+            f"it with --nodes {-(-gpus // cluster.gpus_per_node)}"
         )

@@ -54,6 +54,8 @@ def _layout_arguments(p: argparse.ArgumentParser) -> None:
     for flag, text in sizes:
         p.add_argument(flag, type=int, default=1, help=text)
     p.add_argument("--gpus", type=int, default=None, help="check that pp*dp*tp*cp equals this")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="resize the cluster to N nodes (as piper plan --nodes)")  # fmt: skip
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--num-microbatches", type=int, default=None, help="per data-parallel rank")
     p.add_argument("--recompute", choices=RECOMPUTE, default=None,
@@ -117,10 +119,10 @@ def _inputs(
     args: argparse.Namespace,
 ) -> tuple[ModelSpec, ClusterSpec, TrainingSpec, ParallelConfig, Target]:
     """Load the model and cluster and build the training setup and layout from the flags."""
-    from planner.inputs.clusters import check_dtype, load_cluster
+    from planner.inputs.clusters import check_dtype, load_cluster_nodes
     from planner.inputs.models import load_model
 
-    model, cluster = load_model(args.model), load_cluster(args.cluster)
+    model, cluster = load_model(args.model), load_cluster_nodes(args.cluster, args.nodes)
     check_dtype(cluster, args.dtype, args.cluster)
     m, gb = _microbatches(args)
     recompute, modules = _recompute(args)

@@ -37,7 +37,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=DEFAULTS["model"], help="preset name or config.json path")
     p.add_argument("--cluster", default=DEFAULTS["cluster"], help="preset name or cluster YAML")
-    p.add_argument("--gpus", type=int, default=DEFAULTS["gpus"], help="devices to plan for")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help=f"devices to plan for (default: {DEFAULTS['gpus']}, or every GPU of --nodes)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="resize the cluster to N nodes: its outermost level(s) scaled to N x GPUs per "
+        "node (default: the profile's num_nodes)",
+    )
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
     sizes = {"vp": "interleaved chunks per pipeline rank", "cp": "context-parallel size",
@@ -162,11 +174,13 @@ def trace_loads(path: str, model: ModelSpec) -> dict[int, tuple[float, ...]]:
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec, Target]:
-    from planner.inputs.clusters import check_dtype, load_cluster
+    from planner.inputs.clusters import check_dtype, load_cluster_nodes
     from planner.inputs.models import load_model
 
     model = load_model(args.model)
-    cluster = load_cluster(args.cluster)
+    cluster = load_cluster_nodes(args.cluster, args.nodes)
+    if args.gpus is None:
+        args.gpus = cluster.total_gpus if args.nodes else DEFAULTS["gpus"]
     check_dtype(cluster, args.dtype, args.cluster)
     target, margin = resolve(args, cluster)
     training = TrainingSpec(

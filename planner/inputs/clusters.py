@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,38 @@ def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool 
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def load_cluster_nodes(name_or_path: str, nodes: int | None) -> ClusterSpec:
+    """load_cluster, resized to `nodes` nodes (with_nodes) unless `nodes` is None."""
+    cluster = load_cluster(name_or_path)
+    return cluster if nodes is None else with_nodes(cluster, nodes)
+
+
+def with_nodes(cluster: ClusterSpec, nodes: int) -> ClusterSpec:
+    """`cluster` resized to `nodes` nodes (`--nodes`): the levels inside the new system keep
+    their size, the smallest level that holds all of it becomes the outermost with exactly
+    nodes x gpus_per_node devices (keeping its bandwidth, latency and taper), and any level
+    above it goes. Shrinking h100 (node 8, leaf 256, spine 1,024) to 16 nodes leaves node 8
+    and leaf 128; growing it to 256 nodes gives node 8, leaf 256, spine 2,048. A resized
+    profile is named NAME-<nodes>n (h100-256n); the profile's own size returns it unchanged.
+    A SpecError naming --nodes when `nodes` < 1."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise SpecError(
+            f"--nodes must be a positive integer (nodes of {cluster.name}), got {nodes}; "
+            "pass 1 or more"
+        )
+    if nodes == cluster.num_nodes:
+        return cluster
+    total = nodes * cluster.gpus_per_node
+    last = len(cluster.levels) - 1
+    outer = next((i for i, lv in enumerate(cluster.levels) if lv.devices >= total), last)
+    levels = (*cluster.levels[:outer], replace(cluster.levels[outer], devices=total))
+    # The kept levels nest as before and the new outermost is larger than all of them and
+    # made of whole nodes, so every rule of _check_levels holds for any nodes >= 1. A new
+    # name: plans made on it embed the resized profile and are not checked against the
+    # preset (piper run refuses a plan whose preset changed since planning).
+    return replace(cluster, name=f"{cluster.name}-{nodes}n", num_nodes=nodes, levels=levels)
 
 
 def check_dtype(cluster: ClusterSpec, dtype: str, where: str) -> None:

@@ -112,7 +112,8 @@ def check_layout(
     if parallel.world > cluster.total_gpus:
         raise SpecError(
             f"layout: pp*dp*tp*cp = {parallel.world} GPUs but cluster {cluster.name} has "
-            f"{cluster.total_gpus}; lower pp, dp, tp or cp"
+            f"{cluster.total_gpus}; lower pp, dp, tp or cp, or resize it with --nodes "
+            f"{-(-parallel.world // cluster.gpus_per_node)}"
         )
     if parallel.pp > model.num_layers:
         raise SpecError(
