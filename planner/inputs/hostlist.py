@@ -1,12 +1,14 @@
 """A Slurm job's node list: hostlist expressions expanded as `scontrol show hostnames` does.
 
 Syntax (Slurm's hostlist functions, `slurm_hostlist_create(3)`, and the Slurm::Hostlist
-manual of slurm 23.11): hosts are separated by ',' or whitespace; a bracketed hostlist is a
-common prefix followed by numeric ranges in brackets, `tux[0-5,12,20-25]`, optionally
-followed by a suffix (`gpu-a[01-02]-ib`). A range keeps the width of its first number when
-that number is written with leading zeros (`frontier[00012-00016]` -> frontier00012 ...
-frontier00016; `n[8-10]` -> n8 n9 n10), and a name with several bracket groups expands
-left to right, the first group varying slowest. Hosts keep the order written.
+manual; checked against `scontrol show hostnames` of slurm-client 22.05.8 in
+tests/planner/inputs/test_hostlist.py): hosts are separated by ',' or whitespace; a bracketed
+hostlist is a common prefix followed by numeric ranges in brackets, `tux[0-5,12,20-25]`. A
+range keeps the width of its first number (`frontier[00012-00016]` -> frontier00012 ...
+frontier00016; `n[8-10]` -> n8 n9 n10; `n[01-3]` -> n01 n02 n03) and holds at most 65,536
+hosts (Slurm's MAX_RANGE); a name with several bracket groups expands left to right, the
+first group varying slowest (`r[1-2]n[1-2]` -> r1n1 r1n2 r2n1 r2n2); text after the last ']'
+is refused, as Slurm refuses it. Hosts keep the order written, duplicates included.
 
 `load_nodelist(text_or_path)` also accepts a file with one host (or expression) per line;
 '#' starts a comment. A malformed expression, a character a hostname cannot hold (anything
@@ -22,6 +24,7 @@ from pathlib import Path
 from planner.specs import SpecError
 
 MAX_HOSTS = 1 << 20  # far above any machine; stops `n[0-999999999]` from filling memory
+MAX_RANGE = 1 << 16  # hosts in one range, as Slurm's hostlist.c allows
 _HOSTNAME = re.compile(r"[A-Za-z0-9_.-]{1,253}\Z")
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?\Z")
 
@@ -95,6 +98,11 @@ def _split_items(expression: str, where: str) -> list[str]:
 def _expand_item(item: str, where: str) -> list[str]:
     """One name with zero or more bracket groups -> its hosts."""
     parts = re.split(r"\[([^\]]*)\]", item)  # text, ranges, text, ranges, ..., text
+    if len(parts) > 1 and parts[-1]:
+        raise SpecError(
+            f"{where}: text {parts[-1]!r} after ']' in {item!r}; Slurm's hostlists end with a "
+            "range, so list such hosts one by one"
+        )
     choices: list[list[str]] = []
     for i, part in enumerate(parts):
         choices.append(_expand_ranges(part, item, where) if i % 2 else [part])
@@ -115,7 +123,7 @@ def _expand_ranges(ranges: str, item: str, where: str) -> list[str]:
         lo, hi = int(lo_text), int(hi_text)
         if hi < lo:
             raise SpecError(f"{where}: range {piece!r} in {item!r} runs backwards; write lo-hi")
-        if hi - lo + 1 > MAX_HOSTS:
-            raise SpecError(f"{where}: range {piece!r} holds more than {MAX_HOSTS} hosts")
+        if hi - lo + 1 > MAX_RANGE:
+            raise SpecError(f"{where}: range {piece!r} holds more than {MAX_RANGE} hosts")
         out += [str(n).zfill(len(lo_text)) for n in range(lo, hi + 1)]
     return out

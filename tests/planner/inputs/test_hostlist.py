@@ -1,7 +1,13 @@
 """Slurm hostlist expressions expand as `scontrol show hostnames` does (slurm_hostlist_create(3),
-Slurm::Hostlist(3pm) of slurm 23.11; topology.conf(5)'s examples); bad lists are one SpecError."""
+Slurm::Hostlist(3pm), topology.conf(5)'s examples; the expected lists are scontrol's output,
+slurm-client 22.05.8, and where scontrol is installed the test runs it on a fake slurm.conf);
+bad lists are one SpecError."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -25,13 +31,29 @@ from planner.specs import SpecError
         ("n[007]", ["n007"]),
         # comma-separated groups, whitespace, suffixes, several bracket groups, order kept
         ("b[3-4],a1 c[1-2]", ["b3", "b4", "a1", "c1", "c2"]),
-        ("gpu-a[01-02]-ib", ["gpu-a01-ib", "gpu-a02-ib"]),
         ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        ("n[1-2]-[3-4]", ["n1-3", "n1-4", "n2-3", "n2-4"]),
         ("h-a,h-b,,h.c", ["h-a", "h-b", "h.c"]),
+        ("n[01-3]", ["n01", "n02", "n03"]),
+        ("n[1-010]", [f"n{i}" for i in range(1, 11)]),
+        ("n[5,3,1]", ["n5", "n3", "n1"]),
+        ("n[1-65536]", [f"n{i}" for i in range(1, 65537)]),
     ],
 )  # fmt: skip
-def test_expansion_matches_slurm(expression, hosts):
+def test_expansion_matches_slurm(expression, hosts, tmp_path):
     assert list(expand_hostlist(expression)) == hosts
+    if shutil.which("scontrol"):  # the oracle itself, without a controller
+        assert _scontrol(expression, tmp_path) == hosts
+
+
+def _scontrol(expression: str, folder) -> list[str]:
+    conf = folder / "slurm.conf"
+    conf.write_text("ClusterName=piper\nSlurmctldHost=localhost\nNodeName=n1 CPUs=1\n")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    out = subprocess.run(["scontrol", "show", "hostnames", expression], env=env,
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    invalid = out.returncode != 0 or "Invalid hostlist" in out.stdout + out.stderr
+    return ["<invalid>"] if invalid else out.stdout.split()
 
 
 def test_a_large_range_expands_in_order():
@@ -50,15 +72,22 @@ def test_a_large_range_expands_in_order():
         ("n[1-2-3]", "not a number or range"),
         ("n[]", "not a number or range"),
         ("n[0-99999999]", "more than"),
+        ("n[0-65536]", "more than 65536"),
+        ("gpu-a[01-02]-ib", "after ']'"),
+        ("n[1-2]x", "after ']'"),
         ("n1;touch x", "not a hostname"),
         ("$(reboot)", "not a hostname"),
         ("", "no hosts"),
         ("n[1-2],n2", "listed twice"),
     ],
 )
-def test_bad_lists_are_one_clear_error(expression, message):
+def test_bad_lists_are_one_clear_error(expression, message, tmp_path):
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("(", r"\(")):
         load_nodelist(expression)
+    # Slurm refuses these too (it prints garbage for an unclosed bracket, and takes any text)
+    slurm_refuses = ("nested", "backwards", "not a number", "more than", "after")
+    if shutil.which("scontrol") and any(w in message for w in slurm_refuses):
+        assert _scontrol(expression, tmp_path) == ["<invalid>"]
 
 
 def test_a_file_with_one_host_per_line(tmp_path):
