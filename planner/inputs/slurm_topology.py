@@ -54,9 +54,14 @@ def allocation_of(hosts: Sequence[str], topology: str | None, cluster_name: str)
         positions, source = {h: frontier_position(h) for h in hosts}, "frontier hostname rule"
     else:
         bad = next((h for h in hosts if not FRONTIER_HOST.match(h)), hosts[0])
+        why = (
+            "not a frontierNNNNN name"
+            if "frontier" in cluster_name.lower()
+            else f"cluster '{cluster_name}' has no hostname rule"
+        )
         raise SpecError(
-            f"--topology: no network position for host {bad!r} (cluster '{cluster_name}' has no "
-            "hostname rule); pass Slurm's topology.conf or topology.yaml"
+            f"--topology: no network position for host {bad!r} ({why}); pass Slurm's "
+            "topology.conf or topology.yaml"
         )
     nodes = []
     for host in hosts:
@@ -97,7 +102,7 @@ def read_topology(path: str) -> dict[str, Position]:
     if blocks:
         return _block_positions(blocks, sizes)
     if switches:
-        return _tree_positions(switches, path)
+        return _tree_positions(switches)
     raise SpecError(f"{path}: no SwitchName= or BlockName= lines; pass a tree or block topology")
 
 
@@ -175,7 +180,7 @@ def _sizes(values: list[Any], where: str) -> list[int]:
     return sizes
 
 
-def _tree_positions(switches: list[_Entry], path: str) -> dict[str, Position]:
+def _tree_positions(switches: list[_Entry]) -> dict[str, Position]:
     parent = {kid: name for name, kids, _ in switches for kid in kids}
     out: dict[str, Position] = {}
     for name, _, nodes in switches:
