@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from planner.outputs.files import write_files
+from planner.plan import load_plan
 from planner.run.options import LAUNCH_MODULE, RunOptions, add_run_arguments
 from planner.run.spec import RunSpec, spec_from_options
 from planner.run.token_data import open_token_file, spec_for_data
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = build_trainer(spec, rank, device, migration)
     if data is not None:
         trainer.sample = TokenSampler(data.array())
+    trainer.compute_dtype = options.compute_dtype(load_plan(options.plan).training)
     for moe in trainer.module.moe_layers().values():
         moe.experts.gemm = options.expert_gemm
     result = train(trainer, plot=True, checkpoints=checkpoints)

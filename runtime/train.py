@@ -123,6 +123,15 @@ def _maybe_migrate(
     return migrate_stage(moes, mesh, migration, past, optimizer, counter, fail)
 
 
+def autocast(device: torch.device, compute_dtype: str):
+    """Forward (and the backward it records) in bf16 / fp16 where torch.autocast casts:
+    GEMMs and attention take operands rounded from the fp32 weights, which stay the master
+    copy Adam updates; norms, softmax, the loss and gradient reductions stay fp32."""
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    enabled = compute_dtype in dtypes
+    return torch.autocast(device.type, dtype=dtypes.get(compute_dtype), enabled=enabled)
+
+
 def _gather(obj, rank: int) -> list | None:
     out = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(obj, out, dst=0)
@@ -161,6 +170,7 @@ class Trainer:
         self.history: list = []  # per step of the interval: tokens [L][E] of the MoE layers
         self.rows: list = []  # the leader's past interval rows (close_interval): (L, E) arrays
         self.sample = sample_batch  # batches of a step: a function of (seed, step, dp rank)
+        self.compute_dtype = "fp32"  # or bf16 / fp16: autocast over forward and backward
 
     def step(self, step: int, fail_migration_at: int = -1) -> tuple[float | None, dict, list]:
         """One optimizer step (+ migration when due); returns (loss, record, trace rows)."""
@@ -171,7 +181,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=False)
         batch = spec.micro_batch * spec.num_microbatches
         x, y = self.sample(step, mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
-        loss = self.runner.step(x.to(self.device), y.to(self.device))
+        with autocast(self.device, self.compute_dtype):
+            loss = self.runner.step(x.to(self.device), y.to(self.device))
         sync_gradients(self.module, mesh, spec.dp, self.counter)
         self.optimizer.step()
         tokens_LE = _stage_tokens(self.module, mesh)

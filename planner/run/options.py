@@ -21,6 +21,10 @@ from planner.specs import SpecError
 
 Dispatcher = Literal["halo", "halo-dedup", "flat"]
 ExpertGemm = Literal["grouped", "loop"]
+Precision = Literal["fp32", "bf16", "plan"]
+# the compute dtype `--precision plan` takes for each plan dtype: fp8 GEMMs are not run here,
+# bf16 is the nearest; fp32 stays fp32
+PLAN_COMPUTE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "mxfp8": "bf16", "fp32": "fp32"}
 LAUNCH_MODULE = "runtime.launch"
 
 
@@ -61,6 +65,11 @@ class RunOptions:
     expert_gemm: ExpertGemm = _flag(
         "grouped", "a rank's experts in grouped GEMMs (torch._grouped_mm) or one by one"
     )
+    precision: Precision = _flag(
+        "fp32",
+        "compute dtype: fp32; bf16 (autocast, fp32 master weights, Adam and reductions); "
+        "plan: the plan's training dtype (bf16 for bf16, fp8 and mxfp8)",
+    )
     data: str | None = _flag(
         None,
         "pre-tokenized token ids: a Megatron PREFIX(.bin/.idx) or a nanoGPT-style .bin "
@@ -86,6 +95,12 @@ class RunOptions:
         """The options in a namespace parsed with add_run_arguments' flags (a flag the parser
         did not have keeps its default)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def compute_dtype(self, training: dict) -> str:
+        """fp32, bf16 or fp16: --precision, or with `plan` the plan's training dtype."""
+        if self.precision != "plan":
+            return self.precision
+        return PLAN_COMPUTE.get(str(training.get("dtype", "fp32")), "fp32")
 
     @property
     def out_dir(self) -> Path:

@@ -107,7 +107,12 @@ class Experts(nn.Module):
     def forward(self, x_ND: torch.Tensor, counts_X: list[int]) -> torch.Tensor:
         """Apply slot i's expert to the i-th contiguous chunk of rows (counts_X rows each):
         in grouped GEMMs when `gemm` is "grouped" and the shapes allow it, else slot by slot."""
-        if self.gemm == "grouped" and grouped_mm_fits(x_ND, self.w_in, self.w_out):
+        if self.gemm != "grouped":
+            return self._loop(x_ND, counts_X)
+        kind = x_ND.device.type
+        if torch.is_autocast_enabled(kind):  # the grouped GEMM is not on autocast's list
+            x_ND = x_ND.to(torch.get_autocast_dtype(kind))
+        if grouped_mm_fits(x_ND, self.w_in, self.w_out):
             return self._grouped(x_ND, counts_X)
         return self._loop(x_ND, counts_X)
 
@@ -156,11 +161,10 @@ GEMMS = ("grouped", "loop")
 
 def grouped_mm_fits(x_ND: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
     """torch._grouped_mm's layout rule: every row stride a multiple of 16 bytes (so D and F
-    multiples of 4 in fp32, 8 in bf16), one dtype, plain tensors."""
+    multiples of 4 in fp32, 8 in bf16), plain tensors (weights are cast to x's dtype)."""
     size = x_ND.element_size()
     plain = all(type(t) in (torch.Tensor, nn.Parameter) for t in (x_ND, w_in, w_out))
-    same = x_ND.dtype == w_in.dtype == w_out.dtype
-    return plain and same and all((n * size) % 16 == 0 for n in w_in.shape[1:])
+    return plain and all((n * size) % 16 == 0 for n in w_in.shape[1:])
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -177,8 +181,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _gmm(x_ND, w_XAB, offs, b_XB, slot_N) -> torch.Tensor:
-    y = _ContiguousGrad.apply(torch._grouped_mm(x_ND, w_XAB, offs=offs))
-    return y if b_XB is None else y + b_XB[slot_N]
+    y = _ContiguousGrad.apply(torch._grouped_mm(x_ND, w_XAB.to(x_ND.dtype), offs=offs))
+    return y if b_XB is None else y + b_XB[slot_N].to(y.dtype)
 
 
 class MoELayer(nn.Module):

@@ -155,7 +155,7 @@ def test_one_run_options_builds_both_parsers_and_the_torchrun_line():
     argv += ["--lr", "0.01", "--trace-every", "2", "--halo-direct-below-bytes", "0"]
     argv += ["--router-bias-rate", "0.5", "--nproc", "8", "--force"]
     argv += ["--checkpoint-dir", "ck", "--checkpoint-every", "5", "--resume"]
-    argv += ["--expert-gemm", "loop"]
+    argv += ["--expert-gemm", "loop", "--precision", "plan", "--data", "t.bin"]
     options = RunOptions.from_args(cli.parse_args(argv))
     assert (options.plan, options.steps, options.nproc, options.force) == ("p.json", 7, 8, True)
     cmd = _launch_cmd(options, 8)
@@ -171,7 +171,7 @@ def test_one_run_options_builds_both_parsers_and_the_torchrun_line():
     assert defaults == RunOptions("p.json")
     want = "--plan p.json --steps 30 --scale 1.0 --dispatcher halo --migrate-every 0 --seed 0"
     want += " --lr 0.003 --trace-every 1 --halo-direct-below-bytes -1 --router-bias-rate 0.0"
-    want += " --expert-gemm grouped --checkpoint-every 0"
+    want += " --expert-gemm grouped --precision fp32 --checkpoint-every 0"
     assert defaults.to_launch_argv() == ["-m", "runtime.launch", *want.split()]
     assert str(defaults.out_dir).endswith("/run") and options.out_dir.name == "o"
 
