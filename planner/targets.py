@@ -71,7 +71,7 @@ class Target:
 
 TARGETS: dict[TargetName, Target] = {
     "piper": Target(
-        name="piper", engine="Piper's runtime (piper run)", version="this checkout",
+        name="piper", engine="Piper's runtime (piper run)", version="(this checkout)",
         bytes_per_param=16, gate_in_activation=False, per_layer_recompute=True,
         recompute=("none", "selective", "full"), recompute_modules=("core_attn",),
         sharding=("none", "fsdp"), a2a_overlap=False, dispatchers=("flat", "halo"),

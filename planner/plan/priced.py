@@ -21,8 +21,9 @@ def check_priced(plan: Plan, engine: str, where: str = "plan.json") -> Target:
     engine's Target when every setting carries."""
     target = get_target(engine)
     for problem in _differences(plan, target):
+        head = f"{where}: " if where else ""
         raise SpecError(
-            f"{where}: {problem}, which {target.engine} {target.version} does not run as "
+            f"{head}{problem}, which {target.engine} {target.version} does not run as "
             f"priced; re-plan with --target {engine} (the plan was made for --target "
             f"{plan.extra.get('target', 'piper')})"
         )

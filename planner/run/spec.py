@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields, replace
 from planner.migration.placement import EMPTY
 from planner.parallel import default_placement
 from planner.plan import ClusterEntry, Plan, load_plan
+from planner.plan.priced import check_priced
 from planner.run.layout import (
     check_expert_tp,
     check_fsdp,
@@ -200,10 +201,13 @@ def run_spec_from_plan(
 
     options: steps, seed, lr, dispatcher, migrate_every, ... (RunSpec fields).
     Raises SpecError for plans the runtime cannot execute (bad stages, widths that tp does
-    not divide).
+    not divide) and, at scale 1, for a plan priced with settings it runs differently
+    (planner.plan.priced: made for another --target).
     """
     par = plan.parallel
     kept = keep_layers(_plan_stages(plan, model, scale), model, scale)
+    if scale == 1.0:  # the priced run itself; a --scale'd run is a rehearsal on fewer cores
+        check_priced(plan, "piper", where="")
     source = [i for s in kept for i in s]
     vocab = BYTE_VOCAB if scale < 1.0 else model.vocab_size
     if vocab < BYTE_VOCAB:

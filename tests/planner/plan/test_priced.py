@@ -1,0 +1,41 @@
+"""A plan runs as priced or is refused: `piper run` (Piper's runtime) checks the plan against
+its own row of planner/targets.py, as the exports check theirs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from planner.plan.priced import check_priced
+from planner.run.spec import run_spec_from_plan
+from planner.specs import SpecError
+from tests.planner.outputs.export_plans import make_plan, priced_for
+
+
+def test_piper_runs_its_own_plans_and_refuses_megatrons_at_full_size():
+    plan = make_plan()
+    assert check_priced(plan, "piper").name == "piper"
+    run_spec_from_plan(plan, plan.model_spec())
+    mega = priced_for(replace(make_plan(zero=True)), "megatron")
+    with pytest.raises(SpecError, match="18 B of training state.*re-plan with --target piper"):
+        run_spec_from_plan(mega, mega.model_spec())
+    run_spec_from_plan(mega, mega.model_spec(), scale=0.5)  # a rehearsal: not the priced run
+
+
+@pytest.mark.parametrize(
+    ("training", "extra", "words"),
+    [
+        ({"zero": True}, {}, "priced with the distributed optimizer"),
+        ({"a2a_overlap": True}, {}, "1F1B all-to-all overlap"),
+        ({"mtp_layers": 1}, {}, "trains 1 MTP layers"),
+        ({"cuda_graphs": "partial"}, {}, r"CUDA graphs \(partial\)"),
+        ({}, {"dispatcher": "deepep"}, "deepep dispatcher"),
+    ],
+)
+def test_piper_refuses_each_setting_its_runtime_does_not_run(training, extra, words):
+    plan = make_plan()
+    plan = replace(plan, training={**plan.training, **training}, extra={**plan.extra, **extra})
+    with pytest.raises(SpecError, match=words) as err:
+        check_priced(plan, "piper")
+    assert "\n" not in str(err.value) and "re-plan with --target piper" in str(err.value)
