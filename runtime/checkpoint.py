@@ -28,6 +28,7 @@ any saved tensor into any rank). The data position is the step: batches are a fu
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,10 +143,12 @@ class Checkpointer:
         are copied."""
         self.wait()
         t = self.trainer
-        parts = [None] * dist.get_world_size() if t.rank == 0 else None
-        dist.gather_object(_rank_state(t, trace), parts, dst=0)
         root = Path(self.options.directory)
         tmp = tmp_dir(root, done)
+        if t.rank == 0:  # a killed run's partial folder; the gather below waits for this
+            shutil.rmtree(tmp, ignore_errors=True)
+        parts = [None] * dist.get_world_size() if t.rank == 0 else None
+        dist.gather_object(_rank_state(t, trace), parts, dst=0)
         live = state_tensors(t.module, t.optimizer, t.rank)
         tensors = {k: v.detach().clone() for k, v in live.items()}
         future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self.group)

@@ -150,6 +150,21 @@ def _run_info(spec: RunSpec) -> dict:
     }
 
 
+def _init_process_group(backend: str) -> None:
+    """The default group; after a torchrun restart, on the agent's store under a prefix of
+    its own: the store outlives the killed attempt and still holds that attempt's peer
+    addresses under the default keys, which the new processes would read and fail to reach."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        dist.init_process_group(backend)
+        return
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(host, port, world, is_master=False)
+    prefixed = dist.PrefixStore(f"piper/restart{restart}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world)
+
+
 def main(argv: list[str] | None = None) -> int:
     """One training process: options, process group, the trainer loop, rank 0's files."""
     options = parse_options(argv)
@@ -161,14 +176,16 @@ def main(argv: list[str] | None = None) -> int:
         spec = spec_for_data(spec, data, options.scale)
     migration = plan_migration(options.plan, spec)  # priced from the plan's cluster, once
     device = _device()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    _init_process_group("nccl" if device.type == "cuda" else "gloo")
     if dist.get_world_size() != spec.world:
         raise SystemExit(f"world size {dist.get_world_size()} != plan's pp*dp*tp = {spec.world}")
     rank = dist.get_rank()
     t0 = time.perf_counter()
     checkpoints = None
     if options.checkpoint_dir:
-        every, resume = options.checkpoint_every, options.resume
+        # torchrun sets TORCHELASTIC_RESTART_COUNT: a restarted process resumes
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        every, resume = options.checkpoint_every, options.resume or restarted
         checkpoints = CheckpointOptions(options.checkpoint_dir, every, resume)
     trainer = build_trainer(spec, rank, device, migration)
     if data is not None:

@@ -179,6 +179,8 @@ def _check_checkpoints(options: RunOptions, spec) -> None:
 def _launch_cmd(options: RunOptions, world: int) -> list[str]:
     """torchrun (standalone, one machine) running runtime.launch with the run's options."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if options.max_restarts:
+        torchrun += ["--max-restarts", str(options.max_restarts)]
     return [*torchrun, "--nproc-per-node", str(world), *options.to_launch_argv()]
 
 

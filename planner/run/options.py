@@ -83,6 +83,12 @@ class RunOptions:
         0, "checkpoint every N steps and after the last (0 = after the last only)", metavar="N"
     )
     resume: bool = _flag(False, "continue from the newest intact checkpoint in --checkpoint-dir")
+    max_restarts: int = _flag(
+        0,
+        "torchrun restarts of the processes after one fails; each restart resumes from the "
+        "newest intact checkpoint (needs --checkpoint-dir)",
+        cli_only=True,
+    )
     force: bool = _flag(
         False,
         "run even if the model or cluster changed since planning, or the processes may "
@@ -120,10 +126,12 @@ class RunOptions:
                 raise SpecError(
                     f"{_flag_name(name)} must be >= 1, got {value}; leave it out for the default"
                 )
-        if self.checkpoint_every < 0:
-            raise SpecError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
-            raise SpecError("--checkpoint-every and --resume need --checkpoint-dir D")
+        if self.checkpoint_every < 0 or self.max_restarts < 0:
+            raise SpecError("--checkpoint-every and --max-restarts must be >= 0")
+        if (self.checkpoint_every or self.resume or self.max_restarts) and not self.checkpoint_dir:
+            raise SpecError(
+                "--checkpoint-every, --resume and --max-restarts need --checkpoint-dir D"
+            )
         if not self.lr > 0:
             raise SpecError(f"--lr must be a positive learning rate, got {self.lr}")
 
