@@ -10,6 +10,8 @@ from pathlib import Path
 from planner.outputs.export import DEFAULT_FILENAMES, EXPORT_TARGETS, TRAINERS, export_plan
 from planner.outputs.files import write_atomic
 from planner.plan import load_plan
+from planner.specs import SpecError
+from planner.targets import TARGET_NAMES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +38,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "directory)",
     )
     p.add_argument(
+        "--target",
+        choices=TARGET_NAMES,
+        default=None,
+        help="the engine the export is checked against (default: --to's engine; for slurm, "
+        "--trainer's); every priced setting must run as priced there, else one line, exit 2",
+    )
+    p.add_argument(
         "--command",
         help="slurm only: the per-rank trainer command (default: the trainer's own, e.g. "
         "python -m runtime.launch --plan PLAN --out results/run)",
@@ -55,6 +64,16 @@ def _args_file(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
+    if args.target is not None:
+        engine = args.trainer if args.to == "slurm" else args.to
+        if args.to == "slurm" and args.trainer == "piper" and args.target != "piper":
+            args.trainer = engine = args.target
+        if args.target != engine:
+            fix = f"--trainer {args.target}" if args.to == "slurm" else f"--to {args.target}"
+            raise SpecError(
+                f"--target {args.target} with --to {args.to}: the export runs {engine}; give "
+                f"--target {engine} or {fix}"
+            )
     result = export_plan(
         plan,
         args.to,
