@@ -16,6 +16,7 @@ from typing import Any, Literal
 from planner.ip.solvers import SolverOptions
 from planner.plan.schema import ClusterEntry, ModelEntry, Plan, Predicted
 from planner.search import assemble
+from planner.search.advice import no_fit_message
 from planner.search.baselines import Baseline, all_baselines
 from planner.search.branch_bound import (
     Progress,
@@ -175,6 +176,8 @@ def make_plan(
     t2 = time.perf_counter()
     timings.update({"baselines_s": t2 - t1})
     if best is None:
+        if not interrupted:
+            (label or _quiet)("no layout fits: checking which fixes would")
         message = "" if interrupted else no_fit_message(ctx, rows)
         timings["total_s"] = time.perf_counter() - t0
         return PlanResult(None, rows, None, baselines, _t(timings), interrupted, message, gpus)
@@ -291,49 +294,3 @@ def _baseline_doc(b: Baseline, piper_step_s: float) -> dict[str, Any]:
         "speedup": None if math.isnan(b.speedup(piper_step_s)) else b.speedup(piper_step_s),
         "note": b.note,
     }
-
-
-def _shortfall(row: CandidateRow) -> tuple[float, float, int]:
-    """How far a candidate is from fitting: memory needed over usable (inf when nothing is
-    usable), then the need."""
-    usable = row.usable_memory_gib
-    ratio = row.memory_need_gib / usable if usable > 0 else math.inf
-    return (ratio, row.memory_need_gib, row.order)
-
-
-def no_fit_message(ctx: SearchContext, rows: Sequence[CandidateRow]) -> str:
-    """One line: the closest candidate, how far it is from fitting, and what would help."""
-    need = [r for r in rows if not math.isnan(r.memory_need_gib)]
-    tips = []
-    if "full" not in ctx.space.recompute:
-        tips.append("--recompute full")
-    if "zero" not in ctx.space.sharding and "fsdp" not in ctx.space.sharding:
-        tips.append("--zero")
-    elif len(ctx.space.sharding) > 1:
-        tips.append("--fsdp (searched only without pipelining)")
-    if not need:
-        closest_text = "no candidate"
-        tips.append("more GPUs")
-    else:
-        closest = min(need, key=_shortfall)
-        usable = closest.usable_memory_gib
-        ratio = closest.memory_need_gib / usable if usable > 0 else math.inf
-        if closest.parallel.micro_batch > 1:
-            tips.append("a smaller --micro-batch")
-        if math.isfinite(ratio):
-            more = ctx.space.gpus * max(2, 2 ** math.ceil(math.log2(max(ratio, 1.0))))
-            tips.append(f"more GPUs (try --gpus {more})")
-        else:  # overhead + recompute workspace leave nothing: more GPUs cannot help
-            tips.append("a device with more memory or a smaller framework_overhead_gib")
-        closest_text = (
-            f"closest is {describe(closest.parallel, closest.knobs)} needing "
-            f"{closest.memory_need_gib:.1f} GiB > {usable:.1f} GiB usable"
-        )
-    if ctx.space.fixed:
-        tips.append("fewer fixed sizes")
-    if any(r.solver_status == "NOT_SOLVED" for r in rows):
-        tips.append("a larger --time-limit-s (some stage IPs found no split in time)")
-    return (
-        f"plan: no layout of {ctx.model.name} on {ctx.space.gpus} GPUs of {ctx.cluster.name} "
-        f"fits in memory; {closest_text}; try {', '.join(tips)}"
-    )

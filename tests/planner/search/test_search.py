@@ -245,19 +245,40 @@ def test_ctrl_c_keeps_the_best_plan_so_far():
 
 def test_nothing_fits_explains_the_closest_candidate_and_the_fixes():
     result = make_plan(
-        toy_model(), toy_cluster(1.05), toy_training(), 4, None, OPTS, evaluator=ToyEvaluator()
+        toy_model(), toy_cluster(1.1), toy_training(), 4, None, OPTS, evaluator=ToyEvaluator()
     )
     assert result.plan is None and not result.interrupted
     msg = result.message
-    assert "closest is pp=" in msg and "--fsdp" in msg
     closest = min(result.rows, key=lambda r: (r.memory_need_gib / r.usable_memory_gib, r.order))
     need, usable = closest.memory_need_gib, closest.usable_memory_gib
-    assert f"needing {need:.1f} GiB > {usable:.1f} GiB usable" in msg
-    # the memory needed grows ~1/GPUs: suggest the next power of two that covers the ratio
-    assert f"--gpus {4 * 2 ** math.ceil(math.log2(need / usable))}" in msg
-    plain = make_plan(toy_model(), toy_cluster(1.05), toy_training(), 4, None, OPTS,
-                      evaluator=ToyEvaluator(), sharding=("none",))  # fmt: skip
-    assert "--zero" in plain.message
+    assert "closest is pp=" in msg and f"needing {need:.1f} GiB > {usable:.1f} GiB usable" in msg
+    # the memory needed grows ~1/GPUs: the next power of two that covers the ratio, which fits
+    more = 4 * 2 ** math.ceil(math.log2(need / usable))
+    assert msg.endswith(f"; try more GPUs (--gpus {more})")
+    assert make_plan(toy_model(), toy_cluster(1.1), toy_training(), more, None, OPTS,
+                     evaluator=ToyEvaluator()).plan is not None  # fmt: skip
+
+
+def test_nothing_fits_names_no_fix_that_fails():
+    """FSDP is searched at pp = 1, where these layouts have dp = 1: --fsdp (with pipelining)
+    fits nothing, nor do 8 GPUs, so neither is named."""
+    args = (toy_model(), toy_cluster(1.05), toy_training())
+    result = make_plan(*args, 4, None, OPTS, evaluator=ToyEvaluator())
+    assert result.message.endswith("; try more GPUs or a device with more memory")
+    assert "--fsdp" not in result.message and "--gpus" not in result.message
+    fsdp = make_plan(*args, 4, None, OPTS, evaluator=ToyEvaluator(), sharding=("fsdp",))
+    assert fsdp.plan is None
+    assert make_plan(*args, 8, None, OPTS, evaluator=ToyEvaluator()).plan is None
+
+
+def test_nothing_fits_names_fsdp_with_pipelining_and_nodes_when_they_fit():
+    args = (toy_model(layers=8, d=4096), toy_cluster(2.0), toy_training())
+    result = make_plan(*args, 16, None, OPTS, evaluator=ToyEvaluator())
+    assert result.message.endswith(
+        "; try --fsdp (FSDP with pipelining too), more GPUs (--gpus 32 --nodes 8)"
+    )
+    fsdp = make_plan(*args, 16, None, OPTS, evaluator=ToyEvaluator(), sharding=("fsdp",))
+    assert fsdp.plan is not None and fsdp.plan.parallel.pp > 1
 
 
 def test_baselines_are_scored_and_never_beat_piper():

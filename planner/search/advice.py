@@ -1,0 +1,102 @@
+"""What `piper plan` says when no layout fits: the closest candidate and the fixes that work.
+
+Every concrete fix it names (a flag, a GPU count) has been tried: the search runs again on
+the space that flag gives, and the fix is named only when that search finds a layout that
+fits. A fix the search already covers is not named (the micro-batch, recompute and sharding
+choices it searched), nor one that fits nothing (--fsdp where every layout has dp = 1
+shards nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from planner.inputs.clusters import with_nodes
+from planner.search.branch_bound import SearchContext, search_layouts
+from planner.search.rows import CandidateRow, describe
+from planner.search.space import SearchSpace
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A suggestion and the search space it gives (None: not checkable, named as is)."""
+
+    text: str
+    space: SearchSpace | None = None
+    gpus_per_node: int = 0  # > 0: the fix needs the cluster resized to this many GPUs
+
+
+def shortfall(row: CandidateRow) -> tuple[float, float, int]:
+    """How far a candidate is from fitting: memory needed over usable (inf when nothing is
+    usable), then the need."""
+    usable = row.usable_memory_gib
+    ratio = row.memory_need_gib / usable if usable > 0 else math.inf
+    return (ratio, row.memory_need_gib, row.order)
+
+
+def no_fit_message(ctx: SearchContext, rows: Sequence[CandidateRow]) -> str:
+    """One line: the closest candidate, how far it is from fitting, and the fixes that make
+    some layout fit (each checked by a search)."""
+    need = [r for r in rows if not math.isnan(r.memory_need_gib)]
+    closest = min(need, key=shortfall) if need else None
+    fixes = [f for f in _fixes(ctx, closest, rows) if f.space is None or _fits(ctx, f)]
+    if closest is None:
+        closest_text = "no candidate"
+    else:
+        closest_text = (
+            f"closest is {describe(closest.parallel, closest.knobs)} needing "
+            f"{closest.memory_need_gib:.1f} GiB > {closest.usable_memory_gib:.1f} GiB usable"
+        )
+    if not any(f.space is not None for f in fixes):
+        fixes.append(Fix(_fallback(ctx, closest)))
+    return (
+        f"plan: no layout of {ctx.model.name} on {ctx.space.gpus} GPUs of {ctx.cluster.name} "
+        f"fits in memory; {closest_text}; try {', '.join(f.text for f in fixes)}"
+    )
+
+
+def _fixes(
+    ctx: SearchContext, closest: CandidateRow | None, rows: Sequence[CandidateRow]
+) -> list[Fix]:
+    """The candidate fixes, cheapest first, each with the space its flags give."""
+    space = ctx.space
+    out = []
+    if "full" not in space.recompute:
+        out.append(Fix("--recompute full", replace(space, recompute=("full",),
+                                                    recompute_modules=None)))  # fmt: skip
+    if "zero" not in space.sharding and "fsdp" not in space.sharding:
+        out.append(Fix("--zero", replace(space, sharding=("zero",))))
+    elif "fsdp" in space.sharding and len(space.sharding) > 1:  # searched only at pp = 1
+        out.append(Fix("--fsdp (FSDP with pipelining too)", replace(space, sharding=("fsdp",))))
+    if space.fixed:
+        names = ", ".join(f"--{k.replace('_', '-')}" for k, _ in space.fixed)
+        out.append(Fix(f"fewer fixed sizes (drop {names})", replace(space, fixed=())))
+    if closest is not None and math.isfinite(shortfall(closest)[0]):
+        more = space.gpus * max(2, 2 ** math.ceil(math.log2(max(shortfall(closest)[0], 1.0))))
+        g = ctx.cluster.gpus_per_node
+        nodes = f" --nodes {-(-more // g)}" if more > ctx.cluster.total_gpus else ""
+        out.append(Fix(f"more GPUs (--gpus {more}{nodes})", replace(space, gpus=more), g))
+    if any(r.solver_status == "NOT_SOLVED" for r in rows):
+        out.append(Fix("a larger --time-limit-s (some stage IPs found no split in time)"))
+    return out
+
+
+def _fits(ctx: SearchContext, fix: Fix) -> bool:
+    """Whether the search on the fix's space (and cluster) finds a layout that fits."""
+    assert fix.space is not None
+    cluster = ctx.cluster
+    if fix.space.gpus > cluster.total_gpus:
+        cluster = with_nodes(cluster, -(-fix.space.gpus // cluster.gpus_per_node))
+    found = search_layouts(replace(ctx, space=fix.space, cluster=cluster))
+    if found.interrupted:
+        raise KeyboardInterrupt
+    return found.best is not None
+
+
+def _fallback(ctx: SearchContext, closest: CandidateRow | None) -> str:
+    """What remains when no checked fix fits."""
+    if closest is not None and not math.isfinite(shortfall(closest)[0]):
+        return "a device with more memory or a smaller framework_overhead_gib"
+    return "more GPUs or a device with more memory"
