@@ -27,18 +27,21 @@ from __future__ import annotations
 
 import argparse
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from results_md import recorded
+from results_md import ROOT, recorded
 
 from planner.inputs.clusters import load_cluster
 from planner.inputs.hostlist import load_nodelist
 from planner.inputs.models import load_model
 from planner.inputs.slurm_topology import allocation_of
 from planner.ip.solvers import SolverOptions
+from planner.plan import load_plan
 from planner.plan.schema import Plan
 from planner.run.place import place_plan
 from planner.search.make_plan import make_plan
@@ -93,10 +96,12 @@ def run(args: argparse.Namespace) -> None:
             hosts = load_nodelist(nodelist)
             alloc = allocation_of(hosts, topology, case.cluster)
             placement = place_plan(plan, alloc, SolverOptions("cpsat", args.time_limit_s, 1, 0))
-            rows.append((case, placement, time.perf_counter() - start))
+            wall = time.perf_counter() - start
+            cli = _cli_wall_s(plan, nodelist, topology, Path(tmp), args.time_limit_s)
+            rows.append((case, placement, wall, cli))
     print(_table(rows))
     print()
-    for case, placement, _ in rows:
+    for case, placement, _, _ in rows:
         for order in (placement.placed, placement.slurm_order):
             print(f"{case.name} {order.name}: {'; '.join(order.crossings) or 'no group crosses'}")
     print(
@@ -107,9 +112,29 @@ def run(args: argparse.Namespace) -> None:
     )
     print(
         "\nStep times: planner/run/place.py (the resource model, groups that reach farther than"
-        " on a compact allocation priced at the level they cross). Wall time: in-process, after"
-        f" imports; rank IP time limit {args.time_limit_s:g} s."
+        " on a compact allocation priced at the level they cross). wall s: in-process (node list,"
+        " topology, placement, pricing) after imports; CLI s: the whole `piper place` process"
+        " (interpreter, imports, plan.json, files), of which load_plan s reads and validates"
+        f" plan.json; rank IP time limit {args.time_limit_s:g} s."
     )
+
+
+def _cli_wall_s(plan: Plan, nodelist: str, topology: str | None, tmp: Path, limit_s: float):
+    """Wall seconds of the whole `piper place` process (interpreter start, imports, files),
+    and of reading and validating plan.json alone (planner.plan.load_plan)."""
+    path = tmp / "plan.json"
+    path.write_text(plan.to_json())
+    argv = [sys.executable, "-c", "import sys; from planner.cli import main; sys.exit(main())",
+            "place", str(path), "--nodelist", nodelist, "--out", str(tmp / "placement"),
+            "--time-limit-s", str(limit_s)]  # fmt: skip
+    if topology:
+        argv += ["--topology", topology]
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, capture_output=True, cwd=ROOT)
+    cli_s = time.perf_counter() - start
+    start = time.perf_counter()
+    load_plan(path)
+    return cli_s, time.perf_counter() - start
 
 
 def _plan(case: Case) -> Plan:
@@ -164,14 +189,16 @@ def _h100_fat_tree(tmp: Path) -> tuple[str, str]:
 
 
 def _table(rows) -> str:
-    head = ("case", "nodes", "switches", "groups", "placer", "gap", "wall s", "target s",
+    head = ("case", "nodes", "switches", "groups", "placer", "gap", "wall s", "CLI s",
+            "load_plan s", "target s",
             "placed s", "slurm order s", "compact s", "gain vs slurm")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for case, pl, wall in rows:
+    for case, pl, wall, (cli, load) in rows:
         r = pl.report
         gain = pl.slurm_order.step_time_s / pl.chosen.step_time_s
         cells = (case.name, f"{pl.nodes_used}/{pl.nodes_allocated}", pl.switches, pl.groups,
-                 f"{r.backend} {r.status}", f"{r.gap:.3f}", f"{wall:.2f}",
+                 f"{r.backend} {r.status}", f"{r.gap:.3f}", f"{wall:.2f}", f"{cli:.2f}",
+                 f"{load:.2f}",
                  f"{case.target_s:g}" if case.target_s else "-",
                  f"{pl.chosen.step_time_s:.4f}", f"{pl.slurm_order.step_time_s:.4f}",
                  f"{pl.compact.step_time_s:.4f}", f"{gain:.4f}x")  # fmt: skip
