@@ -143,6 +143,7 @@ def _job(tmp_path: Path, plan_dir: Path, topology: str | None) -> subprocess.Com
     return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
 
 
+@pytest.mark.slow  # two `piper place` processes: 10-25 s on a busy 2-core machine
 def test_sbatch_places_at_job_start_and_falls_back(frontier_plan, tmp_path):
     run = _job(tmp_path, frontier_plan, str(frontier_plan / "topology.conf"))
     assert run.returncode == 0, run.stderr

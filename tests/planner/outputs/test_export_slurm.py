@@ -71,6 +71,7 @@ def test_slurm_script_hostfile_and_task_environment(tmp_path):
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "SLURM_JOB_NODELIST": "h-[a-d]",
         "PIPER_HOSTFILE": str(tmp_path / "hostfile"),
+        "PIPER_PLACE": "0",  # the plan's order (placement: tests/planner/cli/test_place.py)
     }
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
                          check=True)  # fmt: skip
@@ -114,6 +115,7 @@ def test_slurm_megatron_trainer_sources_the_args_file(tmp_path):
         "PATH": f"{_fake_slurm_bin(tmp_path, ['a', 'b', 'c', 'd'])}:{os.environ['PATH']}",
         "SLURM_JOB_NODELIST": "a-d",
         "PIPER_HOSTFILE": str(tmp_path / "h"),
+        "PIPER_PLACE": "0",
     }
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
                          check=True)  # fmt: skip
