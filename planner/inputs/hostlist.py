@@ -25,7 +25,7 @@ from planner.specs import SpecError
 
 MAX_HOSTS = 1 << 20  # far above any machine; stops `n[0-999999999]` from filling memory
 MAX_RANGE = 1 << 16  # hosts in one range, as Slurm's hostlist.c allows
-_HOSTNAME = re.compile(r"[A-Za-z0-9_.-]{1,253}\Z")
+HOSTNAME = re.compile(r"[A-Za-z0-9_.-]{1,253}\Z")
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?\Z")
 
 
@@ -37,7 +37,7 @@ def expand_hostlist(expression: str, where: str = "--nodelist") -> tuple[str, ..
         if len(hosts) > MAX_HOSTS:
             raise SpecError(f"{where}: expands to more than {MAX_HOSTS} hosts; check the ranges")
     for host in hosts:
-        if not _HOSTNAME.match(host):
+        if not HOSTNAME.match(host):
             raise SpecError(
                 f"{where}: {host!r} is not a hostname (letters, digits, '-', '_', '.'); "
                 "fix the node list"

@@ -10,8 +10,10 @@ import shutil
 import subprocess
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from planner.inputs.hostlist import expand_hostlist, load_nodelist
+from planner.inputs.hostlist import HOSTNAME, expand_hostlist, load_nodelist
 from planner.specs import SpecError
 
 
@@ -97,3 +99,30 @@ def test_a_file_with_one_host_per_line(tmp_path):
     path.write_text("node03\nnode;03\n")
     with pytest.raises(SpecError, match="line 2"):
         load_nodelist(str(path))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(text=st.text(alphabet="ab01-9[],; $\n\t.x_", max_size=40))
+def test_any_text_is_hosts_or_one_spec_error(text):
+    """Random node lists: valid hostnames in a tuple, or a SpecError; nothing else."""
+    try:
+        hosts = load_nodelist(text)
+    except SpecError as exc:
+        assert "\n" not in str(exc)  # one line, whatever the input held
+        return
+    assert hosts and all(HOSTNAME.match(h) for h in hosts)
+    assert len(set(hosts)) == len(hosts)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    prefix=st.from_regex(r"[a-z]{1,6}", fullmatch=True),
+    ranges=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40), st.integers(1, 4)),
+                    min_size=1, max_size=4),
+)  # fmt: skip
+def test_generated_ranges_expand_like_slurm(prefix, ranges):
+    """prefix[lo-hi,...] with zero-padded lo: each range's hosts in order, padded to lo's
+    width (the rule scontrol follows, checked in test_expansion_matches_slurm)."""
+    text = ",".join(f"{lo:0{w}d}-{lo + n:0{w}d}" for lo, n, w in ranges)
+    expected = [f"{prefix}{i:0{w}d}" for lo, n, w in ranges for i in range(lo, lo + n + 1)]
+    assert list(expand_hostlist(f"{prefix}[{text}]")) == expected
