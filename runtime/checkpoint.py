@@ -32,6 +32,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -189,16 +190,11 @@ class Checkpointer:
             stage = next((s for s in state["stages"] if s["stage"] == t.mesh.me.stage), None)
             if stage is not None:
                 t.history = stage["history"]
-                t.rows = [_array(r) for r in stage["rows"]] if t.leader else []
-        log.warning("resumed from %s after step %d", path, state["step"] - 1)
+                t.rows = [np.asarray(r, dtype=np.int64) for r in stage["rows"]] if t.leader else []
+        if t.rank == 0:
+            log.warning("resumed from %s after step %d", path, state["step"] - 1)
         trace = {tuple(r[:3]): r[3] for r in state["trace"]} if t.rank == 0 else {}
         return state["step"], state["lines"] if t.rank == 0 else [], trace
-
-
-def _array(rows):
-    import numpy as np
-
-    return np.asarray(rows, dtype=np.int64)
 
 
 def _assemble(done: int, spec: RunSpec, lines: list, parts: list) -> dict:
