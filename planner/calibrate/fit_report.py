@@ -8,12 +8,13 @@ predicted / measured, share within +-15%, worst run, RMS log error).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import yaml
 
-from planner.calibrate.fit import PRIOR_WEIGHT, WITHIN, FitError, FitResult
+from planner.calibrate.fit import PRIOR_WEIGHT, WITHIN, FitError, FitResult, RunFit
 from planner.inputs.clusters import cluster_from_dict, cluster_to_dict
 from planner.numbers import number
 from planner.specs import EFFICIENCIES, ClusterSpec
@@ -35,8 +36,18 @@ def fit_tables(result: FitResult) -> list[Table]:
          f"{e.low:g}-{e.high:g}{' (log)' if e.log else ''}", e.meaning)
         for e in EFFICIENCIES
     ]  # fmt: skip
+    return [
+        (f"constants of {result.start.name}: {len(fitted)} fitted",
+         ("constant", "before", "after", "fitted", "bounds", "meaning"), constants),
+        runs_table(result.runs),
+        errors_table(result.before, result.after, result.left_out),
+    ]  # fmt: skip
+
+
+def runs_table(fits: Sequence[RunFit]) -> Table:
+    """Each run: measured, predicted before, fitted and left out, with the ratios and peaks."""
     runs = []
-    for r in result.runs:
+    for r in fits:
         m = r.run.measured
         loo = r.left_out
         runs.append((
@@ -45,20 +56,24 @@ def fit_tables(result: FitResult) -> list[Table]:
             "-" if loo is None else f"{loo / m:.2f}", number(r.peak_gib, 3),
             number(r.run.measured_peak_gib, 3),
         ))  # fmt: skip
-    errors = [_error_row("before (start)", result.before), _error_row("fit", result.after)]
-    if result.left_out is not None:
-        errors.append(_error_row("leave-one-out", result.left_out))
-    return [
-        (f"constants of {result.start.name}: {len(fitted)} fitted",
-         ("constant", "before", "after", "fitted", "bounds", "meaning"), constants),
-        ("runs: predicted vs measured (ratio = predicted / measured; peak GiB predicted with "
-         "the fitted constants)",
-         ("run", "metric", "measured", "before", "ratio", "fit", "ratio", "left out",
-          "ratio", "peak GiB", "measured GiB"), runs),
-        ("errors (predicted / measured)",
-         ("", "runs", "geomean", f"within +-{WITHIN:.0%}", "worst run", "worst ratio",
-          "RMS log"), errors),
-    ]  # fmt: skip
+    return (
+        "runs: predicted vs measured (ratio = predicted / measured; peak GiB predicted with "
+        "the fitted constants)",
+        ("run", "metric", "measured", "before", "ratio", "fit", "ratio", "left out",
+         "ratio", "peak GiB", "measured GiB"), runs,
+    )  # fmt: skip
+
+
+def errors_table(before: FitError, after: FitError, left_out: FitError | None) -> Table:
+    """The errors before the fit, of the fit and left out."""
+    errors = [_error_row("before (start)", before), _error_row("fit", after)]
+    if left_out is not None:
+        errors.append(_error_row("leave-one-out", left_out))
+    return (
+        "errors (predicted / measured)",
+        ("", "runs", "geomean", f"within +-{WITHIN:.0%}", "worst run", "worst ratio",
+         "RMS log"), errors,
+    )  # fmt: skip
 
 
 def _error_row(name: str, e: FitError) -> tuple[Any, ...]:
