@@ -115,6 +115,11 @@ _HOSTS = (
 _PLACE = (
     'PLACE_DIR="$HOSTFILE.placement"',
     'PLACE_LIMIT_S="${PIPER_PLACE_TIME_LIMIT_S:-30}"',
+    'if [[ ! "$PLACE_LIMIT_S" =~ ^[0-9]+([.][0-9]+)?$ ]]; then',
+    '  echo "piper: WARNING: PIPER_PLACE_TIME_LIMIT_S=$PLACE_LIMIT_S is not a number of '
+    'seconds; using 30" >&2',
+    "  PLACE_LIMIT_S=30",
+    "fi",
     'PLACE=("${PIPER:-piper}" place "$PLAN" --nodelist "${SLURM_JOB_NODELIST:-}" '
     '--out "$PLACE_DIR" --time-limit-s "$PLACE_LIMIT_S")',
     'if [[ -n "${PIPER_TOPOLOGY:-}" ]]; then PLACE+=(--topology "$PIPER_TOPOLOGY"); fi',
@@ -125,7 +130,7 @@ _PLACE = (
     '  echo "piper: and uses its hostfile; here ranks follow the plan\'s order" >&2',
     'elif [[ "${PIPER_PLACE:-1}" == 0 ]]; then',
     '  echo "piper: PIPER_PLACE=0: ranks follow the plan\'s order on the Slurm node list" >&2',
-    'elif timeout "$((PLACE_LIMIT_S + 60))" "${PLACE[@]}" >&2 '
+    'elif timeout "$((${PLACE_LIMIT_S%.*} + 60))" "${PLACE[@]}" >&2 '
     '&& mapfile -t PLACED_HOSTS < "$PLACE_DIR/hostfile" '
     '&& read -r -a PLACED_LOCAL < "$PLACE_DIR/local_ranks" '
     "&& (( ${#PLACED_HOSTS[@]} == WORLD_SIZE && ${#PLACED_LOCAL[@]} == WORLD_SIZE )); then",

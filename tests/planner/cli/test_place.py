@@ -28,6 +28,7 @@ from planner.run.place_layout import rank_group_arrays
 from planner.search.make_plan import make_plan
 from planner.specs import TrainingSpec
 from tests.hardening_cli import run_piper
+from tests.planner.outputs import export_plans
 
 # Two dragonfly groups whose switches hold alternate host names: Slurm's sorted order puts
 # every pair of consecutive hosts in different groups.
@@ -221,3 +222,29 @@ def test_sbatch_dry_run_shows_the_placement_it_would_run(frontier_plan, tmp_path
     nodes = [r.node for r in sorted(plan.ranks, key=lambda r: r.rank)]
     assert (tmp_path / "h").read_text().split() == [f"node{n}" for n in nodes]
     assert not (tmp_path / "h.placement").exists()
+
+
+def test_sbatch_falls_back_when_piper_place_cannot_run(tmp_path):
+    """A failing `piper place` (here: PIPER=/bin/false) and a time limit that is not a number
+    leave the job running in the plan's order, with a warning for each."""
+    plan = export_plans.make_plan()
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm_script(plan, "/p/plan.json", "true")[0])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'a\\nb\\nc\\nd\\n'\n")
+    (bin_dir / "srun").write_text("#!/bin/bash\necho ran\n")
+    for f in bin_dir.iterdir():
+        f.chmod(stat.S_IRWXU)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "a,b,c,d",
+           "PIPER_HOSTFILE": str(tmp_path / "h"), "PIPER": "/bin/false",
+           "PIPER_PLACE_TIME_LIMIT_S": "soon"}  # fmt: skip
+    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout == "ran\n", run.stderr
+    assert run.stderr.splitlines() == [
+        "piper: WARNING: PIPER_PLACE_TIME_LIMIT_S=soon is not a number of seconds; using 30",
+        "piper: WARNING: placement failed (see above); ranks follow the plan's order on the "
+        "Slurm node list",
+    ]
+    nodes = [r.node for r in sorted(plan.ranks, key=lambda r: r.rank)]
+    assert (tmp_path / "h").read_text().split() == ["abcd"[n] for n in nodes]
