@@ -150,7 +150,9 @@ def _yaml_topology(data: Any, path: str) -> tuple[list[_Entry], list[_Entry], li
         sizes = topo["block"].get("block_sizes") or []
         if isinstance(sizes, str):
             sizes = sizes.split(",")
-        return [], blocks, _sizes(list(sizes), name)
+        elif not isinstance(sizes, list):
+            sizes = [sizes]
+        return [], blocks, _sizes(sizes, name)
     raise SpecError(f"{name}: has no tree or block section (a flat topology places nothing)")
 
 

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from planner.inputs.slurm_topology import allocation_of, frontier_position
+from planner.inputs.slurm_topology import allocation_of, frontier_position, read_topology
 from planner.specs import SpecError
 
 # Tree plugin: two leaf switches per spine, two spines under a core (the manual's style).
@@ -129,3 +131,21 @@ def test_bad_topologies_are_one_clear_error(tmp_path, name, text, hosts, cluster
         path = str(tmp_path / name)
     with pytest.raises(SpecError, match=message):
         allocation_of(hosts, path, cluster)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(
+    text=st.text(alphabet="SwitchNameBlockSizes=,[]-0123 \n#:xyz", max_size=80),
+    suffix=st.sampled_from([".conf", ".yaml"]),
+)
+def test_any_topology_text_reads_or_is_one_spec_error(text, suffix, tmp_path):
+    """Corrupted topology files: positions (host -> (group, switch) strings) or a SpecError."""
+    path = tmp_path / f"topology{suffix}"
+    path.write_text(text)
+    try:
+        positions = read_topology(str(path))
+    except SpecError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert all(isinstance(g, str) and isinstance(s, str) for g, s in positions.values())
