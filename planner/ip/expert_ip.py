@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from planner.ip.expert_swap import improve_by_swaps, lpt_with_replicas
+from planner.ip.expert_swap import improve_by_swaps, lpt_with_replicas, replicate_then_pack
 from planner.ip.solvers import LinearModel, SolveReport, SolverOptions, quantize, solve, unit_for
 from planner.specs import SpecError
 
@@ -218,8 +218,21 @@ class _Data:
         return out
 
     def greedy(self) -> dict[int, list[int]]:
-        """The warm start without traffic: expert_swap.lpt_with_replicas."""
-        return lpt_with_replicas(self.load_E, self.slots, self.redundant_slots, self.max_replicas)
+        """The warm start without traffic: expert_swap.lpt_with_replicas or, with replicas,
+        expert_swap.replicate_then_pack when its hottest rank is cooler (on skewed loads it
+        lands within a few percent of the mean where LPT's is 10-50% above it)."""
+        lpt = lpt_with_replicas(self.load_E, self.slots, self.redundant_slots, self.max_replicas)
+        if not self.redundant_slots:
+            return lpt
+        packed = replicate_then_pack(self.load_E, self.slots, self.redundant_slots,
+                                     self.max_replicas)  # fmt: skip
+        if packed is None or len(_copies(packed)) < self.num_e:
+            return lpt
+
+        def hottest(held: dict[int, list[int]]) -> int:
+            return max(_rank_load_q(self, held, _copies(held)))
+
+        return packed if hottest(packed) < hottest(lpt) else lpt
 
 
 def _pairs(coact, num_e: int) -> tuple[tuple[int, int, float], ...]:

@@ -1,4 +1,5 @@
-"""Warm starts for the expert IP: LPT with replicas, and swaps between nodes while traffic pays.
+"""Warm starts for the expert IP: LPT with replicas, EPLB's replicate-then-pack, and swaps
+between nodes while traffic pays.
 
 `lpt_with_replicas`: hottest expert first onto the least-loaded rank with a free base slot;
 then each redundant slot takes a replica of an expert of the hottest rank. `improve_by_swaps`:
@@ -90,6 +91,36 @@ def lpt_with_replicas(
     for _ in range(redundant_slots):
         if not _add_replica(load_E, slots_R, max_replicas, held, copies):
             break
+    return held
+
+
+def replicate_then_pack(
+    load_E: Sequence[float], slots_R: Sequence[int], redundant_slots: int, max_replicas: int
+) -> dict[int, list[int]] | None:
+    """EPLB's two steps (deepseek-ai/EPLB eplb.py: `replicate_experts`, then
+    `balanced_packing`; planner/migration/replicate.py is the same rule for migration):
+    each redundant slot goes to the expert with the highest load per replica (at most
+    max_replicas copies), then the replicas, heaviest share first (ties: lower expert id),
+    go to the least-loaded rank with a free slot that lacks that expert (ties: lower rank).
+    None when the distinct-rank rule leaves a replica nowhere to go."""
+    num_e, ep = len(load_E), len(slots_R)
+    count = [1] * num_e
+    for _ in range(redundant_slots):
+        open_e = [e for e in range(num_e) if count[e] < max_replicas]
+        if not open_e:
+            break
+        count[max(open_e, key=lambda e: (load_E[e] / count[e], -e))] += 1
+    pieces = sorted(((e, load_E[e] / count[e]) for e in range(num_e) for _ in range(count[e])),
+                    key=lambda p: (-p[1], p[0]))  # fmt: skip
+    held: dict[int, list[int]] = {r: [] for r in range(ep)}
+    loads = [0.0] * ep
+    for e, share in pieces:
+        free = [r for r in range(ep) if len(held[r]) < slots_R[r] and e not in held[r]]
+        if not free:
+            return None
+        r = min(free, key=lambda r: (loads[r], r))
+        held[r].append(e)
+        loads[r] += share
     return held
 
 
