@@ -96,19 +96,23 @@ def test_ten_steps_and_a_resume_train_bitwise_like_twenty_straight(straight_and_
     assert state["slots"]["1"][0] == [[0, 1, 2, 3], [4, 5, 6, 7]][:: -1 if rotations % 2 else 1]
 
 
-def test_another_plan_of_the_model_resumes_from_the_checkpoint(straight_and_resumed, tmp_path):
-    """ep = 1 (every expert on both dp ranks) reads the dp = ep = 2 checkpoint taken with
-    the experts rotated: DCP hands each rank the tensors its keys name. (dp stays 2: the
-    data is sharded by data-parallel rank.)"""
+@pytest.mark.parametrize("pp, ep", [(1, 1), (2, 2)])
+def test_another_plan_of_the_model_resumes_from_the_checkpoint(
+    straight_and_resumed, tmp_path, pp, ep
+):
+    """ep = 1 (every expert on both dp ranks), or pp = 2 (4 ranks, the layers over two
+    stages), reads the pp = 1, dp = ep = 2 checkpoint taken with the experts placed by the
+    policy: DCP hands each rank the tensors its keys name. (dp stays 2: the data is sharded
+    by data-parallel rank.)"""
     from tests.runtime.conftest import run_distributed
 
     spec, root, straight, _, _ = straight_and_resumed
     shutil.copytree(step_dir(root, 10), step_dir(tmp_path, 10))
-    other = tiny_spec(pp=1, dp=2, ep=1, ranks_per_node=2, steps=20, layers=3)
-    out = run_distributed(_body, 2, other, (str(tmp_path), 0, True), None, timeout_s=120)
+    other = tiny_spec(pp=pp, dp=2, ep=ep, ranks_per_node=2, steps=20, layers=3)
+    out = run_distributed(_body, pp * 2, other, (str(tmp_path), 0, True), None, timeout_s=120)
     losses = _losses(out[0][1])
     assert losses[:10] == _losses(straight[0][1])[:10]  # the lines it resumed with
-    # the same math; the expert gradients are summed in another order
+    # the same math; the gradients are summed in another order
     assert losses[10:] == pytest.approx(_losses(straight[0][1])[10:], rel=1e-5, abs=1e-5)
 
 
