@@ -87,6 +87,7 @@ class RunOptions:
         0,
         "torchrun restarts of the processes after one fails; each restart resumes from the "
         "newest intact checkpoint (needs --checkpoint-dir)",
+        metavar="R",
         cli_only=True,
     )
     force: bool = _flag(
