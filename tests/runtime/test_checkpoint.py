@@ -142,3 +142,27 @@ def test_a_corrupt_or_partial_checkpoint_is_refused_and_the_one_before_used(
     shutil.rmtree(step_dir(tmp_path, 10))
     with pytest.raises(SpecError, match="no intact checkpoint in"):
         resume_point(str(tmp_path), spec)
+
+
+def test_replicas_and_free_slots_resume_bitwise(tmp_path):
+    """Redundant slots (expert 0 twice, then a free slot) with a new slot table every 2
+    steps: 5 steps + resume to 9 equal 9 straight, moves, tables and every copy's state."""
+    from tests.runtime.conftest import run_distributed
+    from tests.runtime.test_replicas import CYCLE, _spec_with_slots
+    from tests.runtime.tiny_plans import cycle_policy
+
+    def spec(steps):
+        return _spec_with_slots(CYCLE[0], dp=2, ep=2, ranks_per_node=2, steps=steps,
+                                migrate_every=2)  # fmt: skip
+
+    policy, saves = cycle_policy(CYCLE), (str(tmp_path), 0, False)
+    straight = run_distributed(_body, 2, spec(9), None, policy, timeout_s=120)
+    run_distributed(_body, 2, spec(5), saves, policy, timeout_s=120)
+    resumed = run_distributed(_body, 2, spec(9), (str(tmp_path), 0, True), policy, timeout_s=120)
+    assert _losses(resumed[0][1]) == _losses(straight[0][1])
+    moved = [json.loads(x)["migrated_experts"] for x in resumed[0][1]["metrics.jsonl"].split("\n")
+             if x]  # fmt: skip
+    assert moved == [0, 2, 0, 6, 0, 6, 0, 2, 0]  # copies made before and after step 5
+    for a, b in zip(straight, resumed, strict=True):
+        assert a[3] == b[3] and a[2].keys() == b[2].keys()
+        assert all((a[2][k] == b[2][k]).all() for k in a[2])
