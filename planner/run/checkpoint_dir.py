@@ -157,7 +157,8 @@ def resume_point(directory: str, spec: RunSpec) -> tuple[Path, int, list[str]]:
     if state.get("model") != model_of(spec):
         raise SpecError(
             f"--resume: checkpoint {path} holds another model ({state.get('model')}); "
-            "resume with that model's plan and --scale, or use another --checkpoint-dir"
+            "resume with the plan, --scale and --data it was written with, or use another "
+            "--checkpoint-dir"
         )
     if state["step"] >= spec.steps:
         raise SpecError(
