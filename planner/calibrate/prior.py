@@ -22,8 +22,9 @@ kept ones do (collinear). The others stay at the preset; the result says which a
 Memory (runs with a measured peak): framework_overhead_gib, the constant the resource model
 adds to every stage (planner/resources/cost.py), moves by the shrunk mean of measured minus
 predicted peak, sum_r d_r / (n + (MEMORY_SIGMA_GIB / MEMORY_WIDTH_GIB)^2), the least-squares
-optimum of the same data-plus-prior form in GiB; time constants do not change memory, so the
-two fits are separate.
+optimum of the same data-plus-prior form in GiB, held within [MEMORY_FLOOR_GIB,
+MEMORY_CEILING_SHARE x the device's memory]; time constants do not change memory, so the two
+fits are separate.
 
 Leave-one-out: for each run, the selection and the fit are redone on the others and the run is
 predicted.
@@ -60,6 +61,8 @@ MIN_ELASTICITY = 0.01  # RMS d log p / d t below this: no run sees the constant
 COLLINEAR = 0.1  # |R_jj| / |R_00| below this: the column repeats the kept ones
 MEMORY_SIGMA_GIB = 1.0
 MEMORY_WIDTH_GIB = 4.0
+MEMORY_FLOOR_GIB = 0.5  # the CUDA context alone takes about this much
+MEMORY_CEILING_SHARE = 0.5  # an overhead above half the device's memory is not an overhead
 MAX_EVALUATIONS = 80
 Progress = Callable[[int, int | None], None]
 
@@ -152,7 +155,11 @@ class _Problem:
     def cluster_at(self, t: np.ndarray) -> ClusterSpec:
         if np.array_equal(t, self.t0):
             return self.cluster
-        values = {p.name: p.value_at(x) for p, x in zip(self.priors, t, strict=True)}
+        values = {
+            p.name: p.value_at(x)
+            for p, x, x0 in zip(self.priors, t, self.t0, strict=True)
+            if x != x0  # a constant left at the prior keeps the cluster's exact value
+        }
         return replace(self.cluster, **values)
 
     def log_ratio(self, i: int, t: np.ndarray) -> float:
@@ -302,7 +309,8 @@ def fit_memory(runs: Sequence[Run], cluster: ClusterSpec) -> MemoryFit | None:
     ]
     shrink = len(diffs) + (MEMORY_SIGMA_GIB / MEMORY_WIDTH_GIB) ** 2
     prior = cluster.framework_overhead_gib
-    fitted = min(max(prior + sum(diffs) / shrink, 0.0), cluster.device.memory_gib)
+    ceiling = MEMORY_CEILING_SHARE * cluster.device.memory_gib
+    fitted = min(max(prior + sum(diffs) / shrink, MEMORY_FLOOR_GIB), ceiling)
     mean = sum(diffs) / len(diffs)
     return MemoryFit(len(diffs), prior, fitted, -mean, (fitted - prior) - mean)
 

@@ -77,7 +77,7 @@ def calibration_items(result: PriorFit, runs_file: str, date: str) -> list[tuple
             cal.append((f"kept_{p.name}", why[p.name]))
     if result.memory is not None:
         cal += [("prior_framework_overhead_gib", result.memory.prior_gib),
-                ("fitted_framework_overhead_gib", round(result.memory.fitted_gib, 4)),
+                ("fitted_framework_overhead_gib", result.memory.fitted_gib),
                 ("memory_runs", result.memory.runs)]  # fmt: skip
     for prefix, err in (("before", result.before), ("fit", result.after),
                         ("loo", result.left_out)):  # fmt: skip

@@ -1,9 +1,11 @@
 """`piper calibrate`: fit a cluster profile to measured runs, or compare a plan with its run.
 
 Two modes (planner/PROFILING.md):
-- `piper calibrate --fit RUNS.csv --cluster C --out FITTED.yaml [--params a,b] [--run
-  PLAN.json:METRICS.jsonl ...]`: least squares of the cluster's named efficiencies on the
-  runs' throughput; prints the constants before and after, the fit's and the leave-one-out
+- `piper calibrate --fit [RUNS.csv] [--log PLAN_OR_EXPORT:LOG ...] [--run PLAN:METRICS ...]
+  --cluster C --out FITTED.yaml [--params a,b]`: the runs (RUNS.csv rows, Megatron-LM /
+  torchtitan logs, piper runs) fit the constants they identify, regularised toward the
+  preset (planner/calibrate/prior.py), and framework_overhead_gib from measured peaks; prints
+  what was fitted and why the rest was kept, the constants, the fit's and the leave-one-out
   errors; writes the fitted cluster profile.
 - `piper calibrate PLAN METRICS [--out DIR] [--write-profile OUT]`: predicted vs measured
   per component for one `piper run`; where the run's run.json records another dispatcher or
@@ -33,9 +35,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("metrics", nargs="?", help="metrics.jsonl written by 'piper run' (compare)")
     p.add_argument(
         "--fit",
+        nargs="?",
+        const="",
         default=None,
         metavar="RUNS.csv",
-        help="fit mode: measured runs with the columns of profiles/runs/published_runs.csv",
+        help="fit mode; optionally measured runs with the columns of "
+        "profiles/runs/published_runs.csv",
+    )
+    p.add_argument(
+        "--log",
+        action="append",
+        default=[],
+        metavar="PLAN_OR_EXPORT:LOGFILE",
+        help="fit mode: a Megatron-LM or torchtitan log (or piper run's metrics.jsonl) and the "
+        "plan.json it ran, or the export beside that plan (repeatable)",
     )
     p.add_argument(
         "--run",
@@ -48,7 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--params",
         default=None,
         metavar="a,b,c",
-        help="fit mode: the constants to fit (default: every named efficiency, at most 8)",
+        help="fit mode: the candidate constants (default: every named efficiency, at most 8); "
+        "the fit sets those the runs identify",
     )
     p.add_argument("--no-loo", action="store_true", help="fit mode: skip the leave-one-out refits")
     p.add_argument(
@@ -61,14 +75,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--write-profile",
         default=None,
         metavar="PROFILE_OUT",
-        help="compare mode: write a cluster YAML corrected by the run's errors",
+        help="compare mode: write a cluster YAML corrected by the run's errors; fit mode: the "
+        "same as --out",
     )
     p.add_argument(
         "--cluster",
         default=None,
-        help="fit mode: the cluster to fit from (required); compare mode: re-estimate on it",
+        help="fit mode: the cluster to fit from (required with RUNS.csv; default: the first "
+        "--log/--run plan's); compare mode: re-estimate on it",
     )
-    p.add_argument("--skip-steps", type=int, default=1, help="warm-up steps to drop")
+    p.add_argument(
+        "--skip-steps",
+        type=int,
+        default=1,
+        help="warm-up steps (iterations) to drop from metrics.jsonl and logs",
+    )
     p.set_defaults(func=run)
 
 
@@ -77,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--skip-steps must be >= 0, got {args.skip_steps}")
     if args.fit is not None:
         return run_fit(args)
-    if args.run or args.params or args.no_loo:
-        raise SpecError("--run, --params and --no-loo belong to the fit mode; add --fit RUNS.csv")
+    if args.run or args.log or args.params or args.no_loo:
+        raise SpecError(
+            "--run, --log, --params and --no-loo belong to the fit mode; add --fit [RUNS.csv]"
+        )
     if not (args.plan and args.metrics):
         raise SpecError(
             "give PLAN METRICS (compare a plan with its run) or --fit RUNS.csv --cluster C "
@@ -136,52 +159,91 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    """--fit RUNS.csv: fit, print the tables, write the fitted profile."""
-    from planner.calibrate.fit import fit, fit_params
-    from planner.calibrate.fit_report import fit_tables, fitted_profile_yaml
-    from planner.calibrate.runs import hardware_matches, load_runs, run_of_metrics
-    from planner.inputs.clusters import load_cluster
+    """--fit [RUNS.csv] --log/--run ...: fit, print the tables, write the fitted profile."""
+    from planner.calibrate.fit import fit_params
+    from planner.calibrate.log_runs import run_of_log
+    from planner.calibrate.prior import fit_with_prior, warning_line
+    from planner.calibrate.prior_report import prior_profile_yaml, prior_tables
+    from planner.calibrate.runs import run_of_metrics
     from planner.outputs.console import print_table, progress
 
-    if args.plan or args.metrics:
-        raise SpecError(
-            "--fit takes no PLAN METRICS; give a piper run as --run PLAN.json:METRICS.jsonl"
-        )
-    if not args.cluster:
-        raise SpecError("--fit needs --cluster C: the cluster profile the runs ran on")
-    if not args.out:
-        raise SpecError("--fit needs --out FITTED.yaml: where to write the fitted profile")
-    target = Path(args.out)
-    if target.suffix not in (".yaml", ".yml"):
-        raise SpecError(f"--out {args.out}: the fitted profile is YAML; name it FITTED.yaml")
+    target = _fit_checks(args)
     names = [n.strip() for n in args.params.split(",")] if args.params is not None else None
     fit_params(names)  # refuse bad --params before reading anything
-    cluster = load_cluster(args.cluster)
-    runs = load_runs(args.fit, allow_empty=bool(args.run))
-    used = [r for r in runs if hardware_matches(r.hardware, cluster)]
-    others = sorted({r.hardware for r in runs} - {r.hardware for r in used})
-    if not used and not args.run:  # (load_runs refused a file without rows)
-        raise SpecError(
-            f"{args.fit}: no run on {cluster.device.name} (cluster {cluster.name}); the rows' "
-            f"hardware is {', '.join(others)}: give the cluster they ran on as --cluster"
-        )
+    cluster = _fit_cluster(args)
+    used, others, left = _csv_runs(args, cluster)
     for pair in args.run:
         used.append(run_of_metrics(*_pair(pair), skip_steps=args.skip_steps))
+    for pair in args.log:
+        used.append(run_of_log(pair, skip_steps=args.skip_steps))
     loo = not args.no_loo and len(used) >= 2
     with progress("leave-one-out refits", total=len(used) if loo else None) as update:
-        result = fit(used, cluster, names, leave_one_out=loo, progress=update)
-    text = fitted_profile_yaml(result, args.fit, datetime.date.today().isoformat())
-    for title, columns, rows in fit_tables(result):
+        result = fit_with_prior(used, cluster, names, leave_one_out=loo, progress=update)
+    text = prior_profile_yaml(result, args.fit or "", datetime.date.today().isoformat())
+    for title, columns, rows in prior_tables(result):
         print_table(title, columns, rows)
         print()
     if others:
-        left = sum(r.hardware in others for r in runs)
         print(f"left out {left} row(s) of {args.fit} on other hardware ({', '.join(others)})")
+    warning = warning_line(result)
+    if warning:
+        print(warning)
     if not result.converged:
         print(f"the fit stopped before converging: {result.message}")
     write_files(target.parent, {target.name: text})
     print(f"wrote {target} (cluster {result.start.name}-fitted)")
     return 0
+
+
+def _fit_checks(args: argparse.Namespace) -> Path:
+    """The fit mode's argument rules; returns the profile to write."""
+    if args.plan or args.metrics:
+        raise SpecError(
+            "--fit takes no PLAN METRICS; give a piper run as --run PLAN.json:METRICS.jsonl"
+        )
+    if not (args.fit or args.log or args.run):
+        raise SpecError(
+            "--fit needs runs: RUNS.csv, --log PLAN_OR_EXPORT:LOGFILE or --run "
+            "PLAN.json:METRICS.jsonl"
+        )
+    if args.fit and not args.cluster:
+        raise SpecError("--fit needs --cluster C: the cluster profile the runs ran on")
+    out = args.out or args.write_profile
+    if not out:
+        raise SpecError("--fit needs --out FITTED.yaml: where to write the fitted profile")
+    target = Path(out)
+    if target.suffix not in (".yaml", ".yml"):
+        raise SpecError(f"--out {out}: the fitted profile is YAML; name it FITTED.yaml")
+    return target
+
+
+def _fit_cluster(args: argparse.Namespace):
+    """--cluster, or the cluster of the first --log / --run plan."""
+    from planner.calibrate.log_runs import resolve_plan, split_pair
+    from planner.inputs.clusters import load_cluster
+    from planner.plan import load_plan
+
+    if args.cluster:
+        return load_cluster(args.cluster)
+    given = split_pair(args.log[0])[0] if args.log else _pair(args.run[0])[0]
+    return load_plan(resolve_plan(given)).cluster_spec()
+
+
+def _csv_runs(args: argparse.Namespace, cluster) -> tuple[list, list[str], int]:
+    """RUNS.csv's rows on the cluster's hardware, the other hardware named, rows left out."""
+    from planner.calibrate.runs import hardware_matches, load_runs
+
+    if not args.fit:
+        return [], [], 0
+    runs = load_runs(args.fit, allow_empty=bool(args.run or args.log))
+    used = [r for r in runs if hardware_matches(r.hardware, cluster)]
+    others = sorted({r.hardware for r in runs} - {r.hardware for r in used})
+    if not used and not (args.run or args.log):  # (load_runs refused a file without rows)
+        raise SpecError(
+            f"{args.fit}: no run on {cluster.device.name} (cluster {cluster.name}); the rows' "
+            f"hardware is {', '.join(others)}: give the cluster they ran on as --cluster"
+        )
+    return used, others, sum(r.hardware in others for r in runs)
 
 
 def _pair(text: str) -> tuple[str, str]:

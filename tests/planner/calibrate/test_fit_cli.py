@@ -52,8 +52,10 @@ def test_the_fit_writes_a_profile_the_planner_reads(runs_file, tmp_path):
         before, after = _printed(result.stdout, name)
         assert before == constant_text(getattr(start, name))
         assert after == constant_text(getattr(fitted, name))
-    # two of the three constants that made the runs: the fit moves toward them
-    assert abs(fitted.gemm_efficiency - TRUTH["gemm_efficiency"]) < 0.05
+    # two of the three constants that made the runs: the fit moves toward them (the prior
+    # holds them short of the truth, the third constant being off)
+    assert abs(fitted.gemm_efficiency - TRUTH["gemm_efficiency"]) < 0.06
+    assert 0.5 * TRUTH["layer_overhead_us"] < fitted.layer_overhead_us
     assert fitted.attention_efficiency == start.attention_efficiency
     cal = dict(fitted.calibration)
     assert cal["runs"] == "3" and cal["runs_used"] == "id 1, id 2, id 3"
