@@ -139,6 +139,9 @@ def test_a_corrupt_or_partial_checkpoint_is_refused_and_the_one_before_used(
     with pytest.raises(SpecError, match="has 10 steps done and --steps is 10; raise --steps"):
         resume_point(str(tmp_path), tiny_spec(pp=1, dp=2, ep=2, ranks_per_node=2, steps=10,
                                               layers=3))  # fmt: skip
+    four_layers = tiny_spec(pp=1, dp=2, ep=2, ranks_per_node=2, steps=20, layers=4)
+    with pytest.raises(SpecError, match="holds another model .* --scale and --data it was"):
+        resume_point(str(tmp_path), four_layers)
     shutil.rmtree(step_dir(tmp_path, 10))
     with pytest.raises(SpecError, match="no intact checkpoint in"):
         resume_point(str(tmp_path), spec)
