@@ -56,8 +56,13 @@ def _shards_body(rank: int, world: int, spec):
 
 @pytest.mark.parametrize(
     ("pp", "dp", "ep", "tp", "vp", "layers", "m"),
-    [(1, 2, 1, 1, 1, 4, 2), (2, 2, 2, 1, 1, 4, 2), (1, 2, 2, 2, 1, 3, 2), (2, 1, 1, 1, 2, 4, 2),
-     (1, 1, 1, 2, 1, 3, 2)],
+    [
+        (1, 2, 1, 1, 1, 4, 2),
+        (2, 2, 2, 1, 1, 4, 2),
+        (1, 2, 2, 2, 1, 3, 2),
+        (2, 1, 1, 1, 2, 4, 2),
+        (1, 1, 1, 2, 1, 3, 2),
+    ],
     ids=["dp2", "pp2-dp2-ep2", "dp2-tp2-ep2", "pp2-vp2", "tp2-edp2"],  # edp2: dp 1, edp 2
 )
 def test_gradients_and_updated_weights_equal_the_oracle(run_distributed, pp, dp, ep, tp, vp,
