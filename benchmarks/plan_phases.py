@@ -64,7 +64,9 @@ def _run(args: argparse.Namespace, argv: list[str]) -> tuple[float, float, int]:
     cmd = [sys.executable, "-c", "import sys; from planner.cli import main; sys.exit(main())"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    done = subprocess.run([*cmd, *argv], capture_output=True, text=True, check=False, env=env)
+    # run outside the checkout: `python -c` puts the working directory ahead of PYTHONPATH
+    done = subprocess.run([*cmd, *argv], capture_output=True, text=True, check=False, env=env,
+                          cwd=tempfile.gettempdir())  # fmt: skip
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
