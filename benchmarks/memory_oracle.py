@@ -1,0 +1,347 @@
+"""The runtime as a memory oracle: each rank of a full-size plan built on the meta device.
+
+For plans made with `piper plan --target piper` (h100 presets, 64 to 1024 ranks: pp, vp, tp,
+etp, ep, FSDP and redundant expert slots), builds a few ranks of every stage with the
+runtime's own code, one rank at a time in this one process: a fake process group of the
+plan's world size (torch's "fake" backend: collectives return at once, no data moves),
+`runtime.launch.build_trainer` under `torch.device("meta")` (groups, stage chunks,
+dispatcher, slot tables, expert TP slices, FSDP units, the Adam optimizer), then one
+`optimizer.step()` on zero gradients, so Adam creates its moments as it would at the first
+step. It counts, per rank:
+- weights: every parameter's local tensor (FSDP: this rank's DTensor shard), fp32;
+- grads: one fp32 gradient per trainable parameter, shaped (and sharded) as it;
+- optimizer: Adam's exp_avg and exp_avg_sq tensors (its scalar `step` counters, 4 B per
+  parameter tensor, are left out; the model has no term for them);
+and compares with the resource model's per-stage "weights", "grads" and "optimizer"
+(planner.calibrate.compare.estimate_plan) plus the plan's redundant slots as
+planner.search.assemble.slot_budget prices them (one routed expert's state per MoE layer
+of the stage per extra slot of the fullest rank).
+
+Conventions: both sides hold 16 B per parameter, split differently. The runtime keeps fp32
+weights (4), fp32 gradients (4) and fp32 Adam moments (8); the model's 16 are bf16 weights
+(2), bf16 gradients (2) and fp32 master + moments (12). So per parameter the component
+ratios runtime / model are 2, 2 and 2/3 by convention and the total's is 1; `per conv.`
+is the ratio divided by that factor: 1.000 when both hold the same parameters.
+
+Known differences, by design: with tp > 1 the runtime keeps the embedding, head, norms,
+routers and row-parallel biases whole on every TP rank (runtime/parallel/tensor_parallel.py),
+the model splits all non-expert parameters over tp; `tp excess` is (1 - 1/tp) x those
+parameters, which is exactly runtime - model then. MLA (DeepSeek-V3) runs as GQA with the
+same heads in the runtime (runtime/model/transformer.py), so its attention weights differ.
+
+Two hooks, undone after each rank: `runtime.parallel.fsdp.shard_chunk` builds its DeviceMesh
+with the parameters' device type, and FSDP2 has no device module for "meta", so the oracle
+hands it "cpu" meshes (FSDP then leaves meta parameters on meta, as for deferred init); the
+MoE layers' SlotRouter tables, CPU tensors in a run, are built on the CPU (on meta, torch
+runs their cumsums through its slow Python reference kernels: 20 s a rank).
+
+Usage: python benchmarks/memory_oracle.py [--plans DIR] [--results FILE | --no-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+import runtime.model.moe as runtime_moe  # noqa: E402
+import runtime.parallel.fsdp as runtime_fsdp  # noqa: E402
+from planner.calibrate.compare import estimate_plan, plan_inputs  # noqa: E402
+from planner.plan import Plan, load_plan  # noqa: E402
+from planner.resources.memory import (  # noqa: E402
+    WEIGHT_BYTES_PER_PARAM,
+    StateBytes,
+    grad_bytes_per_param,
+    optimizer_bytes_per_param,
+    state_bytes,
+)
+from planner.resources.params import layer_params  # noqa: E402
+from planner.run.spec import RunSpec, run_spec_from_plan  # noqa: E402
+from planner.specs import GIB  # noqa: E402
+from runtime.launch import build_trainer  # noqa: E402
+from runtime.parallel.pipeline import chunks_of  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from results_md import recorded  # noqa: E402
+
+COMPONENTS = ("weights", "grads", "optimizer")
+RUNTIME_BYTES_PER_PARAM = {"weights": 4, "grads": 4, "optimizer": 8}  # fp32; Adam m + v
+
+# (name, model, gpus, layout flags): full sizes on the h100 preset, every layout kind
+FULL_PLANS = (
+    ("qwen3-30b-pp4-tp2-ep8", "qwen3-30b-a3b", 64, "--pp 4 --tp 2 --ep 8 --vp 1"),
+    ("qwen3-30b-pp4-vp2-tp2-ep16-etp2", "qwen3-30b-a3b", 256,
+     "--pp 4 --vp 2 --tp 2 --ep 16 --etp 2"),
+    ("qwen3-30b-pp2-ep8-fsdp", "qwen3-30b-a3b", 128, "--pp 2 --tp 1 --ep 8 --vp 1 --fsdp"),
+    ("qwen3-235b-pp8-ep32-slots64", "qwen3-235b-a22b", 1024,
+     "--pp 8 --tp 1 --ep 32 --vp 1 --redundant-slots 64"),
+    ("deepseek-v3-pp16-ep64-slots64", "deepseek-v3", 1024,
+     "--pp 16 --tp 1 --ep 64 --vp 1 --redundant-slots 64"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Training state one rank of the runtime holds (bytes), and where it sits.
+
+    tp_replicated: parameters the runtime keeps whole on every TP rank that the model
+    splits over tp (`tp_replicated`), 0 with tp = 1 or FSDP."""
+
+    rank: int
+    stage: int
+    weights: int
+    grads: int
+    optimizer: int
+    tp_replicated: int = 0
+
+    def component(self, name: str) -> int:
+        return (
+            self.weights + self.grads + self.optimizer if name == "total" else getattr(self, name)
+        )
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world: int):
+    """The default process group as `rank` of `world` on torch's fake backend."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _CpuMeshes:
+    """DeviceMesh.from_group for runtime.parallel.fsdp with "meta" read as "cpu"."""
+
+    @staticmethod
+    def from_group(group, device_type: str, *args, **kwargs) -> DeviceMesh:
+        kind = "cpu" if device_type == "meta" else device_type
+        return DeviceMesh.from_group(group, kind, *args, **kwargs)
+
+
+class _CpuSlotRouter(runtime_moe.SlotRouter):
+    """The MoE layer's SlotRouter, its routing tables built as CPU tensors (what they are in
+    a run) while the meta device is the default."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        with torch.device("cpu"):
+            super().__init__(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_hooks():
+    """The two hooks the meta build needs (module docstring), undone on exit."""
+    saved = runtime_fsdp.DeviceMesh, runtime_moe.SlotRouter
+    runtime_fsdp.DeviceMesh, runtime_moe.SlotRouter = _CpuMeshes, _CpuSlotRouter
+    try:
+        yield
+    finally:
+        runtime_fsdp.DeviceMesh, runtime_moe.SlotRouter = saved
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def _numel(t: torch.Tensor) -> int:
+    return (t.to_local() if isinstance(t, DTensor) else t).numel()
+
+
+def rank_state(spec: RunSpec, rank: int) -> RankState:
+    """Build `rank` of `spec` with the runtime's builders on the meta device and count it."""
+    meta = torch.device("meta")
+    with fake_world(rank, spec.world), meta_hooks(), meta:
+        trainer = build_trainer(spec, rank, meta)
+        params = list(trainer.module.parameters())
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        trainer.optimizer.step()  # Adam's moments, created as at the first step
+        moments = [
+            v
+            for state in trainer.optimizer.state.values()
+            for k, v in state.items()
+            if k in ("exp_avg", "exp_avg_sq")
+        ]
+        replicated = tp_replicated(trainer.module) if spec.tp > 1 and not spec.fsdp else 0
+        return RankState(
+            rank,
+            trainer.mesh.me.stage,
+            sum(_nbytes(p) for p in params),
+            sum(_nbytes(p.grad) for p in params if p.grad is not None),
+            sum(_nbytes(v) for v in moments),
+            replicated,
+        )
+
+
+def tp_replicated(module) -> int:
+    """Parameters a TP rank holds whole that the model splits over tp: the dense ones not
+    marked tp_sharded, but the final norm (the model's head keeps it whole too)."""
+    final = {id(p) for c in chunks_of(module) if c.norm is not None for p in c.norm.parameters()}
+    return sum(
+        _numel(p)
+        for p in module.dense_parameters()
+        if not getattr(p, "tp_sharded", False) and id(p) not in final
+    )
+
+
+def slot_state(plan: Plan) -> list[StateBytes]:
+    """Per stage, the state the plan's redundant slots add to a rank of it, as
+    planner.search.assemble.slot_budget prices them: ceil(slots / ep) extra routed experts
+    of each MoE layer of the stage, each split over etp."""
+    model, _, training, par = plan_inputs(plan)
+    extra = plan.extra.get("redundant_slots") if isinstance(plan.extra, dict) else None
+    slots = int(extra["redundant_slots"]) if extra else 0
+    per_rank = -(-slots // par.ep)
+    out = []
+    for stage in sorted(plan.stages, key=lambda s: s.stage):
+        params = sum(
+            layer_params(model, model.layers[i]).expert / par.etp
+            for i in stage.layers
+            if model.layers[i].moe is not None
+        )
+        one = state_bytes(0.0, params, training, par)
+        out.append(StateBytes(*(per_rank * getattr(one, c) for c in COMPONENTS)))
+    return out
+
+
+def model_state(plan: Plan) -> list[dict[str, float]]:
+    """The resource model's weights, grads and optimizer bytes per rank of each stage."""
+    est = estimate_plan(plan)
+    out = []
+    for st, extra in zip(est.stages, slot_state(plan), strict=True):
+        gib = dict(st.memory_gib)
+        row = {c: gib[c] * GIB + getattr(extra, c) for c in COMPONENTS}
+        row["total"] = sum(row.values())
+        out.append(row)
+    return out
+
+
+def conventions(plan: Plan) -> dict[str, float]:
+    """Runtime / model bytes per parameter, by component (module docstring)."""
+    _, _, training, _ = plan_inputs(plan)
+    model = {
+        "weights": WEIGHT_BYTES_PER_PARAM,
+        "grads": grad_bytes_per_param(training),
+        "optimizer": optimizer_bytes_per_param(training),
+    }
+    out = {c: RUNTIME_BYTES_PER_PARAM[c] / model[c] for c in COMPONENTS}
+    out["total"] = sum(RUNTIME_BYTES_PER_PARAM.values()) / sum(model.values())
+    return out
+
+
+def representative_ranks(spec: RunSpec, per_stage: int = 3) -> list[int]:
+    """Physical ranks of each stage: the first, middle and last place of its dp x tp block
+    (so the first and last tp, ep, edp and FSDP shard indices), at most `per_stage`."""
+    physical = {logical: p for p, logical in enumerate(spec.logical_of_physical)}
+    block = spec.dp * spec.tp
+    places = sorted({0, block // 2, block - 1})[:per_stage]
+    return [physical[s * block + j] for s in range(spec.pp) for j in places]
+
+
+def oracle(plan_path: Path, every_rank: bool = False) -> tuple[list[RankState], dict]:
+    """(runtime state of every rank, or of representative_ranks, context) for one plan;
+    context: the RunSpec, the model's per-stage bytes and the conventions."""
+    plan = load_plan(plan_path)
+    spec = run_spec_from_plan(plan, plan.model_spec(plan_path))
+    ranks = list(range(spec.world)) if every_rank else representative_ranks(spec)
+    states = [rank_state(spec, r) for r in ranks]
+    return states, {"spec": spec, "model": model_state(plan), "conv": conventions(plan)}
+
+
+def tp_excess(state: RankState, spec: RunSpec) -> float:
+    """Parameters the runtime holds over the model on a TP rank (module docstring)."""
+    return state.tp_replicated * (1 - 1 / spec.tp) if spec.tp > 1 else 0.0
+
+
+def rows(name: str, states: list[RankState], ctx: dict) -> list[tuple]:
+    """(plan, rank, stage, component, runtime, model, ratio, per convention, tp excess B)."""
+    out = []
+    for st in states:
+        model = ctx["model"][st.stage]
+        for c in (*COMPONENTS, "total"):
+            run, mod = st.component(c), model[c]
+            per_param = RUNTIME_BYTES_PER_PARAM.get(c, sum(RUNTIME_BYTES_PER_PARAM.values()))
+            excess = tp_excess(st, ctx["spec"]) * per_param
+            ratio = run / mod if mod else float("nan")
+            out.append(
+                (name, st.rank, st.stage, c, run, mod, ratio, ratio / ctx["conv"][c], excess)
+            )
+    return out
+
+
+def _piper(*args: str) -> None:
+    code = "import sys; from planner.cli import main; sys.exit(main(sys.argv[1:]))"
+    subprocess.run([sys.executable, "-c", code, *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def make_plan(root: Path, name: str, model: str, gpus: int, flags: str) -> Path:
+    """`piper plan --target piper --cluster h100` with the layout flags (reused when there)."""
+    out = root / name
+    if not (out / "plan.json").exists():
+        _piper("plan", "--model", model, "--cluster", "h100", "--gpus", str(gpus),
+               "--target", "piper", *flags.split(), "--out", str(out))  # fmt: skip
+    return out / "plan.json"
+
+
+def _line(row: tuple) -> str:
+    name, rank, stage, comp, run, mod, ratio, per_conv, excess = row
+    extra = f"{excess:>15,.0f}" if excess else f"{'-':>15}"
+    return (
+        f"{name:<32} {rank:>5} {stage:>5} {comp:<9} {run:>17,} {mod:>17,.0f} "
+        f"{ratio:>6.3f} {per_conv:>9.4f} {extra}"
+    )
+
+
+def compare(root: Path) -> None:
+    """Plan every FULL_PLANS layout under `root`, build its representative ranks, print."""
+    print(f"plans in {root}; ranks: first, middle and last of each stage's dp x tp block")
+    print(f"conventions runtime / model per parameter: {conventions_line()}")
+    print(
+        f"{'plan':<32} {'rank':>5} {'stage':>5} {'component':<9} {'runtime bytes':>17} "
+        f"{'model bytes':>17} {'ratio':>6} {'per conv.':>9} {'tp excess B':>15}"
+    )
+    for name, model, gpus, flags in FULL_PLANS:
+        states, ctx = oracle(make_plan(root, name, model, gpus, flags))
+        spec = ctx["spec"]
+        print(
+            f"# {name}: world {spec.world}, pp {spec.pp} vp {spec.vp} dp {spec.dp} tp {spec.tp} "
+            f"ep {spec.ep} etp {spec.etp} edp {spec.edp} fsdp {spec.fsdp}"
+        )
+        for row in rows(name, states, ctx):
+            print(_line(row))
+
+
+def conventions_line() -> str:
+    return "weights 4/2, grads 4/2, optimizer 8/12 (Adam m+v vs master+m+v), total 16/16"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--plans", default=None, help="directory for the plans (reused if there)")
+    p.add_argument("--results", default="results/memory_oracle.md", help="markdown to write")
+    p.add_argument("--no-results", action="store_true", help="print only")
+    args = p.parse_args()
+    title = "The runtime as a memory oracle: per-rank state at full size vs the model"
+    with recorded(args.results, title, enabled=not args.no_results):
+        compare(Path(args.plans or tempfile.mkdtemp(prefix="piper-oracle-")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The runtime as a memory oracle (benchmarks/memory_oracle.py) on small plans: every rank of
+tiny-moe-deep plans made by `piper plan --target piper` on cpu-gloo, built by the runtime's
+own builders on the meta device with a fake process group, holds exactly the weights,
+gradients and Adam moments the resource model predicts for its stage, parameter for
+parameter, under pp, vp, tp, ep, etp, FSDP and redundant expert slots.
+
+The two sides hold 16 B per parameter split differently (runtime fp32 weights 4, grads 4,
+Adam moments 8; model bf16 weights 2, grads 2, master + moments 12), so each component is
+compared in parameters (bytes / bytes per parameter) and the totals in bytes. With tp > 1
+the runtime keeps the embedding, head, norms and routers whole on every TP rank where the
+model splits them over tp: the test pins that excess to its hand count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import memory_oracle as mo  # noqa: E402
+
+from planner.cli import main as piper  # noqa: E402
+from planner.plan import load_plan  # noqa: E402
+
+D, V, E = 64, 256, 8  # tiny-moe-deep: hidden, vocabulary, routed experts; 8 layers, layer 0 dense
+EXPERT = 3 * D * 64  # one gated routed expert (moe_intermediate_size 64)
+
+LAYOUTS = {  # name -> piper plan's ranks and layout flags on cpu-gloo
+    "pp-vp-tp-ep": "--gpus 8 --pp 2 --vp 2 --tp 2 --ep 2",
+    "ep-fsdp": "--gpus 4 --pp 1 --tp 1 --ep 2 --fsdp",
+    "pp-vp-ep-etp-slots": "--gpus 8 --pp 2 --vp 2 --tp 1 --ep 2 --etp 2 --redundant-slots 2",
+}
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> dict[str, Path]:
+    """Each layout planned once by `piper plan --target piper` (no plots: not read here)."""
+    root = tmp_path_factory.mktemp("oracle")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("planner.outputs.plots.render_plots", lambda plan, est: {})
+        for name, flags in LAYOUTS.items():
+            args = ["plan", "--model", "tiny-moe-deep", "--cluster", "cpu-gloo"]
+            args += ["--seq-len", "64", "--global-batch", "16", "--target", "piper"]
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert piper([*args, *flags.split(), "--out", str(root / name)]) == 0
+            out[name] = root / name / "plan.json"
+    return out
+
+
+def _params(nbytes: float, per_param: float) -> float:
+    return nbytes / per_param
+
+
+def check_every_rank(path: Path) -> tuple[list, dict]:
+    """Every rank's runtime parameters equal the model's for its stage, component by
+    component (plus the TP excess); totals equal in bytes. Returns the states and context."""
+    states, ctx = mo.oracle(path, every_rank=True)
+    model_bpp = {c: mo.RUNTIME_BYTES_PER_PARAM[c] / ctx["conv"][c] for c in mo.COMPONENTS}
+    assert model_bpp == {"weights": 2, "grads": 2, "optimizer": 12}  # the piper target's 16
+    for st in states:
+        model = ctx["model"][st.stage]
+        excess = mo.tp_excess(st, ctx["spec"])
+        for c in mo.COMPONENTS:
+            run = _params(st.component(c), mo.RUNTIME_BYTES_PER_PARAM[c])
+            assert run == pytest.approx(_params(model[c], model_bpp[c]) + excess, rel=1e-12), (
+                st,
+                c,
+            )
+        assert st.component("total") == pytest.approx(model["total"] + 16 * excess, rel=1e-12)
+    return states, ctx
+
+
+def test_pp_vp_tp_ep_ranks_hold_the_model_state_plus_the_tp_replicated_weights(plans):
+    states, ctx = check_every_rank(plans["pp-vp-tp-ep"])
+    spec = ctx["spec"]
+    assert (spec.pp, spec.vp, spec.tp, spec.ep, spec.dp) == (2, 2, 2, 2, 2)
+    assert [st.stage for st in states] == [0] * 4 + [1] * 4
+    # whole on both TP ranks, split over tp by the model: first stage embedding + 4 layers'
+    # norms + 3 routers; last stage head + 4 layers' norms + 4 routers (the final norm is
+    # whole in the model too)
+    first, last = V * D + 4 * 2 * D + 3 * E * D, V * D + 4 * 2 * D + 4 * E * D
+    assert [st.tp_replicated for st in states] == [first] * 4 + [last] * 4
+    assert mo.tp_excess(states[0], spec) == first / 2 == 9216
+
+
+def test_fsdp_shards_weights_grads_and_moments_as_the_model(plans):
+    states, ctx = check_every_rank(plans["ep-fsdp"])
+    spec = ctx["spec"]
+    assert (spec.fsdp, spec.ep, spec.dp, spec.edp) == (True, 2, 4, 2)
+    # a rank's shard: dense parameters over dp = 4, its EP rank's 4 experts over edp = 2
+    # embedding, 8 x (attention 3 D^2 (4 q heads, 2 kv heads of 16) + 2 norms), layer 0's
+    # dense MLP (128 wide), 7 x (router + shared expert 64 wide), head + final norm
+    dense = V * D + 8 * (3 * D * D + 2 * D) + 3 * D * 128 + 7 * (E * D + 3 * D * 64) + V * D + D
+    assert dense == 246_336
+    expert = 7 * 4 * EXPERT
+    assert [st.weights for st in states] == [4 * (dense // 4 + expert // 2)] * 4
+
+
+def test_redundant_slots_with_expert_tp_are_held_and_priced_alike(plans):
+    path = plans["pp-vp-ep-etp-slots"]
+    states, ctx = check_every_rank(path)
+    spec = ctx["spec"]
+    assert (spec.pp, spec.vp, spec.ep, spec.etp, spec.edp) == (2, 2, 2, 2, 1)
+    slots = mo.slot_state(load_plan(path))
+    # 2 slots over ep = 2: one extra expert per MoE layer on every rank, half of it (etp = 2):
+    # 3 MoE layers on the first stage, 4 on the last, at the model's 16 B
+    assert [s.total for s in slots] == [16 * 3 * EXPERT / 2, 16 * 4 * EXPERT / 2]
+    held = [len(moe.experts.expert_ids) for moe in _first_rank_moes(spec)]
+    assert held == [5, 5, 5]  # 8 experts / ep 2 + 1 redundant slot per layer
+    plain = ctx["model"][0]["weights"] - slots[0].weights
+    assert states[0].weights / 4 - plain / 2 == 3 * EXPERT / 2
+
+
+def _first_rank_moes(spec) -> list:
+    """Rank 0's MoE layers as the runtime builds them (slot tables installed)."""
+    meta = mo.torch.device("meta")
+    with mo.fake_world(0, spec.world), mo.meta_hooks(), meta:
+        trainer = mo.build_trainer(spec, 0, meta)
+        return list(trainer.module.moe_layers().values())
+
+
+def test_representative_ranks_take_each_stage_block_ends_and_middle(plans):
+    plan = load_plan(plans["pp-vp-tp-ep"])
+    spec = mo.run_spec_from_plan(plan, plan.model_spec(plans["pp-vp-tp-ep"]))
+    ranks = mo.representative_ranks(spec)
+    logical = [spec.logical_of_physical[r] for r in ranks]
+    assert logical == [0, 2, 3, 4, 6, 7]
