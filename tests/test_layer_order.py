@@ -18,7 +18,7 @@ rooms of equal rank are siblings and do not import each other):
 The runtime sits above the planner (it may import any planner room but the CLI; the planner
 never imports the runtime). Its own rooms, lowest first: data and metrics; dispatch; the
 tensor-parallel layers and process groups; the single-device model; pipeline stages and
-migration; the trainer and the benchmarks; the bootstrap.
+migration; checkpoints; the trainer and the benchmarks; the bootstrap.
 
 Every import counts, including those inside functions: a lazy import still ties two rooms.
 """
@@ -63,6 +63,7 @@ RUNTIME_RANKS = {
     "runtime.parallel.fsdp": 13.5,  # FSDP units over the model's blocks
     "runtime.parallel.pipeline": 14,
     "runtime.migrate": 14,
+    "runtime.checkpoint": 14.5,  # saves and loads the stages' modules and migration state
     "runtime.train": 15,
     "runtime.bench": 15,
     "runtime.launch": 16,

@@ -123,7 +123,7 @@ def quantize_inputs(inputs: StageCostInputs) -> StageData:
     total_t = sum(u.time_recompute_s for u in units) + inputs.first.time_s + inputs.last.time_s
     t_unit = unit_for(total_t, RESOLUTION)
     m_unit = unit_for(inputs.usable_memory_bytes, RESOLUTION)
-    if inputs.usable_memory_bytes <= 0:
+    if inputs.usable_memory_bytes < 1.0:  # under a byte: nothing fits; size the unit on demands
         m_unit = unit_for(max(u.state_bytes for u in units) if units else 1.0, RESOLUTION)
 
     def tq(x: float) -> int:

@@ -304,3 +304,22 @@ def test_property_plans_satisfy_their_constraints(inputs):
     check_solution(inputs, ip)
     assert ip.report.status == "OPTIMAL"
     assert ip.bottleneck_s == pytest.approx(dp.bottleneck_s, rel=1e-5, abs=1e-9)
+
+
+def test_a_usable_memory_below_a_byte_is_infeasible_not_an_overflow():
+    """Hypothesis found usable_memory_bytes = 2.4e-302 with a 1 GiB head: the memory quantum
+    came from the capacity and the demand overflowed int(). It is simply infeasible."""
+    from planner.ip.stage_ip import stage_solution_dp
+    from planner.resources.stage_inputs import StageCostInputs, StageExtras, UnitCost
+
+    inputs = StageCostInputs(
+        units=(UnitCost(0, "moe", 0.0, 0.0, 0.0, 0.0, 0.0),),
+        first=StageExtras(),
+        last=StageExtras(0.0, 0.0, float(2**30)),
+        usable_memory_bytes=2.389154863367977e-302,
+        pp=1,
+        num_microbatches=1,
+        recompute_allowed=False,
+    )
+    assert stage_dp.quantize_inputs(inputs).cap_q == 0
+    assert stage_solution_dp(inputs).report.status == "INFEASIBLE"
