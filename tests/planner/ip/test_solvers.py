@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from planner.ip.solvers import LinearModel, SolverOptions, quantize, solve
+from planner.ip.solvers import LinearModel, SolverOptions, presolve_fits, quantize, solve
 from planner.specs import SpecError
 
 BACKENDS = ("cpsat", "cbc")
@@ -124,3 +124,20 @@ def test_cbc_size_guard_keeps_the_warm_start(monkeypatch):
     assert placed.max_rank_load == pytest.approx(20.0)
     assert placed.report.bound == pytest.approx(18.5) and placed.report.gap > 0
     assert solve_experts(load, 2, SolverOptions()).max_rank_load == pytest.approx(19.0)
+
+
+def test_presolve_runs_only_where_the_limit_leaves_it_time():
+    """2,000 terms per second of limit: a 64-expert, 8-rank replica model (11,272 terms) is
+    presolved at the default 10 s, not at 0.42 s (its share of a 10 s limit over 24 layers),
+    where presolve alone overran the limit and left no solution."""
+    assert presolve_fits(11_272, 10.0) and not presolve_fits(11_272, 0.42)
+    assert presolve_fits(20_000, 10.0) and not presolve_fits(20_001, 10.0)
+
+
+def test_a_short_limit_on_a_replica_model_keeps_the_warm_start():
+    from planner.ip.expert_ip import solve_experts
+
+    load = [1e6 / (e + 1) ** 0.8 for e in range(64)]
+    sol = solve_experts(load, 8, SolverOptions(time_limit_s=0.42), redundant_slots=8)
+    assert sol.report.status == "FEASIBLE" and sol.report.gap < 0.002
+    assert sol.report.bound <= sol.max_rank_load
