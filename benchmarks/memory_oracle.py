@@ -21,13 +21,16 @@ Conventions: both sides hold 16 B per parameter, split differently. The runtime 
 weights (4), fp32 gradients (4) and fp32 Adam moments (8); the model's 16 are bf16 weights
 (2), bf16 gradients (2) and fp32 master + moments (12). So per parameter the component
 ratios runtime / model are 2, 2 and 2/3 by convention and the total's is 1; `per conv.`
-is the ratio divided by that factor: 1.000 when both hold the same parameters.
+is the ratio divided by that factor: 1.000 when both hold the same parameters; `net` is
+the same after taking the known excess below (`known excess B`) off the runtime's bytes.
 
 Known differences, by design: with tp > 1 the runtime keeps the embedding, head, norms,
 routers and row-parallel biases whole on every TP rank (runtime/parallel/tensor_parallel.py),
 the model splits all non-expert parameters over tp; `tp excess` is (1 - 1/tp) x those
-parameters, which is exactly runtime - model then. MLA (DeepSeek-V3) runs as GQA with the
-same heads in the runtime (runtime/model/transformer.py), so its attention weights differ.
+parameters (the final norm is whole in both). MLA (DeepSeek-V3) runs as GQA with the same
+heads in the runtime (runtime/model/transformer.py, planner/run/scale.py): q, k, v and o
+of 128 heads of 192, 704.6 M parameters a layer where MLA has 187.1 M
+(`attention_excess`).
 
 Two hooks, undone after each rank: `runtime.parallel.fsdp.shard_chunk` builds its DeviceMesh
 with the parameters' device type, and FSDP2 has no device module for "meta", so the oracle
@@ -69,9 +72,9 @@ from planner.resources.memory import (  # noqa: E402
     optimizer_bytes_per_param,
     state_bytes,
 )
-from planner.resources.params import layer_params  # noqa: E402
+from planner.resources.params import attention_params, layer_params  # noqa: E402
 from planner.run.spec import RunSpec, run_spec_from_plan  # noqa: E402
-from planner.specs import GIB  # noqa: E402
+from planner.specs import GIB, ModelSpec  # noqa: E402
 from runtime.launch import build_trainer  # noqa: E402
 from runtime.parallel.pipeline import chunks_of  # noqa: E402
 
@@ -87,8 +90,8 @@ FULL_PLANS = (
     ("qwen3-30b-pp4-vp2-tp2-ep16-etp2", "qwen3-30b-a3b", 256,
      "--pp 4 --vp 2 --tp 2 --ep 16 --etp 2"),
     ("qwen3-30b-pp2-ep8-fsdp", "qwen3-30b-a3b", 128, "--pp 2 --tp 1 --ep 8 --vp 1 --fsdp"),
-    ("qwen3-235b-pp8-ep32-slots64", "qwen3-235b-a22b", 1024,
-     "--pp 8 --tp 1 --ep 32 --vp 1 --redundant-slots 64"),
+    ("qwen3-235b-pp8-ep32-slots32", "qwen3-235b-a22b", 1024,
+     "--pp 8 --tp 1 --ep 32 --vp 1 --redundant-slots 32"),
     ("deepseek-v3-pp16-ep64-slots64", "deepseek-v3", 1024,
      "--pp 16 --tp 1 --ep 64 --vp 1 --redundant-slots 64"),
 )  # fmt: skip
@@ -261,7 +264,14 @@ def oracle(plan_path: Path, every_rank: bool = False) -> tuple[list[RankState], 
     spec = run_spec_from_plan(plan, plan.model_spec(plan_path))
     ranks = list(range(spec.world)) if every_rank else representative_ranks(spec)
     states = [rank_state(spec, r) for r in ranks]
-    return states, {"spec": spec, "model": model_state(plan), "conv": conventions(plan)}
+    model = plan.model_spec(plan_path)
+    attention = [attention_excess(spec, model, s) for s in range(spec.pp)]
+    return states, {
+        "spec": spec,
+        "model": model_state(plan),
+        "conv": conventions(plan),
+        "attention": attention,
+    }
 
 
 def tp_excess(state: RankState, spec: RunSpec) -> float:
@@ -269,19 +279,34 @@ def tp_excess(state: RankState, spec: RunSpec) -> float:
     return state.tp_replicated * (1 - 1 / spec.tp) if spec.tp > 1 else 0.0
 
 
+def attention_excess(spec: RunSpec, model: ModelSpec, stage: int) -> float:
+    """Attention parameters a rank of pipeline rank `stage` holds over the model: the run
+    model's attention (MLA run as GQA: planner.run.scale) minus the plan model's, over tp;
+    0 for every GQA / MHA layer."""
+    d = model.hidden_size
+    return (
+        sum(
+            attention_params(spec.model.layers[i].attention, d)
+            - attention_params(model.layers[spec.source_layers[i]].attention, d)
+            for i in spec.stage_layers[stage]
+        )
+        / spec.tp
+    )
+
+
 def rows(name: str, states: list[RankState], ctx: dict) -> list[tuple]:
-    """(plan, rank, stage, component, runtime, model, ratio, per convention, tp excess B)."""
+    """(plan, rank, stage, component, runtime, model, ratio, per convention, known excess
+    bytes (tp_excess + attention_excess), per convention net of it) per rank and component."""
     out = []
     for st in states:
         model = ctx["model"][st.stage]
+        extra = tp_excess(st, ctx["spec"]) + ctx["attention"][st.stage]
         for c in (*COMPONENTS, "total"):
-            run, mod = st.component(c), model[c]
-            per_param = RUNTIME_BYTES_PER_PARAM.get(c, sum(RUNTIME_BYTES_PER_PARAM.values()))
-            excess = tp_excess(st, ctx["spec"]) * per_param
-            ratio = run / mod if mod else float("nan")
-            out.append(
-                (name, st.rank, st.stage, c, run, mod, ratio, ratio / ctx["conv"][c], excess)
-            )
+            run, mod, conv = st.component(c), model[c], ctx["conv"][c]
+            excess = extra * RUNTIME_BYTES_PER_PARAM.get(c, 16)
+            ratio = run / mod
+            net = (run - excess) / mod / conv
+            out.append((name, st.rank, st.stage, c, run, mod, ratio, ratio / conv, excess, net))
     return out
 
 
@@ -300,11 +325,11 @@ def make_plan(root: Path, name: str, model: str, gpus: int, flags: str) -> Path:
 
 
 def _line(row: tuple) -> str:
-    name, rank, stage, comp, run, mod, ratio, per_conv, excess = row
+    name, rank, stage, comp, run, mod, ratio, per_conv, excess, net = row
     extra = f"{excess:>15,.0f}" if excess else f"{'-':>15}"
     return (
         f"{name:<32} {rank:>5} {stage:>5} {comp:<9} {run:>17,} {mod:>17,.0f} "
-        f"{ratio:>6.3f} {per_conv:>9.4f} {extra}"
+        f"{ratio:>6.3f} {per_conv:>9.4f} {extra} {net:>8.4f}"
     )
 
 
@@ -314,8 +339,9 @@ def compare(root: Path) -> None:
     print(f"conventions runtime / model per parameter: {conventions_line()}")
     print(
         f"{'plan':<32} {'rank':>5} {'stage':>5} {'component':<9} {'runtime bytes':>17} "
-        f"{'model bytes':>17} {'ratio':>6} {'per conv.':>9} {'tp excess B':>15}"
+        f"{'model bytes':>17} {'ratio':>6} {'per conv.':>9} {'known excess B':>15} {'net':>8}"
     )
+    summary = []
     for name, model, gpus, flags in FULL_PLANS:
         states, ctx = oracle(make_plan(root, name, model, gpus, flags))
         spec = ctx["spec"]
@@ -323,8 +349,29 @@ def compare(root: Path) -> None:
             f"# {name}: world {spec.world}, pp {spec.pp} vp {spec.vp} dp {spec.dp} tp {spec.tp} "
             f"ep {spec.ep} etp {spec.etp} edp {spec.edp} fsdp {spec.fsdp}"
         )
-        for row in rows(name, states, ctx):
+        table = rows(name, states, ctx)
+        for row in table:
             print(_line(row))
+        summary.append((name, spec, len(states), table))
+    print_summary(summary)
+
+
+def print_summary(summary: list) -> None:
+    """Per plan: ranks built, the per-convention ratio's range before and after the known
+    excess, and the largest excess (GiB of the runtime's 16 B/param state)."""
+    print()
+    print(
+        f"{'plan':<32} {'world':>5} {'ranks':>5} {'per conv. min-max':>17} "
+        f"{'net max |x - 1|':>15} {'max known excess GiB':>20}"
+    )
+    for name, spec, built, table in summary:
+        per_conv = [r[7] for r in table]
+        worst = max(abs(r[9] - 1) for r in table)
+        excess = max(r[8] for r in table if r[3] == "total") / GIB
+        print(
+            f"{name:<32} {spec.world:>5} {built:>5} "
+            f"{min(per_conv):>8.4f}-{max(per_conv):<8.4f} {worst:>15.1e} {excess:>20.2f}"
+        )
 
 
 def conventions_line() -> str:

@@ -64,6 +64,7 @@ def check_every_rank(path: Path) -> tuple[list, dict]:
     states, ctx = mo.oracle(path, every_rank=True)
     model_bpp = {c: mo.RUNTIME_BYTES_PER_PARAM[c] / ctx["conv"][c] for c in mo.COMPONENTS}
     assert model_bpp == {"weights": 2, "grads": 2, "optimizer": 12}  # the piper target's 16
+    assert ctx["attention"] == [0.0] * ctx["spec"].pp  # GQA runs as planned
     for st in states:
         model = ctx["model"][st.stage]
         excess = mo.tp_excess(st, ctx["spec"])
