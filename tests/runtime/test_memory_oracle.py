@@ -27,6 +27,7 @@ import memory_oracle as mo  # noqa: E402
 
 from planner.cli import main as piper  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
+from planner.specs import GIB  # noqa: E402
 
 D, V, E = 64, 256, 8  # tiny-moe-deep: hidden, vocabulary, routed experts; 8 layers, layer 0 dense
 EXPERT = 3 * D * 64  # one gated routed expert (moe_intermediate_size 64)
@@ -113,6 +114,12 @@ def test_redundant_slots_with_expert_tp_are_held_and_priced_alike(plans):
     # 2 slots over ep = 2: one extra expert per MoE layer on every rank, half of it (etp = 2):
     # 3 MoE layers on the first stage, 4 on the last, at the model's 16 B
     assert [s.total for s in slots] == [16 * 3 * EXPERT / 2, 16 * 4 * EXPERT / 2]
+    # the same slot state `piper plan` added to the stages' predicted memory
+    plan = load_plan(path)
+    before = [st.total_gib for st in mo.estimate_plan(plan).stages]
+    after = [(b * GIB + s.total) / GIB for b, s in zip(before, slots, strict=True)]
+    assert after == pytest.approx(plan.predicted.memory_gib_per_stage, rel=1e-8)
+    assert after != pytest.approx(before, rel=1e-8)
     held = [len(moe.experts.expert_ids) for moe in _first_rank_moes(spec)]
     assert held == [5, 5, 5]  # 8 experts / ep 2 + 1 redundant slot per layer
     plain = ctx["model"][0]["weights"] - slots[0].weights
