@@ -70,6 +70,7 @@ def solve_experts(
     traffic_weight: float = 0.0,
     redundant_slots: int = 0,
     max_replicas: int = 4,
+    accept_gap: float = 0.0,
 ) -> ExpertSolution:
     """Balanced (and traffic-aware) expert placement with equal slots per rank.
 
@@ -83,6 +84,8 @@ def solve_experts(
         redundant_slots: extra slots over the whole EP group (slot_counts spreads them),
             filled by replicas of hot experts; a replicated expert's tokens split evenly
             over its replicas (<= max_replicas copies, on distinct ranks).
+        accept_gap: without traffic, a warm start whose hottest rank is within this
+            fraction of the lower bound is returned without a solve (FEASIBLE, its gap).
     Returns:
         ExpertSolution; a time limit returns the best placement found with its gap.
     """
@@ -96,6 +99,13 @@ def solve_experts(
         report = SolveReport(
             options.backend, "OPTIMAL", 0.0, 0.0, 0.0, 0.0, "greedy placement meets the lower bound"
         )
+        return _result(data, _canonical(data, greedy), report)
+    hottest_q, bound_q = max(_rank_load_q(data, greedy, _copies(greedy))), data.lower_bound_q()
+    if not data.traffic_active and hottest_q <= bound_q * (1 + accept_gap):
+        report = SolveReport(
+            options.backend, "FEASIBLE", math.nan, bound_q * data.unit, math.nan, 0.0,
+            f"greedy placement within {accept_gap:.2%} of the lower bound",
+        )  # fmt: skip
         return _result(data, _canonical(data, greedy), report)
     start = _warm_start(data)
     if data.redundant_slots and data.num_e * data.ep * data.max_replicas > MAX_REPLICA_VARIABLES:

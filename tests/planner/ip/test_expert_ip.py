@@ -186,6 +186,19 @@ def test_replicate_then_pack_warm_start_lands_near_the_mean_on_skewed_loads():
     check_placement(sol, 64, 8, 8)
 
 
+def test_a_warm_start_within_accept_gap_of_the_bound_is_kept_without_a_solve():
+    load = [1e6 / (e + 1) ** 0.8 for e in range(64)]
+    kept = solve_experts(load, 8, CPSAT, redundant_slots=8, accept_gap=0.005)
+    assert kept.report.message == "greedy placement within 0.50% of the lower bound"
+    assert kept.report.status == "FEASIBLE" and kept.report.wall_s == 0.0
+    assert kept.report.gap == pytest.approx(0.0014, abs=1e-4)
+    assert kept.report.bound == pytest.approx(sum(load) / 8)
+    check_placement(kept, 64, 8, 8)
+    tight = solve_experts(load, 8, SolverOptions(time_limit_s=0.3), redundant_slots=8,
+                          accept_gap=0.001)  # fmt: skip
+    assert "within" not in tight.report.message  # 0.14% > 0.1%: the IP runs
+
+
 def test_large_replica_instance_returns_the_greedy_with_its_bound():
     """256 x 64 with 32 replicas is not built as an IP: the greedy and an honest gap."""
     rng = random.Random(18)
