@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -36,7 +37,18 @@ LAYOUTS = {  # name -> piper plan's ranks and layout flags on cpu-gloo
     "pp-vp-tp-ep": "--gpus 8 --pp 2 --vp 2 --tp 2 --ep 2",
     "ep-fsdp": "--gpus 4 --pp 1 --tp 1 --ep 2 --fsdp",
     "pp-vp-ep-etp-slots": "--gpus 8 --pp 2 --vp 2 --tp 1 --ep 2 --etp 2 --redundant-slots 2",
+    "mla-pp-ep": "--gpus 4 --pp 2 --vp 1 --tp 1 --ep 2",  # TINY_MLA, not tiny-moe-deep
 }
+# a DeepSeek-V2-shaped model at tiny size: 4 heads, q / kv latents 32 / 16, heads 8 + 8 (v 8)
+TINY_MLA = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "tie_word_embeddings": False, "moe_layer_freq": 1, "hidden_size": D,
+    "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": E,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+    "v_head_dim": 8, "vocab_size": V, "max_position_embeddings": 256,
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +58,11 @@ def plans(tmp_path_factory) -> dict[str, Path]:
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("planner.outputs.plots.render_plots", lambda plan, est: {})
+        mla = root / "mla.json"
+        mla.write_text(json.dumps(TINY_MLA))
         for name, flags in LAYOUTS.items():
-            args = ["plan", "--model", "tiny-moe-deep", "--cluster", "cpu-gloo"]
+            model = str(mla) if name.startswith("mla") else "tiny-moe-deep"
+            args = ["plan", "--model", model, "--cluster", "cpu-gloo"]
             args += ["--seq-len", "64", "--global-batch", "16", "--target", "piper"]
             with contextlib.redirect_stdout(io.StringIO()):
                 assert piper([*args, *flags.split(), "--out", str(root / name)]) == 0
@@ -59,16 +74,18 @@ def _params(nbytes: float, per_param: float) -> float:
     return nbytes / per_param
 
 
-def check_every_rank(path: Path) -> tuple[list, dict]:
+def check_every_rank(path: Path, mla: bool = False) -> tuple[list, dict]:
     """Every rank's runtime parameters equal the model's for its stage, component by
-    component (plus the TP excess); totals equal in bytes. Returns the states and context."""
+    component (plus the TP and, for MLA, the attention excess); totals equal in bytes.
+    Returns the states and context."""
     states, ctx = mo.oracle(path, every_rank=True)
     model_bpp = {c: mo.RUNTIME_BYTES_PER_PARAM[c] / ctx["conv"][c] for c in mo.COMPONENTS}
     assert model_bpp == {"weights": 2, "grads": 2, "optimizer": 12}  # the piper target's 16
-    assert ctx["attention"] == [0.0] * ctx["spec"].pp  # GQA runs as planned
+    if not mla:
+        assert ctx["attention"] == [0.0] * ctx["spec"].pp  # GQA runs as planned
     for st in states:
         model = ctx["model"][st.stage]
-        excess = mo.tp_excess(st, ctx["spec"])
+        excess = mo.tp_excess(st, ctx["spec"]) + ctx["attention"][st.stage]
         for c in mo.COMPONENTS:
             run = _params(st.component(c), mo.RUNTIME_BYTES_PER_PARAM[c])
             assert run == pytest.approx(_params(model[c], model_bpp[c]) + excess, rel=1e-12), (
@@ -124,6 +141,17 @@ def test_redundant_slots_with_expert_tp_are_held_and_priced_alike(plans):
     assert held == [5, 5, 5]  # 8 experts / ep 2 + 1 redundant slot per layer
     plain = ctx["model"][0]["weights"] - slots[0].weights
     assert states[0].weights / 4 - plain / 2 == 3 * EXPERT / 2
+
+
+def test_mla_runs_as_gqa_and_holds_its_attention_excess_over_the_model(plans):
+    states, ctx = check_every_rank(plans["mla-pp-ep"], mla=True)
+    assert [st.stage for st in states] == [0, 0, 1, 1]
+    # the runtime's GQA: q, k, v, o of 4 heads of 8 + 8 = 4 D^2; MLA: q down + up, kv down
+    # (latent + rope) and up (nope + v), o, and the two latent norms
+    gqa = 4 * D * D
+    mla = D * 32 + 32 * 4 * 16 + D * (16 + 8) + 16 * 4 * (8 + 8) + 4 * 8 * D + 32 + 16
+    assert (gqa, mla) == (16_384, 8_752)
+    assert ctx["attention"] == [2 * (gqa - mla)] * 2  # two layers per stage
 
 
 def _first_rank_moes(spec) -> list:
