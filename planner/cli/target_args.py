@@ -28,8 +28,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
         "--memory-margin",
         default=DEFAULT_MEMORY_MARGIN,
         metavar="GIB|PCT%",
-        help=f"memory kept free on every stage, GiB or a share of device memory (default "
-        f"{DEFAULT_MEMORY_MARGIN}; planner/PLANNING.md, 'Memory headroom')",
+        help="memory kept free on every stage, GiB or a share of device memory (default "
+        f"{DEFAULT_MEMORY_MARGIN.replace('%', '%%')}; planner/PLANNING.md, 'Memory headroom')",
     )
 
 

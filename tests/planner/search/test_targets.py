@@ -102,3 +102,12 @@ def test_estimate_does_not_fit_and_bad_margin(capsys):
     assert main([*args, "--memory-margin", "lots"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--memory-margin lots: give GiB" in err
+
+
+@pytest.mark.parametrize("command", ["plan", "estimate", "export"])
+def test_help_of_every_command_with_target_flags_prints(command, capsys):
+    """argparse formats help with %: a bare percent sign in a help text crashes --help."""
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    assert "--target" in capsys.readouterr().out
