@@ -16,7 +16,10 @@ each (plan, target):
     present, the two things a CPU lacks.
   - torchtitan 0.3 (run by `--torchtitan-python PY`, a Python with torchtitan 0.3, triton and
     transformers): `ConfigManager().parse_args(TORCHTITAN_ARGS)`, the model config's
-    `update_from_config`, the trainer's CUDA-graph check and the model built on the meta device.
+    `update_from_config`, the trainer's CUDA-graph check and the model built on the meta device
+    (its parameter count compared with the plan's model, within 1%). A model on torchtitan's HF
+    transformers backend reads its config.json from a hub cache made from Piper's preset (this
+    machine cannot reach the hub).
   - piper: the launcher's own argument parser (`python -m runtime.launch`'s flags) on the Slurm
     export's command, then `planner.run.spec.checked_spec`, what `piper run` checks before it
     starts processes;
@@ -56,6 +59,7 @@ from results_md import ROOT, recorded
 from planner.cli import main as piper_main
 from planner.outputs.export import export_plan
 from planner.plan import Plan, load_plan
+from planner.resources.params import count_params
 from planner.run.layout import virtual_stages
 from planner.specs import SpecError
 
@@ -186,12 +190,15 @@ try:
         out["mtp_layers"] = 0
     converters = getattr(getattr(config, "model_converters", None), "converters", None)
     out["converters"] = [type(c).__qualname__ for c in (converters or [])]
+    if getattr(model_config, "is_moe", False):  # the HF backend's MoE: moe_replacement.py
+        out["comm_backend"] = getattr(model_config, "comm_backend", "standard")
     config._validate_cuda_graphs()
     out["cuda_graph_check"] = "ok"
     with torch.device("meta"):
         model = model_config.build()
     model.verify_module_protocol()
-    out["build"] = f"ok ({sum(p.numel() for p in model.parameters()):,} params on meta)"
+    out["params"] = sum(p.numel() for p in model.parameters())
+    out["build"] = f"ok ({out['params']:,} params on meta)"
 except BaseException as exc:
     out["build"] = f"FAIL {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 print("PIPER_RESULT " + json.dumps(out, default=str))
@@ -243,13 +250,16 @@ def layer_set_text(layers: Iterable[int], total: int) -> str:
     return f"{len(ids)} of {total}: {','.join(runs)}"
 
 
-def priced_settings(plan: Plan, num_layers: int, model_mtp_layers: int) -> dict[str, object]:
+def priced_settings(
+    plan: Plan, num_layers: int, model_mtp_layers: int, total_params: int | None = None
+) -> dict[str, object]:
     """Every setting `plan` was priced with, in this script's vocabulary.
 
     recompute_layers: the layer indices recomputed (a frozenset); pipeline_split: layers per
     virtual stage in virtual order (k = c * pp + s); recompute_modules: Megatron's names,
     sorted, with the empty list of a selective plan read as core attention (what the resource
-    model prices); cuda_graphs None reads the cluster's setting; mtp_layers None the model's.
+    model prices); cuda_graphs None reads the cluster's setting; mtp_layers None the model's;
+    model_params (when `total_params` is given): the model's weights, MTP modules excluded.
     """
     p, t = plan.parallel, plan.training
     stages = sorted(plan.stages, key=lambda s: s.stage)
@@ -261,7 +271,8 @@ def priced_settings(plan: Plan, num_layers: int, model_mtp_layers: int) -> dict[
     mtp = t.get("mtp_layers")
     graphs = t.get("cuda_graphs") or ("full" if plan.cluster.to_dict().get("cuda_graphs")
                                       else "none")  # fmt: skip
-    return {
+    extra = {} if total_params is None else {"model_params": total_params}
+    return extra | {
         "tp": p.tp, "pp": p.pp, "vp": p.vp, "cp": p.cp, "ep": p.ep, "etp": p.etp, "dp": p.dp,
         "micro_batch": p.micro_batch,
         "global_batch": p.dp * p.micro_batch * p.num_microbatches,
@@ -402,12 +413,16 @@ def titan_parsed(out: dict, num_layers: int) -> Parsed:
                   "HybridEPTokenDispatcher": "hybridep",
                   "MinimalAsyncEPTokenDispatcher": "minimal_async_ep"}.get(n.split(".")[0], n)
                  for n in names}  # fmt: skip
+        backend = out.get("comm_backend")  # the HF backend: a string, no dispatcher config
+        if not kinds and backend:
+            kinds = {{"standard": "flat"}.get(backend, backend)}
         dispatcher = "/".join(sorted(kinds)) if kinds else "none in the model config"
     precision = {"bfloat16": "bf16", "float32": "fp32"}[tr["mixed_precision_param"]]
     if out.get("converters"):
         precision += "+" + "+".join(out["converters"])
     impl = out.get("optimizer_implementation")
-    return {
+    built = {} if "params" not in out else {"model_params": (out["params"], "model built on meta")}
+    return built | {
         "tp": (tp, "parallelism.tensor_parallel_degree"),
         "pp": (pp, "parallelism.pipeline_parallel_degree"),
         "vp": (vp, f"{len(parts) if parts else 1} model parts, "
@@ -428,7 +443,7 @@ def titan_parsed(out: dict, num_layers: int) -> Parsed:
         "sharding": ("fsdp" if rep == 1 else f"hsdp {rep}x{shard}",
                      f"FSDP2 over shard {shard}, replicate {rep}"),
         "a2a_overlap": (False, "torchtitan has none"),
-        "dispatcher": (dispatcher, ",".join(names or []) or "-"),
+        "dispatcher": (dispatcher, ",".join(names or []) or f"comm_backend={backend}"),
         "dtype": (precision, f"training.mixed_precision_param={tr['mixed_precision_param']}"),
         "optimizer_dtype": ("bf16" if impl == "fused_opt_states_bf16" else "fp32",
                             f"optimizer.implementation={impl}"),
@@ -468,8 +483,10 @@ def piper_parsed(spec, dispatcher: str) -> Parsed:
     }  # fmt: skip
 
 
-def show(value: object, num_layers: int) -> str:
+def show(value: object, num_layers: int, setting: str = "") -> str:
     """A setting's value as the table prints it."""
+    if setting == "model_params" and isinstance(value, int):
+        return f"{value / 1e9:,.2f}B params"
     if isinstance(value, frozenset):
         return layer_set_text(value, num_layers)
     if isinstance(value, tuple):
@@ -482,11 +499,17 @@ def show(value: object, num_layers: int) -> str:
 def compare(
     priced: dict[str, object], parsed: Parsed
 ) -> list[tuple[str, object, object, str, bool]]:
-    """(setting, priced, parsed, engine field, equal) for every setting in SETTINGS."""
+    """(setting, priced, parsed, engine field, equal) for every setting in SETTINGS, then the
+    model's parameters where the engine built it (equal within 1%: the engines count norms and
+    biases their own way)."""
     rows = []
     for name in SETTINGS:
         value, where = parsed.get(name, ("<not parsed>", "-"))
         rows.append((name, priced[name], value, where, priced[name] == value))
+    if "model_params" in parsed and "model_params" in priced:
+        value, where = parsed["model_params"]
+        want = priced["model_params"]
+        rows.append(("model_params", want, value, where, abs(value - want) <= 0.01 * want))
     return rows
 
 
@@ -510,11 +533,32 @@ def run_megatron(plan: Plan, checkout: str, python: str) -> dict | str:
     return json.loads(result[0].removeprefix("PIPER_RESULT "))
 
 
+def hf_cache(folder: Path, hf_id: str, preset: str) -> None:
+    """A Hugging Face hub cache under `folder` holding `preset`'s config.json (the preset is the
+    model's HF config plus Piper's `_piper` block, dropped here) as `hf_id`'s, for the HF
+    backend's AutoConfig on a machine that cannot reach the hub."""
+    config = json.loads((ROOT / "profiles/models" / f"{preset}.json").read_text())
+    config.pop("_piper", None)
+    repo = folder / "hub" / ("models--" + hf_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+
+
 def run_titan(plan: Plan, python: str) -> dict | str:
-    """TITAN_DRIVER on the export: its output, or one line saying why it failed."""
+    """TITAN_DRIVER on the export: its output, or one line saying why it failed. A model on
+    torchtitan's HF backend reads its config from a hub cache made from Piper's preset."""
     args = bash_array(export_plan(plan, "torchtitan").text, "TORCHTITAN_ARGS")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    source = plan.model.source
+    if "--hf_model" in args and source.startswith("preset:"):
+        cache = Path(tempfile.mkdtemp(prefix="hf_"))
+        hf_cache(cache, args[args.index("--hf_model") + 1], source.removeprefix("preset:"))
+        env["HF_HOME"] = str(cache)
     run = subprocess.run([python, "-c", TITAN_DRIVER, json.dumps(args)], capture_output=True,
-                         text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+                         text=True, env=env)  # fmt: skip
     for line in run.stdout.splitlines():
         if line.startswith("PIPER_RESULT "):
             return json.loads(line.removeprefix("PIPER_RESULT "))
@@ -584,7 +628,7 @@ def layout_line(plan: Plan) -> str:
 def print_table(rows, num_layers: int, engine: str) -> int:
     """The priced-vs-parsed table; returns the number of mismatches."""
     header = ("setting", "priced (plan.json)", f"parsed by {engine}", "engine field", "")
-    cells = [(n, show(a, num_layers), show(b, num_layers), where, "ok" if ok else "MISMATCH")
+    cells = [(n, show(a, num_layers, n), show(b, num_layers, n), where, "ok" if ok else "MISMATCH")
              for n, a, b, where, ok in rows]  # fmt: skip
     widths = [max(len(r[i]) for r in [header, *cells]) for i in range(4)]
     for row in [header, *cells]:
@@ -605,7 +649,8 @@ class Tally:
 def check_engine(name: str, target: str, plan: Plan, path: Path, args, tally: Tally) -> None:
     """Export `plan` for `target`, parse it with the engine, print the table, tally."""
     model = plan.model_spec()
-    priced = priced_settings(plan, model.num_layers, model.num_mtp_layers)
+    total = count_params(model).total
+    priced = priced_settings(plan, model.num_layers, model.num_mtp_layers, total)
     runs: dict[str, object] = {}
     try:
         if target == "megatron":
@@ -654,8 +699,8 @@ def check_engine(name: str, target: str, plan: Plan, path: Path, args, tally: Ta
         for setting, a, b, _, ok in rows:
             if not ok:
                 tally.mismatches.append(f"{name} / {target} / {engine}: {setting} priced "
-                                        f"{show(a, model.num_layers)}, parsed "
-                                        f"{show(b, model.num_layers)}")  # fmt: skip
+                                        f"{show(a, model.num_layers, setting)}, parsed "
+                                        f"{show(b, model.num_layers, setting)}")  # fmt: skip
         if bad and worst in ("ok", "skipped"):
             worst = f"{bad} mismatches"
     trainer = target

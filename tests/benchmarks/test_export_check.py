@@ -171,3 +171,16 @@ def test_compare_reports_a_setting_the_engine_did_not_give():
     assert [(r[0], r[2], r[4]) for r in rows if not r[4]] == [("mtp_layers", "<not parsed>", False)]
     assert ec.show(frozenset(range(3)), 3) == "all 3" and ec.show((4, 4), 8) == "4/4"
     assert ec.show(True, 1) == "on"
+
+
+def test_titan_parsed_reads_the_hf_backends_comm_backend_and_the_built_params():
+    out = titan_out()
+    out.update(dispatchers=[], comm_backend="standard", params=46_702_000_000)
+    got = ec.titan_parsed(out, 4)
+    assert got["dispatcher"] == ("flat", "comm_backend=standard")
+    priced = {name: got[name][0] for name in ec.SETTINGS} | {"model_params": 46_702_792_704}
+    assert all(r[4] for r in ec.compare(priced, got))  # within 1%
+    priced["model_params"] = 46_702_792_704 // 2
+    rows = ec.compare(priced, got)
+    assert [r[0] for r in rows if not r[4]] == ["model_params"]
+    assert ec.show(541_762_717_696, 4, "model_params") == "541.76B params"
