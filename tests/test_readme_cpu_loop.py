@@ -68,7 +68,7 @@ def test_commands_are_read_from_the_readme():
 def test_readme_cpu_loop_runs_and_its_replay_matches_the_run(tmp_path):
     commands = cpu_loop_commands((REPO / "README.md").read_text())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    last_run: list[str] = []
+    runs: dict[Path, list[str]] = {}  # run directory -> the `piper run` that wrote it
     checked = 0
     for argv in commands:
         proc = subprocess.run(
@@ -80,12 +80,13 @@ def test_readme_cpu_loop_runs_and_its_replay_matches_the_run(tmp_path):
         if argv[0] == "plan":
             assert (tmp_path / _flag(argv, "--out") / "plan.json").is_file()
         elif argv[0] == "run":
-            last_run = argv
+            runs[_run_dir(argv)] = argv
             steps = int(_flag(argv, "--steps"))
             lines = (tmp_path / _run_dir(argv) / "metrics.jsonl").read_text().splitlines()
             assert len(lines) >= steps
         elif argv[0] == "migrate":
-            _check_migrate(tmp_path, argv, proc.stdout, last_run)
+            trace_dir = Path(_flag(argv, "--trace")).parent  # the run that wrote the trace
+            _check_migrate(tmp_path, argv, proc.stdout, runs[trace_dir])
             checked += 1
         elif argv[0] == "calibrate":
             assert any((tmp_path / _flag(argv, "--out")).iterdir())
