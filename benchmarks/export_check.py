@@ -652,6 +652,7 @@ def check_engine(name: str, target: str, plan: Plan, path: Path, args, tally: Ta
     total = count_params(model).total
     priced = priced_settings(plan, model.num_layers, model.num_mtp_layers, total)
     runs: dict[str, object] = {}
+    build_failed = False
     try:
         if target == "megatron":
             export_plan(plan, "megatron")
@@ -672,7 +673,9 @@ def check_engine(name: str, target: str, plan: Plan, path: Path, args, tally: Ta
                 else:
                     runs["torchtitan"] = titan_parsed(out, model.num_layers)
                     print(f"  torchtitan model build on meta: {out.get('build')}")
-                    tally.failed += str(out.get("build", "")).startswith("FAIL")
+                    if str(out.get("build", "")).startswith("FAIL"):
+                        tally.failed += 1
+                        build_failed = True
             else:
                 runs["torchtitan"] = "skipped (no --torchtitan-python)"
         else:
@@ -683,7 +686,7 @@ def check_engine(name: str, target: str, plan: Plan, path: Path, args, tally: Ta
         tally.cells[(name, target)] = "refused"
         tally.failed += 1
         return
-    worst = "ok"
+    worst = "meta build FAIL" if build_failed else "ok"
     for engine, parsed in runs.items():
         if isinstance(parsed, str):
             print(f"  {engine}: {parsed}")
@@ -703,6 +706,8 @@ def check_engine(name: str, target: str, plan: Plan, path: Path, args, tally: Ta
                                         f"{show(b, model.num_layers, setting)}")  # fmt: skip
         if bad and worst in ("ok", "skipped"):
             worst = f"{bad} mismatches"
+        elif bad:
+            worst += f", {bad} mismatches"
     trainer = target
     slurm = check_slurm(path, path.parent, trainer)
     print(f"  slurm {trainer}: {slurm}")
@@ -721,9 +726,34 @@ def make_plans(folder: Path) -> dict[tuple[str, str], tuple[Path | None, str]]:
     return out
 
 
+VERSIONS = {
+    "megatron": "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from megatron.core import package_info as p; import torch; "
+    "print(f'megatron-core {p.__version__}, torch {torch.__version__}, "
+    "Python {sys.version.split()[0]}')",
+    "torchtitan": "import sys, importlib.metadata as m; "
+    "print(', '.join(f'{n} {m.version(n)}' for n in ('torchtitan', 'torch', 'triton', "
+    "'transformers')) + f', Python {sys.version.split()[0]}')",
+}
+
+
+def print_versions(args: argparse.Namespace) -> None:
+    """The engines' versions and the Pythons that ran them."""
+    pythons = args.python * len(args.megatron_lm) if len(args.python) == 1 else args.python
+    for root, python in zip(args.megatron_lm, pythons, strict=True):
+        run = subprocess.run([python, "-c", VERSIONS["megatron"], root], capture_output=True,
+                             text=True)  # fmt: skip
+        print(f"Megatron-LM {Path(root).name}: {(run.stdout or run.stderr).strip()}")
+    if args.torchtitan_python:
+        run = subprocess.run([args.torchtitan_python, "-c", VERSIONS["torchtitan"]],
+                             capture_output=True, text=True)  # fmt: skip
+        print(f"torchtitan: {(run.stdout or run.stderr).strip()}")
+
+
 def run(args: argparse.Namespace) -> int:
     from tests.planner.outputs.export_plans import knob_plan, priced_for
 
+    print_versions(args)
     tally = Tally()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
