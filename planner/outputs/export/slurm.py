@@ -200,9 +200,13 @@ def _trainer_lines(
 ) -> list[str]:
     """The trainer's environment, its sourced args file and CMD."""
     if trainer == "piper":
-        cmd = command or (
-            f"python -m runtime.launch --plan {shlex.quote(plan_path)} --out results/run"
-        )
+        # the dispatcher and precision the plan was priced with (the runtime's own defaults
+        # are halo and fp32)
+        dispatcher = str(plan.extra.get("dispatcher", "flat"))
+        cmd = command or shlex.join(
+            ["python", "-m", "runtime.launch", "--plan", plan_path, "--out", "results/run",
+             "--dispatcher", dispatcher, "--precision", "plan"]
+        )  # fmt: skip
         return [f"CMD=({cmd})"]
     if not args_file:
         raise SpecError(f"export: the {trainer} trainer needs the path of its args file")

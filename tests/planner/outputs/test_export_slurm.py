@@ -93,7 +93,9 @@ def test_slurm_dry_run_outside_an_allocation(tmp_path):
     assert "not inside a Slurm allocation" in out.stderr
     words = shlex.split(out.stdout)
     assert words[0] == "srun" and "--distribution=arbitrary" in words
-    assert words[-5:] == ["runtime.launch", "--plan", "/runs/my plan.json", "--out", "results/run"]
+    # the runtime runs the dispatcher and precision the plan was priced with
+    assert words[-9:] == ["runtime.launch", "--plan", "/runs/my plan.json", "--out", "results/run",
+                          "--dispatcher", "flat", "--precision", "plan"]  # fmt: skip
     hosts = (tmp_path / "h").read_text().split()
     assert hosts == [f"node{n}" for n in NODE_OF_RANK]
 
