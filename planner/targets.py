@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from planner.specs import ClusterSpec, SpecError, TrainingSpec
+from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
 
 TargetName = Literal["piper", "megatron", "torchtitan"]
 TARGET_NAMES: tuple[TargetName, ...] = get_args(TargetName)
@@ -63,6 +63,8 @@ class Target:
     mtp: bool
     uneven_stages: bool
     default_sharding: str  # what `piper estimate` prices when neither --zero nor --fsdp is given
+    # (family, layers, hidden) of the models the engine builds itself; None = any model
+    native_models: tuple[tuple[str, int, int], ...] | None = None
 
     def offers(self, what: str, value: object) -> bool:
         """True when `value` is among the target's choices for `what` (a field name)."""
@@ -96,6 +98,11 @@ TARGETS: dict[TargetName, Target] = {
         cuda_graphs=("none",), dtypes=("bf16", "fp32"),
         optimizer_dtypes=("fp32", "bf16"), vp=True, cp=True, etp_rule="one_or_tp",
         expert_placement=False, mtp=False, uneven_stages=True, default_sharding="fsdp",
+        # torchtitan 0.3's own models (models/*/config_registry.py); its HF backend's MoE
+        # config fixes Qwen3-30B's shapes whatever the model, so other models are not offered
+        native_models=(("deepseek_v3", 61, 7168), ("deepseek_v2", 27, 2048),
+                       ("qwen3_moe", 48, 2048), ("gpt_oss", 24, 2880), ("gpt_oss", 36, 2880),
+                       ("llama", 32, 4096)),
     ),
 }  # fmt: skip
 
@@ -176,3 +183,17 @@ def memory_margin_gib(text: str, memory_gib: float) -> float:
             f"5%), at least 0 and below the device's {memory_gib:.1f} GiB"
         )
     return value
+
+
+def check_model(model: ModelSpec, target: Target) -> None:
+    """Refuse, in one line, a model the target does not build as Piper prices it."""
+    if target.native_models is None:
+        return
+    key = (model.family, model.num_layers, model.hidden_size)
+    if key not in target.native_models:
+        raise SpecError(
+            f"--target {target.name}: {target.engine} {target.version} has no model of its own "
+            f"for {model.name} ({model.family}, {model.num_layers} layers, hidden "
+            f"{model.hidden_size}) and its HF backend builds other shapes; plan with --target "
+            "megatron or --target piper"
+        )

@@ -10,7 +10,7 @@ from planner.cli.target_args import add_target_arguments, resolve
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
 from planner.search.target_space import check_layout_for
 from planner.specs import CUDA_GRAPHS, ClusterSpec, ModelSpec, SpecError, TrainingSpec
-from planner.targets import Target, with_conventions
+from planner.targets import Target, check_model, with_conventions
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp8", "mxfp8", "fp32")
@@ -147,6 +147,7 @@ def _inputs(
     )  # fmt: skip
     training = with_conventions(training, target)
     check_layout_for(target, training, parallel, args.dispatcher)
+    check_model(model, target)
     return model, cluster, training, parallel, target
 
 

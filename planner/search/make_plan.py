@@ -31,7 +31,7 @@ from planner.search.rows import CandidateRow, describe
 from planner.search.space import Candidate, Sharding, make_space
 from planner.search.target_space import target_choices
 from planner.specs import ClusterSpec, ModelSpec, Recompute, SpecError, TrainingSpec
-from planner.targets import Target, check_training, with_conventions
+from planner.targets import Target, check_model, check_training, with_conventions
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,7 @@ def make_plan(
     if target is not None:
         training = with_conventions(training, target)
         check_training(training, target)
+        check_model(model, target)
         cut = target_choices(
             target, fixed or {}, recompute, recompute_modules, sharding or ("zero", "fsdp"),
             a2a_overlap, dispatchers or default_dispatchers(cluster), bool(dispatchers),

@@ -111,3 +111,14 @@ def test_help_of_every_command_with_target_flags_prints(command, capsys):
         main([command, "--help"])
     assert done.value.code == 0
     assert "--target" in capsys.readouterr().out
+
+
+def test_torchtitan_plans_only_the_models_it_builds(capsys):
+    """torchtitan 0.3's HF backend fixes Qwen3-30B's shapes for any MoE model, so a model
+    without a torchtitan model of its own is refused at plan and estimate time."""
+    args = ["estimate", "--model", "mixtral-8x7b", "--cluster", "h100", "--dp", "8", "--ep",
+            "8", "--global-batch", "64", "--target", "torchtitan"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no model of its own for mixtral-8x7b" in err
+    assert main([*args[:2], "qwen3-30b-a3b", *args[3:]]) == 0
