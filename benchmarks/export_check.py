@@ -453,10 +453,11 @@ def titan_parsed(out: dict, num_layers: int) -> Parsed:
     }  # fmt: skip
 
 
-def piper_parsed(spec, dispatcher: str) -> Parsed:
-    """Piper's RunSpec (planner.run.spec) and the launcher's --dispatcher in this script's
-    vocabulary. The runtime trains fp32 weights, gradients and Adam moments (no autocast),
-    eagerly, with no MTP, overlap or context parallelism (a plan with cp > 1 is refused)."""
+def piper_parsed(spec, dispatcher: str, dtype: str) -> Parsed:
+    """Piper's RunSpec (planner.run.spec) and the launcher's --dispatcher and --precision in
+    this script's vocabulary. The runtime keeps fp32 weights, gradients and Adam moments and
+    computes in `dtype` (bf16: autocast), eagerly, with no MTP, overlap or context
+    parallelism (a plan with cp > 1 is refused)."""
     virtual = spec.chunk_layers or spec.stage_layers
     total = sum(len(v) for v in virtual)
     return {
@@ -476,7 +477,7 @@ def piper_parsed(spec, dispatcher: str) -> Parsed:
         "sharding": ("fsdp" if spec.fsdp else "none", "RunSpec.fsdp"),
         "a2a_overlap": (False, "runtime has none"),
         "dispatcher": (dispatcher, "--dispatcher (RunOptions)"),
-        "dtype": ("fp32", "runtime: fp32 weights, no autocast"),
+        "dtype": (dtype, "--precision (RunOptions.compute_dtype)"),
         "optimizer_dtype": ("fp32", "runtime: torch Adam, fp32 moments"),
         "cuda_graphs": ("none", "runtime: eager"),
         "mtp_layers": (spec.model.num_mtp_layers, "RunSpec.model.num_mtp_layers"),
@@ -570,7 +571,7 @@ def run_titan(plan: Plan, python: str) -> dict | str:
 
 def run_piper(plan: Plan, path: Path):
     """The launcher's parser on the Slurm export's command, then the RunSpec `piper run`
-    checks: (RunSpec, --dispatcher)."""
+    checks: (RunSpec, --dispatcher, the compute dtype --precision gives)."""
     from planner.run.options import LAUNCH_MODULE, RunOptions, add_run_arguments
     from planner.run.spec import checked_spec
 
@@ -582,7 +583,7 @@ def run_piper(plan: Plan, path: Path):
     add_run_arguments(parser, launcher=True)
     options = RunOptions.from_args(parser.parse_args(argv))
     options.check()
-    return checked_spec(options), options.dispatcher
+    return checked_spec(options), options.dispatcher, options.compute_dtype(plan.training)
 
 
 def check_slurm(plan_path: Path, folder: Path, trainer: str) -> str:
@@ -679,8 +680,8 @@ def check_engine(name: str, target: str, plan: Plan, path: Path, args, tally: Ta
             else:
                 runs["torchtitan"] = "skipped (no --torchtitan-python)"
         else:
-            spec, dispatcher = run_piper(plan, path)
-            runs["piper runtime.launch"] = piper_parsed(spec, dispatcher)
+            spec, dispatcher, dtype = run_piper(plan, path)
+            runs["piper runtime.launch"] = piper_parsed(spec, dispatcher, dtype)
     except (SpecError, argparse.ArgumentError) as exc:
         print(f"  {target}: REFUSED {exc}")
         tally.cells[(name, target)] = "refused"

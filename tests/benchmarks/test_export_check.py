@@ -156,11 +156,11 @@ def test_piper_parsed_against_a_plan_flags_only_what_the_runtime_runs_otherwise(
     plan = make_plan(recompute={0: (0, 1)})
     spec = run_spec_from_plan(plan, plan.model_spec())
     priced = ec.priced_settings(plan, 8, plan.model_spec().num_mtp_layers)
-    rows = ec.compare(priced, ec.piper_parsed(spec, "flat"))
+    rows = ec.compare(priced, ec.piper_parsed(spec, "flat", "bf16"))
     assert [r[0] for r in rows] == list(ec.SETTINGS)
-    # the plan is priced in bf16; the runtime trains in fp32
-    assert [r[0] for r in rows if not r[4]] == ["dtype"]
-    rows = ec.compare(priced, ec.piper_parsed(spec, "halo"))
+    assert [r[0] for r in rows if not r[4]] == []  # the export's --precision plan: bf16
+    # the plan is priced in bf16; a runtime left at its own fp32 and halo runs otherwise
+    rows = ec.compare(priced, ec.piper_parsed(spec, "halo", "fp32"))
     assert [r[0] for r in rows if not r[4]] == ["dispatcher", "dtype"]
 
 
