@@ -106,14 +106,14 @@ def run(args: argparse.Namespace) -> None:
     print(f"{head}  stage IP (status, gap)  plan")
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
-            cluster, gpus, *target = case.split(":")
-            _case(args, cluster, int(gpus), target, Path(tmp) / case.replace(":", "-"))
+            cluster, gpus, *engine = case.split(":")
+            _case(args, cluster, int(gpus), engine, Path(tmp) / case.replace(":", "-"))
 
 
 def _case(
-    args: argparse.Namespace, cluster: str, gpus: int, target: list[str], out: Path
+    args: argparse.Namespace, cluster: str, gpus: int, engine: list[str], out: Path
 ) -> None:
-    extra = ["--solver", args.solver, *(["--target", target[0]] if target else [])]
+    extra = ["--solver", args.solver, *(["--target", engine[0]] if engine else [])]
     load_before = os.getloadavg()[0]
     walls, code, err = [], 0, ""
     for _ in range(args.repeats):
@@ -124,7 +124,7 @@ def _case(
     target = TARGET_S.get(gpus)
     mark = f"{target:>5.0f}s" if target else f"{'-':>6}"
     runs = " ".join(f"{w:.2f}" for w in walls)
-    name = target[0] if target else "default"
+    name = engine[0] if engine else "default"
     row = f"{cluster:>8} {name:>10} {gpus:>6} {median:>8.2f} {mark}  {runs:<20} {load:>9}"
     if code != 0:
         print(f"{row} {'':>27}  -                       exit {code}: {err}")
