@@ -21,7 +21,7 @@ from planner.outputs.console import Phases, phases, print_table
 from planner.parallel import RECOMPUTE_MODULES
 from planner.search.space import DISPATCHERS, sharding_choices
 from planner.specs import CUDA_GRAPHS, ModelSpec, SpecError, TrainingSpec
-from planner.targets import Target, with_conventions
+from planner.targets import Target
 
 DEFAULTS = {"model": "mixtral-8x7b", "cluster": "frontier", "gpus": 64}
 
@@ -193,7 +193,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec, Target]:
         cuda_graphs=args.cuda_graphs,
         memory_margin_gib=margin,
     )
-    return model, cluster, with_conventions(training, target), target
+    return model, cluster, training, target  # make_plan applies the target's conventions
 
 
 def recompute_modules(values: list[str] | None) -> list[str] | None:

@@ -96,13 +96,19 @@ def _recompute(plan: Plan, t: Target) -> Iterator[str]:
             )
 
 
+def noncontiguous_expert_layers(plan: Plan) -> int:
+    """MoE layers whose placement is not the default 'expert e on EP rank e // (E/ep)'."""
+    permuted = 0
+    for placement in plan.experts:
+        n = len(placement.rank_of_expert)
+        per_rank = max(1, n // plan.parallel.ep)
+        if list(placement.rank_of_expert) != [e // per_rank for e in range(n)]:
+            permuted += 1
+    return permuted
+
+
 def _placement(plan: Plan) -> Iterator[str]:
-    ep = plan.parallel.ep
-    permuted = sum(
-        list(p.rank_of_expert)
-        != [e // max(1, len(p.rank_of_expert) // ep) for e in range(len(p.rank_of_expert))]
-        for p in plan.experts
-    )
+    permuted = noncontiguous_expert_layers(plan)
     if permuted:
         yield (
             f"it places experts off the engine's default (expert e on EP rank e // (E/ep)) "
