@@ -17,6 +17,7 @@ from planner.plan.check import check_plan_dict
 from planner.plan.schema import (
     ClusterEntry,
     ExpertPlacement,
+    Intervals,
     ModelEntry,
     ParallelPlan,
     Plan,
@@ -62,12 +63,49 @@ def plan_from_dict(d: Any, path: str = "plan.json") -> Plan:
             for e in d["experts"]
         ),
         ranks=tuple(RankPlan(**_known(RankPlan, r)) for r in d["ranks"]),
-        predicted=Predicted(**{f.name: pred[f.name] for f in json_fields(Predicted)}),
+        predicted=Predicted(
+            **{f.name: pred[f.name] for f in json_fields(Predicted)},
+            intervals=_intervals(d["predicted"], path),
+        ),
         solver=SolveReport(**{f.name: d["solver"][f.name] for f in json_fields(SolveReport)}),
         inputs_sha256=d.get("inputs_sha256", ""),
         schema_version=d["schema_version"],
         extra=d.get("extra", {}),
     )
+
+
+def _intervals(pred: dict[str, Any], path: str) -> Intervals | None:
+    """predicted.intervals (planner.plan.schema.Intervals), None when the plan has none; a
+    malformed block is one SpecError line naming the key."""
+    block = pred.get("intervals")
+    if block is None:
+        return None
+    where = f"{path}: predicted.intervals"
+    fix = "regenerate the plan with 'piper plan' or delete the block"
+    if not isinstance(block, dict):
+        raise SpecError(f"{where} must be an object; {fix}")
+    stages = len(pred["memory_gib_per_stage"])
+    pairs = {n: block.get(n) for n in Intervals.FIGURES}
+    memory = block.get("memory_gib_per_stage")
+    if not isinstance(memory, list) or len(memory) != stages:
+        raise SpecError(f"{where}.memory_gib_per_stage must list {stages} [lo, hi] pairs; {fix}")
+    pairs.update({f"memory_gib_per_stage[{i}]": m for i, m in enumerate(memory)})
+    for name, pair in pairs.items():
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_is_number(x) for x in pair)
+                and pair[0] <= pair[1]):  # fmt: skip
+            raise SpecError(f"{where}.{name} must be [lo, hi] with lo <= hi; {fix}")
+    for key in ("level", "time_log_sd", "param_log_sd", "memory_log_sd"):
+        if not _is_number(block.get(key)) or block[key] < 0:
+            raise SpecError(f"{where}.{key} must be a number >= 0; {fix}")
+    if not 0 < block["level"] < 1:
+        raise SpecError(f"{where}.level must lie in (0, 1), got {block['level']}; {fix}")
+    if not isinstance(block.get("source"), str):
+        raise SpecError(f"{where}.source must be text; {fix}")
+    return Intervals.from_dict(block, pred)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x
 
 
 def _known(cls: type, entry: dict[str, Any]) -> dict[str, Any]:

@@ -184,6 +184,73 @@ class SolveReport:
 
 
 @dataclass(frozen=True)
+class Interval:
+    """A predicted figure `mid` with the range [lo, hi] that holds the measured value with
+    probability `level` under the profile's error model (planner/calibrate/uncertainty.py)."""
+
+    lo: float
+    mid: float
+    hi: float
+    level: float = 0.8
+
+    def contains(self, value: float) -> bool:
+        return self.lo <= value <= self.hi
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """plan.json's optional `predicted.intervals`: every predicted figure's interval at one
+    level, the log-error standard deviations behind them and where they come from.
+
+    In plan.json each figure is its [lo, hi] pair (the mid is the figure in `predicted`):
+    {"level", "source", "time_log_sd", "param_log_sd", "memory_log_sd", "tokens_per_s",
+    "step_time_s", "tflops_per_gpu", "mfu": [lo, hi], "memory_gib_per_stage": [[lo, hi], ...]}.
+    """
+
+    level: float
+    source: str  # one line: what calibration the profile records (describe_source)
+    time_log_sd: float  # sd of log(measured / predicted) tokens/s, the constants' part included
+    param_log_sd: float  # the fitted constants' part of time_log_sd (0 without a covariance)
+    memory_log_sd: float  # sd of log(measured / predicted) peak memory per stage
+    tokens_per_s: Interval
+    step_time_s: Interval
+    tflops_per_gpu: Interval
+    mfu: Interval
+    memory_gib_per_stage: tuple[Interval, ...]
+
+    FIGURES = ("tokens_per_s", "step_time_s", "tflops_per_gpu", "mfu")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "level": self.level, "source": self.source, "time_log_sd": self.time_log_sd,
+            "param_log_sd": self.param_log_sd, "memory_log_sd": self.memory_log_sd,
+        }  # fmt: skip
+        for name in self.FIGURES:
+            iv = getattr(self, name)
+            d[name] = [iv.lo, iv.hi]
+        d["memory_gib_per_stage"] = [[iv.lo, iv.hi] for iv in self.memory_gib_per_stage]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], predicted: Mapping[str, Any]) -> Intervals:
+        """The block back, the mids from `predicted` (plan.json's predicted object); the
+        reader (planner.plan.io) has checked its types and sizes."""
+        level = float(d["level"])
+
+        def pair(lo_hi: Sequence[float], mid: float) -> Interval:
+            return Interval(float(lo_hi[0]), float(mid), float(lo_hi[1]), level)
+
+        figures = {n: pair(d[n], predicted[n]) for n in cls.FIGURES}
+        memory = tuple(
+            pair(lo_hi, mid)
+            for lo_hi, mid in zip(d["memory_gib_per_stage"], predicted["memory_gib_per_stage"],
+                                  strict=True)
+        )  # fmt: skip
+        return cls(level, str(d["source"]), float(d["time_log_sd"]), float(d["param_log_sd"]),
+                   float(d["memory_log_sd"]), memory_gib_per_stage=memory, **figures)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Predicted:
     step_time_s: float
     mfu: float
@@ -193,6 +260,16 @@ class Predicted:
     memory_gib_per_stage: tuple[float, ...]
     usable_memory_gib: float
     comm_s: tuple[tuple[str, float], ...] = ()  # (name, seconds), e.g. ("a2a_node", 0.12)
+    intervals: Intervals | None = field(default=None, metadata=NOT_IN_PLAN)  # written apart
+
+    def to_dict(self) -> dict[str, Any]:
+        """plan.json's `predicted`; `intervals` only when the plan has them."""
+        d = {f.name: getattr(self, f.name) for f in json_fields(Predicted)}
+        d["memory_gib_per_stage"] = list(self.memory_gib_per_stage)
+        d["comm_s"] = dict(self.comm_s)
+        if self.intervals is not None:
+            d["intervals"] = self.intervals.to_dict()
+        return d
 
 
 @dataclass(frozen=True)
@@ -252,7 +329,7 @@ class Plan:
             "stages": [asdict(s) for s in self.stages],
             "experts": [e.to_dict() for e in self.experts],
             "ranks": [asdict(r) for r in self.ranks],
-            "predicted": {**asdict(self.predicted), "comm_s": dict(self.predicted.comm_s)},
+            "predicted": self.predicted.to_dict(),
             "solver": self.solver.to_dict(),
             "inputs_sha256": self.inputs_sha256,
             "schema_version": self.schema_version,

@@ -1,0 +1,255 @@
+"""Error bars: each predicted figure's interval, from what the profile's calibration records.
+
+The contract (planner/PROFILING.md, "Error bars", has the numbers):
+
+    intervals(cluster, est, level=0.8, reprice=None) -> Intervals
+    interval(value, log_sd, quantile) -> Interval          # one figure
+    describe_source(cluster) -> str                        # one line: where the error comes from
+    error_model(cluster) -> ErrorModel                     # what the profile records, parsed
+
+**Model.** For a run's throughput, log(measured / predicted) ~ N(0, sigma_time^2); for each
+pipeline stage's peak memory, log(measured / predicted) ~ N(0, sigma_mem^2). An interval at
+`level` is [x exp(-q sigma), x exp(q sigma)] around the prediction x. Tokens/s, TFLOPS/GPU and
+MFU are proportional to one another and step time is tokens per step / tokens/s, so the four
+share sigma_time (step time's interval is the reciprocal one).
+
+**sigma_time** = sqrt(s_loo^2 + g' C g):
+- s_loo: the profile's `calibration.loo_rms_log`, the RMS of log(predicted / measured) of its
+  calibration runs each predicted by a fit made without it (leave-one-out; the in-sample
+  residuals of a fit are optimistic). `piper calibrate --fit` writes it; the committed
+  presets that were fitted record it.
+- C: the fitted constants' covariance in t_k = log(c_k + a_k) (a_k: planner.calibrate.prior's
+  offsets), recorded by `piper calibrate --fit` as `se_<name>` (standard errors) and
+  `corr_<a>__<b>` (correlations); g_k = d log(tokens/s) / d t_k of the layout at hand, by
+  forward differences (step JACOBIAN_STEP, backward at the upper bound) through `reprice`,
+  which prices the same layout on a changed cluster. Without `reprice` or a covariance this
+  term is 0. s_loo already holds the constants' error as it showed at the calibration
+  layouts; adding g' C g widens the interval for layouts whose prediction leans on a constant
+  more than theirs did (a conservative sum, not a split).
+- q: the Student-t quantile with `runs` - 1 degrees of freedom (s_loo is estimated from
+  `runs` residuals), the normal quantile for a default.
+A profile with no `loo_rms_log` (a preset never fitted, or fitted without leave-one-out) uses
+DEFAULT_TIME_LOG_SD with the normal quantile, and describe_source says so.
+
+**sigma_mem**: the profile's `calibration.memory_loo_rms_log` over `memory_runs` (>= 2) runs with
+a measured peak (leave-one-out on framework_overhead_gib's fit), else DEFAULT_MEMORY_LOG_SD.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+from scipy.stats import norm, t
+
+from planner.calibrate.prior import JACOBIAN_STEP, PRIORS
+from planner.plan.schema import Interval, Intervals
+from planner.specs import EFFICIENCIES, ClusterSpec, SpecError
+
+LEVEL = 0.8
+# The uncalibrated model's error: RMS of log(predicted / measured) of ClusterSpec's derived
+# constants (no fit) on the 12 H100 published runs, results/published_runs.md ("start ... RMS
+# log 0.524"); a preset whose constants nobody fitted is taken to be as wrong as that.
+DEFAULT_TIME_LOG_SD = 0.524
+# RMS of log(measured / predicted) peak memory over the default set of
+# profiles/runs/memory_runs.csv (current engines, no named model gap: the rows the
+# --memory-margin default is set on), results/interval_coverage.md.
+DEFAULT_MEMORY_LOG_SD = 0.226
+Reprice = Callable[[ClusterSpec], float]  # tokens/s of the same layout on another cluster
+
+
+class Estimated(Protocol):
+    """What `intervals` reads of an estimate (resources.cost.Estimate, search's EstimateView,
+    plan.json's Predicted all have it)."""
+
+    tokens_per_s: float
+    step_time_s: float
+    tflops_per_gpu: float
+    mfu: float
+    memory_gib_per_stage: Sequence[float]
+
+
+@dataclass(frozen=True)
+class ErrorModel:
+    """The error a profile's calibration records (module docstring).
+
+    runs: calibration runs behind time_log_sd (0: the default); memory_runs likewise.
+    names / covariance_t: the fitted constants and their covariance in t = log(c + a),
+    names x names (empty when the profile records none).
+    """
+
+    time_log_sd: float
+    runs: int
+    memory_log_sd: float
+    memory_runs: int
+    names: tuple[str, ...] = ()
+    covariance_t: tuple[tuple[float, ...], ...] = ()
+
+    @property
+    def calibrated(self) -> bool:
+        return self.runs > 0
+
+    def time_quantile(self, level: float = LEVEL) -> float:
+        return quantile(level, self.runs - 1 if self.runs >= 2 else None)
+
+    def memory_quantile(self, level: float = LEVEL) -> float:
+        return quantile(level, self.memory_runs - 1 if self.memory_runs >= 2 else None)
+
+
+def quantile(level: float, dof: int | None) -> float:
+    """The two-sided `level` quantile: Student-t with `dof` degrees of freedom, normal for
+    None; raises SpecError for a level outside (0, 1)."""
+    if not 0 < level < 1:
+        raise SpecError(f"interval level must lie in (0, 1), got {level}; use e.g. 0.8")
+    p = 0.5 + level / 2
+    return float(norm.ppf(p) if dof is None else t.ppf(p, dof))
+
+
+def interval(value: float, log_sd: float, q: float, level: float = LEVEL) -> Interval:
+    """[value exp(-q log_sd), value exp(q log_sd)] around `value`."""
+    spread = math.exp(q * log_sd)
+    return Interval(value / spread, value, value * spread, level)
+
+
+def error_model(cluster: ClusterSpec) -> ErrorModel:
+    """The profile's recorded error (calibration mapping), defaults where it records none;
+    a recorded value that is not a number >= 0 raises SpecError naming the key."""
+    cal = dict(cluster.calibration)
+
+    def number(key: str) -> float | None:
+        if key not in cal:
+            return None
+        low, high = (-1.0, 1.0) if key.startswith("corr_") else (0.0, math.inf)
+        try:
+            x = float(cal[key])
+        except ValueError:
+            x = math.nan
+        if not low <= x < high or (high == 1.0 and x > 1.0):
+            rule = "a number in [-1, 1]" if high == 1.0 else "a finite number >= 0"
+            raise SpecError(
+                f"cluster {cluster.name}: calibration.{key} = {cal[key]!r} must be {rule}; "
+                "fix the profile or refit it with 'piper calibrate --fit'"
+            )
+        return x
+
+    loo, runs = number("loo_rms_log"), number("runs")
+    mem, mem_runs = number("memory_loo_rms_log"), number("memory_runs")
+    time_ok = loo is not None and runs is not None and runs >= 2
+    mem_ok = mem is not None and mem_runs is not None and mem_runs >= 2
+    names, cov = _covariance(cluster, number)
+    return ErrorModel(
+        time_log_sd=loo if time_ok else DEFAULT_TIME_LOG_SD,  # type: ignore[arg-type]
+        runs=int(runs) if time_ok else 0,  # type: ignore[arg-type]
+        memory_log_sd=mem if mem_ok else DEFAULT_MEMORY_LOG_SD,  # type: ignore[arg-type]
+        memory_runs=int(mem_runs) if mem_ok else 0,  # type: ignore[arg-type]
+        names=names if time_ok else (),
+        covariance_t=cov if time_ok else (),
+    )
+
+
+def _covariance(
+    cluster: ClusterSpec, number: Callable[[str], float | None]
+) -> tuple[tuple[str, ...], tuple[tuple[float, ...], ...]]:
+    """(names, covariance) from `se_<name>` and `corr_<a>__<b>` (0 when absent)."""
+    names = tuple(e.name for e in EFFICIENCIES if number(f"se_{e.name}") is not None)
+    se = [number(f"se_{n}") or 0.0 for n in names]
+    cov = []
+    for i, a in enumerate(names):
+        row = []
+        for j, b in enumerate(names):
+            r = 1.0 if i == j else _first(number(f"corr_{a}__{b}"), number(f"corr_{b}__{a}"))
+            row.append(se[i] * se[j] * r)
+        cov.append(tuple(row))
+    return names, tuple(cov)
+
+
+def _first(*values: float | None) -> float:
+    return next((v for v in values if v is not None), 0.0)
+
+
+def describe_source(cluster: ClusterSpec, level: float = LEVEL) -> str:
+    """One line: where the intervals of `cluster` come from, with the spread at `level`."""
+    m = error_model(cluster)
+    tq, mq = m.time_quantile(level), m.memory_quantile(level)
+    time, memory = math.exp(tq * m.time_log_sd), math.exp(mq * m.memory_log_sd)
+    if m.calibrated:
+        head = (f"fitted on {m.runs} runs, leave-one-out log-error sd {m.time_log_sd:.3f}"
+                + (f" and the covariance of {len(m.names)} fitted constant(s)" if m.names
+                   else ""))  # fmt: skip
+    else:
+        what = ("calibration without a leave-one-out error (loo_rms_log)" if cluster.calibration
+                else "preset without calibration")  # fmt: skip
+        head = f"{what}: default log-error sd {DEFAULT_TIME_LOG_SD} (planner/PROFILING.md)"
+    mem_head = (f"memory: {m.memory_runs} measured peaks, sd {m.memory_log_sd:.3f}"
+                if m.memory_runs else f"memory: default sd {DEFAULT_MEMORY_LOG_SD}")  # fmt: skip
+    return (f"{head}; {mem_head}; {level:.0%} interval: tokens/s x{1 / time:.2f}-x{time:.2f}, "
+            f"memory x{1 / memory:.2f}-x{memory:.2f}")  # fmt: skip
+
+
+def parameter_log_sd(cluster: ClusterSpec, reprice: Reprice, model: ErrorModel) -> float:
+    """sqrt(g' C g): the fitted constants' covariance propagated to log(tokens/s) of the
+    layout `reprice` prices (module docstring); 0 without a covariance."""
+    if not model.names:
+        return 0.0
+    base = math.log(reprice(cluster))
+    known = {e.name: e for e in EFFICIENCIES}
+    grad = []
+    for name in model.names:
+        e, offset = known[name], PRIORS[name][1]
+        t0 = math.log(float(getattr(cluster, name)) + offset)
+        step = JACOBIAN_STEP if math.exp(t0 + JACOBIAN_STEP) - offset <= e.high else -JACOBIAN_STEP
+        value = min(max(math.exp(t0 + step) - offset, e.low), e.high)
+        dt = math.log(value + offset) - t0
+        if dt == 0:
+            grad.append(0.0)
+            continue
+        grad.append((math.log(reprice(replace(cluster, **{name: value}))) - base) / dt)
+    g = np.array(grad)
+    return math.sqrt(max(float(g @ np.array(model.covariance_t) @ g), 0.0))
+
+
+def intervals(
+    cluster: ClusterSpec, est: Estimated, level: float = LEVEL, reprice: Reprice | None = None
+) -> Intervals:
+    """Every figure of `est` with its interval at `level` on `cluster` (module docstring).
+
+    Args:
+        cluster: the profile `est` was priced on; its calibration mapping sets the error.
+        est: the prediction (tokens_per_s, step_time_s, tflops_per_gpu, mfu,
+            memory_gib_per_stage: one GiB value per pipeline stage).
+        level: the probability each interval holds the measured value, in (0, 1).
+        reprice: tokens/s of the same layout on a changed cluster; adds the fitted constants'
+            covariance where the profile records one (omitted: that term is 0).
+    Returns:
+        Intervals (planner.plan.schema): one Interval per figure and per stage, the sds used
+        and describe_source's line.
+    """
+    m = error_model(cluster)
+    param = parameter_log_sd(cluster, reprice, m) if reprice is not None else 0.0
+    sigma = math.hypot(m.time_log_sd, param)
+    tq, mq = m.time_quantile(level), m.memory_quantile(level)
+    return Intervals(
+        level=level, source=describe_source(cluster, level), time_log_sd=sigma,
+        param_log_sd=param, memory_log_sd=m.memory_log_sd,
+        tokens_per_s=interval(est.tokens_per_s, sigma, tq, level),
+        step_time_s=interval(est.step_time_s, sigma, tq, level),
+        tflops_per_gpu=interval(est.tflops_per_gpu, sigma, tq, level),
+        mfu=interval(est.mfu, sigma, tq, level),
+        memory_gib_per_stage=tuple(interval(x, m.memory_log_sd, mq, level)
+                                   for x in est.memory_gib_per_stage),
+    )  # fmt: skip
+
+
+def covariance_items(names: Sequence[str], cov: np.ndarray) -> list[tuple[str, float]]:
+    """The calibration mapping's `se_<name>` and `corr_<a>__<b>` entries for covariance `cov`
+    of `names` in t = log(c + a), the form error_model reads back."""
+    se = np.sqrt(np.clip(np.diag(cov), 0.0, None))
+    items = [(f"se_{n}", round(float(s), 6)) for n, s in zip(names, se, strict=True)]
+    for i, a in enumerate(names):
+        for j in range(i + 1, len(names)):
+            r = cov[i, j] / (se[i] * se[j]) if se[i] > 0 and se[j] > 0 else 0.0
+            items.append((f"corr_{a}__{names[j]}", round(float(r), 6)))
+    return items
