@@ -192,6 +192,10 @@ class ClusterSpec:
     scale_up_efficiency: float = 1.0  # fraction of NVLink / Infinity Fabric bandwidth reached
     scale_out_efficiency: float = 1.0  # fraction of NIC (network level) bandwidth reached
     overlap_efficiency: float = 1.0  # fraction of overlappable communication that really hides
+    # mean delay (exponential) each member of a collective crossing the network adds; a
+    # collective of n ranks waits for its slowest member: network_jitter_us x H_n
+    # (planner.resources.comm.straggler_s; RESOURCE_MODEL.md "Dragonfly and Frontier terms")
+    network_jitter_us: float = 0.0
     calibration: tuple[tuple[str, str], ...] = ()  # where fitted constants come from, errors
     tables: tuple[EfficiencyTable, ...] = ()
     topology: str = ""  # "dragonfly", "fat-tree", "nvl72", ...
@@ -288,6 +292,17 @@ EFFICIENCIES: tuple[Efficiency, ...] = (
         "overlap_efficiency", 0.0, 1.0,
         "fraction of the communication the schedule overlaps that really hides behind "
         "compute (the rest is exposed: SM contention, imperfect streams)",
+    ),
+)  # fmt: skip
+
+# Constants of terms only some topologies use, fitted only when named (`--params`): they are
+# outside the default fit of every stack (EFFICIENCIES), so its cap holds.
+TOPOLOGY_EFFICIENCIES: tuple[Efficiency, ...] = (
+    Efficiency(
+        "network_jitter_us", 0.0, 50000.0,
+        "mean of the exponential delay each member of a collective that crosses the network "
+        "adds (congestion, adaptive routing, system noise); a collective of n ranks waits for "
+        "the slowest: network_jitter_us x H_n",
     ),
 )  # fmt: skip
 

@@ -30,7 +30,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from planner.calibrate.runs import Run, estimate_run, predicted_value
-from planner.specs import EFFICIENCIES, ClusterSpec, Efficiency, SpecError
+from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec, Efficiency, SpecError
 
 MAX_PARAMS = 8  # the issue's "at most 8 per hardware and software stack"
 WITHIN = 0.15  # "within +-15%"
@@ -85,9 +85,10 @@ def derived(cluster: ClusterSpec, names: Sequence[str] | None = None) -> Cluster
 
 
 def fit_params(names: Sequence[str] | None) -> tuple[Efficiency, ...]:
-    """The EFFICIENCIES entries named (all of them when None), in the order given; raises
-    SpecError for an unknown or repeated name or more than MAX_PARAMS."""
-    known = {e.name: e for e in EFFICIENCIES}
+    """The EFFICIENCIES or TOPOLOGY_EFFICIENCIES entries named (all of EFFICIENCIES when
+    None), in the order given; raises SpecError for an unknown or repeated name or more than
+    MAX_PARAMS."""
+    known = {e.name: e for e in (*EFFICIENCIES, *TOPOLOGY_EFFICIENCIES)}
     if names is None:
         chosen = tuple(EFFICIENCIES)
     else:

@@ -55,6 +55,7 @@ PRIORS: dict[str, tuple[float, float]] = {
     "scale_up_efficiency": (0.3, 0.0),
     "scale_out_efficiency": (0.3, 0.0),
     "overlap_efficiency": (0.5, 0.1),
+    "network_jitter_us": (1.0, 100.0),  # 100 us: a few switch traversals' worth of delay
 }
 JACOBIAN_STEP = 0.05
 MIN_ELASTICITY = 0.01  # RMS d log p / d t below this: no run sees the constant

@@ -8,7 +8,8 @@ bw_gbps, latency_us, taper, kind}) and optional `framework_overhead_gib`,
 the all-to-all, >= 0, default 1.0; shared by the analytic model and `piper a2a-sim`), the
 other named efficiencies of `planner.specs.EFFICIENCIES` (`grouped_gemm_half_rows`,
 `hbm_efficiency`, `layer_overhead_us`, `scale_up_efficiency`, `scale_out_efficiency`,
-`overlap_efficiency`), `cuda_graphs` (true / false), `calibration` (a mapping of scalars:
+`overlap_efficiency`) and of `TOPOLOGY_EFFICIENCIES` (`network_jitter_us`, >= 0, default 0),
+`cuda_graphs` (true / false), `calibration` (a mapping of scalars:
 where fitted constants come from and the fit's errors, written by `piper calibrate --fit`),
 `topology`, `source` and `tables` (measured efficiency tables {name, x, y}, written by
 `piper profile`).
@@ -32,7 +33,8 @@ from planner.specs import ClusterSpec, DeviceSpec, EfficiencyTable, LevelSpec, S
 _OPTIONAL_FLOATS = ("framework_overhead_gib", "gemm_efficiency", "attention_efficiency",
                     "grouped_gemm_half_rows", "hbm_efficiency", "scale_up_efficiency",
                     "scale_out_efficiency")  # fmt: skip
-_NON_NEGATIVE_FLOATS = ("msg_overhead_us", "layer_overhead_us", "overlap_efficiency")
+_NON_NEGATIVE_FLOATS = ("msg_overhead_us", "layer_overhead_us", "overlap_efficiency",
+                        "network_jitter_us")  # fmt: skip
 _FRACTIONS = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency", "scale_up_efficiency",
               "scale_out_efficiency", "overlap_efficiency")  # fmt: skip
 _TOP_KEYS = ("name", "device", "gpus_per_node", "num_nodes", "nics_per_node", "nic_gbps",
@@ -220,6 +222,7 @@ def cluster_to_dict(cluster: ClusterSpec) -> dict[str, Any]:
         "scale_up_efficiency": cluster.scale_up_efficiency,
         "scale_out_efficiency": cluster.scale_out_efficiency,
         "overlap_efficiency": cluster.overlap_efficiency,
+        "network_jitter_us": cluster.network_jitter_us,
         "levels": [
             {
                 "name": lv.name,
