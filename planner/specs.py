@@ -345,6 +345,17 @@ class TrainingSpec:
     # Memory kept free on every stage (GiB): a layout fits when each stage's total stays at
     # or below device memory minus this margin (planner/PLANNING.md, "Memory headroom").
     memory_margin_gib: float = 0.0
+    # Share of this rank's optimizer parameters whose fp32 master copy and Adam moments live
+    # in host memory and are updated by the CPU (Megatron's --optimizer-cpu-offload
+    # --optimizer-offload-fraction F, HybridDeviceOptimizer); 0 keeps all on the device.
+    optimizer_offload_fraction: float = 0.0
+    # The gradient buffer's dtype: "fp32" (main grads accumulated and reduced in fp32,
+    # Megatron's default for bf16) or "bf16" (--grad-reduce-in-bf16, Megatron-Bridge's
+    # grad_reduce_in_fp32=False); None = the accounting's (bytes_per_param 16: bf16, 18: fp32).
+    grad_dtype: OptimizerDtype | None = None
+    # Megatron's --use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the fp32
+    # master weights of bf16 parameters as the 16 bits bf16 lacks (store_param_remainders).
+    precision_aware_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.cuda_graphs is not None and self.cuda_graphs not in CUDA_GRAPHS:
@@ -370,3 +381,22 @@ class TrainingSpec:
             )
         if self.mtp_layers is not None and self.mtp_layers < 0:
             raise SpecError(f"training: mtp_layers must be >= 0, got {self.mtp_layers}")
+        self._check_optimizer_state()
+
+    def _check_optimizer_state(self) -> None:
+        """Offload fraction in [0, 1], on the device optimizer (not FSDP); known grad dtype."""
+        f = self.optimizer_offload_fraction
+        if not 0.0 <= f <= 1.0:
+            raise SpecError(
+                f"training: optimizer_offload_fraction must be between 0 and 1 (the share of "
+                f"optimizer state in host memory), got {f}"
+            )
+        if f > 0.0 and self.fsdp:
+            raise SpecError(
+                "training: optimizer_offload_fraction prices Megatron's HybridDeviceOptimizer "
+                "beside the distributed optimizer, not FSDP; drop fsdp or the offload"
+            )
+        if self.grad_dtype is not None and self.grad_dtype not in ("fp32", "bf16"):
+            raise SpecError(
+                f"training: grad_dtype '{self.grad_dtype}' is unknown; use fp32 or bf16"
+            )
