@@ -238,6 +238,7 @@ def _plan(args: argparse.Namespace, clock: Phases) -> tuple[Any, str]:
     """Plan, place the redundant slots and write the files, each phase timed by `clock` into
     timings.json; (None, "") when interrupted before any candidate was solved."""
     from planner.ip.solvers import SolverOptions
+    from planner.outputs.error_bars import with_intervals
     from planner.outputs.files import write_files
     from planner.outputs.reports import render_files, timings_json
     from planner.search.assemble import (
@@ -306,6 +307,7 @@ def _plan(args: argparse.Namespace, clock: Phases) -> tuple[Any, str]:
     result = replace(result, plan=plan, best=best)
     out = args.out or f"results/{model.name}-{cluster.name}-{args.gpus}"
     clock.start("render", "writing plan.json, tables and plots")
+    result = with_intervals(result, cluster)
     files = render_files(result)
     result = replace(result, timings=command_timings(result.timings, clock.times()))
     files["timings.json"] = timings_json(result)
