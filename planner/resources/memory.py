@@ -26,10 +26,21 @@ from planner.specs import LayerSpec, ModelSpec, Recompute, TrainingSpec
 
 Accounting = Literal["piper", "paper"]
 MASTER_BYTES_PER_PARAM = 4  # fp32 master weights
+# Megatron's precision-aware optimizer hands the master weights of bf16 parameters to
+# Transformer Engine's FusedAdam, which stores only the 16 low bits of each fp32 master weight
+# (its high 16 bits are the bf16 parameter): Megatron-Core `optimizer_config.py`
+# store_param_remainders = True, passed to FusedAdam in `optimizer/__init__.py`.
+MASTER_REMAINDER_BYTES_PER_PARAM = 2
 WEIGHT_BYTES_PER_PARAM = 2  # bf16 / fp16 weights
+GRAD_BYTES_PER_PARAM = {"fp32": 4, "bf16": 2}  # the gradient buffer (TrainingSpec.grad_dtype)
 # Adam m + v: fp32 (4 + 4) or bf16 (2 + 2, Megatron's --exp-avg-dtype/--exp-avg-sq-dtype bf16
 # with --use-precision-aware-optimizer)
 MOMENT_BYTES_PER_PARAM = {"fp32": 8, "bf16": 4}
+# With --optimizer-cpu-offload, Megatron's HybridDeviceOptimizer (`optimizer/cpu_offloading/
+# hybrid_optimizer.py`, param_update_in_fp32=True) keeps, for the parameters it leaves on the
+# device, an fp32 copy and torch-Adam moments in that copy's dtype: 4 + 4 + 4 B, whatever the
+# moment dtype; the offloaded share lives in pinned host memory.
+OFFLOAD_DEVICE_BYTES_PER_PARAM = 12
 FSDP_GATHERED_UNITS = 2  # Megatron-FSDP: >= 2 units of un-sharded weights and gradients
 
 
@@ -74,13 +85,38 @@ def rank_tokens(training: TrainingSpec, parallel: ParallelConfig) -> float:
     return parallel.micro_batch * training.seq_len / (parallel.tp * parallel.cp)
 
 
+def master_bytes_per_param(training: TrainingSpec) -> int:
+    """Master weights on the device: fp32 (4 B), or the 2 B remainders of bf16 parameters
+    under the precision-aware optimizer. Under an FP8 or MXFP8 recipe Megatron-Core keeps fp32
+    main params itself (`optimizer_config.py`: use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    is false for current-scaling, blockwise and MX recipes), so remainders need bf16."""
+    if training.precision_aware_optimizer and training.dtype == "bf16":
+        return MASTER_REMAINDER_BYTES_PER_PARAM
+    return MASTER_BYTES_PER_PARAM
+
+
 def optimizer_bytes_per_param(training: TrainingSpec) -> int:
-    """fp32 master weights + Adam moments: 12 B, or 8 B with bf16 moments."""
-    return MASTER_BYTES_PER_PARAM + MOMENT_BYTES_PER_PARAM[training.optimizer_dtype]
+    """Master weights + Adam moments per optimizer parameter kept on the device: 12 B (fp32
+    master, fp32 m + v), 8 B with bf16 moments, 2 B less with master remainders."""
+    return master_bytes_per_param(training) + MOMENT_BYTES_PER_PARAM[training.optimizer_dtype]
+
+
+def device_optimizer_bytes(params: float, training: TrainingSpec) -> float:
+    """Optimizer bytes on the device for `params` optimizer parameters of one rank: all at
+    optimizer_bytes_per_param, or with a host offload fraction f > 0 the device's 1 - f share
+    at HybridDeviceOptimizer's 12 B (its offload is by parameter count: the first f of the
+    rank's optimizer parameters go to the host, `_get_sub_optimizer_param_groups`)."""
+    f = training.optimizer_offload_fraction
+    if f > 0.0:
+        return OFFLOAD_DEVICE_BYTES_PER_PARAM * (1.0 - f) * params
+    return optimizer_bytes_per_param(training) * params
 
 
 def grad_bytes_per_param(training: TrainingSpec) -> int:
-    """2 (the paper's 16 B/param: bf16 gradients) or 4 (Megatron's 18: fp32 main grads)."""
+    """The gradient buffer: training.grad_dtype's bytes when set, else the accounting's: 2 (the
+    paper's 16 B/param: bf16 gradients) or 4 (Megatron's 18: fp32 main grads)."""
+    if training.grad_dtype is not None:
+        return GRAD_BYTES_PER_PARAM[training.grad_dtype]
     return training.bytes_per_param - WEIGHT_BYTES_PER_PARAM - 12
 
 
@@ -94,7 +130,8 @@ def state_bytes(
     `params_expert` expert parameters (already divided by etp * ep) on one rank.
 
     Weights 2 B, gradients bytes_per_param - 14 B (2 bf16 in the paper's 16, 4 fp32 in
-    Megatron's 18), optimizer 12 B (fp32 master + m + v; 8 B with bf16 moments). The dense
+    Megatron's 18; grad_dtype overrides), optimizer 12 B (fp32 master + m + v; 8 B with bf16
+    moments; device_optimizer_bytes for master remainders and host offload). The dense
     parameters' data-parallel group is dp x cp (Megatron-Core reduces and shards them over
     its dp-cp group, `distributed_data_parallel.py`), the experts' is edp. The distributed
     optimizer (`zero`) shards the optimizer bytes over it: 6 + 12/d B per parameter with
@@ -104,12 +141,13 @@ def state_bytes(
     params = params_dense + params_expert
     dense_dp = parallel.dp * parallel.cp
     sharded = params_dense / dense_dp + params_expert / parallel.edp
-    opt_b = optimizer_bytes_per_param(training)
     kept = sharded if training.fsdp else params
     return StateBytes(
         weights=WEIGHT_BYTES_PER_PARAM * kept,
         grads=grad_bytes_per_param(training) * kept,
-        optimizer=opt_b * (sharded if training.zero or training.fsdp else params),
+        optimizer=device_optimizer_bytes(
+            sharded if training.zero or training.fsdp else params, training
+        ),
     )
 
 
