@@ -15,7 +15,12 @@ Three overlaps, each per layer and micro-batch (seconds in, exposed seconds out)
   attention compute;
 - FSDP's prefetch (Megatron-FSDP, `docs/user-guide/features/megatron_fsdp.md`): a layer's
   weights are all-gathered during the previous layer's forward, again before its backward,
-  and its gradients reduce-scattered during the next layer's backward.
+  and its gradients reduce-scattered during the next layer's backward;
+- the data-parallel gradient reduction of the last micro-batch (Megatron-Core DDP with
+  `--overlap-grad-reduce`, `megatron/core/distributed/param_and_grad_buffer.py`
+  `register_grad_ready`: a bucket's reduce-scatter / all-reduce is launched as soon as the
+  last micro-batch's backward has produced all of its gradients, on one communication
+  stream), so only what is still queued when the backward ends is exposed.
 """
 
 from __future__ import annotations
@@ -51,3 +56,16 @@ def ring_attention_exposed_s(
 def prefetch_exposed_s(gather_s: float, reduce_s: float, fwd_s: float, bwd_s: float) -> float:
     """Exposed FSDP seconds of one unit: max(0, AG - forward) + max(0, AG + RS - backward)."""
     return max(0.0, gather_s - fwd_s) + max(0.0, gather_s + reduce_s - bwd_s)
+
+
+def queued_reduce_exposed_s(units: list[tuple[float, float]]) -> float:
+    """Exposed seconds of reductions queued on one stream after the backward ends at t = 0.
+
+    units: (seconds, ready time <= 0 relative to the end of the backward) per bucket or
+    chunk; each starts at max(its ready time, the end of the one before it, in ready order):
+        end_j = max(ready_j, end_(j-1)) + seconds_j;  exposed = max(0, end_last).
+    """
+    end = float("-inf")
+    for seconds, ready in sorted(units, key=lambda u: u[1]):
+        end = max(ready, end) + seconds
+    return max(0.0, end) if units else 0.0

@@ -12,6 +12,7 @@ Schedule counts: planner.resources.interleave. Formulas: planner/RESOURCE_MODEL.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -131,25 +132,62 @@ def _grad_sync_s(
     cluster: ClusterSpec,
     training: TrainingSpec,
     parallel: ParallelConfig,
+    passes: float = 2.0,
 ) -> list[tuple[str, float]]:
-    """Gradient reduction of one stage at the end of the step: dense gradients over dp x cp
-    (ranks tp apart), expert gradients over edp (ranks etp x ep apart). All-reduce, or with
-    ZeRO a reduce-scatter of gradients + all-gather of updated weights: the same bytes (2
-    passes). FSDP reduce-scatters every micro-batch instead (in the layers' fsdp time)."""
+    """Gradient reduction of one stage's parameters: dense gradients over dp x cp (ranks tp
+    apart), expert gradients over edp (ranks etp x ep apart), `passes` ring passes (2: an
+    all-reduce; 1: the distributed optimizer's reduce-scatter, or its all-gather of updated
+    weights). FSDP reduce-scatters every micro-batch instead (in the layers' fsdp time)."""
     if training.fsdp:
         return []
     grad_b = grad_bytes_per_param(training)
     dense, expert = held_params(layers, costs, extras)
     out = []
     dense_dp = parallel.dp * parallel.cp
-    t, level = comm.ring_allreduce_s(cluster, dense_dp, parallel.tp, grad_b * dense)
+    t, level = comm.ring_allreduce_s(cluster, dense_dp, parallel.tp, grad_b * dense, passes)
     if level:
         out.append((f"dp_{level}", t))
     stride = parallel.ep * parallel.etp
-    t, level = comm.ring_allreduce_s(cluster, parallel.edp, stride, grad_b * expert)
+    t, level = comm.ring_allreduce_s(cluster, parallel.edp, stride, grad_b * expert, passes)
     if level:
         out.append((f"edp_{level}", t))
     return out
+
+
+# Megatron-Core's default DDP bucket: max(40M, 1M x dp) parameters
+# (megatron/core/distributed/distributed_data_parallel.py, `ddp_config.bucket_size`).
+BUCKET_MIN_PARAMS = 40_000_000
+BUCKET_PARAMS_PER_DP_RANK = 1_000_000
+
+
+def bucket_params(parallel: ParallelConfig) -> float:
+    """Parameters per DDP bucket: max(40M, 1M x data-parallel size)."""
+    return max(BUCKET_MIN_PARAMS, BUCKET_PARAMS_PER_DP_RANK * parallel.dp * parallel.cp)
+
+
+def reduce_units(
+    reduce_s: float,
+    params: float,
+    parallel: ParallelConfig,
+    chunk_bwd_s: float,
+    bucketed: bool,
+) -> list[tuple[float, float]]:
+    """(seconds, ready time) of a stage's gradient reductions, relative to the end of its last
+    backward (Megatron-Core DDP with --overlap-grad-reduce, as the interleaved schedule runs
+    it, megatron/core/pipeline_parallel/schedules.py `backward_step_helper_postprocess`):
+    each of the vp model chunks is reduced once its last micro-batch's backward is done; the
+    schedule runs the last group of g = min(pp, m) micro-batches chunk by chunk (vp - 1 down
+    to 0), so chunk c is ready c g chunk-backwards before the end. Only chunk 0 on pipeline
+    rank 0 is split into buckets (`training.py`: bucketing off for chunks > 0 and pp ranks
+    > 0): k = ceil(its parameters / bucket_params) buckets, ready evenly through its last
+    backward, the last at the end."""
+    vp = parallel.vp
+    chunk_s = reduce_s / vp
+    groups = min(parallel.pp, parallel.num_microbatches)
+    units = [(chunk_s, -c * groups * chunk_bwd_s) for c in range(vp - 1, 0, -1)]
+    k = max(1, math.ceil(params / vp / bucket_params(parallel))) if bucketed else 1
+    units += [(chunk_s / k, -chunk_bwd_s * (k - 1 - j) / k) for j in range(k)]
+    return units
 
 
 def _p2p_s(
@@ -208,21 +246,54 @@ def _grad_sync_all(
     parallel: ParallelConfig,
     slot: float,
 ) -> tuple[float, dict[str, float]]:
-    """(exposed seconds, per-name max over stages) of the end-of-step gradient reduction.
-    Stage i finishes its last backward about i chunk-slots (slot / vp) before stage 0 does,
-    so its reduction hides behind i / vp x 2/3 of a slot of backward work."""
-    pp = parallel.pp
+    """(exposed seconds, per-name max over stages) of the data-parallel gradient reduction.
+
+    As Megatron-Core runs it with --overlap-grad-reduce (and, with the distributed optimizer,
+    --overlap-param-gather): the reduction (all-reduce, or reduce-scatter with `zero`) of
+    each chunk starts when its last backward is done (reduce_units), queued on one stream
+    (overlap.queued_reduce_exposed_s); stage i ends its backward about i / vp chunk-slots
+    before stage 0, so that much more hides. With `zero` the updated weights are
+    all-gathered bucket by bucket ahead of the next step's forward; only stage 0's first
+    bucket has no compute before it. A chunk-backward is 2/3 of a chunk-slot."""
+    pp, vp = parallel.pp, parallel.vp
+    passes = 1.0 if training.zero else 2.0
+    chunk_bwd = slot / vp * 2 / TRAIN_FACTOR
     exposed, by_name = 0.0, {}
     for st in stages:
         extras = stage_extras(st.stage, pp, ends)
-        sync = _grad_sync_s(st.layers, costs, extras, cluster, training, parallel)
+        sync = _grad_sync_s(st.layers, costs, extras, cluster, training, parallel, passes)
         total = sum(s for _, s in sync)
-        behind = st.stage / parallel.vp * slot * 2 / TRAIN_FACTOR
-        shown = overlap.imperfect_s(max(total - behind, 0.0), total, cluster.overlap_efficiency)
+        params = sum(held_params(st.layers, costs, extras))
+        units = reduce_units(total, params, parallel, chunk_bwd, bucketed=st.stage == 0)
+        queued = overlap.queued_reduce_exposed_s(units)
+        behind = st.stage / vp * slot * 2 / TRAIN_FACTOR
+        shown = overlap.imperfect_s(max(queued - behind, 0.0), total, cluster.overlap_efficiency)
         exposed = max(exposed, shown)
-        for name, s in sync:
-            by_name[name] = max(by_name.get(name, 0.0), s)
-    return exposed, by_name
+        for name, s in sync:  # reported as the step's whole traffic: 2 passes either way
+            by_name[name] = max(by_name.get(name, 0.0), s * 2.0 / passes)
+    return exposed + _first_gather_s(stages[0], costs, ends, cluster, training, parallel), by_name
+
+
+def _first_gather_s(
+    stage0: StageEstimate,
+    costs: tuple[LayerCost, ...],
+    ends: Sequence[ExtrasCost],
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+) -> float:
+    """With the distributed optimizer: the all-gather of stage 0's first bucket of updated
+    weights (chunk 0, bucketed as reduce_units buckets it), which the step's first forward
+    waits for (Megatron-Core `start_param_sync` from the forward pre-hook); later buckets
+    gather behind the forward. 0 without `zero`."""
+    if not training.zero or training.fsdp:
+        return 0.0
+    extras = stage_extras(0, parallel.pp, ends)
+    gather = sum(s for _, s in _grad_sync_s(stage0.layers, costs, extras, cluster, training,
+                                             parallel, passes=1.0))  # fmt: skip
+    params = sum(held_params(stage0.layers, costs, extras))
+    k = max(1, math.ceil(params / parallel.vp / bucket_params(parallel)))
+    return gather / parallel.vp / k
 
 
 def _unpaired_s(
