@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
-from planner.resources import comm, interleave, overlap, traffic
+from planner.resources import comm, interleave, offload, overlap, traffic
 from planner.resources.compute import TRAIN_FACTOR
 from planner.resources.layer_comm import fsdp_gather_s
 from planner.resources.layer_cost import ExtrasCost, LayerCost
@@ -351,6 +351,8 @@ def step_time(
     slot = bottleneck.total_s + p2p_s
     dp_exposed, dp_comm = _grad_sync_all(stages, costs, ends, cluster, training, parallel, slot)
     optimizer_s = _optimizer_s(stages, cluster)
+    held = [held_params(s.layers, costs, stage_extras(s.stage, parallel.pp, ends)) for s in stages]
+    optimizer_s += offload.host_optimizer_s(held, cluster, training, parallel)
     unpaired = _unpaired_s(stages, training, parallel)
     first_gather = _fsdp_first_s(stages, costs, cluster, training, parallel)
     layer_comm = {n: m * s for n, s in bottleneck.time_s if n.startswith(COMM_PREFIXES)}
