@@ -65,6 +65,9 @@ class Target:
     default_sharding: str  # what `piper estimate` prices when neither --zero nor --fsdp is given
     # (family, layers, hidden) of the models the engine builds itself; None = any model
     native_models: tuple[tuple[str, int, int], ...] | None = None
+    # families the engine builds from its own modules through the export's config module
+    # (planner/outputs/export/torchtitan_model.py), when every layer is of a shape they have
+    composed_families: tuple[str, ...] = ()
 
     def offers(self, what: str, value: object) -> bool:
         """True when `value` is among the target's choices for `what` (a field name)."""
@@ -98,11 +101,12 @@ TARGETS: dict[TargetName, Target] = {
         cuda_graphs=("none",), dtypes=("bf16", "fp32"),
         optimizer_dtypes=("fp32", "bf16"), vp=True, cp=True, etp_rule="one_or_tp",
         expert_placement=False, mtp=False, uneven_stages=True, default_sharding="fsdp",
-        # torchtitan 0.3's own models (models/*/config_registry.py); its HF backend's MoE
-        # config fixes Qwen3-30B's shapes whatever the model, so other models are not offered
+        # torchtitan 0.3's own models (models/*/config_registry.py); other GQA MoE models of
+        # these families are composed from its Qwen3 MoE modules (planner/EXPORT.md)
         native_models=(("deepseek_v3", 61, 7168), ("deepseek_v2", 27, 2048),
                        ("qwen3_moe", 48, 2048), ("gpt_oss", 24, 2880), ("gpt_oss", 36, 2880),
                        ("llama", 32, 4096)),
+        composed_families=("mixtral", "llama4", "qwen3_moe", "moe"),
     ),
 }  # fmt: skip
 
@@ -153,6 +157,28 @@ def check_training(training: TrainingSpec, target: Target) -> None:
             f"--mtp-layers {training.mtp_layers}: {target.engine} {target.version} trains no "
             "MTP layers; give --mtp-layers 0 or re-plan with --target megatron"
         )
+    _check_optimizer_state(training, target)
+
+
+# Optimizer-state settings only Megatron-Core runs (HybridDeviceOptimizer, Transformer Engine's
+# precision-aware FusedAdam, --grad-reduce-in-bf16): (flag, TrainingSpec field, default).
+MEGATRON_OPTIMIZER_STATE = (
+    ("--optimizer-offload-fraction", "optimizer_offload_fraction", 0.0),
+    ("--precision-aware-optimizer", "precision_aware_optimizer", False),
+    ("--grad-dtype", "grad_dtype", None),
+)
+
+
+def _check_optimizer_state(training: TrainingSpec, target: Target) -> None:
+    if target.name == "megatron":
+        return
+    for flag, name, default in MEGATRON_OPTIMIZER_STATE:
+        value = getattr(training, name)
+        if value != default:
+            raise SpecError(
+                f"{flag} {value}: {target.engine} {target.version} does not run it (Megatron-Core "
+                "does); drop it or re-plan with --target megatron"
+            )
 
 
 # The default memory margin: the memory model's error on runs that reported their peak
@@ -185,15 +211,44 @@ def memory_margin_gib(text: str, memory_gib: float) -> float:
     return value
 
 
+def not_composable(model: ModelSpec) -> str:
+    """Why a torchtitan config module cannot compose `model` from torchtitan's grouped-query
+    attention, RMSNorm, SwiGLU and MoE modules ("" when it can): one attention shape, one MoE
+    shape and one dense width for every layer, no biases, sinks, sliding windows or MLA."""
+    moe = model.first_moe
+    if moe is None:
+        return "it has no MoE layer"
+    first = model.layers[0].attention
+    dense = {layer.dense_ffn for layer in model.layers if layer.moe is None}
+    for i, layer in enumerate(model.layers):
+        a, m = layer.attention, layer.moe
+        if a != first or (m is not None and m != moe):
+            return f"layer {i} differs from layer 0 in shape"
+        if m is not None and layer.dense_ffn:
+            return f"layer {i} has a dense MLP beside its experts"
+        if a.kind == "mla" or a.bias or a.o_bias or a.sinks or a.sliding_window:
+            return f"layer {i}'s attention has MLA, biases, sinks or a sliding window"
+        if not layer.dense_gated or (m is not None and (not m.gated or m.expert_bias
+                                                        or m.router_bias or m.shared_gate)):
+            return f"layer {i} has an ungated MLP, expert or router biases or a shared gate"
+    if len(dense) > 1:
+        return "its dense layers differ in width"
+    return ""
+
+
 def check_model(model: ModelSpec, target: Target) -> None:
     """Refuse, in one line, a model the target does not build as Piper prices it."""
     if target.native_models is None:
         return
     key = (model.family, model.num_layers, model.hidden_size)
-    if key not in target.native_models:
+    if key in target.native_models:
+        return
+    why = (not_composable(model) if model.family in target.composed_families
+           else f"its family is none of {', '.join(target.composed_families)}")  # fmt: skip
+    if why:
         raise SpecError(
             f"--target {target.name}: {target.engine} {target.version} has no model of its own "
             f"for {model.name} ({model.family}, {model.num_layers} layers, hidden "
-            f"{model.hidden_size}) and its HF backend builds other shapes; plan with --target "
-            "megatron or --target piper"
+            f"{model.hidden_size}) and cannot compose it from its modules ({why}); plan with "
+            "--target megatron or --target piper"
         )

@@ -73,6 +73,13 @@ def _knobs(plan: Plan, t: Target) -> Iterator[str]:
         yield f"it is priced with {tr.get('optimizer_dtype')} Adam moments"
     if tr.get("mtp_layers") and not t.mtp:
         yield f"it trains {tr.get('mtp_layers')} MTP layers"
+    if t.name != "megatron":
+        if tr.get("optimizer_offload_fraction"):
+            yield f"it offloads {tr.get('optimizer_offload_fraction')} of the optimizer state"
+        if tr.get("precision_aware_optimizer"):
+            yield "it is priced with Megatron's precision-aware optimizer"
+        if tr.get("grad_dtype"):
+            yield f"it is priced with a {tr.get('grad_dtype')} gradient buffer"
 
 
 def _recompute(plan: Plan, t: Target) -> Iterator[str]:
