@@ -27,7 +27,12 @@ MEMORY_CEILING_SHARE x the device's memory]; time constants do not change memory
 fits are separate.
 
 Leave-one-out: for each run, the selection and the fit are redone on the others and the run is
-predicted.
+predicted; for memory, framework_overhead_gib is refitted without each run's peak.
+
+Uncertainty (planner/calibrate/uncertainty.py reads it from the fitted profile): the kept
+constants' covariance in t at the fit, (J'J / RUN_SIGMA^2 + diag(1 / w_k^2))^-1 with J the
+runs' d log p / d t there (the Laplace approximation of the posterior the objective is the
+negative log of, up to a factor 2).
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ class MemoryFit:
     fitted_gib: float
     mean_error_before_gib: float  # mean of predicted - measured peak
     mean_error_after_gib: float
+    loo_rms_log: float | None = None  # RMS log(predicted / measured) peak, each run left out
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,7 @@ class PriorFit:
     memory: MemoryFit | None
     converged: bool
     message: str
+    covariance_t: tuple[tuple[float, ...], ...] = ()  # selection.kept x kept, in t units
 
 
 def priors_of(cluster: ClusterSpec, names: Sequence[str] | None) -> tuple[Prior, ...]:
@@ -170,16 +177,32 @@ class _Problem:
             self._cache[key] = predicted_value(run, estimate_run(run, self.cluster_at(t)))
         return math.log(max(self._cache[key], 1e-300) / self.runs[i].measured)
 
-    def jacobian(self, rows: Sequence[int]) -> np.ndarray:
-        """d log p_r / d t_k at the prior, forward differences (backward at the top bound)."""
-        base = np.array([self.log_ratio(i, self.t0) for i in rows])
+    def jacobian(
+        self, rows: Sequence[int], at: np.ndarray | None = None, only: Sequence[int] | None = None
+    ) -> np.ndarray:
+        """d log p_r / d t_k at `at` (default the prior) for the constants `only` (default
+        all), forward differences (backward at the top bound)."""
+        t_at = self.t0 if at is None else at
+        base = np.array([self.log_ratio(i, t_at) for i in rows])
         cols = []
-        for k, p in enumerate(self.priors):
-            step = JACOBIAN_STEP if self.t0[k] + JACOBIAN_STEP <= p.t_bounds[1] else -JACOBIAN_STEP
-            t = self.t0.copy()
+        for k in range(len(self.priors)) if only is None else only:
+            high = self.priors[k].t_bounds[1]
+            step = JACOBIAN_STEP if t_at[k] + JACOBIAN_STEP <= high else -JACOBIAN_STEP
+            t = t_at.copy()
             t[k] += step
             cols.append((np.array([self.log_ratio(i, t) for i in rows]) - base) / step)
         return np.column_stack(cols)
+
+    def covariance(self, rows: Sequence[int], kept: Sequence[str], t: np.ndarray) -> np.ndarray:
+        """The kept constants' covariance in t at the fit t: the inverse of the Gauss-Newton
+        Hessian of the objective / 2, J'J / RUN_SIGMA^2 + diag(1 / w_k^2) (Laplace's
+        approximation of the posterior the regularised fit maximises)."""
+        idx = [k for k, p in enumerate(self.priors) if p.name in kept]
+        if not idx:
+            return np.zeros((0, 0))
+        jac = self.jacobian(rows, at=t, only=idx)
+        prior = np.diag([1.0 / self.priors[k].width ** 2 for k in idx])
+        return np.linalg.inv(jac.T @ jac / RUN_SIGMA**2 + prior)
 
     def select(self, rows: Sequence[int]) -> Selection:
         """The identifiable constants over `rows` (module docstring)."""
@@ -270,6 +293,7 @@ def fit_with_prior(
     rows = tuple(range(len(runs)))
     selection, t_fit, converged, message = problem.fit_rows(rows)
     fitted = problem.cluster_at(t_fit)
+    cov = problem.covariance(rows, selection.kept, t_fit)
     before = [math.exp(problem.log_ratio(i, problem.t0)) * runs[i].measured for i in rows]
     after = [math.exp(problem.log_ratio(i, t_fit)) * runs[i].measured for i in rows]
     left_out: list[float] | None = None
@@ -295,6 +319,7 @@ def fit_with_prior(
         after=fit_error(labels, after, measured),
         left_out=fit_error(labels, left_out, measured) if left_out else None,
         memory=memory, converged=converged, message=message,
+        covariance_t=tuple(tuple(float(x) for x in row) for row in cov),
     )  # fmt: skip
 
 
@@ -308,12 +333,26 @@ def fit_memory(runs: Sequence[Run], cluster: ClusterSpec) -> MemoryFit | None:
         float(r.measured_peak_gib or 0.0) - max(estimate_run(r, cluster).memory_gib_per_stage)
         for r in measured
     ]
-    shrink = len(diffs) + (MEMORY_SIGMA_GIB / MEMORY_WIDTH_GIB) ** 2
     prior = cluster.framework_overhead_gib
-    ceiling = MEMORY_CEILING_SHARE * cluster.device.memory_gib
-    fitted = min(max(prior + sum(diffs) / shrink, MEMORY_FLOOR_GIB), ceiling)
+    fitted = _overhead(diffs, prior, cluster)
     mean = sum(diffs) / len(diffs)
-    return MemoryFit(len(diffs), prior, fitted, -mean, (fitted - prior) - mean)
+    loo = None
+    if len(diffs) >= 2:
+        logs = []
+        for i, r in enumerate(measured):
+            moved = _overhead(diffs[:i] + diffs[i + 1 :], prior, cluster) - prior
+            peak = float(r.measured_peak_gib or 0.0)
+            logs.append(math.log(max(peak - diffs[i] + moved, 1e-9) / peak))
+        loo = math.sqrt(sum(x * x for x in logs) / len(logs))
+    return MemoryFit(len(diffs), prior, fitted, -mean, (fitted - prior) - mean, loo)
+
+
+def _overhead(diffs: Sequence[float], prior: float, cluster: ClusterSpec) -> float:
+    """framework_overhead_gib moved by the shrunk mean of `diffs` (measured - predicted GiB),
+    held within its floor and ceiling (module docstring)."""
+    shrink = len(diffs) + (MEMORY_SIGMA_GIB / MEMORY_WIDTH_GIB) ** 2
+    ceiling = MEMORY_CEILING_SHARE * cluster.device.memory_gib
+    return min(max(prior + sum(diffs) / shrink, MEMORY_FLOOR_GIB), ceiling)
 
 
 def warning_line(result: PriorFit) -> str:

@@ -6,7 +6,10 @@ the fit's method and sigma, the inputs (`runs_file`, and `run_1`, `run_2`, ...: 
 label and where it came from), for every candidate constant `prior_<name>`, `width_<name>` and
 `fitted_<name>` (the value; `kept_<name>` says why one stayed at the preset), the memory fit,
 and the errors before the fit, of the fit and left out (geomean predicted / measured, share
-within +-15%, worst run, RMS log error).
+within +-15%, worst run, RMS log error). What the error bars read
+(planner/calibrate/uncertainty.py): `runs` and `loo_rms_log`, `memory_runs` and
+`memory_loo_rms_log`, and the fitted constants' covariance in t = log(c + a) as `se_<name>`
+and `corr_<a>__<b>`.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import yaml
 
 from planner.calibrate.fit_report import Table, constant_text, errors_table, runs_table
 from planner.calibrate.prior import RUN_SIGMA, PriorFit
+from planner.calibrate.uncertainty import covariance_items
 from planner.inputs.clusters import cluster_from_dict, cluster_to_dict
 from planner.specs import EFFICIENCIES, ClusterSpec
 
@@ -79,6 +84,10 @@ def calibration_items(result: PriorFit, runs_file: str, date: str) -> list[tuple
         cal += [("prior_framework_overhead_gib", result.memory.prior_gib),
                 ("fitted_framework_overhead_gib", result.memory.fitted_gib),
                 ("memory_runs", result.memory.runs)]  # fmt: skip
+        if result.memory.loo_rms_log is not None:
+            cal.append(("memory_loo_rms_log", round(result.memory.loo_rms_log, 4)))
+    if result.covariance_t:
+        cal += covariance_items(result.selection.kept, np.array(result.covariance_t))
     for prefix, err in (("before", result.before), ("fit", result.after),
                         ("loo", result.left_out)):  # fmt: skip
         if err is not None:

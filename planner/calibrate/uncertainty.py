@@ -11,7 +11,7 @@ The contract (planner/PROFILING.md, "Error bars", has the numbers):
 pipeline stage's peak memory, log(measured / predicted) ~ N(0, sigma_mem^2). An interval at
 `level` is [x exp(-q sigma), x exp(q sigma)] around the prediction x. Tokens/s, TFLOPS/GPU and
 MFU are proportional to one another and step time is tokens per step / tokens/s, so the four
-share sigma_time (step time's interval is the reciprocal one).
+share sigma_time (step time's interval is the reciprocal one); MFU's upper end is held at 1.
 
 **sigma_time** = sqrt(s_loo^2 + g' C g):
 - s_loo: the profile's `calibration.loo_rms_log`, the RMS of log(predicted / measured) of its
@@ -45,9 +45,10 @@ from typing import Protocol
 import numpy as np
 from scipy.stats import norm, t
 
+from planner.calibrate.fit import fit_params
 from planner.calibrate.prior import JACOBIAN_STEP, PRIORS
 from planner.plan.schema import Interval, Intervals
-from planner.specs import EFFICIENCIES, ClusterSpec, SpecError
+from planner.specs import ClusterSpec, SpecError
 
 LEVEL = 0.8
 # The uncalibrated model's error: RMS of log(predicted / measured) of ClusterSpec's derived
@@ -153,8 +154,13 @@ def error_model(cluster: ClusterSpec) -> ErrorModel:
 def _covariance(
     cluster: ClusterSpec, number: Callable[[str], float | None]
 ) -> tuple[tuple[str, ...], tuple[tuple[float, ...], ...]]:
-    """(names, covariance) from `se_<name>` and `corr_<a>__<b>` (0 when absent)."""
-    names = tuple(e.name for e in EFFICIENCIES if number(f"se_{e.name}") is not None)
+    """(names, covariance) from `se_<name>` and `corr_<a>__<b>` (0 when absent); a name that
+    is not a constant a fit may set raises SpecError."""
+    keys = [k[3:] for k, _ in cluster.calibration if k.startswith("se_")]
+    try:
+        names = tuple(e.name for e in fit_params(keys)) if keys else ()
+    except SpecError as err:
+        raise SpecError(f"cluster {cluster.name}: calibration se_<name>: {err}") from None
     se = [number(f"se_{n}") or 0.0 for n in names]
     cov = []
     for i, a in enumerate(names):
@@ -195,10 +201,9 @@ def parameter_log_sd(cluster: ClusterSpec, reprice: Reprice, model: ErrorModel) 
     if not model.names:
         return 0.0
     base = math.log(reprice(cluster))
-    known = {e.name: e for e in EFFICIENCIES}
     grad = []
-    for name in model.names:
-        e, offset = known[name], PRIORS[name][1]
+    for e in fit_params(model.names):
+        name, offset = e.name, PRIORS[e.name][1]
         t0 = math.log(float(getattr(cluster, name)) + offset)
         step = JACOBIAN_STEP if math.exp(t0 + JACOBIAN_STEP) - offset <= e.high else -JACOBIAN_STEP
         value = min(max(math.exp(t0 + step) - offset, e.low), e.high)
@@ -231,13 +236,14 @@ def intervals(
     param = parameter_log_sd(cluster, reprice, m) if reprice is not None else 0.0
     sigma = math.hypot(m.time_log_sd, param)
     tq, mq = m.time_quantile(level), m.memory_quantile(level)
+    mfu = interval(est.mfu, sigma, tq, level)
     return Intervals(
         level=level, source=describe_source(cluster, level), time_log_sd=sigma,
         param_log_sd=param, memory_log_sd=m.memory_log_sd,
         tokens_per_s=interval(est.tokens_per_s, sigma, tq, level),
         step_time_s=interval(est.step_time_s, sigma, tq, level),
         tflops_per_gpu=interval(est.tflops_per_gpu, sigma, tq, level),
-        mfu=interval(est.mfu, sigma, tq, level),
+        mfu=replace(mfu, hi=min(mfu.hi, 1.0)),  # no run exceeds the peak
         memory_gib_per_stage=tuple(interval(x, m.memory_log_sd, mq, level)
                                    for x in est.memory_gib_per_stage),
     )  # fmt: skip

@@ -174,6 +174,8 @@ def _recompute(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from planner.calibrate.uncertainty import intervals
+    from planner.outputs.error_bars import interval_lines, intervals_csv
     from planner.outputs.files import write_files
     from planner.resources.cost import estimate, estimate_to_dict
     from planner.resources.flops import FLOPS_CONVENTION
@@ -181,10 +183,15 @@ def run(args: argparse.Namespace) -> int:
     model, cluster, training, parallel, target = _inputs(args)
     m, gb = parallel.num_microbatches, training.global_batch
     split = accounted_split(model.num_layers, parallel.pp) if args.split == "accounted" else None
-    est = estimate(
-        model, cluster, training, parallel, stage_layers=split, dispatcher=args.dispatcher,
-        accounting=args.accounting,
-    )  # fmt: skip
+
+    def price(c: ClusterSpec):
+        return estimate(
+            model, c, training, parallel, stage_layers=split, dispatcher=args.dispatcher,
+            accounting=args.accounting,
+        )  # fmt: skip
+
+    est = price(cluster)
+    bars = intervals(cluster, est, reprice=lambda c: price(c).tokens_per_s)
     data = {
         "model": model.name,
         "cluster": cluster.name,
@@ -221,15 +228,19 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_s_per_gpu": est.tokens_per_s / parallel.world,
         "flops_per_token": est.model_flops_per_step / (gb * training.seq_len),
         "flops_convention": FLOPS_CONVENTION,
+        "intervals": bars.to_dict(),
     }
     if args.out:
-        write_files(args.out, _files(data))
+        write_files(args.out, {**_files(data), "intervals.csv": intervals_csv(bars)})
     if args.json:
         print(json.dumps(_rounded(data), indent=2, sort_keys=True))
     else:
         print(_table(data))
+        print("\n".join(interval_lines(bars, parallel.world, indent="")))
         if args.out:
-            print(f"wrote estimate.json, memory.csv, time.csv, comm.csv to {args.out}")
+            print(
+                f"wrote estimate.json, memory.csv, time.csv, comm.csv, intervals.csv to {args.out}"
+            )
     return 0
 
 

@@ -14,18 +14,49 @@ from dataclasses import replace
 from planner.calibrate.compare import plan_inputs
 from planner.calibrate.uncertainty import intervals
 from planner.numbers import number
-from planner.plan.schema import Interval, Plan
+from planner.plan.schema import Interval, Intervals, Plan
 from planner.resources.cost import estimate
 from planner.search.make_plan import PlanResult
 from planner.specs import ClusterSpec
 
 
-def bracket(iv: Interval, digits: int = 4, scale: float = 1.0, percent: bool = False) -> str:
-    """ "[lo, hi] (80%)": the interval's ends times `scale`, to `digits` significant digits (as
-    percentages with one decimal when `percent`)."""
+def bracket(
+    iv: Interval, digits: int = 4, scale: float = 1.0, percent: bool = False, level: bool = True
+) -> str:
+    """The interval as "[lo, hi] (80%)": its ends times `scale` to `digits` significant digits
+    (percentages with one decimal when `percent`); without " (80%)" when not `level`."""
     lo, hi = iv.lo * scale, iv.hi * scale
     ends = f"{lo:.1%}, {hi:.1%}" if percent else f"{number(lo, digits)}, {number(hi, digits)}"
-    return f"[{ends}] ({iv.level:.0%})"
+    return f"[{ends}]" + (f" ({iv.level:.0%})" if level else "")
+
+
+def interval_lines(ivs: Intervals | None, gpus: int, indent: str = "  ") -> list[str]:
+    """The printed interval lines of `piper plan` and `piper estimate` (none without ivs):
+    tokens/s (total and per GPU), step time, TFLOPS/GPU, MFU, each stage's memory, source."""
+    if ivs is None:
+        return []
+    memory = ", ".join(
+        f"stage {k} {bracket(iv, 3)}" for k, iv in enumerate(ivs.memory_gib_per_stage)
+    )
+    return [
+        f"{indent}intervals: tokens/s {bracket(ivs.tokens_per_s)}, per GPU "
+        f"{bracket(ivs.tokens_per_s, scale=1 / gpus)}",
+        f"{indent}  step {bracket(ivs.step_time_s)} s, TFLOPS/GPU {bracket(ivs.tflops_per_gpu, 3)},"
+        f" MFU {bracket(ivs.mfu, percent=True)}",
+        f"{indent}  memory (GiB) {memory}",
+        f"{indent}  from {ivs.source}",
+    ]
+
+
+def intervals_csv(ivs: Intervals) -> str:
+    """`piper estimate --out`'s intervals.csv: figure,stage,level,lo,mid,hi (stage empty for
+    the step's figures; memory_gib one row per stage)."""
+    rows = ["figure,stage,level,lo,mid,hi"]
+    named = [(n, "", getattr(ivs, n)) for n in Intervals.FIGURES]
+    named += [("memory_gib", str(k), iv) for k, iv in enumerate(ivs.memory_gib_per_stage)]
+    for name, stage, iv in named:
+        rows.append(f"{name},{stage},{iv.level:g},{iv.lo:.6g},{iv.mid:.6g},{iv.hi:.6g}")
+    return "\n".join(rows) + "\n"
 
 
 def plan_tokens_per_s(plan: Plan, cluster: ClusterSpec) -> float:
@@ -47,12 +78,3 @@ def with_intervals(result: PlanResult, cluster: ClusterSpec) -> PlanResult:
     ivs = intervals(cluster, plan.predicted, reprice=lambda c: plan_tokens_per_s(plan, c))
     predicted = replace(plan.predicted, intervals=ivs)
     return replace(result, plan=replace(plan, predicted=predicted))
-
-
-def time_spread(plan: Plan | None) -> float | None:
-    """hi / mid of the plan's tokens/s interval (the factor every candidate's figures are
-    widened by), None without intervals."""
-    if plan is None or plan.predicted.intervals is None:
-        return None
-    iv = plan.predicted.intervals.tokens_per_s
-    return iv.hi / iv.mid if iv.mid > 0 else None

@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from planner.numbers import number, percent
+from planner.outputs.error_bars import bracket, interval_lines
 from planner.outputs.tables import (
     CANDIDATE_DIGITS,
     COMM_DIGITS,
@@ -25,17 +26,20 @@ from planner.outputs.tables import (
     comm_frame,
     memory_frame,
     stages_frame,
+    time_spread,
     to_csv,
 )
+from planner.plan.schema import Intervals
 from planner.search.baselines import Baseline
 from planner.search.evaluator import EstimateView
 from planner.search.make_plan import PlanResult
 from planner.search.rows import CandidateRow, describe
 
 
-def candidates_csv(rows: Sequence[CandidateRow]) -> str:
-    """candidates.csv: planner.outputs.tables.candidates_frame, floats to fixed digits."""
-    return to_csv(candidates_frame(rows), CANDIDATE_DIGITS)
+def candidates_csv(rows: Sequence[CandidateRow], ivs: Intervals | None = None) -> str:
+    """candidates.csv: planner.outputs.tables.candidates_frame, floats to fixed digits; the
+    tokens/s and step time ends widened by the chosen plan's spread (`ivs`)."""
+    return to_csv(candidates_frame(rows, time_spread(ivs)), CANDIDATE_DIGITS)
 
 
 def stages_csv(result: PlanResult) -> str:
@@ -43,9 +47,10 @@ def stages_csv(result: PlanResult) -> str:
     return to_csv(stages_frame(result), STAGE_DIGITS)
 
 
-def memory_csv(est: EstimateView) -> str:
-    """memory.csv: planner.outputs.tables.memory_frame (stage, component, GiB)."""
-    return to_csv(memory_frame(est), MEMORY_DIGITS)
+def memory_csv(est: EstimateView, ivs: Intervals | None = None) -> str:
+    """memory.csv: planner.outputs.tables.memory_frame (stage, component, GiB, and the
+    totals' interval ends)."""
+    return to_csv(memory_frame(est, ivs), MEMORY_DIGITS)
 
 
 def comm_csv(est: EstimateView) -> str:
@@ -131,8 +136,9 @@ def summary_md(result: PlanResult) -> str:
         "",
         "## Predicted",
         "",
-        _predicted_table(est, result.gpus),
+        _predicted_table(est, result.gpus, plan.predicted.intervals),
         "",
+        *_source_lines(plan.predicted.intervals),
         f"TFLOPS/GPU and MFU: {FLOPS_NOTE}, {number(_gflop_per_token(est, result.gpus), 4)} GFLOP "
         "per token.",
         "",
@@ -161,7 +167,22 @@ def _gflop_per_token(est: EstimateView, gpus: int) -> float:
     return est.tflops_per_gpu * 1e3 * gpus / est.tokens_per_s
 
 
-def _predicted_table(est: EstimateView, gpus: int) -> str:
+def _source_lines(ivs: Intervals | None) -> list[str]:
+    """summary.md's line under the prediction: where its intervals come from."""
+    return [] if ivs is None else [f"Intervals: {ivs.source}.", ""]
+
+
+def _interval_row(est: EstimateView, gpus: int, ivs: Intervals) -> list[str]:
+    """The predicted table's interval row: each figure's [lo, hi] (bubble and capacity: -)."""
+    worst = max(range(len(est.memory_gib_per_stage)), key=est.memory_gib_per_stage.__getitem__)
+    return [
+        bracket(ivs.tokens_per_s), bracket(ivs.tokens_per_s, scale=1 / gpus),
+        bracket(ivs.step_time_s), bracket(ivs.tflops_per_gpu),
+        bracket(ivs.mfu, percent=True), "-", bracket(ivs.memory_gib_per_stage[worst]), "-",
+    ]  # fmt: skip
+
+
+def _predicted_table(est: EstimateView, gpus: int, ivs: Intervals | None = None) -> str:
     header = (
         "tokens/s",
         "tokens/s/GPU",
@@ -182,7 +203,8 @@ def _predicted_table(est: EstimateView, gpus: int) -> str:
         number(max(est.memory_gib_per_stage), 4),
         number(capacity_gib(est), 4),
     ]
-    return _table(header, [row])
+    rows = [row] if ivs is None else [row, _interval_row(est, gpus, ivs)]
+    return _table(header, rows)
 
 
 def _solver_lines(plan: Any) -> str:
@@ -273,6 +295,7 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
         f"target {plan.extra.get('target', 'piper')}",
         f"  {number(est.tflops_per_gpu, 3)} TFLOPS/GPU, MFU {percent(est.mfu)} ({FLOPS_NOTE}, "
         f"{number(_gflop_per_token(est, result.gpus), 4)} GFLOP/token)",
+        *interval_lines(plan.predicted.intervals, result.gpus),
         f"  stage IP {plan.solver.backend} {plan.solver.status} (gap {number(plan.solver.gap, 3)})",
     ]
     lines.append(f"  wrote {out_dir}/ (plan.json, candidates.csv, summary.md, plots)")
@@ -288,13 +311,13 @@ def render_files(result: PlanResult) -> dict[str, str | bytes]:
     from planner.outputs import plots
 
     assert result.plan is not None and result.best is not None and result.best.estimate
-    est = result.best.estimate
+    est, ivs = result.best.estimate, result.plan.predicted.intervals
     files: dict[str, str | bytes] = {
         "plan.json": result.plan.to_json(),
         "timings.json": timings_json(result),
-        "candidates.csv": candidates_csv(result.rows),
+        "candidates.csv": candidates_csv(result.rows, ivs),
         "stages.csv": stages_csv(result),
-        "memory.csv": memory_csv(est),
+        "memory.csv": memory_csv(est, ivs),
         "comm.csv": comm_csv(est),
         "summary.md": summary_md(result),
     }

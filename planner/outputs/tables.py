@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from planner.plan.schema import Intervals
 from planner.search.evaluator import EstimateView
 from planner.search.make_plan import PlanResult
 from planner.search.rows import CandidateRow
@@ -24,12 +25,15 @@ CANDIDATE_COLUMNS = (
     "recompute_modules", "vp", "cp", "etp", "sharding", "a2a_overlap", "dispatcher",
     "step_time_s", "tokens_per_s", "mfu", "tflops_per_gpu", "stage0_memory_gib",
     "bound_step_time_s", "feasible", "status", "solver_status", "reason",
+    "tokens_per_s_lo", "tokens_per_s_hi", "step_time_s_lo", "step_time_s_hi",
 )  # fmt: skip
 # Significant digits of each float column in the CSV files.
 CANDIDATE_DIGITS = {"step_time_s": 6, "tokens_per_s": 6, "mfu": 4, "tflops_per_gpu": 4,
-                    "stage0_memory_gib": 4, "bound_step_time_s": 6}  # fmt: skip
-STAGE_DIGITS = {"time_per_microbatch_s": 6, "memory_gib": 5, "capacity_gib": 5}
-MEMORY_DIGITS = {"gib": 5}
+                    "stage0_memory_gib": 4, "bound_step_time_s": 6, "tokens_per_s_lo": 6,
+                    "tokens_per_s_hi": 6, "step_time_s_lo": 6, "step_time_s_hi": 6}  # fmt: skip
+STAGE_DIGITS = {"time_per_microbatch_s": 6, "memory_gib": 5, "capacity_gib": 5,
+                "memory_gib_lo": 5, "memory_gib_hi": 5}  # fmt: skip
+MEMORY_DIGITS = {"gib": 5, "gib_lo": 5, "gib_hi": 5}
 COMM_DIGITS = {"seconds_per_step": 6, "fraction_of_step": 4}
 
 
@@ -59,19 +63,24 @@ def to_csv(frame: pd.DataFrame, digits: Mapping[str, int]) -> str:
     return out.to_csv(index=False, lineterminator="\n")
 
 
-def candidates_frame(rows: Sequence[CandidateRow]) -> pd.DataFrame:
+def candidates_frame(rows: Sequence[CandidateRow], spread: float | None = None) -> pd.DataFrame:
     """One row per candidate, ranked (rows come ranked from the search); feasible is 1 only
-    when the candidate is known to fit (a pruned family's unchecked members say 0)."""
+    when the candidate is known to fit (a pruned family's unchecked members say 0).
+    `spread`: hi / mid of the chosen plan's tokens/s interval (planner.outputs.error_bars),
+    which sets every candidate's tokens/s and step time lo / hi (empty when None)."""
     out = []
     for rank, r in enumerate(rows, start=1):
         p, e, k = r.parallel, r.estimate, r.knobs
         memory = e.memory_gib_per_stage[0] if e and e.memory_gib_per_stage else NAN
+        f = spread if spread and e else NAN
+        bars = [e.tokens_per_s / f, e.tokens_per_s * f, e.step_time_s / f,
+                e.step_time_s * f] if e else [NAN] * 4  # fmt: skip
         out.append(
             [rank, p.pp, p.dp, p.tp, p.ep, p.edp, p.micro_batch, p.num_microbatches, p.recompute,
              " ".join(p.recompute_modules), p.vp, p.cp, p.etp, k.sharding, int(k.a2a_overlap),
              k.dispatcher, e.step_time_s if e else NAN, e.tokens_per_s if e else NAN,
              e.mfu if e else NAN, e.tflops_per_gpu if e else NAN, memory, r.bound_step_time_s,
-             int(bool(r.feasible)), r.status, r.solver_status, r.reason]
+             int(bool(r.feasible)), r.status, r.solver_status, r.reason, *bars]
         )  # fmt: skip
     return pd.DataFrame(out, columns=list(CANDIDATE_COLUMNS))
 
@@ -82,29 +91,45 @@ def capacity_gib(est: EstimateView) -> float:
 
 
 def stages_frame(result: PlanResult) -> pd.DataFrame:
-    """Per stage: layers, recomputed layers, time per micro-batch (s), memory (GiB)."""
+    """Per stage: layers, recomputed layers, time per micro-batch (s), memory (GiB) with its
+    interval's ends (empty when the plan has no intervals)."""
     best, plan = result.best, result.plan
     assert best is not None and best.estimate is not None and plan is not None
     est = best.estimate
+    bars = memory_bars(est, plan.predicted.intervals)
     rows = [
         [st.stage, st.layers[0], st.layers[-1], len(st.layers),
          " ".join(map(str, st.recompute_layers)),
          est.stage_time_s[st.stage] if st.stage < len(est.stage_time_s) else NAN,
-         est.memory_gib_per_stage[st.stage], capacity_gib(est)]
+         est.memory_gib_per_stage[st.stage], capacity_gib(est), *bars[st.stage]]
         for st in plan.stages
     ]  # fmt: skip
     columns = ["stage", "first_layer", "last_layer", "num_layers", "recompute_layers",
-               "time_per_microbatch_s", "memory_gib", "capacity_gib"]  # fmt: skip
+               "time_per_microbatch_s", "memory_gib", "capacity_gib", "memory_gib_lo",
+               "memory_gib_hi"]  # fmt: skip
     return pd.DataFrame(rows, columns=columns)
 
 
-def memory_frame(est: EstimateView) -> pd.DataFrame:
-    """Long format: stage, component, GiB; components as the resource model names them."""
+def memory_frame(est: EstimateView, ivs: Intervals | None = None) -> pd.DataFrame:
+    """Long format: stage, component, GiB; components as the resource model names them; the
+    total rows carry the stage's interval ends (gib_lo, gib_hi) when `ivs` is given."""
     rows = []
+    bars = memory_bars(est, ivs)
     for s, total in enumerate(est.memory_gib_per_stage):
-        rows += [[s, name, per_stage[s]] for name, per_stage in est.memory_gib_SC]
-        rows.append([s, "total", total])
-    return pd.DataFrame(rows, columns=["stage", "component", "gib"])
+        rows += [[s, name, per_stage[s], NAN, NAN] for name, per_stage in est.memory_gib_SC]
+        rows.append([s, "total", total, *bars[s]])
+    return pd.DataFrame(rows, columns=["stage", "component", "gib", "gib_lo", "gib_hi"])
+
+
+def memory_bars(est: EstimateView, ivs: Intervals | None) -> list[tuple[float, float]]:
+    """(lo, hi) GiB per stage of `est`: its totals times the intervals' lo / mid and hi / mid
+    (NaN without intervals)."""
+    if ivs is None:
+        return [(NAN, NAN)] * len(est.memory_gib_per_stage)
+    return [
+        (m * iv.lo / iv.mid, m * iv.hi / iv.mid) if iv.mid > 0 else (NAN, NAN)
+        for m, iv in zip(est.memory_gib_per_stage, ivs.memory_gib_per_stage, strict=True)
+    ]
 
 
 def comm_frame(est: EstimateView) -> pd.DataFrame:
@@ -118,5 +143,13 @@ def plan_tables(result: PlanResult) -> PlanTables:
     """The four tables of a plan (see PlanTables)."""
     assert result.best is not None and result.best.estimate is not None
     est = result.best.estimate
-    return PlanTables(candidates_frame(result.rows), stages_frame(result), memory_frame(est),
-                      comm_frame(est))  # fmt: skip
+    ivs = result.plan.predicted.intervals if result.plan else None
+    return PlanTables(candidates_frame(result.rows, time_spread(ivs)), stages_frame(result),
+                      memory_frame(est, ivs), comm_frame(est))  # fmt: skip
+
+
+def time_spread(ivs: Intervals | None) -> float | None:
+    """hi / mid of the plan's tokens/s interval, None without intervals."""
+    if ivs is None or ivs.tokens_per_s.mid <= 0:
+        return None
+    return ivs.tokens_per_s.hi / ivs.tokens_per_s.mid
