@@ -15,6 +15,12 @@ phase crosses (paid once: the messages are in flight together) and t_bw = the bu
 bytes / bandwidth (bandwidth_s). HALO posts Phase II before Phase I, and Phase III starts
 when Phase II has arrived and all Phase I and II messages are posted.
 
+Stragglers (straggler_s): a collective that crosses the network completes when its slowest
+member does. With each member delayed by an independent exponential of mean
+tau = `ClusterSpec.network_jitter_us`, the expected wait is tau x H_n for n members (H_n the
+n-th harmonic number, ~ ln n + 0.577). Added to the analytic all-to-all and to the ring
+collectives; 0 when tau = 0 or the group stays inside the local domain.
+
 A group of n devices is laid out as n aligned devices `stride` apart (consecutive when
 stride = 1; an EP group is ep ranks etp apart, FORMULATION.md's rank convention); the rank IP
 may do better or worse on a real allocation; planner.topology gives the level it spans.
@@ -23,6 +29,7 @@ DeepEP's node-deduplicated dispatch is in planner.resources.deepep.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -98,9 +105,7 @@ def bandwidth_s(cluster: ClusterSpec, bytes_per_rank: float, parts: list[Crossin
         nic = _nic_share_gbps(cluster) * 1e9 * cluster.scale_out_efficiency
         times.append(bytes_per_rank * total / nic)
         times += [
-            bytes_per_rank
-            * sum(o.fraction for o in net[j:])
-            / cluster.link_bytes_per_s(c.level)
+            bytes_per_rank * sum(o.fraction for o in net[j:]) / cluster.link_bytes_per_s(c.level)
             for j, c in enumerate(net)
         ]
     return max(times, default=0.0)
@@ -122,6 +127,32 @@ def phase_s(
     latency + max((posted_before + messages) x o, o + transfer)."""
     o = cluster.msg_overhead_us * 1e-6
     return latency_s + max((posted_before + messages) * o, o + transfer_s)
+
+
+EULER_GAMMA = 0.5772156649015329
+EXACT_HARMONIC_TERMS = 64  # beyond this the asymptotic series is exact to < 1e-13
+
+
+def harmonic(n: int) -> float:
+    """H_n = 1 + 1/2 + ... + 1/n (0 for n < 1): summed up to EXACT_HARMONIC_TERMS, else
+    ln n + gamma + 1/(2n) - 1/(12 n^2) + 1/(120 n^4) (error below 1/(252 n^6))."""
+    if n <= EXACT_HARMONIC_TERMS:
+        return sum(1.0 / i for i in range(1, n + 1))
+    return math.log(n) + EULER_GAMMA + 1.0 / (2 * n) - 1.0 / (12 * n**2) + 1.0 / (120 * n**4)
+
+
+def straggler_s(cluster: ClusterSpec, group_devices: int, stride: int = 1) -> float:
+    """Expected wait for the slowest of a collective's `group_devices` members when the group
+    crosses the network: network_jitter_us x H_n, the mean of the largest of n independent
+    exponential delays of mean network_jitter_us (Renyi's representation of exponential order
+    statistics). 0 when the constant is 0 or every member sits in one local domain (HALO's:
+    a node on Frontier or H100, the NVLink rack on GB200)."""
+    if cluster.network_jitter_us <= 0 or group_devices <= 1:
+        return 0.0
+    span = (group_devices - 1) * stride + 1
+    if span <= local_domain_devices(cluster):
+        return 0.0
+    return cluster.network_jitter_us * 1e-6 * harmonic(group_devices)
 
 
 def flat_all_to_all_s(
@@ -196,7 +227,8 @@ def a2a_time_s(
 ) -> tuple[float, str, tuple[str, ...]]:
     """One all-to-all for the resource model: the measured `a2a_<level>` table of the level the
     group spans when present (flat only: the profiler measures the flat collective), else the
-    analytic model. Returns (seconds, level name, measured tables used)."""
+    analytic model plus the wait for its slowest member (straggler_s; a measured table
+    already holds it). Returns (seconds, level name, measured tables used)."""
     span = group_span(cluster, group_devices, stride)
     if span is None or bytes_per_rank <= 0:
         return 0.0, "", ()
@@ -205,7 +237,7 @@ def a2a_time_s(
     if measured is not None:
         return bytes_per_rank / (measured * 1e9), span.name, (name,)
     t = all_to_all_time_s(cluster, group_devices, bytes_per_rank, algo, stride)
-    return t, span.name, ()
+    return t + straggler_s(cluster, group_devices, stride), span.name, ()
 
 
 def a2a_lower_bound_s(
@@ -247,11 +279,12 @@ def ring_allreduce_s(
     """Ring collective over `group_size` devices `stride` apart: each device moves
     passes * (n - 1) / n * nbytes over the slowest level the group spans, in
     passes * (n - 1) latency-bound steps. passes = 2 for all-reduce (reduce-scatter +
-    all-gather), 1 for reduce-scatter or all-gather alone. Returns (seconds, level name)."""
+    all-gather), 1 for reduce-scatter or all-gather alone; plus the wait for the slowest member
+    (straggler_s). Returns (seconds, level name)."""
     n = group_size
     if n <= 1 or nbytes <= 0:
         return 0.0, ""
     lv = cluster.levels[span_level_index(cluster, [i * stride for i in range(n)])]
     steps = passes * (n - 1)
     t = steps / n * nbytes / cluster.link_bytes_per_s(lv) + steps * lv.latency_us * 1e-6
-    return t, lv.name
+    return t + straggler_s(cluster, n, stride), lv.name
