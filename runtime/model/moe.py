@@ -21,6 +21,7 @@ from torch import nn
 from planner.run.spec import EMPTY, ExpertSlots
 from planner.specs import MoESpec
 from runtime.dispatch.local import LocalDispatcher
+from runtime.model.arch import ModelArch
 from runtime.model.replicas import SlotRouter
 
 
@@ -41,11 +42,25 @@ def init_uniform_(weight: torch.Tensor, fan_in: int, gen: torch.Generator) -> No
 
 
 class Router(nn.Module):
-    """Top-k softmax router; `bias_E` (aux-loss-free balancing) shifts selection only."""
+    """Top-k router of `arch.router` kind; `bias_E` (aux-loss-free balancing, DeepSeek-V3's
+    e_score_correction_bias) shifts the choice only, never the weights.
 
-    def __init__(self, d: int, spec: MoESpec, seed: int, layer: int) -> None:
+    softmax: softmax over all experts, top-k. topk_softmax: top-k of the logits, softmax over
+    the k (GPT-OSS). sigmoid: sigmoid scores, top-k within the `topk_groups` best of
+    `num_groups` expert groups (a group scores the sum of its two best), times
+    routed_scaling_factor (DeepSeek-V3). Weights are renormalised per arch.norm_topk_prob.
+    """
+
+    def __init__(
+        self, d: int, spec: MoESpec, seed: int, layer: int, arch: ModelArch | None = None
+    ) -> None:
         super().__init__()
+        self.arch = arch or ModelArch()
         self.top_k = spec.top_k
+        if spec.num_experts % self.arch.num_groups:
+            raise ValueError(
+                f"{spec.num_experts} experts do not split into n_group={self.arch.num_groups}"
+            )
         self.weight = nn.Parameter(torch.empty(spec.num_experts, d))
         init_uniform_(self.weight, d, seeded_generator(seed, layer, 1))
         self.bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.router_bias else None
@@ -53,13 +68,40 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert_TK int64, gate_TK float): chosen experts and their weights."""
-        logits = F.linear(x_TD, self.weight, self.bias)
-        probs = logits.float().softmax(dim=-1)
-        _, expert_TK = torch.topk(probs.detach() + self.bias_E, self.top_k, dim=-1)
+        arch = self.arch
+        if arch.router == "sigmoid":  # fp32 logits (modeling_deepseek_v3.py:127)
+            logits = F.linear(x_TD.float(), self.weight.float(), self.bias)
+        else:
+            logits = F.linear(x_TD, self.weight, self.bias)
+        if arch.router == "topk_softmax":
+            _, expert_TK = torch.topk(logits.detach().float() + self.bias_E, self.top_k, dim=-1)
+            gate_TK = logits.gather(1, expert_TK).softmax(dim=-1)
+            return expert_TK, gate_TK.to(x_TD.dtype)
+        probs = logits.float().sigmoid() if arch.router == "sigmoid" else logits.float().softmax(-1)
+        choice = probs.detach() + self.bias_E
+        if arch.num_groups > 1:
+            choice = _group_limited(choice, arch.num_groups, arch.topk_groups)
+        _, expert_TK = torch.topk(choice, self.top_k, dim=-1)
         gate_TK = probs.gather(1, expert_TK)
-        if self.top_k > 1:
-            gate_TK = gate_TK / gate_TK.sum(dim=-1, keepdim=True)
+        norm = arch.norm_topk_prob if arch.norm_topk_prob is not None else self.top_k > 1
+        if norm:
+            eps = 1e-20 if arch.router == "sigmoid" else 0.0  # DeepSeek's guard against 0 / 0
+            gate_TK = gate_TK / (gate_TK.sum(dim=-1, keepdim=True) + eps)
+        if arch.routed_scaling_factor != 1.0:
+            gate_TK = gate_TK * arch.routed_scaling_factor
         return expert_TK, gate_TK.to(x_TD.dtype)
+
+
+def _group_limited(choice_TE: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """Scores of the experts outside each token's `keep` best groups set to -inf; a group
+    scores the sum of its two best experts (DeepSeek-V3, modeling_deepseek_v3.py:130-143)."""
+    t, e = choice_TE.shape
+    by_group = choice_TE.view(t, groups, e // groups)
+    group_TG = by_group.topk(min(2, e // groups), dim=-1)[0].sum(dim=-1)
+    kept_TG = torch.zeros_like(group_TG)
+    kept_TG.scatter_(1, torch.topk(group_TG, keep, dim=-1, sorted=False)[1], 1.0)
+    mask_TE = kept_TG.bool()[:, :, None].expand(t, groups, e // groups).reshape(t, e)
+    return choice_TE.masked_fill(~mask_TE, float("-inf"))
 
 
 class Experts(nn.Module):
@@ -70,10 +112,20 @@ class Experts(nn.Module):
     equal. `expert_ids` lists the expert of each slot (EMPTY: a free slot, all zeros).
     """
 
-    def __init__(self, d: int, spec: MoESpec, expert_ids: list[int], seed: int, layer: int):
+    def __init__(
+        self,
+        d: int,
+        spec: MoESpec,
+        expert_ids: list[int],
+        seed: int,
+        layer: int,
+        arch: ModelArch | None = None,
+    ):
         super().__init__()
         x, f = len(expert_ids), spec.expert_ffn
         self.gated = spec.gated
+        arch = arch or ModelArch()
+        self.limit, self.alpha = arch.swiglu_limit, arch.swiglu_alpha
         self.expert_ids = list(expert_ids)
         self.w_in = nn.Parameter(torch.empty(x, d, f))
         self.w_gate = nn.Parameter(torch.empty(x, d, f)) if spec.gated else None
@@ -126,7 +178,7 @@ class Experts(nn.Module):
                 g = rows @ self.w_gate[slot]
                 if self.b_gate is not None:
                     g = g + self.b_gate[slot]
-                h = F.silu(g) * h
+                h = self._glu(g, h)
             else:
                 h = F.gelu(h)
             y = h @ self.w_out[slot]
@@ -136,6 +188,15 @@ class Experts(nn.Module):
         if not outs:
             return x_ND[:0]
         return torch.cat(outs, dim=0)
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU silu(gate) * up; with a limit, GPT-OSS's clamped form
+        (up + 1) * gate * sigmoid(alpha * gate) on clamped inputs (modeling_gpt_oss.py:82-88)."""
+        if not self.limit:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def _grouped(self, x_ND: torch.Tensor, counts_X: list[int]) -> torch.Tensor:
         """The same as `_loop` in three grouped GEMMs (two without a gate) over all slots:
@@ -150,7 +211,7 @@ class Experts(nn.Module):
             )
         h = _gmm(x_ND, self.w_in, offs, self.b_in, slot_N)
         if self.gated:
-            h = F.silu(_gmm(x_ND, self.w_gate, offs, self.b_gate, slot_N)) * h
+            h = self._glu(_gmm(x_ND, self.w_gate, offs, self.b_gate, slot_N), h)
         else:
             h = F.gelu(h)
         return _gmm(h, self.w_out, offs, self.b_out, slot_N)
@@ -192,6 +253,7 @@ class MoELayer(nn.Module):
         d: hidden size. spec: the layer's MoESpec. rank_of_expert_E: EP rank of each expert
             (E/ep experts per rank, one slot each).
         ep_rank: this rank's index in its EP group. seed, layer: weight identity.
+        arch: router kind and expert activation (runtime/model/arch.py).
     `init_slots` builds the experts of another slot table (replicas, free slots) before
     training; `set_slots` swaps the table once the weights sit in their slots (migration).
     `tokens_E` accumulates tokens this rank routed to each expert since the last reset.
@@ -205,12 +267,15 @@ class MoELayer(nn.Module):
         ep_rank: int,
         seed: int,
         layer: int,
+        arch: ModelArch | None = None,
     ):
         super().__init__()
         self.spec, self.ep_rank, self.layer, self.d, self.seed = spec, ep_rank, layer, d, seed
-        self.router = Router(d, spec, seed, layer)
+        self.arch = arch or ModelArch()
+        self.router = Router(d, spec, seed, layer, self.arch)
         table = ExpertSlots.of_ranks(rank_of_expert_E, max(rank_of_expert_E) + 1)
-        self.experts = Experts(d, spec, list(table.slots_RS[ep_rank]), seed, layer)
+        row = list(table.slots_RS[ep_rank])
+        self.experts = Experts(d, spec, row, seed, layer, self.arch)
         self.set_slots(table)
         self.register_buffer("tokens_E", torch.zeros(spec.num_experts, dtype=torch.long), False)
         self.dispatcher = LocalDispatcher()
@@ -221,7 +286,8 @@ class MoELayer(nn.Module):
         before the optimizer holds them."""
         device = self.router.weight.device
         row = list(table.slots_RS[self.ep_rank])
-        self.experts = Experts(self.d, self.spec, row, self.seed, self.layer).to(device)
+        self.experts = Experts(self.d, self.spec, row, self.seed, self.layer, self.arch)
+        self.experts = self.experts.to(device)
         self.set_slots(table)
 
     def set_slots(self, table: ExpertSlots) -> None:

@@ -6,9 +6,11 @@ a pipeline stage is the same class with fewer layers. Every weight is initialize
 generator keyed by (seed, layer, part), so the same model comes out whatever the
 pipeline split or expert placement.
 
-Approximations (documented in runtime/RUNTIME.md): MLA attention runs as GQA with the same
-head count; sliding windows and attention sinks are ignored; embedding and head are untied;
-RoPE uses theta = 10000.
+The layers follow the ModelSpec (MLA, sliding windows, sinks, qk-norm, biases, shared
+experts, dense layers, tied embeddings); the numerics its shapes leave open (RoPE, norm
+epsilon, router, expert activation) follow a ModelArch (runtime/model/arch.py): the runtime's
+own convention by default, a family's when read from its HF config (runtime/RUNTIME.md,
+"Model architectures").
 
 Shape letters: B = sequences, S = sequence length, D = hidden size, V = vocabulary,
 H = query heads, G = key/value heads, Y = head dim.
@@ -21,8 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from planner.specs import AttentionSpec, LayerSpec, ModelSpec
-from runtime.model.moe import MoELayer, init_uniform_, seeded_generator
+from planner.specs import LayerSpec, ModelSpec
+from runtime.model.arch import ModelArch
+from runtime.model.attention import make_attention
+from runtime.model.layers import RMSNorm, seeded_linear
+from runtime.model.moe import MoELayer, seeded_generator
 from runtime.parallel.tensor_parallel import (
     TPGroup,
     gather_tokens,
@@ -30,91 +35,6 @@ from runtime.parallel.tensor_parallel import (
     sp_gather,
     split_tokens,
 )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(dim=-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
-
-
-def rope(x_BHSY: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding over the last axis (rotate-half convention)."""
-    s, y = x_BHSY.shape[-2], x_BHSY.shape[-1]
-    half = y // 2
-    freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x_BHSY.device) / half)
-    ang = torch.arange(s, dtype=torch.float32, device=x_BHSY.device)[:, None] * freq[None]
-    cos, sin = ang.cos().to(x_BHSY.dtype), ang.sin().to(x_BHSY.dtype)
-    x1, x2 = x_BHSY[..., :half], x_BHSY[..., half : 2 * half]
-    rot = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return torch.cat([rot, x_BHSY[..., 2 * half :]], dim=-1)
-
-
-def _linear(d_in: int, d_out: int, bias: bool, gen: torch.Generator) -> nn.Linear:
-    lin = nn.Linear(d_in, d_out, bias=bias)
-    init_uniform_(lin.weight, d_in, gen)
-    if bias:
-        nn.init.zeros_(lin.bias)
-    return lin
-
-
-class Attention(nn.Module):
-    """Causal GQA self-attention (MHA when G == H; MLA approximated as GQA, see module doc).
-
-    With a TP group of size n, this rank holds H / n query heads and G / n key/value heads
-    (runtime/parallel/tensor_parallel.py; H and G must be multiples of n) and maps its token slice
-    [T / n, D] to its token slice, gathering the micro-batch for the attention itself.
-    """
-
-    def __init__(
-        self, d: int, spec: AttentionSpec, gen: torch.Generator, tp: TPGroup | None = None
-    ) -> None:
-        super().__init__()
-        h, g = spec.num_heads, spec.num_kv_heads
-        self.y = spec.head_dim or (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
-        if h % g:
-            raise ValueError(f"num_heads {h} not divisible by num_kv_heads {g}")
-        n = tp.size if tp is not None else 1
-        if g % n:
-            raise ValueError(f"num_kv_heads {g} not divisible by tp={n}")
-        self.tp, self.h, self.g = tp, h // n, g // n  # heads on this rank
-        self.q = shard_linear(_linear(d, h * self.y, spec.bias, gen), tp, 0, h)
-        self.k = shard_linear(_linear(d, g * self.y, spec.bias, gen), tp, 0, g)
-        self.v = shard_linear(_linear(d, g * self.y, spec.bias, gen), tp, 0, g)
-        self.o = shard_linear(_linear(h * self.y, d, spec.o_bias, gen), tp, 1, h)
-        self.q_norm = RMSNorm(self.y) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.y) if spec.qk_norm else None
-        self.recompute_core = False  # selective recompute: scores recomputed in backward
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        if self.tp is not None:  # my token slice [T / n, D] -> the micro-batch
-            s = self.tp.seq_len
-            x_BSD = sp_gather(x_BSD, self.tp).view(self.tp.tokens // s, s, -1)
-        b, s, _ = x_BSD.shape
-        q = self.q(x_BSD).view(b, s, self.h, self.y)
-        k = self.k(x_BSD).view(b, s, self.g, self.y)
-        v = self.v(x_BSD).view(b, s, self.g, self.y)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        q, k = rope(q), rope(k)
-        if self.g != self.h:
-            k = k.repeat_interleave(self.h // self.g, dim=1)
-            v = v.repeat_interleave(self.h // self.g, dim=1)
-        if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(_core_attention, q, k, v, use_reentrant=False)
-        else:
-            out = _core_attention(q, k, v)
-        return self.o(out.transpose(1, 2).reshape(b, s, self.h * self.y))
-
-
-def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -130,10 +50,10 @@ class MLP(nn.Module):
     ):
         super().__init__()
         self.tp = tp
-        self.up = shard_linear(_linear(d, ffn, False, gen), tp, 0)
-        self.gate = shard_linear(_linear(d, ffn, False, gen), tp, 0) if gated else None
-        self.down = shard_linear(_linear(ffn, d, False, gen), tp, 1)
-        self.out_gate = _linear(d, 1, False, gen) if sigmoid_gate else None
+        self.up = shard_linear(seeded_linear(d, ffn, False, gen), tp, 0)
+        self.gate = shard_linear(seeded_linear(d, ffn, False, gen), tp, 0) if gated else None
+        self.down = shard_linear(seeded_linear(ffn, d, False, gen), tp, 1)
+        self.out_gate = seeded_linear(d, 1, False, gen) if sigmoid_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_in = sp_gather(x, self.tp) if self.tp is not None else x
@@ -163,21 +83,23 @@ class Block(nn.Module):
         ep_rank,
         tp=None,
         recompute: str = "none",
+        arch: ModelArch | None = None,
     ):
         super().__init__()
+        arch = arch or ModelArch()
         self.recompute = recompute
         gen = seeded_generator(seed, layer, 0)
-        self.attn_norm = RMSNorm(d)
-        self.attn = Attention(d, spec.attention, gen, tp)
+        self.attn_norm = RMSNorm(d, arch.norm_eps)
+        self.attn = make_attention(d, spec.attention, gen, tp, arch)
         self.attn.recompute_core = recompute == "selective"
-        self.ffn_norm = RMSNorm(d)
+        self.ffn_norm = RMSNorm(d, arch.norm_eps)
         self.mlp = MLP(d, spec.dense_ffn, spec.dense_gated, gen, tp=tp) if spec.dense_ffn else None
         self.moe = self.shared = None
         if spec.moe is not None:
             m = spec.moe
             if rank_of_expert_E is None:
                 rank_of_expert_E = [0] * m.num_experts
-            self.moe = MoELayer(d, m, rank_of_expert_E, ep_rank, seed, layer)
+            self.moe = MoELayer(d, m, rank_of_expert_E, ep_rank, seed, layer, arch)
             if m.num_shared_experts and m.shared_ffn:
                 width = m.num_shared_experts * m.shared_ffn
                 self.shared = MLP(d, width, m.gated, gen, sigmoid_gate=m.shared_gate, tp=tp)
@@ -218,6 +140,10 @@ class StageModule(nn.Module):
         ep_rank: this rank's index in its EP group. seed: weight identity.
         tp: this rank's tensor-parallel group (None: no TP).
         recompute: layer index -> "full" or "selective" for the layers the plan recomputes.
+        arch: the numerics the shapes leave open (default: the runtime's, ModelArch()).
+    With `model.tie_word_embeddings` the head's weight is the embedding's when both sit on
+    this stage; on two stages the head starts as a copy and trains on its own (Megatron
+    instead sums the two copies' gradients over its embedding group).
     forward: token ids [B, S] (first stage) or hidden [B, S, D] -> hidden or logits [B, S, V].
     """
 
@@ -232,8 +158,10 @@ class StageModule(nn.Module):
         seed: int = 0,
         tp: TPGroup | None = None,
         recompute: dict[int, str] | None = None,
+        arch: ModelArch | None = None,
     ) -> None:
         super().__init__()
+        arch = arch or ModelArch()
         d, v = model.hidden_size, model.vocab_size
         placements = placements or {}
         self.layer_ids = list(layer_ids)
@@ -247,12 +175,19 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(
             Block(
                 d, model.layers[i], i, seed, placements.get(i), ep_rank, tp,
-                (recompute or {}).get(i, "none"),
+                (recompute or {}).get(i, "none"), arch,
             )
             for i in self.layer_ids
         )  # fmt: skip
-        self.norm = RMSNorm(d) if last else None
-        self.head = _linear(d, v, False, seeded_generator(seed, 10**6, 2)) if last else None
+        self.norm = RMSNorm(d, arch.norm_eps) if last else None
+        self.head = seeded_linear(d, v, False, seeded_generator(seed, 10**6, 2)) if last else None
+        if self.head is not None and model.tie_word_embeddings:
+            if self.embed is not None:
+                self.head.weight = self.embed.weight
+            else:  # the embedding's initial weights (the same generator as above)
+                with torch.no_grad():
+                    gen = seeded_generator(seed, 10**6, 1)
+                    self.head.weight.copy_(torch.randn(v, d, generator=gen))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """With TP, hidden states between layers and stages are this rank's token slice
