@@ -16,6 +16,12 @@ from dataclasses import replace
 from typing import Any
 
 from planner.cli.estimate import DTYPES
+from planner.cli.plan_shortlist import (
+    PlanInputs,
+    add_shortlist_arguments,
+    shortlist_count,
+    shortlist_files,
+)
 from planner.cli.target_args import add_target_arguments, resolve
 from planner.outputs.console import Phases, phases, print_table
 from planner.parallel import RECOMPUTE_MODULES
@@ -149,7 +155,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the stage IP) or with the stage IP for every candidate (slower, same plan)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(func=run)
+    add_shortlist_arguments(p)
+    p.set_defaults(func=run, plan_parser=p)
 
 
 def trace_loads(path: str, model: ModelSpec) -> dict[int, tuple[float, ...]]:
@@ -235,12 +242,40 @@ def _freeze_heap_at_exit() -> None:
 
 
 def _plan(args: argparse.Namespace, clock: Phases) -> tuple[Any, str]:
-    """Plan, place the redundant slots and write the files, each phase timed by `clock` into
-    timings.json; (None, "") when interrupted before any candidate was solved."""
-    from planner.ip.solvers import SolverOptions
+    """Plan, place the redundant slots and write the files (with --shortlist, the trials'
+    folder too), each phase timed by `clock` into timings.json; (None, "") when interrupted
+    before any candidate was solved."""
     from planner.outputs.error_bars import with_intervals
     from planner.outputs.files import write_files
     from planner.outputs.reports import render_files, timings_json
+
+    count = shortlist_count(args)  # before the search: a bad K writes nothing
+    found = _search(args, clock)
+    if found is None:
+        return None, ""
+    result, inputs = found
+    out = args.out or f"results/{inputs.model.name}-{inputs.cluster.name}-{args.gpus}"
+    trials = {}
+    if count:
+        clock.start("shortlist", f"shortlist: {count} trial layouts")
+        trials = shortlist_files(args, result, inputs, count, out, _search)
+    clock.start("render", "writing plan.json, tables and plots")
+    result = with_intervals(result, inputs.cluster)
+    files = render_files(result)
+    result = replace(result, timings=command_timings(result.timings, clock.times()))
+    files["timings.json"] = timings_json(result)
+    write_files(out, files)
+    if trials:
+        write_files(f"{out}/shortlist", trials)
+        print(f"piper plan: wrote {out}/shortlist/ ({count} trials, shortlist.md): run "
+              f"run_all.sh, then collect.sh", file=sys.stderr)  # fmt: skip
+    return result, out
+
+
+def _search(args: argparse.Namespace, clock: Phases) -> tuple[Any, PlanInputs] | None:
+    """make_plan for the flags, with the redundant slots placed: (the PlanResult, its inputs);
+    None when interrupted before any candidate was solved."""
+    from planner.ip.solvers import SolverOptions
     from planner.search.assemble import (
         check_slots_without_fsdp,
         estimate_with_slots,
@@ -297,7 +332,7 @@ def _plan(args: argparse.Namespace, clock: Phases) -> tuple[Any, str]:
     )
     if result.plan is None:
         if result.interrupted:
-            return None, ""
+            return None
         raise SpecError(result.message)
     clock.start("redundant_slots", "redundant slots: expert IP with replicas")
     plan = with_redundant_slots(result.plan, model, loads, options, args.redundant_slots)
@@ -305,14 +340,7 @@ def _plan(args: argparse.Namespace, clock: Phases) -> tuple[Any, str]:
     if best is not None and best.estimate is not None:
         best = replace(best, estimate=estimate_with_slots(best.estimate, result.plan, plan))
     result = replace(result, plan=plan, best=best)
-    out = args.out or f"results/{model.name}-{cluster.name}-{args.gpus}"
-    clock.start("render", "writing plan.json, tables and plots")
-    result = with_intervals(result, cluster)
-    files = render_files(result)
-    result = replace(result, timings=command_timings(result.timings, clock.times()))
-    files["timings.json"] = timings_json(result)
-    write_files(out, files)
-    return result, out
+    return result, PlanInputs(model, cluster, training, target)
 
 
 def command_timings(

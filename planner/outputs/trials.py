@@ -1,0 +1,214 @@
+"""The trial loop's files: one short benchmark job per shortlisted layout, and the command that
+collects their logs, refits the profile and re-plans.
+
+`trial_files(...)` renders, under the shortlist folder (paths relative to it):
+
+- `<n>-<layout>/plan.json`: the layout's plan (trial 1 is the plan itself);
+- the job, by the engine the plan was made for (plan.json `extra.target`):
+  - piper: `<n>-<layout>/trial.sh`, `piper run PLAN --steps N` with the plan's dispatcher and
+    precision, its metrics in `<n>-<layout>/run/metrics.jsonl` (the log);
+  - megatron / torchtitan: the engine's export (`megatron_args.sh` / `torchtitan_args.sh`,
+    exactly what was priced), `trial.sbatch` (`piper export --to slurm --trainer ENGINE` with
+    the trainer's command plus a short run: Megatron-LM `--train-iters N --log-interval 1
+    --eval-iters 0`, torchtitan `--training.steps N --metrics.log_freq 1`; Megatron's
+    tokenizer and data flags from $DATA_ARGS), and `trial.sh`, which submits it with
+    `sbatch --output <n>-<layout>/train.log` (the log);
+- `run_all.sh`: every trial.sh in order;
+- `collect.sh`: `piper calibrate --fit --log PLAN:LOG ... --out fitted.yaml`, then the same
+  `piper plan` with `--cluster fitted.yaml --out replan`;
+- `shortlist.md`: the trials, why each was chosen, and the constants they pin down.
+
+Scripts name files by absolute paths (they run from anywhere, as the Slurm export's do); every
+path and argument that reaches a shell is quoted (shlex), and the folder names are built from
+the layout's sizes only ([a-z0-9-]).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.calibrate.shortlist import Shortlist
+from planner.calibrate.uncertainty import intervals
+from planner.outputs.export import export_plan
+from planner.outputs.export.slurm import TRAINER_COMMANDS
+from planner.plan.schema import Plan
+from planner.specs import ClusterSpec, SpecError
+
+DEFAULT_STEPS = 30
+SHORT_RUN = {
+    "megatron": ("--train-iters", "{steps}", "--log-interval", "1", "--eval-iters", "0"),
+    "torchtitan": ("--training.steps", "{steps}", "--metrics.log_freq", "1"),
+}
+FOLDER_NAME = re.compile(r"^[a-z0-9-]+$")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class TrialJob:
+    """One trial as written: its folder name, plan and the log its job leaves."""
+
+    name: str
+    plan: Plan
+    log: Path
+
+
+def folder_name(n: int, plan: Plan) -> str:
+    """`<n>-pp1-dp4-tp2-ep8-mb2`, then vp/cp/etp above 1, the recompute policy, sharding."""
+    p = plan.parallel
+    parts = [str(n), f"pp{p.pp}", f"dp{p.dp}", f"tp{p.tp}", f"ep{p.ep}", f"mb{p.micro_batch}"]
+    parts += [f"{k}{getattr(p, k)}" for k in ("vp", "cp", "etp") if getattr(p, k, 1) > 1]
+    if p.recompute != "none":
+        parts.append(str(p.recompute))
+    for key in ("fsdp", "zero"):
+        if plan.training.get(key):
+            parts.append(key)
+    name = "-".join(parts).lower()
+    if not FOLDER_NAME.match(name):  # the sizes are integers and the policy a Literal
+        raise SpecError(f"shortlist: layout name {name!r} is not [a-z0-9-]; report this plan")
+    return name
+
+
+def check_path(path: Path, what: str) -> None:
+    """A path that reaches a shell script must be printable (no control characters)."""
+    if CONTROL.search(str(path)):
+        raise SpecError(
+            f"{what} {str(path)!r} holds a control character (newline, tab, ...); choose a "
+            "plain folder name"
+        )
+
+
+def engine_of(plan: Plan) -> str:
+    extra = plan.extra if isinstance(plan.extra, dict) else {}
+    return str(extra.get("target") or "piper")
+
+
+def trial_files(
+    shortlist: Shortlist,
+    plans: Sequence[Plan],
+    folder: Path,
+    replan: Sequence[str],
+    cluster: ClusterSpec,
+    steps: int = DEFAULT_STEPS,
+) -> tuple[dict[str, str], tuple[TrialJob, ...]]:
+    """The shortlist folder's files (module docstring) and the trials as written.
+
+    Args:
+        shortlist: planner.calibrate.shortlist's choice (trials in order, best first).
+        plans: one plan per trial, in the same order.
+        folder: the shortlist folder, absolute.
+        replan: the `piper plan` arguments to re-plan with (without --cluster and --out).
+        cluster: the plan's cluster (the intervals of the trials' predictions).
+        steps: iterations of each trial run (>= 2: the first is the warm-up).
+    """
+    check_path(folder, "--out")
+    if steps < 2:
+        raise SpecError(f"--trial-steps {steps}: give >= 2 (the first step is the warm-up)")
+    files: dict[str, str] = {}
+    jobs = []
+    for n, plan in enumerate(plans, start=1):
+        name = folder_name(n, plan)
+        job_files, log = _job(plan, folder / name, steps)
+        files.update({f"{name}/{k}": v for k, v in job_files.items()})
+        jobs.append(TrialJob(name, plan, log))
+    files["run_all.sh"] = _script(
+        ["# every trial of the shortlist, one after another"]
+        + [f"bash {shlex.quote(str(folder / j.name / 'trial.sh'))}" for j in jobs]
+    )
+    files["collect.sh"] = _collect(jobs, folder, replan)
+    files["shortlist.md"] = _summary(shortlist, jobs, folder, cluster, steps)
+    return files, tuple(jobs)
+
+
+def _script(lines: Sequence[str]) -> str:
+    return "\n".join(["#!/usr/bin/env bash", "set -euo pipefail", *lines]) + "\n"
+
+
+def _job(plan: Plan, trial: Path, steps: int) -> tuple[dict[str, str], Path]:
+    """(the trial folder's files, the log its job leaves)."""
+    engine = engine_of(plan)
+    plan_path = trial / "plan.json"
+    files = {"plan.json": plan.to_json()}
+    if engine == "piper":
+        run = trial / "run"
+        dispatcher = str(plan.extra.get("dispatcher", "flat"))
+        argv = ["${PIPER:-piper}", "run", shlex.quote(str(plan_path)), "--steps", str(steps),
+                "--dispatcher", shlex.quote(dispatcher), "--precision", "plan",
+                "--out", shlex.quote(str(run))]  # fmt: skip
+        files["trial.sh"] = _script([f"# {steps} steps of this layout; its log: run/metrics.jsonl",
+                                     '"' + argv[0] + '" ' + " ".join(argv[1:])])  # fmt: skip
+        return files, run / "metrics.jsonl"
+    if engine not in SHORT_RUN:
+        raise SpecError(f"{plan_path}: no trial job for target '{engine}'; re-plan with --target")
+    exported = export_plan(plan, engine, str(plan_path))
+    args_file = trial / exported.filename
+    files[exported.filename] = exported.text
+    short = " ".join(a.format(steps=steps) for a in SHORT_RUN[engine])
+    data = " ${DATA_ARGS:-}" if engine == "megatron" else ""  # word-split on purpose
+    command = f"{TRAINER_COMMANDS[engine]} {short}{data}"
+    sbatch = export_plan(plan, "slurm", str(plan_path), command, engine, str(args_file))  # type: ignore[arg-type]
+    files["trial.sbatch"] = sbatch.text
+    log = trial / "train.log"
+    head = [f"# submit {steps} iterations of this layout; its log: {log.name}"]
+    if engine == "megatron":
+        head.append("# DATA_ARGS: your tokenizer and data flags (e.g. --mock-data --tokenizer-type "
+                    "NullTokenizer --vocab-size 151936), exported before this script")  # fmt: skip
+    submit = f"sbatch --output {shlex.quote(str(log))} {shlex.quote(str(trial / 'trial.sbatch'))}"
+    files["trial.sh"] = _script([*head, submit])
+    return files, log
+
+
+def _collect(jobs: Sequence[TrialJob], folder: Path, replan: Sequence[str]) -> str:
+    fitted, out = folder / "fitted.yaml", folder / "replan"
+    fit = ['"${PIPER:-piper}"', "calibrate", "--fit"]
+    for j in jobs:
+        fit += ["--log", shlex.quote(f"{folder / j.name / 'plan.json'}:{j.log}")]
+    fit += ["--out", shlex.quote(str(fitted))]
+    again = ['"${PIPER:-piper}"', *(shlex.quote(a) for a in replan)]
+    again += ["--cluster", shlex.quote(str(fitted)), "--out", shlex.quote(str(out))]
+    return _script([
+        "# after every trial has run: refit the profile on their logs, then re-plan with it",
+        " ".join(fit),
+        " ".join(again),
+    ])  # fmt: skip
+
+
+def _summary(
+    shortlist: Shortlist, jobs: Sequence[TrialJob], folder: Path, cluster: ClusterSpec,
+    steps: int,
+) -> str:  # fmt: skip
+    level = shortlist.level
+    lines = [
+        "# Trial shortlist",
+        "",
+        f"{len(jobs)} layouts to run for {steps} iterations each, chosen among the "
+        f"{shortlist.considered} fastest of the {shortlist.overlapping} layouts whose "
+        f"predicted step time's {level:.0%} interval overlaps the best one's: the best first, "
+        "then each time the layout whose step time the fit, given the trials before it, is "
+        "least sure of (greedy D-optimal design; planner/PROFILING.md, 'The trial loop').",
+        "",
+        f"| trial | layout | predicted step (s) | {level:.0%} interval (s) | information (nats) "
+        "| leans on |",
+        "|---|---|---|---|---|---|",
+    ]
+    for j, t in zip(jobs, shortlist.trials, strict=True):
+        step = j.plan.predicted.step_time_s
+        box = intervals(cluster, j.plan.predicted, level).step_time_s
+        lines.append(
+            f"| {j.name} | {t.layout} | {step:.4g} | {box.lo:.4g}-{box.hi:.4g} | "
+            f"{t.gain_nats:.2f} | {', '.join(t.leans_on) or '-'} |"
+        )
+    lines += ["", "Standard deviation of each constant in the fit's log units (t = log(c + a)), "
+              "from the prior alone and after these trials (linearised):", "",
+              "| constant | prior | after the trials |", "|---|---|---|"]  # fmt: skip
+    for name, a, b in zip(shortlist.constants, shortlist.prior_sd, shortlist.posterior_sd,
+                          strict=True):  # fmt: skip
+        still = "" if b < a * (1 - 1e-3) else " (no trial moves it)"
+        lines.append(f"| {name} | {a:.3f} | {b:.3f}{still} |")
+    lines += ["", "Run the trials, then collect:", "", "```bash",
+              f"bash {shlex.quote(str(folder / 'run_all.sh'))}",
+              f"bash {shlex.quote(str(folder / 'collect.sh'))}", "```", ""]  # fmt: skip
+    return "\n".join(lines)
