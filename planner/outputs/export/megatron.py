@@ -154,7 +154,8 @@ def _parallel_args(plan: Plan) -> list[str]:
 
 
 def _optimizer_args(plan: Plan) -> list[str]:
-    """Distributed optimizer or Megatron-FSDP (ZeRO-3), and the Adam moments' dtype."""
+    """Distributed optimizer or Megatron-FSDP (ZeRO-3), the Adam moments' dtype, the
+    precision-aware optimizer, optimizer offload to the host and the gradient buffer's dtype."""
     t = plan.training
     args = []
     if t.get("fsdp"):
@@ -162,9 +163,17 @@ def _optimizer_args(plan: Plan) -> list[str]:
                  "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]  # fmt: skip
     elif t.get("zero"):
         args.append("--use-distributed-optimizer")
-    if t.get("optimizer_dtype") == "bf16":
-        args += ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
-                 "--exp-avg-sq-dtype", "bf16"]  # fmt: skip
+    offload = t.get("optimizer_offload_fraction") or 0.0
+    bf16_moments = t.get("optimizer_dtype") == "bf16"
+    if bf16_moments or offload or t.get("precision_aware_optimizer"):
+        args.append("--use-precision-aware-optimizer")  # offload needs it (arguments.py)
+    if bf16_moments:
+        args += ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    if offload:
+        args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", f"{offload:g}",
+                 "--overlap-cpu-optimizer-d2h-h2d"]  # fmt: skip
+    if t.get("grad_dtype") == "bf16":
+        args.append("--grad-reduce-in-bf16")
     return args
 
 
