@@ -1,0 +1,29 @@
+"""The optimizer-state flags `piper estimate` prices (Megatron-Core's; other targets refuse
+them in planner.targets.check_training): host offload, the precision-aware optimizer and the
+gradient buffer's dtype, as TrainingSpec fields."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_optimizer_state_arguments(p: argparse.ArgumentParser) -> None:
+    """--optimizer-offload-fraction F, --precision-aware-optimizer, --grad-dtype."""
+    p.add_argument("--optimizer-offload-fraction", type=float, default=0.0, metavar="F",
+                   help="share of the optimizer state (fp32 master + Adam moments) kept "
+                   "and updated in host memory (--optimizer-cpu-offload); default 0")  # fmt: skip
+    p.add_argument("--precision-aware-optimizer", action="store_true",
+                   help="Megatron's --use-precision-aware-optimizer: bf16 parameters' master "
+                   "weights as 2 B remainders")  # fmt: skip
+    p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default=None,
+                   help="the gradient buffer (bf16: Megatron's --grad-reduce-in-bf16); "
+                   "default: the target's accounting")  # fmt: skip
+
+
+def optimizer_state(args: argparse.Namespace) -> dict[str, object]:
+    """The flags as TrainingSpec keyword arguments."""
+    return {
+        "optimizer_offload_fraction": args.optimizer_offload_fraction,
+        "precision_aware_optimizer": args.precision_aware_optimizer,
+        "grad_dtype": args.grad_dtype,
+    }
