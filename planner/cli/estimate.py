@@ -6,6 +6,7 @@ import argparse
 import json
 
 from planner.calibrate.runs import accounted_split
+from planner.cli.optimizer_args import add_optimizer_state_arguments, optimizer_state
 from planner.cli.target_args import add_target_arguments, resolve
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
 from planner.search.target_space import check_layout_for
@@ -76,6 +77,7 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
                    "(torchtitan on, megatron and piper off)")  # fmt: skip
     p.add_argument("--optimizer-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="Adam moments dtype")  # fmt: skip
+    add_optimizer_state_arguments(p)
     p.add_argument("--mtp-layers", type=int, default=None, help="MTP layers (default: model's)")
     p.add_argument("--a2a-overlap", action="store_true",
                    help="1F1B all-to-all overlap behind another micro-batch")  # fmt: skip
@@ -143,7 +145,7 @@ def _inputs(
         recompute=recompute, flash_attention=not args.no_flash,
         routing_skew=args.routing_skew, fsdp=fsdp, optimizer_dtype=args.optimizer_dtype,
         mtp_layers=args.mtp_layers, a2a_overlap=args.a2a_overlap,
-        cuda_graphs=args.cuda_graphs, memory_margin_gib=margin,
+        cuda_graphs=args.cuda_graphs, memory_margin_gib=margin, **optimizer_state(args),
     )  # fmt: skip
     training = with_conventions(training, target)
     check_layout_for(target, training, parallel, args.dispatcher)
