@@ -136,3 +136,55 @@ def test_logits_loss_and_routing_match_transformers(name, tmp_path):
     torch.testing.assert_close(logits, ref.logits, **TOL)
     loss = lm_loss(logits[:, :-1], ids[:, 1:])
     assert loss.item() == pytest.approx(ref.loss.item(), abs=1e-5)
+
+
+def _placed_body(rank: int, world: int, path: str, layout: str, ids, expect) -> float:
+    """This rank's part of the model from the checkpoint (experts split over ep = 2, or
+    heads over tp = 2); returns the loss of the whole batch."""
+    import torch.distributed as dist
+
+    from runtime.dispatch.flat import FlatAllToAll
+    from runtime.parallel.tensor_parallel import TPGroup
+
+    spec, arch = hf_model(path)
+    tp, placements, ep_rank = None, {}, 0
+    if layout == "ep":  # experts 1, 3, ... on rank 1: not a contiguous split
+        placements = {i: tuple(e % 2 for e in range(spec.layers[i].moe.num_experts))
+                      for i in spec.moe_layers}  # fmt: skip
+        ep_rank = rank
+    else:
+        tp = TPGroup(dist.group.WORLD, list(range(world)), rank, ids.numel(), ids.shape[1])
+    module = StageModule(
+        spec, range(spec.num_layers), True, True, placements, ep_rank, tp=tp, arch=arch
+    )
+    load_hf_weights(module, path, spec.family)
+    for moe in module.moe_layers().values():
+        if layout == "ep":
+            moe.dispatcher = FlatAllToAll(dist.group.WORLD, world)
+            assert len(moe.experts.expert_ids) == moe.spec.num_experts // 2
+    mine = ids[rank::world] if layout == "ep" else ids  # ep: each rank its own sequences
+    with torch.no_grad():
+        logits = module(mine)
+    torch.testing.assert_close(logits, expect[rank::world] if layout == "ep" else expect, **TOL)
+    loss = lm_loss(logits[:, :-1], mine[:, 1:])
+    total = torch.tensor([loss.item()])
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+@pytest.mark.parametrize(
+    "name,layout", [("deepseek_v3", "ep"), ("gpt_oss", "ep"), ("deepseek_v3", "tp"),
+                    ("gpt_oss", "tp")],
+)  # fmt: skip
+def test_checkpoint_loads_into_a_two_rank_placement(name, layout, tmp_path, run_distributed):
+    """save_pretrained -> two gloo ranks: experts split over ep = 2 (flat all-to-all) or
+    heads (MLA's up-projections, GPT-OSS's sinks) over tp = 2; same logits and loss as HF."""
+    hf = hf_reference(name)
+    hf.save_pretrained(tmp_path)
+    ids = tokens()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, labels=ids)
+    halves = [lm_loss(ref.logits[r::2, :-1], ids[r::2, 1:]).item() for r in range(2)]
+    expected = sum(halves) / 2 if layout == "ep" else ref.loss.item()
+    losses = run_distributed(_placed_body, 2, str(tmp_path), layout, ids, ref.logits)
+    assert losses == pytest.approx([expected] * 2, abs=1e-5)
