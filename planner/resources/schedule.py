@@ -176,15 +176,14 @@ def reduce_units(
     backward (Megatron-Core DDP with --overlap-grad-reduce, as the interleaved schedule runs
     it, megatron/core/pipeline_parallel/schedules.py `backward_step_helper_postprocess`):
     each of the vp model chunks is reduced once its last micro-batch's backward is done; the
-    schedule runs the last group of g = min(pp, m) micro-batches chunk by chunk (vp - 1 down
-    to 0), so chunk c is ready c g chunk-backwards before the end. Only chunk 0 on pipeline
-    rank 0 is split into buckets (`training.py`: bucketing off for chunks > 0 and pp ranks
-    > 0): k = ceil(its parameters / bucket_params) buckets, ready evenly through its last
-    backward, the last at the end."""
+    schedule runs the last group of pp micro-batches chunk by chunk (vp - 1 down to 0; m is a
+    multiple of pp with vp > 1), so chunk c is ready c pp chunk-backwards before the end.
+    Only chunk 0 on pipeline rank 0 is split into buckets (`training.py`: bucketing off for
+    chunks > 0 and pp ranks > 0): k = ceil(its parameters / bucket_params) buckets, ready
+    evenly through its last backward, the last at the end."""
     vp = parallel.vp
     chunk_s = reduce_s / vp
-    groups = min(parallel.pp, parallel.num_microbatches)
-    units = [(chunk_s, -c * groups * chunk_bwd_s) for c in range(vp - 1, 0, -1)]
+    units = [(chunk_s, -c * parallel.pp * chunk_bwd_s) for c in range(vp - 1, 0, -1)]
     k = max(1, math.ceil(params / vp / bucket_params(parallel))) if bucketed else 1
     units += [(chunk_s / k, -chunk_bwd_s * (k - 1 - j) / k) for j in range(k)]
     return units
