@@ -5,7 +5,8 @@ What `--scale F` (0 < F < 1) changes, and what it keeps:
   shared experts, the expert placement of every kept MoE layer, the rank -> node layout.
 - widths: hidden size, head dim, every FFN width (dense, routed, shared) are multiplied by F
   and rounded to a multiple of 8 (at least 8); key/value heads by F (at least 1) with the
-  query/kv head ratio kept; MLA becomes GQA of the same (scaled) head count.
+  query/kv head ratio kept; MLA becomes GQA of the same (scaled) head count; attention sinks
+  are kept and a sliding window shrinks by F (at least 1 token).
 - depth: stage s keeps max(1, round(n_s * F)) of its n_s layers, evenly spaced from its first
   layer, and at least one MoE layer if it had one, so stage boundaries stay in proportion.
 - sequence length: max(16, round(seq_len * F)); micro-batches per step: max(pp, round(m * F));
@@ -32,7 +33,10 @@ def scale_width(x: int, factor: float) -> int:
 
 def scale_attention(att: AttentionSpec, factor: float, tp: int = 1) -> AttentionSpec:
     """Shrink one attention block; MLA becomes GQA with the same head count (see module doc).
-    Shrunk key/value heads stay a multiple of tp, so tensor parallelism can split them."""
+    Shrunk key/value heads stay a multiple of tp, so tensor parallelism can split them.
+    factor >= 1 keeps the block as it is (MLA, sinks, sliding window)."""
+    if factor >= 1.0:
+        return att
     head_dim = att.head_dim or (att.qk_nope_head_dim + att.qk_rope_head_dim)
     kv = att.num_kv_heads if att.kind != "mla" else att.num_heads
     group = max(1, att.num_heads // max(1, kv))
@@ -48,6 +52,10 @@ def scale_attention(att: AttentionSpec, factor: float, tp: int = 1) -> Attention
         bias=att.bias,
         o_bias=att.o_bias,
         qk_norm=att.qk_norm,
+        sinks=att.sinks,
+        sliding_window=None
+        if att.sliding_window is None
+        else max(1, int(round(att.sliding_window * factor))),
     )
 
 
