@@ -1,0 +1,211 @@
+"""Frontier runs: the fitted frontier preset vs the datasheet preset on published Frontier runs.
+
+Side by side, per run, predicted / measured TFLOPS per GCD with
+- the datasheet preset: profiles/clusters/frontier.yaml at DATASHEET_COMMIT, the commit before
+  issue 25's fit (datasheet hardware, efficiencies assumed, no straggler term);
+- the committed preset (fitted on the paper's table, planner/RESOURCE_MODEL.md "Dragonfly
+  and Frontier terms");
+- the fit redone here exactly as the preset's comment says (`piper calibrate --fit
+  profiles/runs/frontier_paper.csv --params gemm_efficiency,network_jitter_us`, from the
+  datasheet values with network_jitter_us JITTER_START_US) and each row's leave-one-out
+  prediction (fitted on the other six).
+
+Rows: profiles/runs/frontier_paper.csv (the paper's Piper table, ids 201-207: fitted on) and
+profiles/runs/frontier_checks.csv (X-MoE's runs in the paper's table, ids 301-304: never
+fitted on). Then the planner in the paper's space (tp 1, pp x ep = GCDs, no optimizer
+sharding, HALO) on both presets; the issue's finding as it was measured (benchmarks/
+paper_check.py's tp = 1 search, global batch 1024) for the weak-scaling family; and the
+all-to-all bandwidth per node the presets give against the paper's "practical all-to-all
+~30 GB/s per node". Target: every run within +-35%.
+
+    OMP_NUM_THREADS=1 python3 benchmarks/frontier_runs.py [--no-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from results_md import ROOT, recorded
+
+from planner.calibrate.prior import fit_with_prior
+from planner.calibrate.runs import Run, estimate_run, load_runs, predicted_value
+from planner.inputs.clusters import load_cluster
+from planner.inputs.models import load_model
+from planner.ip.solvers import SolverOptions
+from planner.resources import comm
+from planner.search.branch_bound import describe
+from planner.search.make_plan import make_plan
+from planner.specs import ClusterSpec, SpecError, TrainingSpec
+from planner.targets import TARGETS
+
+DATASHEET_COMMIT = "a60abf8"  # frontier.yaml before issue 25's fit
+PAPER_RUNS = ROOT / "profiles/runs/frontier_paper.csv"
+CHECK_RUNS = ROOT / "profiles/runs/frontier_checks.csv"
+PARAMS = ("gemm_efficiency", "network_jitter_us")
+JITTER_START_US = 2000.0  # the fit's start (frontier.yaml's comment)
+TARGET = 0.35  # "within +-35% each"
+OPTIONS = SolverOptions("cpsat", 10.0, 1, 0)
+PRACTICAL_A2A_GBPS_PER_NODE = 30.0  # [paper] shared/PAPER.md, Frontier
+
+
+def datasheet_cluster() -> ClusterSpec:
+    """frontier.yaml as it was at DATASHEET_COMMIT."""
+    text = subprocess.run(
+        ["git", "show", f"{DATASHEET_COMMIT}:profiles/clusters/frontier.yaml"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "frontier.yaml"
+        path.write_text(text)
+        return load_cluster(str(path))
+
+
+def ratio_cell(pred: float, measured: float) -> str:
+    r = pred / measured
+    mark = "" if abs(r - 1) <= TARGET else " !"
+    return f"{pred:6.1f} {r:5.2f}{mark}"
+
+
+def predict(run: Run, cluster: ClusterSpec) -> float:
+    return predicted_value(run, estimate_run(run, cluster))
+
+
+def runs_table(title: str, runs: list[Run], columns: dict[str, list[float]]) -> list[float]:
+    """Print one row per run: measured, then each column's prediction and ratio. Returns the
+    ratios of the last column."""
+    print(f"\n{title}  (cells: predicted TFLOPS/GCD, predicted / measured; ! = outside +-35%)")
+    head = f"{'run':7} {'model':12} {'GCDs':>5} {'measured':>8}  " + "  ".join(
+        f"{name:>14}" for name in columns
+    )
+    print(head + "  layout")
+    last = []
+    for i, run in enumerate(runs):
+        cells = "  ".join(f"{ratio_cell(col[i], run.measured):>14}" for col in columns.values())
+        print(
+            f"{run.label:7} {run.model.name:12} {run.parallel.world:5d} {run.measured:8.2f}  "
+            f"{cells}  {describe(run.parallel)} gbs={run.training.global_batch} "
+            f"{run.dispatcher}"
+        )
+        last.append(list(columns.values())[-1][i] / run.measured)
+    return last
+
+
+def summary(name: str, runs: list[Run], predicted: list[float]) -> None:
+    logs = [math.log(p / r.measured) for p, r in zip(predicted, runs, strict=True)]
+    inside = sum(abs(math.exp(x) - 1) <= TARGET for x in logs)
+    worst = max(range(len(logs)), key=lambda i: abs(logs[i]))
+    print(
+        f"  {name:34} geomean {math.exp(sum(logs) / len(logs)):.3f}, within +-35% "
+        f"{inside}/{len(logs)}, worst {runs[worst].label} {math.exp(logs[worst]):.3f}"
+    )
+
+
+def paper_space_plan(row: Run, cluster: ClusterSpec) -> tuple[float, str]:
+    """The best plan of the paper's space (tp 1, pp x ep = GCDs, no sharding, HALO, Piper's
+    runtime) for the row's model, GCDs and batch: (TFLOPS/GCD, layout)."""
+    gcds, model = row.parallel.world, row.model
+    best = (0.0, "nothing fits")
+    experts = next(ly.moe.num_experts for ly in model.layers if ly.moe is not None)
+    for pp in range(1, model.num_layers + 1):
+        ep = gcds // pp
+        if gcds % pp or experts % ep:
+            continue
+        try:
+            res = make_plan(
+                model, cluster, row.training, gcds, {"tp": 1, "pp": pp, "ep": ep, "dp": ep},
+                OPTIONS, target=TARGETS["piper"], sharding=("none",), dispatchers=("halo",),
+            )  # fmt: skip
+        except SpecError:
+            continue
+        if res.plan is not None and res.best.estimate.tflops_per_gpu > best[0]:
+            best = (res.best.estimate.tflops_per_gpu, describe(res.best.parallel))
+    return best
+
+
+def finding_plan(model: str, gcds: int, cluster: ClusterSpec) -> float:
+    """benchmarks/paper_check.py's tp = 1 plan (global batch 1024, no engine's limits)."""
+    res = make_plan(load_model(model), cluster, TrainingSpec(4096, 1024), gcds, {"tp": 1}, OPTIONS)
+    return res.best.estimate.tflops_per_gpu if res.plan is not None else float("nan")
+
+
+def a2a_per_node_gbps(cluster: ClusterSpec, nodes: int, bytes_per_rank: float) -> float:
+    """HALO all-to-all over `nodes` whole nodes: bytes a node sends / time (GB/s)."""
+    n = nodes * cluster.gpus_per_node
+    t, _, _ = comm.a2a_time_s(cluster, n, bytes_per_rank, "halo")
+    return cluster.gpus_per_node * bytes_per_rank / t / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-results", action="store_true", help="print only")
+    args = ap.parse_args()
+    with recorded(ROOT / "results/frontier_runs.md", "Frontier runs", not args.no_results):
+        report()
+
+
+def report() -> None:
+    sheet, preset = datasheet_cluster(), load_cluster("frontier")
+    paper, checks = load_runs(PAPER_RUNS), load_runs(CHECK_RUNS)
+    start = replace(sheet, network_jitter_us=JITTER_START_US)
+    result = fit_with_prior(paper, start, PARAMS)
+    print(f"datasheet preset: profiles/clusters/frontier.yaml @ {DATASHEET_COMMIT}")
+    print("constant              datasheet   committed   fit here")
+    for name in PARAMS:
+        got = [getattr(c, name) for c in (sheet, preset, result.fitted)]
+        print(f"{name:20} {got[0]:11.4g} {got[1]:11.4g} {got[2]:10.4g}")
+    kept = ", ".join(result.selection.kept) or "nothing"
+    print(f"fitted here: {kept} (start: the datasheet values, network_jitter_us "
+          f"{JITTER_START_US:g})")  # fmt: skip
+
+    cols = {
+        "datasheet": [predict(r, sheet) for r in paper],
+        "preset": [predict(r, preset) for r in paper],
+        "fit here": [rf.after for rf in result.runs],
+        "left out": [rf.left_out or float("nan") for rf in result.runs],
+    }
+    runs_table("Paper's table (fitted on)", paper, cols)
+    for name, values in cols.items():
+        summary(name, paper, values)
+    check_cols = {
+        "datasheet": [predict(r, sheet) for r in checks],
+        "preset": [predict(r, preset) for r in checks],
+    }
+    runs_table("X-MoE on Frontier (check only, never fitted on)", checks, check_cols)
+    for name, values in check_cols.items():
+        summary(name, checks, values)
+
+    print("\nPlanner in the paper's space (tp 1, pp x ep = GCDs, no sharding, HALO), best plan")
+    print(
+        f"{'run':7} {'model':12} {'measured':>8}  {'datasheet':>14}  {'preset':>14}  "
+        "layout (preset)"
+    )
+    for row in paper:
+        a, _ = paper_space_plan(row, sheet)
+        b, lay = paper_space_plan(row, preset)
+        print(
+            f"{row.label:7} {row.model.name:12} {row.measured:8.2f}  "
+            f"{ratio_cell(a, row.measured):>14}  {ratio_cell(b, row.measured):>14}  {lay}"
+        )  # fmt: skip
+
+    print("\nThe finding as measured: paper_check.py's tp = 1 search, global batch 1024")
+    for model, gcds, measured in (("weak-16e", 64, 45.0), ("weak-128e", 512, 39.0),
+                                  ("weak-256e", 1024, 33.0)):  # fmt: skip
+        a, b = finding_plan(model, gcds, sheet), finding_plan(model, gcds, preset)
+        print(f"  {model:10} {gcds:5d} GCDs  measured {measured:5.1f}  datasheet "
+              f"{ratio_cell(a, measured)}  preset {ratio_cell(b, measured)}")  # fmt: skip
+
+    nbytes = 4096 * 2 * 5120 * 2  # one weak-scaling dispatch per rank: s k d x 2 B
+    print(f"\nHALO all-to-all per node, {nbytes / 1e6:.0f} MB per GCD (GB/s a node sends; "
+          f"the paper's practical figure ~{PRACTICAL_A2A_GBPS_PER_NODE:g})")  # fmt: skip
+    for nodes in (2, 8, 16, 32, 64, 128):
+        a, b = a2a_per_node_gbps(sheet, nodes, nbytes), a2a_per_node_gbps(preset, nodes, nbytes)
+        print(f"  {nodes:4d} nodes  datasheet {a:6.1f}  preset {b:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
