@@ -356,6 +356,10 @@ class TrainingSpec:
     # Megatron's --use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the fp32
     # master weights of bf16 parameters as the 16 bits bf16 lacks (store_param_remainders).
     precision_aware_optimizer: bool = False
+    # Megatron's --fine-grained-activation-offloading --offload-modules M1,M2: the inputs of
+    # these submodules go to host memory in forward and come back before backward
+    # (planner.resources.act_offload); comma-separated names of ACTIVATION_OFFLOAD_MODULES.
+    activation_offload_modules: str = ""
 
     def __post_init__(self) -> None:
         if self.cuda_graphs is not None and self.cuda_graphs not in CUDA_GRAPHS:
@@ -400,3 +404,16 @@ class TrainingSpec:
             raise SpecError(
                 f"training: grad_dtype '{self.grad_dtype}' is unknown; use fp32 or bf16"
             )
+        names = [n for n in self.activation_offload_modules.split(",") if n]
+        unknown = [n for n in names if n not in ACTIVATION_OFFLOAD_MODULES]
+        if unknown:
+            raise SpecError(
+                f"training: activation_offload_modules names '{unknown[0]}'; choose from "
+                f"{', '.join(ACTIVATION_OFFLOAD_MODULES)}"
+            )
+
+
+# Megatron-Core's --offload-modules whose input activations Piper prices off the device
+# (docs/user-guide/features/fine_grained_activation_offloading.md)
+ACTIVATION_OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
+                              "expert_fc1", "moe_act")  # fmt: skip
