@@ -16,10 +16,11 @@ Two accountings:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from planner.parallel import ParallelConfig
+from planner.resources import act_offload
 from planner.resources.params import layer_params, mlp_params
 from planner.resources.recompute import kept_components
 from planner.specs import LayerSpec, ModelSpec, Recompute, TrainingSpec
@@ -303,7 +304,26 @@ def layer_activations(
         parts = kept_components(layer, parts, modules, a * tokens, model.hidden_size)
     if accounting != "paper" and training.dtype in SAVED_LOW_PRECISION_BYTES:
         parts = low_precision_saved(model, layer, training, parallel, parts, full)
+    if accounting != "paper" and training.activation_offload_modules:
+        per_elem = act_bytes_per_element(training) * rank_tokens(training, parallel)
+        moved = act_offload.offloaded(layer, training, parts, full, per_elem, model.hidden_size)
+        parts = [(n, v - moved.get(n, 0.0)) for n, v in parts]
     return ActBytes(tuple(parts))
+
+
+def offloaded_layer_bytes(
+    model: ModelSpec,
+    layer: LayerSpec,
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    recompute: Recompute,
+) -> float:
+    """One layer's offloaded bytes per micro-batch: the `activation_offload` workspace."""
+    if not training.activation_offload_modules:
+        return 0.0
+    plain = replace(training, activation_offload_modules="")
+    kept = layer_activations(model, layer, plain, parallel, recompute).total
+    return kept - layer_activations(model, layer, training, parallel, recompute).total
 
 
 # Under an FP8 recipe Transformer Engine saves a low-precision GEMM's input for its weight
