@@ -34,6 +34,7 @@ from planner.resources.memory import (
     head_held,
     layer_activations,
     layer_param_split,
+    offloaded_layer_bytes,
     state_bytes,
 )
 from planner.specs import ClusterSpec, LayerSpec, ModelSpec, Recompute, SpecError, TrainingSpec
@@ -282,6 +283,10 @@ def _workspace(
         out.append(("cp_kv_buffers", 4 * traffic.cp_kv_bytes(model, layer, training, parallel)))
     if parallel.vp > 1 and parallel.pp > 1:
         out.append(("p2p_buffers", 2 * traffic.p2p_bytes(model, training, parallel)))
+    if training.activation_offload_modules:  # one layer's inputs in transit (act_offload)
+        policy = effective_recompute(training, parallel)
+        moved = offloaded_layer_bytes(model, layer, training, parallel, policy)
+        out.append(("activation_offload", moved))
     return tuple(out)
 
 
