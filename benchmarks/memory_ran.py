@@ -6,8 +6,9 @@ columns it takes) or a full row in the RUNS.csv columns (planner/calibrate/runs.
 row the optimizer settings of the stack that ran it, each cited in `settings_source`:
 `grad_dtype` (the gradient buffer: Megatron-Bridge's performance configs reduce in bf16),
 `precision_aware_optimizer`, `optimizer_dtype` (Adam moments), `optimizer_offload_fraction` (host
-offload) and `pipeline_layout` (Megatron's --pipeline-model-parallel-layout; empty: the
-calibration rows' accounted split). Rows are checked, not fitted: nothing here sets a constant.
+offload), `activation_offload_modules` (fine-grained activation offloading) and
+`pipeline_layout` (Megatron's --pipeline-model-parallel-layout; empty: the calibration rows'
+accounted split). Rows are checked, not fitted: nothing here sets a constant.
 
 Each layout is priced twice, side by side:
 - before: the resource model of commit BEFORE (the model at the start of issue 25's memory work),
@@ -51,7 +52,8 @@ EVIDENCE = RUNS / "memory_ran.csv"
 CLUSTERS = {"H100": "h100", "GB200": "gb200-nvl72"}
 BEFORE = "a60abf8"  # HEAD when issue 25's memory work began
 SETTINGS = ("grad_dtype", "precision_aware_optimizer", "optimizer_dtype",
-            "optimizer_offload_fraction", "pipeline_layout", "settings_source")  # fmt: skip
+            "optimizer_offload_fraction", "activation_offload_modules", "pipeline_layout",
+            "settings_source")  # fmt: skip
 MEMORY_ONLY = "1"  # run_of needs a measured figure; memory ignores it (rows marked in the note)
 
 # Priced in the subprocess by the BEFORE model: one JSON object per line in, per-stage GiB out.
@@ -114,6 +116,7 @@ def with_settings(run: Run, fields: dict[str, str]) -> Run:
         precision_aware_optimizer=fields["precision_aware_optimizer"] == "1",
         optimizer_dtype=fields["optimizer_dtype"] or "fp32",
         optimizer_offload_fraction=float(fields["optimizer_offload_fraction"] or 0.0),
+        activation_offload_modules=fields["activation_offload_modules"],
     )
     split = run.stage_layers
     if fields["pipeline_layout"]:
@@ -261,6 +264,8 @@ def _settings(run: Run) -> str:
         out.append("pao")
     if t.optimizer_offload_fraction:
         out.append(f"offload {t.optimizer_offload_fraction:g}")
+    if t.activation_offload_modules:
+        out.append(f"act-offload {t.activation_offload_modules}")
     return " ".join(out)
 
 
