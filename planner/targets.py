@@ -160,12 +160,14 @@ def check_training(training: TrainingSpec, target: Target) -> None:
     _check_optimizer_state(training, target)
 
 
-# Optimizer-state settings only Megatron-Core runs (HybridDeviceOptimizer, Transformer Engine's
-# precision-aware FusedAdam, --grad-reduce-in-bf16): (flag, TrainingSpec field, default).
+# Memory settings only Megatron-Core runs (HybridDeviceOptimizer, Transformer Engine's
+# precision-aware FusedAdam, --grad-reduce-in-bf16, fine-grained activation offloading):
+# (flag, TrainingSpec field, default).
 MEGATRON_OPTIMIZER_STATE = (
     ("--optimizer-offload-fraction", "optimizer_offload_fraction", 0.0),
     ("--precision-aware-optimizer", "precision_aware_optimizer", False),
     ("--grad-dtype", "grad_dtype", None),
+    ("--activation-offload-modules", "activation_offload_modules", ""),
 )
 
 

@@ -80,6 +80,8 @@ def _knobs(plan: Plan, t: Target) -> Iterator[str]:
             yield "it is priced with Megatron's precision-aware optimizer"
         if tr.get("grad_dtype"):
             yield f"it is priced with a {tr.get('grad_dtype')} gradient buffer"
+        if tr.get("activation_offload_modules"):
+            yield f"it offloads the activations of {tr.get('activation_offload_modules')}"
 
 
 def _recompute(plan: Plan, t: Target) -> Iterator[str]:

@@ -155,7 +155,8 @@ def _parallel_args(plan: Plan) -> list[str]:
 
 def _optimizer_args(plan: Plan) -> list[str]:
     """Distributed optimizer or Megatron-FSDP (ZeRO-3), the Adam moments' dtype, the
-    precision-aware optimizer, optimizer offload to the host and the gradient buffer's dtype."""
+    precision-aware optimizer, optimizer offload to the host, the gradient buffer's dtype and
+    fine-grained activation offloading."""
     t = plan.training
     args = []
     if t.get("fsdp"):
@@ -174,6 +175,9 @@ def _optimizer_args(plan: Plan) -> list[str]:
                  "--overlap-cpu-optimizer-d2h-h2d"]  # fmt: skip
     if t.get("grad_dtype") == "bf16":
         args.append("--grad-reduce-in-bf16")
+    if t.get("activation_offload_modules"):
+        modules = t["activation_offload_modules"].split(",")
+        args += ["--fine-grained-activation-offloading", "--offload-modules", *modules]
     return args
 
 
