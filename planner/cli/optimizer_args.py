@@ -1,14 +1,17 @@
-"""The optimizer-state flags `piper estimate` prices (Megatron-Core's; other targets refuse
-them in planner.targets.check_training): host offload, the precision-aware optimizer and the
-gradient buffer's dtype, as TrainingSpec fields."""
+"""The memory flags `piper estimate` prices (Megatron-Core's; other targets refuse them in
+planner.targets.check_training): optimizer offload to the host, the precision-aware optimizer,
+the gradient buffer's dtype and fine-grained activation offloading, as TrainingSpec fields."""
 
 from __future__ import annotations
 
 import argparse
 
+from planner.specs import ACTIVATION_OFFLOAD_MODULES
+
 
 def add_optimizer_state_arguments(p: argparse.ArgumentParser) -> None:
-    """--optimizer-offload-fraction F, --precision-aware-optimizer, --grad-dtype."""
+    """--optimizer-offload-fraction F, --precision-aware-optimizer, --grad-dtype,
+    --activation-offload-modules M1,M2."""
     p.add_argument("--optimizer-offload-fraction", type=float, default=0.0, metavar="F",
                    help="share of the optimizer state (fp32 master + Adam moments) kept "
                    "and updated in host memory (--optimizer-cpu-offload); default 0")  # fmt: skip
@@ -18,6 +21,9 @@ def add_optimizer_state_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default=None,
                    help="the gradient buffer (bf16: Megatron's --grad-reduce-in-bf16); "
                    "default: the target's accounting")  # fmt: skip
+    p.add_argument("--activation-offload-modules", default="", metavar="LIST",
+                   help="comma-separated modules whose inputs wait in host memory (Megatron's "
+                   "--offload-modules): " + ",".join(ACTIVATION_OFFLOAD_MODULES))  # fmt: skip
 
 
 def optimizer_state(args: argparse.Namespace) -> dict[str, object]:
@@ -26,4 +32,5 @@ def optimizer_state(args: argparse.Namespace) -> dict[str, object]:
         "optimizer_offload_fraction": args.optimizer_offload_fraction,
         "precision_aware_optimizer": args.precision_aware_optimizer,
         "grad_dtype": args.grad_dtype,
+        "activation_offload_modules": args.activation_offload_modules,
     }
