@@ -6,6 +6,7 @@ theoretical_memory_usage formula (6 + 12/d B per parameter with the distributed 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from planner.inputs.clusters import load_cluster
 from planner.parallel import ParallelConfig
 from planner.resources.cost import estimate
-from planner.resources.memory import state_bytes
+from planner.resources.memory import layer_activations, offloaded_layer_bytes, state_bytes
 from planner.resources.offload import ADAM_HOST_BYTES, host_link, host_optimizer_s
 from planner.specs import GIB, SpecError, TrainingSpec
 from planner.targets import TARGETS, check_training
@@ -109,6 +110,7 @@ def test_spec_errors_are_one_line(knobs, words):
         ({"optimizer_offload_fraction": 0.5}, "--optimizer-offload-fraction 0.5"),
         ({"precision_aware_optimizer": True}, "--precision-aware-optimizer True"),
         ({"grad_dtype": "bf16"}, "--grad-dtype bf16"),
+        ({"activation_offload_modules": "expert_fc1"}, "--activation-offload-modules expert_fc1"),
     ],
 )
 def test_only_megatron_runs_them(knobs, flag):
@@ -163,3 +165,67 @@ def test_megatron_export_names_what_was_priced():
     both = {"optimizer_dtype": "bf16", "precision_aware_optimizer": True}
     pao = _optimizer_args(SimpleNamespace(training=both))
     assert pao.count("--use-precision-aware-optimizer") == 1
+    acts = _optimizer_args(
+        SimpleNamespace(training={"activation_offload_modules": "core_attn,moe_act"})
+    )
+    assert acts == ["--fine-grained-activation-offloading", "--offload-modules", "core_attn",
+                    "moe_act"]  # fmt: skip
+
+
+# --- fine-grained activation offloading -------------------------------------------------------
+
+
+def _components(model, training, par, recompute="none") -> dict[str, float]:
+    return dict(layer_activations(model, model.layers[0], training, par, recompute).components)
+
+
+def test_activation_offload_removes_each_modules_input_by_hand():
+    # T = b s tokens, a = 2 B; MHA q/k/v/context d each, gated experts 3 x k T f
+    model = make_model(layers=2, d=D, experts=E, top_k=2, ffn=F, vocab=V)
+    par = ParallelConfig(pp=1, dp=2, ep=2, micro_batch=2, num_microbatches=2)
+    t = 2 * 16
+    base = TrainingSpec(seq_len=16)
+    plain = _components(model, base, par)
+    assert plain["dispatch"] == pytest.approx(2 * t * 2 * D)
+    cases = {
+        "expert_fc1": {"dispatch": 0.0},
+        "moe_act": {"experts": plain["experts"] / 3},  # gate and up go, act(gate) * up stays
+        "core_attn": {"qkv": 0.0},
+        "attn_proj": {"context": 0.0},
+        "attn_norm": {"attn_norm": 2 * t * D},  # the input goes, the norm output stays
+        "qkv_linear": {"attn_norm": 2 * t * D},
+        "mlp_norm": {"mlp_norm": 2 * t * D},
+    }
+    for module, changed in cases.items():
+        got = _components(model, replace(base, activation_offload_modules=module), par)
+        assert got == pytest.approx({**plain, **changed}), module
+    both = replace(base, activation_offload_modules="attn_norm,qkv_linear")
+    assert _components(model, both, par)["attn_norm"] == 0.0
+    # with moe_act recomputed the activation output is already gone: offloading moe_act
+    # leaves nothing of the expert intermediates
+    rc = ParallelConfig(pp=1, dp=2, ep=2, micro_batch=2, num_microbatches=2,
+                        recompute="selective", recompute_modules=("moe_act",))  # fmt: skip
+    off = replace(base, activation_offload_modules="moe_act")
+    assert _components(model, off, rc, "selective")["experts"] == pytest.approx(0.0)
+
+
+def test_activation_offload_workspace_is_one_layers_moved_bytes():
+    model = make_model(layers=4, d=D, experts=E, top_k=2, ffn=F, vocab=V)
+    par = ParallelConfig(pp=2, dp=2, ep=2, micro_batch=1, num_microbatches=4)
+    base = TrainingSpec(seq_len=16)
+    off = replace(base, activation_offload_modules="expert_fc1,moe_act")
+    moved = (
+        layer_activations(model, model.layers[0], base, par).total
+        - layer_activations(model, model.layers[0], off, par).total
+    )
+    assert offloaded_layer_bytes(model, model.layers[0], off, par, "none") == pytest.approx(moved)
+    a, b = estimate(model, make_cluster(), base, par), estimate(model, make_cluster(), off, par)
+    first_a, first_b = dict(a.stages[0].memory_gib), dict(b.stages[0].memory_gib)
+    assert first_b["activation_offload"] * GIB == pytest.approx(moved)
+    # stage 0 holds min(pp, m) = 2 micro-batches of its 2 layers
+    assert (first_a["activations"] - first_b["activations"]) * GIB == pytest.approx(2 * 2 * moved)
+
+
+def test_activation_offload_names_are_checked():
+    with pytest.raises(SpecError, match="activation_offload_modules names 'fc2'"):
+        TrainingSpec(activation_offload_modules="expert_fc1,fc2")
