@@ -26,8 +26,9 @@ share sigma_time (step time's interval is the reciprocal one); MFU's upper end i
   term is 0. s_loo already holds the constants' error as it showed at the calibration
   layouts; adding g' C g widens the interval for layouts whose prediction leans on a constant
   more than theirs did (a conservative sum, not a split).
-- q: the Student-t quantile with `runs` - 1 degrees of freedom (s_loo is estimated from
-  `runs` residuals), the normal quantile for a default.
+- q: the Student-t quantile with `runs` degrees of freedom (s_loo^2 is the mean of `runs`
+  squared residuals around 0, so log-error / s_loo of a new run is t-distributed with that
+  many under the model), the normal quantile for a default.
 A profile with no `loo_rms_log` (a preset never fitted, or fitted without leave-one-out) uses
 DEFAULT_TIME_LOG_SD with the normal quantile, and describe_source says so.
 
@@ -37,6 +38,7 @@ a measured peak (leave-one-out on framework_overhead_gib's fit), else DEFAULT_ME
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -94,12 +96,13 @@ class ErrorModel:
         return self.runs > 0
 
     def time_quantile(self, level: float = LEVEL) -> float:
-        return quantile(level, self.runs - 1 if self.runs >= 2 else None)
+        return quantile(level, self.runs or None)
 
     def memory_quantile(self, level: float = LEVEL) -> float:
-        return quantile(level, self.memory_runs - 1 if self.memory_runs >= 2 else None)
+        return quantile(level, self.memory_runs or None)
 
 
+@functools.lru_cache(maxsize=256)
 def quantile(level: float, dof: int | None) -> float:
     """The two-sided `level` quantile: Student-t with `dof` degrees of freedom, normal for
     None; raises SpecError for a level outside (0, 1)."""
@@ -178,7 +181,10 @@ def _first(*values: float | None) -> float:
 
 def describe_source(cluster: ClusterSpec, level: float = LEVEL) -> str:
     """One line: where the intervals of `cluster` come from, with the spread at `level`."""
-    m = error_model(cluster)
+    return _describe(error_model(cluster), bool(cluster.calibration), level)
+
+
+def _describe(m: ErrorModel, has_calibration: bool, level: float) -> str:
     tq, mq = m.time_quantile(level), m.memory_quantile(level)
     time, memory = math.exp(tq * m.time_log_sd), math.exp(mq * m.memory_log_sd)
     if m.calibrated:
@@ -186,7 +192,7 @@ def describe_source(cluster: ClusterSpec, level: float = LEVEL) -> str:
                 + (f" and the covariance of {len(m.names)} fitted constant(s)" if m.names
                    else ""))  # fmt: skip
     else:
-        what = ("calibration without a leave-one-out error (loo_rms_log)" if cluster.calibration
+        what = ("calibration without a leave-one-out error (loo_rms_log)" if has_calibration
                 else "preset without calibration")  # fmt: skip
         head = f"{what}: default log-error sd {DEFAULT_TIME_LOG_SD} (planner/PROFILING.md)"
     mem_head = (f"memory: {m.memory_runs} measured peaks, sd {m.memory_log_sd:.3f}"
@@ -238,7 +244,7 @@ def intervals(
     tq, mq = m.time_quantile(level), m.memory_quantile(level)
     mfu = interval(est.mfu, sigma, tq, level)
     return Intervals(
-        level=level, source=describe_source(cluster, level), time_log_sd=sigma,
+        level=level, source=_describe(m, bool(cluster.calibration), level), time_log_sd=sigma,
         param_log_sd=param, memory_log_sd=m.memory_log_sd,
         tokens_per_s=interval(est.tokens_per_s, sigma, tq, level),
         step_time_s=interval(est.step_time_s, sigma, tq, level),
