@@ -203,6 +203,7 @@ class _IntervalTable:
         self.exact = True
         num_c = max(data.class_of, default=-1) + 1
         self.num_classes = num_c
+        self.none = (0,) * num_c  # nothing recomputed
         self.rep = [data.class_of.index(c) for c in range(num_c)]  # a layer of each class
         self.prefix_CL = [[0] * (data.num_layers + 1) for _ in range(num_c)]
         for i, c in enumerate(data.class_of):
@@ -210,9 +211,25 @@ class _IntervalTable:
                 self.prefix_CL[cc][i + 1] = self.prefix_CL[cc][i] + (cc == c)
         self._front = lru_cache(maxsize=None)(self._front_uncached)
         self._min_mem = lru_cache(maxsize=None)(self._min_mem_uncached)
+        # integer prefix sums (L + 1) and per-stage extras (S) for plain_time
+        self.time_P = _prefix_int(data.time_q)
+        self.state_P = _prefix_int(data.state_q)
+        self.act_P = _prefix_int(data.act_q)
+        self.extra_time_S = [data.extra_time_q(s) for s in range(data.pp)]
+        self.extra_mem_S = [data.extra_mem_q(s) for s in range(data.pp)]
 
     def counts(self, a: int, b: int) -> tuple[int, ...]:
         return tuple(p[b] - p[a] for p in self.prefix_CL)
+
+    def plain_time(self, s: int, a: int, b: int) -> int | None:
+        """Time of [a, b) in stage s when it fits memory with nothing recomputed (then its
+        front is this time alone: recompute only adds time), else None. The same integers
+        as `front`'s: layers of one class share their quantized costs."""
+        k, sp = self.data.in_flight[s], self.state_P
+        mem = self.extra_mem_S[s] + sp[b] - sp[a] + k * (self.act_P[b] - self.act_P[a])
+        if mem > self.data.cap_q:
+            return None
+        return self.extra_time_S[s] + self.time_P[b] - self.time_P[a]
 
     def front(self, s: int, a: int, b: int):
         """Pareto front [(time_q, count, r_C)] sorted by time; [] when nothing fits."""
@@ -282,6 +299,13 @@ class _IntervalTable:
         return [(t, sum(r_C), tuple(r_C))]
 
 
+def _prefix_int(values: tuple[int, ...]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
 def _product(ranges):
     if not ranges:
         yield ()
@@ -314,36 +338,44 @@ def _min_bottleneck(data: StageData, table: _IntervalTable) -> int | None:
             for b in data.ends(s, a):
                 if s == num_s - 1 and b != num_l:
                     continue
-                front = table.front(s, a, b)
-                if not front:
-                    if table.min_mem(s, a, b) > data.cap_q:
-                        break  # longer stages only need more memory
-                    continue
-                best[s][b] = min(best[s][b], max(before, front[0][0]))
+                t = table.plain_time(s, a, b)
+                if t is None:
+                    front = table.front(s, a, b)
+                    if not front:
+                        if table.min_mem(s, a, b) > data.cap_q:
+                            break  # longer stages only need more memory
+                        continue
+                    t = front[0][0]
+                best[s][b] = min(best[s][b], max(before, t))
     result = best[num_s - 1][num_l]
     return None if result == inf else int(result)
 
 
 def _canonical_split(data: StageData, table: _IntervalTable, limit_t: int) -> Split:
     """Among splits with bottleneck <= limit_t: fewest recomputed layers, then shortest
-    early stages; the recompute choice per stage takes the first layers of each class."""
+    early stages; the recompute choice per stage takes the first layers of each class.
+    Only starts reachable from layer 0 within limit_t are visited: the choice from (0, 0)
+    follows them alone."""
     num_l, num_s, inf = data.num_layers, data.pp, math.inf
-    h = [[inf] * (num_l + 1) for _ in range(num_s + 1)]
-    h[num_s][num_l] = 0
+    options_S = []  # per stage: {reachable start a: [(end b, count, r_C), ...] in b order}
+    reach = {0}
+    for s in range(num_s):
+        options = {a: _stage_options(data, table, s, a, limit_t) for a in sorted(reach)}
+        options_S.append(options)
+        reach = {b for opts in options.values() for b, _, _ in opts}
+    h_next = {num_l: 0}  # fewest recomputed layers from (stage s + 1, start b) to the end
     choice: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
     for s in range(num_s - 1, -1, -1):
-        for a in data.starts(s):
-            for b in data.ends(s, a):
-                front = table.front(s, a, b)
-                if not front or front[0][0] > limit_t:
-                    break  # longer stages need more memory and at least as much time
-                if h[s + 1][b] == inf:
-                    continue
-                fits = [f for f in front if f[0] <= limit_t]
-                _, n, r_C = min(fits, key=lambda f: (f[1], f[0], f[2]))
-                if n + h[s + 1][b] < h[s][a]:
-                    h[s][a] = n + h[s + 1][b]
+        h = {}
+        for a, opts in options_S[s].items():
+            best = inf
+            for b, n, r_C in opts:
+                if b in h_next and n + h_next[b] < best:
+                    best = n + h_next[b]
                     choice[(s, a)] = (b, r_C)
+            if best < inf:
+                h[a] = best
+        h_next = h
     starts, recomputed, a = [], set(), 0
     for s in range(num_s):
         b, r_C = choice[(s, a)]
@@ -352,6 +384,28 @@ def _canonical_split(data: StageData, table: _IntervalTable, limit_t: int) -> Sp
             recomputed.update([i for i in range(a, b) if data.class_of[i] == c][:r])
         a = b
     return Split(tuple(starts), frozenset(recomputed))
+
+
+def _stage_options(
+    data: StageData, table: _IntervalTable, s: int, a: int, limit_t: int
+) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Ends b of stage s from a, in order, with the fewest recomputed layers (per class)
+    within limit_t; stops at the first end that cannot make it (longer stages need more
+    memory and at least as much time)."""
+    out = []
+    for b in data.ends(s, a):
+        t = table.plain_time(s, a, b)
+        if t is not None:  # its front: (t, nothing recomputed)
+            if t > limit_t:
+                break
+            out.append((b, 0, table.none))
+            continue
+        front = table.front(s, a, b)
+        if not front or front[0][0] > limit_t:
+            break
+        _, n, r_C = min((f for f in front if f[0] <= limit_t), key=lambda f: (f[1], f[0], f[2]))
+        out.append((b, n, r_C))
+    return out
 
 
 def _infeasible_reason(data: StageData, table: _IntervalTable) -> str:
