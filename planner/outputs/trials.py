@@ -18,6 +18,15 @@ collects their logs, refits the profile and re-plans.
   `piper plan` with `--cluster fitted.yaml --out replan`;
 - `shortlist.md`: the trials, why each was chosen, and the constants they pin down.
 
+The short-run flags, at the engines' pinned versions: Megatron-LM (NVIDIA/Megatron-LM at
+d98e8a64) logs every 100 iterations and evaluates 100 batches by default
+(megatron/training/config/training_config.py:115 `eval_iters: int | None = 100`, :247
+`log_interval: int = 100`), and `--eval-iters 0` leaves the validation loader empty
+(megatron/training/datasets/data_samplers.py:24); torchtitan (b5bcd76c) runs 10,000 steps and
+logs every 10 by default (torchtitan/config/configs.py:67 `steps: int = 10000`,
+torchtitan/components/metrics.py:279 `log_freq: int = 10`). A log line per iteration lets
+`piper calibrate --fit` drop the warm-up iteration alone.
+
 Scripts name files by absolute paths (they run from anywhere, as the Slurm export's do); every
 path and argument that reaches a shell is quoted (shlex), and the folder names are built from
 the layout's sizes only ([a-z0-9-]).
