@@ -247,13 +247,15 @@ def _grad_sync_all(
 ) -> tuple[float, dict[str, float]]:
     """(exposed seconds, per-name max over stages) of the data-parallel gradient reduction.
 
-    As Megatron-Core runs it with --overlap-grad-reduce (and, with the distributed optimizer,
-    --overlap-param-gather): the reduction (all-reduce, or reduce-scatter with `zero`) of
-    each chunk starts when its last backward is done (reduce_units), queued on one stream
-    (overlap.queued_reduce_exposed_s); stage i ends its backward about i / vp chunk-slots
-    before stage 0, so that much more hides. With `zero` the updated weights are
-    all-gathered bucket by bucket ahead of the next step's forward; only stage 0's first
-    bucket has no compute before it. A chunk-backward is 2/3 of a chunk-slot."""
+    With `zero` (Megatron-Core's distributed optimizer, which its recipes run with
+    --overlap-grad-reduce and --overlap-param-gather): each chunk's reduce-scatter starts
+    when its last backward is done (reduce_units), queued on one stream
+    (overlap.queued_reduce_exposed_s), and the updated weights are all-gathered bucket by
+    bucket ahead of the next step's forward, only stage 0's first bucket with no compute
+    before it. Without: one all-reduce of the stage after its backward (Piper's runtime,
+    runtime/parallel/pipeline.py `sync_gradients`). Either way stage i ends its backward
+    about i / vp chunk-slots before stage 0, so that much more hides. A chunk-backward is
+    2/3 of a chunk-slot."""
     pp, vp = parallel.pp, parallel.vp
     passes = 1.0 if training.zero else 2.0
     chunk_bwd = slot / vp * 2 / TRAIN_FACTOR
@@ -263,7 +265,10 @@ def _grad_sync_all(
         sync = _grad_sync_s(st.layers, costs, extras, cluster, training, parallel, passes)
         total = sum(s for _, s in sync)
         params = sum(held_params(st.layers, costs, extras))
-        units = reduce_units(total, params, parallel, chunk_bwd, bucketed=st.stage == 0)
+        if training.zero:
+            units = reduce_units(total, params, parallel, chunk_bwd, bucketed=st.stage == 0)
+        else:  # one all-reduce after the backward (Piper's runtime, `sync_gradients`)
+            units = [(total, 0.0)]
         queued = overlap.queued_reduce_exposed_s(units)
         behind = st.stage / vp * slot * 2 / TRAIN_FACTOR
         shown = overlap.imperfect_s(max(queued - behind, 0.0), total, cluster.overlap_efficiency)

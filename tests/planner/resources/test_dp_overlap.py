@@ -91,3 +91,22 @@ def test_interleaving_hides_all_chunks_but_the_last():
     plain = estimate(model, cl, tr, ParallelConfig(pp=2, dp=4, ep=2, num_microbatches=8))
     inter = estimate(model, cl, tr, ParallelConfig(pp=2, dp=4, ep=2, num_microbatches=8, vp=2))
     assert 0 < inter.dp_exposed_s < plain.dp_exposed_s
+
+
+def test_without_distributed_optimizer_one_all_reduce_after_each_stage():
+    # Piper's runtime all-reduces once after the backward: no chunks, no buckets; stage i still
+    # ends its backward i / vp chunk-slots (2/3 of them backward) before stage 0
+    model, cl = make_model(layers=8), make_cluster()
+    tr = TrainingSpec(seq_len=32, zero=False)
+    par = ParallelConfig(pp=2, dp=4, ep=2, num_microbatches=8, vp=2)
+    est = estimate(model, cl, tr, par)
+    costs = layer_costs(model, cl, tr, par, "flat", "piper")
+    ends = [first_extras(model, cl, tr, par, "piper"), last_extras(model, cl, tr, par, "piper")]
+    g, want = grad_bytes_per_param(tr), 0.0
+    for st in est.stages:
+        roles = [ends[0]] if st.stage == 0 else [ends[1]]
+        dense, expert = held_params(st.layers, costs, roles)
+        total = comm.ring_allreduce_s(cl, 4, 1, g * dense)[0]
+        total += comm.ring_allreduce_s(cl, par.edp, 2, g * expert)[0]
+        want = max(want, total - st.stage / 2 * est.slot_s * 2 / 3)
+    assert est.dp_exposed_s == pytest.approx(max(want, 0.0)) and want > 0
