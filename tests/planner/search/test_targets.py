@@ -114,11 +114,14 @@ def test_help_of_every_command_with_target_flags_prints(command, capsys):
 
 
 def test_torchtitan_plans_only_the_models_it_builds(capsys):
-    """torchtitan 0.3's HF backend fixes Qwen3-30B's shapes for any MoE model, so a model
-    without a torchtitan model of its own is refused at plan and estimate time."""
-    args = ["estimate", "--model", "mixtral-8x7b", "--cluster", "h100", "--dp", "8", "--ep",
+    """torchtitan 0.3 builds its own models and, through the export's config module, GQA MoE
+    models composed from its modules (Mixtral); another model (DBRX) is refused at plan and
+    estimate time."""
+    args = ["estimate", "--model", "dbrx", "--cluster", "h100", "--dp", "8", "--ep",
             "8", "--global-batch", "64", "--target", "torchtitan"]  # fmt: skip
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "no model of its own for mixtral-8x7b" in err
+    assert len(err.splitlines()) == 1 and "no model of its own for dbrx" in err
+    assert "cannot compose it" in err
     assert main([*args[:2], "qwen3-30b-a3b", *args[3:]]) == 0
+    assert main([*args[:2], "mixtral-8x7b", *args[3:]]) == 0
