@@ -127,8 +127,8 @@ def test_paths_with_shell_syntax_stay_text(tmp_path):
 
 @pytest.mark.parametrize("target", ["megatron", "torchtitan"])
 def test_sourcing_an_args_file_runs_nothing(target, tmp_path):
-    """Every word of the Megatron and torchtitan files is quoted: a model source that becomes
-    torchtitan's --hf_model and a title full of shell syntax stay text when sourced."""
+    """Every word of the Megatron and torchtitan files is quoted: a model name that becomes
+    torchtitan's --module and a title full of shell syntax stay text when sourced."""
     source = f"x';{PWNED};'$({PWNED})"
     plan = load_plan(
         _plan_file(tmp_path, lambda d: d["model"].update(name=f"$({PWNED})", source=source))
@@ -144,4 +144,4 @@ def test_sourcing_an_args_file_runs_nothing(target, tmp_path):
     assert list(work.iterdir()) == []
     if target == "torchtitan":
         words = shown.stdout.splitlines()
-        assert words[words.index("--hf_model") + 1] == source
+        assert words[words.index("--module") + 1] == "piper_titan_touch_pwned"
