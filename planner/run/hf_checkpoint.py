@@ -1,0 +1,52 @@
+"""`piper run --hf-weights DIR`: check, before any process starts, that a Hugging Face
+checkpoint directory holds the model the plan runs.
+
+The runtime builds the plan's model with the checkpoint's numerics (runtime/model/arch.py) and
+copies its safetensors into each rank's layers, experts and head slices
+(runtime/model/hf_weights.py); that needs the same shapes, the full-size model and the files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from planner.inputs.models import model_from_config
+from planner.specs import ModelSpec, SpecError
+
+CONFIG = "config.json"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_hf_checkpoint(path: str, model: ModelSpec, scale: float) -> None:
+    """Raise SpecError (one line naming --hf-weights and the fix) unless `path` is a
+    save_pretrained directory of `model` (the run's model) and the run is at --scale 1."""
+    flag = f"--hf-weights {path}"
+    folder = Path(path)
+    if not (folder / CONFIG).is_file():
+        raise SpecError(f"{flag}: no {CONFIG}; point it at a save_pretrained directory")
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise SpecError(f"{flag}: no {' or '.join(WEIGHT_FILES)} beside {CONFIG}")
+    if scale != 1.0:
+        raise SpecError(f"{flag}: the checkpoint holds the full-size model; drop --scale {scale}")
+    try:
+        cfg = json.loads((folder / CONFIG).read_text())
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{flag}: {CONFIG} is not valid JSON ({exc.msg})") from None
+    theirs = model_from_config(cfg, folder.name, str(folder / CONFIG))
+    for what, ours_v, theirs_v in (
+        ("hidden_size", model.hidden_size, theirs.hidden_size),
+        ("vocab_size", model.vocab_size, theirs.vocab_size),
+        ("layers", model.num_layers, theirs.num_layers),
+        ("tie_word_embeddings", model.tie_word_embeddings, theirs.tie_word_embeddings),
+    ):
+        if ours_v != theirs_v:
+            raise SpecError(
+                f"{flag}: {what} is {theirs_v} in the checkpoint, {ours_v} in the plan; "
+                f"plan with --model {folder / CONFIG}"
+            )
+    for i, (mine, other) in enumerate(zip(model.layers, theirs.layers, strict=True)):
+        if mine != other:
+            raise SpecError(
+                f"{flag}: layer {i} differs from the plan's; plan with --model {folder / CONFIG}"
+            )
