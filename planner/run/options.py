@@ -76,6 +76,12 @@ class RunOptions:
         "(default: the Python standard library's sources as bytes)",
         metavar="PATH",
     )
+    hf_weights: str | None = _flag(
+        None,
+        "start from a Hugging Face checkpoint (a save_pretrained directory: config.json + "
+        "safetensors of the plan's model) and compute as its family does (RoPE, router)",
+        metavar="DIR",
+    )
     checkpoint_dir: str | None = _flag(
         None, "save checkpoints (torch.distributed.checkpoint) under D", metavar="D"
     )
