@@ -16,6 +16,7 @@ from planner.migration.placement import EMPTY
 from planner.parallel import default_placement
 from planner.plan import ClusterEntry, Plan, load_plan
 from planner.plan.priced import check_priced
+from planner.run.hf_checkpoint import check_hf_checkpoint
 from planner.run.layout import (
     check_expert_tp,
     check_fsdp,
@@ -375,6 +376,8 @@ def checked_spec(options: RunOptions) -> RunSpec:
             raise SpecError(
                 f"--ranks-per-node {spec.ranks_per_node} must divide the {spec.world} ranks"
             )
+        if options.hf_weights:
+            check_hf_checkpoint(options.hf_weights, spec.model, options.scale)
     except (SpecError, KeyError, TypeError) as exc:
         raise SpecError(f"{options.plan}: {exc}") from None
     return spec
