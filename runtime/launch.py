@@ -30,6 +30,8 @@ from runtime.data import TokenSampler
 from runtime.dispatch.factory import make_dispatcher
 from runtime.metrics import ByteCounter
 from runtime.migrate import MigrationPolicy, plan_migration
+from runtime.model.arch import ModelArch
+from runtime.model.hf_weights import hf_model
 from runtime.model.transformer import StageModule
 from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.parallel.pipeline import RankChunks
@@ -38,11 +40,12 @@ from runtime.train import Trainer, rows_per_interval, train
 
 
 def build_stage(
-    spec: RunSpec, mesh: Mesh, device: torch.device, counter=None
+    spec: RunSpec, mesh: Mesh, device: torch.device, counter=None, arch: ModelArch | None = None
 ) -> StageModule | RankChunks:
     """This rank's StageModule (RankChunks of vp of them with vp > 1) with placements
     translated to EP group ranks; with tp > 1 its attention and dense MLPs are sharded over
-    the TP group (TP bytes go to `counter`)."""
+    the TP group (TP bytes go to `counter`). arch: the model's numerics (runtime/model/arch.py;
+    None: the runtime's own)."""
     tp = None
     if spec.tp > 1:
         tokens = spec.micro_batch * spec.seq_len
@@ -61,6 +64,7 @@ def build_stage(
             seed=spec.seed,
             tp=tp,
             recompute={i: spec.recompute for i in spec.recompute_layers},
+            arch=arch,
         )
         for k, layers in spec.chunks(mesh.me.stage)
     ]
@@ -76,6 +80,7 @@ def build_trainer(
     rank: int,
     device: torch.device | None = None,
     migration: MigrationPolicy | None = None,
+    hf_weights: str | None = None,
 ) -> Trainer:
     """This rank's groups, byte counter and stage (with its dispatcher), ready to train;
     `migration` decides the placements (default: the planner's policy at uniform prices).
@@ -84,8 +89,9 @@ def build_trainer(
     device = device or torch.device("cpu")
     mesh = build_mesh(spec, rank)
     counter = ByteCounter([c.node for c in mesh.coords], rank)
-    module = build_stage(spec, mesh, device, counter)
-    return Trainer(spec, mesh, module, counter, device, migration)
+    arch = hf_model(hf_weights)[1] if hf_weights else None
+    module = build_stage(spec, mesh, device, counter, arch)
+    return Trainer(spec, mesh, module, counter, device, migration, hf_weights)
 
 
 def parse_options(argv: list[str] | None = None) -> RunOptions:
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         every, resume = options.checkpoint_every, options.resume or restarted
         checkpoints = CheckpointOptions(options.checkpoint_dir, every, resume)
-    trainer = build_trainer(spec, rank, device, migration)
+    trainer = build_trainer(spec, rank, device, migration, options.hf_weights)
     if data is not None:
         trainer.sample = TokenSampler(data.array())
     trainer.compute_dtype = options.compute_dtype(load_plan(options.plan).training)
