@@ -32,6 +32,7 @@ from runtime.metrics import (
     trace_csv,
 )
 from runtime.migrate import MigrationPolicy, migrate_stage, pack_views, slot_state_views
+from runtime.model.hf_weights import load_hf_weights
 from runtime.model.transformer import StageModule
 from runtime.parallel.expert_tp import apply_expert_tp
 from runtime.parallel.fsdp import shard_chunk
@@ -140,7 +141,8 @@ def _gather(obj, rank: int) -> list | None:
 
 class Trainer:
     """One rank's training state: the parts `runtime.launch` built, the pipeline, the
-    optimizer and the routing history."""
+    optimizer and the routing history; `hf_weights`: a Hugging Face checkpoint directory whose
+    weights the stage starts from (runtime/model/hf_weights.py)."""
 
     def __init__(
         self,
@@ -150,12 +152,16 @@ class Trainer:
         counter: ByteCounter,
         device: torch.device,
         migration: MigrationPolicy | None = None,
+        hf_weights: str | None = None,
     ) -> None:
         self.spec, self.mesh, self.module = spec, mesh, module
         self.counter, self.device = counter, device
         self.migration = with_rows(migration or MigrationPolicy(), spec.migrate_every)
         self.rank = mesh.me.physical
         install_slots(module, spec, mesh)  # replicas and free slots, before the optimizer
+        if hf_weights:  # into the final slots, before expert TP and FSDP reshape them
+            for chunk in chunks_of(module):
+                load_hf_weights(chunk, hf_weights, spec.model.family)
         if spec.etp > 1:  # slices of the final slots' experts
             apply_expert_tp(module, mesh, counter)
         if spec.fsdp:  # sharded parameters, before the optimizer holds them

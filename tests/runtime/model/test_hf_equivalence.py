@@ -10,6 +10,8 @@ uses SDPA where it can).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -23,29 +25,31 @@ VOCAB, BATCH, SEQ = 128, 2, 16
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4)
 
 
-def _mixtral():
+def _mixtral(**extra):
     return transformers.MixtralConfig(
-        **COMMON, intermediate_size=32, num_key_value_heads=2, num_local_experts=4,
+        **{**COMMON, **extra}, intermediate_size=32, num_key_value_heads=2, num_local_experts=4,
         num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
     )  # fmt: skip
 
 
 def _qwen3_moe(**extra):
     return transformers.Qwen3MoeConfig(
-        **COMMON, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=2,
+        **{**COMMON, **extra}, intermediate_size=96, moe_intermediate_size=32,
+        num_key_value_heads=2,
         head_dim=16, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0],
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6, **extra,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
     )  # fmt: skip
 
 
-def _deepseek_v3():
+def _deepseek_v3(**extra):
     yarn = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
         "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "original_max_position_embeddings": 64,
     }  # fmt: skip  # DeepSeek-V3's own rope_scaling, with a short original context
     return transformers.DeepseekV3Config(
-        **COMMON, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4,
+        **{**COMMON, **extra}, intermediate_size=96, moe_intermediate_size=32,
+        num_key_value_heads=4,
         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
         first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=2560,
@@ -53,9 +57,9 @@ def _deepseek_v3():
     )  # fmt: skip
 
 
-def _gpt_oss():
+def _gpt_oss(**extra):
     return transformers.GptOssConfig(
-        **COMMON, intermediate_size=32, num_key_value_heads=2, head_dim=16,
+        **{**COMMON, **extra}, intermediate_size=32, num_key_value_heads=2, head_dim=16,
         num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
     )  # fmt: skip  # layer_types alternate sliding / full; YaRN rope (the config's default)
 
@@ -63,7 +67,9 @@ def _gpt_oss():
 CONFIGS = {
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
-    "qwen3_moe_tied_normalised": lambda: _qwen3_moe(tie_word_embeddings=True, norm_topk_prob=True),
+    "qwen3_moe_tied_normalised": lambda **extra: _qwen3_moe(
+        tie_word_embeddings=True, norm_topk_prob=True, **extra
+    ),
     "deepseek_v3": _deepseek_v3,
     "gpt_oss": _gpt_oss,
 }
@@ -75,10 +81,11 @@ CLASSES = {
 }
 
 
-def hf_reference(name: str, seed: int = 0):
-    """A tiny HF model of config `name` with weights large enough to matter: every parameter
-    and buffer (norms, sinks, biases, DeepSeek's correction bias) redrawn from a fixed seed."""
-    config = CONFIGS[name]()
+def hf_reference(name: str, seed: int = 0, **extra):
+    """A tiny HF model of config `name` (keys `extra` changed) with weights large enough to
+    matter: every parameter and buffer (norms, sinks, biases, DeepSeek's correction bias)
+    redrawn from a fixed seed."""
+    config = CONFIGS[name](**extra)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, CLASSES[config.model_type])(config).float().eval()
@@ -188,3 +195,53 @@ def test_checkpoint_loads_into_a_two_rank_placement(name, layout, tmp_path, run_
     expected = sum(halves) / 2 if layout == "ep" else ref.loss.item()
     losses = run_distributed(_placed_body, 2, str(tmp_path), layout, ids, ref.logits)
     assert losses == pytest.approx([expected] * 2, abs=1e-5)
+
+
+def _trainer_body(rank: int, world: int, spec, path: str):
+    """piper run's path: build_trainer with --hf-weights, one step; the step's loss and batch."""
+    from runtime.launch import build_trainer
+
+    trainer = build_trainer(spec, rank, hf_weights=path)
+    loss, _, _ = trainer.step(0)
+    batch = spec.micro_batch * spec.num_microbatches
+    x, y = trainer.sample(0, trainer.mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
+    return loss, x.numpy().copy(), y.numpy().copy()  # no shared-memory tensors across processes
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_run_with_hf_weights_starts_from_the_checkpoint(name, tmp_path, run_distributed):
+    """A dp = ep = 2 plan of the checkpoint's model, built as `piper run --hf-weights` builds
+    it: each rank's first loss is HF's loss on that rank's batch (vocab 256: byte data)."""
+    from planner.plan import ModelEntry
+    from planner.run.hf_checkpoint import check_hf_checkpoint
+    from planner.run.spec import run_spec_from_plan
+    from tests.runtime.tiny_plans import hand_plan
+
+    hf = hf_reference(name, vocab_size=256)
+    hf.save_pretrained(tmp_path)
+    model = hf_model(tmp_path)[0]
+    entry = ModelEntry(model.name, str(tmp_path / "config.json"))
+    plan = hand_plan(model, 1, 2, 2, micro_batch=1, num_microbatches=2, seq_len=SEQ,
+                     model_entry=entry)  # fmt: skip
+    spec = run_spec_from_plan(plan, model, 1.0, 2, steps=1)
+    check_hf_checkpoint(str(tmp_path), spec.model, 1.0)
+    for loss, x, y in run_distributed(_trainer_body, 2, spec, str(tmp_path)):
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+        with torch.no_grad():
+            logits = hf(input_ids=x).logits
+        expected = sum(lm_loss(logits[i : i + 1], y[i : i + 1]).item() for i in range(2)) / 2
+        assert loss == pytest.approx(expected, abs=1e-5)
+
+
+def test_hf_weights_refused_in_one_line_for_another_model(tmp_path):
+    from planner.run.hf_checkpoint import check_hf_checkpoint
+    from planner.specs import SpecError
+
+    hf_reference("mixtral").save_pretrained(tmp_path)
+    other = hf_model(tmp_path)[0]
+    with pytest.raises(SpecError, match=r"--hf-weights .*: layers is 3 in the checkpoint, 2"):
+        check_hf_checkpoint(str(tmp_path), replace(other, layers=other.layers[:2]), 1.0)
+    with pytest.raises(SpecError, match="drop --scale 0.5"):
+        check_hf_checkpoint(str(tmp_path), other, 0.5)
+    with pytest.raises(SpecError, match="no config.json"):
+        check_hf_checkpoint(str(tmp_path / "missing"), other, 1.0)
