@@ -28,9 +28,9 @@ device memory (the presets' convention: 80 GB = 74.5 GiB) and in % of the measur
 errors by group; then the default margin: the smallest whole percentage of device memory that
 covers every under-prediction (measured above predicted) of the default set: rows on engine
 versions Piper prices (`current`) whose shortfall no named missing model term explains
-(`gap`: those are model fixes); then the cost side, the published layouts that ran
-(published_runs.csv, holdout_runs.csv) and how many each margin would reject; the sources
-consulted.
+(`gap`: those are model fixes); then the cost side, the layouts that ran
+(profiles/runs/memory_ran.csv with each stack's optimizer settings, as benchmarks/memory_ran.py
+prices them) and how many each margin would reject; the sources consulted.
 
     OMP_NUM_THREADS=1 python3 benchmarks/memory_margin.py [--no-results]
 """
@@ -48,15 +48,12 @@ from pathlib import Path
 
 from results_md import ROOT, recorded
 
-from planner.calibrate.runs import Run, estimate_run, load_runs, run_of
+from planner.calibrate.runs import Run, estimate_run, run_of
 from planner.inputs.clusters import load_cluster
 from planner.resources.cost import Estimate, even_split
 from planner.specs import SpecError
 
 RUNS = ROOT / "profiles" / "runs" / "memory_runs.csv"
-# published layouts that ran (throughput rows): a margin that rejects them costs real layouts
-RAN = (ROOT / "profiles" / "runs" / "published_runs.csv",
-       ROOT / "profiles" / "runs" / "holdout_runs.csv")  # fmt: skip
 MODELS = ROOT / "profiles" / "models"
 CLUSTERS = {"H100": "h100", "H200": "h200", "GB200": "gb200-nvl72", "MI250X": "frontier"}
 ENGINES = ("megatron", "torchtitan")
@@ -362,19 +359,21 @@ def rejected(rooms_pct: list[float], margin_pct: float) -> int:
 
 
 def _cost(presets, default: float) -> None:
-    """The other side: published layouts that ran, and which margins would reject them."""
+    """The other side: the layouts that ran (benchmarks/memory_ran.py's evidence, with the
+    optimizer settings each stack used), and which margins would reject them."""
+    from memory_ran import EVIDENCE, estimate_ran, load_evidence
+
     rooms = []
-    for path in RAN:
-        for run in load_runs(path):
-            cluster = presets[run.hardware]
-            peak = max(estimate_run(run, cluster).memory_gib_per_stage)
-            room = 100 * (cluster.device.memory_gib - peak) / cluster.device.memory_gib
-            rooms.append((room, run.field("id"), run.hardware, run.field("model"), peak,
-                          cluster.device.memory_gib))  # fmt: skip
+    for fields, run in load_evidence(EVIDENCE):
+        cluster = presets[run.hardware]
+        peak = max(estimate_ran(run, cluster).memory_gib_per_stage)
+        room = 100 * (cluster.device.memory_gib - peak) / cluster.device.memory_gib
+        rooms.append((room, fields["id"], run.hardware, fields["model"], peak,
+                      cluster.device.memory_gib))  # fmt: skip
     rooms.sort()
-    names = ", ".join(p.name for p in RAN)
     print(f"\ncost: predicted room (device - predicted peak, % of device) of the {len(rooms)} "
-          f"published layouts that ran ({names}), tightest first")  # fmt: skip
+          f"layouts that ran ({EVIDENCE.name}, as benchmarks/memory_ran.py prices them), "
+          "tightest first")  # fmt: skip
     for room, rid, hw, model, peak, device in rooms[:6]:
         print(f"  id {rid:>4} {hw:<5} {model:<18} peak {peak:6.1f} of {device:6.1f} GiB: "
               f"room {room:+5.1f}%")  # fmt: skip

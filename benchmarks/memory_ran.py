@@ -184,7 +184,7 @@ def report(items: list[tuple[dict[str, str], Run]]) -> None:
     t0 = time.perf_counter()
     presets = {hw: load_cluster(name) for hw, name in CLUSTERS.items()}
     before = before_peaks(items)
-    after = [_estimate(run, presets[run.hardware]) for _, run in items]
+    after = [estimate_ran(run, presets[run.hardware]) for _, run in items]
     print(f"{len(items)} layouts that ran, from {EVIDENCE.relative_to(ROOT)}; presets "
           f"{', '.join(f'{v} ({k})' for k, v in CLUSTERS.items())}; before = the model at "
           f"{BEFORE} (megatron conventions: fp32 gradients and moments), after = this checkout "
@@ -208,7 +208,8 @@ def report(items: list[tuple[dict[str, str], Run]]) -> None:
     print(f"\n(benchmark time {time.perf_counter() - t0:.0f} s)")
 
 
-def _estimate(run: Run, cluster: ClusterSpec) -> Estimate:
+def estimate_ran(run: Run, cluster: ClusterSpec) -> Estimate:
+    """The run priced by this checkout on `cluster`, grown to the run's GPU count."""
     if run.parallel.world > cluster.total_gpus:  # grown as the calibration runs grow it
         cluster = with_nodes(cluster, -(-run.parallel.world // cluster.gpus_per_node))
     return estimate(run.model, cluster, run.training, run.parallel,
