@@ -83,6 +83,7 @@ class Shortlist:
     """The trials (the predicted best first), how many layouts overlapped, the constants."""
 
     trials: tuple[Trial, ...]
+    requested: int  # K asked for; trials holds fewer when fewer distinct layouts overlap
     overlapping: int  # layouts whose interval overlaps the best one's (before the cap)
     considered: int  # of those, priced for sensitivities
     level: float
@@ -203,7 +204,7 @@ def shortlist(
         order = np.argsort(-np.abs(jac[pick]), kind="stable")
         leans = tuple(names[k] for k in order[:2] if abs(jac[pick][k]) > 0)
         trials.append(Trial(x.row, x.run.label, x.est.step_time_s, box.lo, box.hi, gain, leans))
-    return Shortlist(tuple(trials), len(overlap), len(kept), level, names,
+    return Shortlist(tuple(trials), count, len(overlap), len(kept), level, names,
                      design.prior_sd, design.posterior_sd)  # fmt: skip
 
 

@@ -267,7 +267,8 @@ def _plan(args: argparse.Namespace, clock: Phases) -> tuple[Any, str]:
     write_files(out, files)
     if trials:
         write_files(f"{out}/shortlist", trials)
-        print(f"piper plan: wrote {out}/shortlist/ ({count} trials, shortlist.md): run "
+        written = sum(name.endswith("/plan.json") for name in trials)
+        print(f"piper plan: wrote {out}/shortlist/ ({written} trials, shortlist.md): run "
               f"run_all.sh, then collect.sh", file=sys.stderr)  # fmt: skip
     return result, out
 

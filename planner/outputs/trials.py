@@ -199,6 +199,11 @@ def _summary(
         "then each time the layout whose step time the fit, given the trials before it, is "
         "least sure of (greedy D-optimal design; planner/PROFILING.md, 'The trial loop').",
         "",
+    ]
+    if len(jobs) < shortlist.requested:
+        lines += [f"{shortlist.requested} were asked for; only {len(jobs)} of the overlapping "
+                  "layouts differ in what the fit can learn from them.", ""]  # fmt: skip
+    lines += [
         f"| trial | layout | predicted step (s) | {level:.0%} interval (s) | information (nats) "
         "| leans on |",
         "|---|---|---|---|---|---|",
