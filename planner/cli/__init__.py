@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Sequence
 
 from planner.outputs.interrupts import hold_interrupts
 from planner.specs import SpecError
@@ -32,14 +33,18 @@ COMMANDS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The `piper` parser. With `argv`, only the subcommand it names is imported and
+    registered (importing every subcommand's dependencies costs a plan about a second of
+    start-up); without one, or when argv names none or asks for the top-level help, all are."""
     parser = argparse.ArgumentParser(
         prog="piper", description="Plan and run Mixture-of-Experts training."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     # dest "subcommand", not "command": a subcommand may have its own --command option.
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
-    for name in COMMANDS:
+    named = _named_command(argv)
+    for name in (named,) if named else COMMANDS:
         try:
             module = importlib.import_module(f"planner.cli.{name}")
         except ModuleNotFoundError as exc:
@@ -50,8 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _named_command(argv: Sequence[str] | None) -> str | None:
+    """The module of the subcommand argv names (its first word that is not an option), or
+    None: no argv, a top-level option other than -v before it, or no such command."""
+    for word in argv or ():
+        if word in ("-v", "--verbose"):
+            continue
+        return {name.replace("_", "-"): name for name in COMMANDS}.get(word)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
