@@ -14,12 +14,13 @@ each (plan, target):
     its `get_num_layers_to_build` / `get_transformer_layer_offset` per pipeline rank and virtual
     chunk. The GPU is emulated as an H100 (compute capability 9.0) and Transformer Engine as
     present, the two things a CPU lacks.
-  - torchtitan 0.3 (run by `--torchtitan-python PY`, a Python with torchtitan 0.3, triton and
-    transformers): `ConfigManager().parse_args(TORCHTITAN_ARGS)`, the model config's
-    `update_from_config`, the trainer's CUDA-graph check and the model built on the meta device
-    (its parameter count compared with the plan's model, within 1%). A model on torchtitan's HF
-    transformers backend reads its config.json from a hub cache made from Piper's preset (this
-    machine cannot reach the hub).
+  - torchtitan 0.3 (run by `--torchtitan-python PY`, a Python with torchtitan 0.3 and
+    triton): `piper export --to torchtitan --out DIR/torchtitan_args.sh` is sourced in bash
+    as a user would (TORCHTITAN_ARGS, and PYTHONPATH for the config module the export writes
+    beside it for a model torchtitan has no config function of its own for: Mixtral, Llama-4),
+    then, from another folder, `ConfigManager().parse_args(TORCHTITAN_ARGS)`, the model
+    config's `update_from_config`, the trainer's CUDA-graph check and the model built on the
+    meta device (its parameter count compared with the plan's model, within 1%).
   - piper: the launcher's own argument parser (`python -m runtime.launch`'s flags) on the Slurm
     export's command, then `planner.run.spec.checked_spec`, what `piper run` checks before it
     starts processes;
@@ -37,6 +38,16 @@ Exits 1 when any check fails or any setting mismatches.
         [--torchtitan-python PY] [--no-results]
 
 Writes what it prints to results/export_check.md (--results FILE elsewhere).
+
+The engines, outside the repository (this machine reaches PyPI and the search tool's `fetch`):
+    python3 -m venv /tmp/venv_tt
+    /tmp/venv_tt/bin/pip install torch==2.13.0      # the CPU wheel (pip's find-links here)
+    /tmp/venv_tt/bin/pip install torchtitan==0.3.0 triton transformers   # tyro, spmd_types, ...
+  (torchtitan 0.3 imports triton; the CPU torch wheel runs the meta-device build).
+  Megatron-LM: `fetch github:NVIDIA/Megatron-LM` gives a bare git dir;
+    git --git-dir=/work/.mirror/NVIDIA+Megatron-LM/... worktree add /tmp/mlm-main-<sha> <sha>
+  (and core_r0.16.0 the same way), run by /tmp/venv_tt/bin/python (core 0.16, Python 3.11) and
+  a Python >= 3.12 venv with torch for main.
 """
 
 from __future__ import annotations
@@ -190,8 +201,6 @@ try:
         out["mtp_layers"] = 0
     converters = getattr(getattr(config, "model_converters", None), "converters", None)
     out["converters"] = [type(c).__qualname__ for c in (converters or [])]
-    if getattr(model_config, "is_moe", False):  # the HF backend's MoE: moe_replacement.py
-        out["comm_backend"] = getattr(model_config, "comm_backend", "standard")
     config._validate_cuda_graphs()
     out["cuda_graph_check"] = "ok"
     with torch.device("meta"):
@@ -413,9 +422,6 @@ def titan_parsed(out: dict, num_layers: int) -> Parsed:
                   "HybridEPTokenDispatcher": "hybridep",
                   "MinimalAsyncEPTokenDispatcher": "minimal_async_ep"}.get(n.split(".")[0], n)
                  for n in names}  # fmt: skip
-        backend = out.get("comm_backend")  # the HF backend: a string, no dispatcher config
-        if not kinds and backend:
-            kinds = {{"standard": "flat"}.get(backend, backend)}
         dispatcher = "/".join(sorted(kinds)) if kinds else "none in the model config"
     precision = {"bfloat16": "bf16", "float32": "fp32"}[tr["mixed_precision_param"]]
     if out.get("converters"):
@@ -443,7 +449,7 @@ def titan_parsed(out: dict, num_layers: int) -> Parsed:
         "sharding": ("fsdp" if rep == 1 else f"hsdp {rep}x{shard}",
                      f"FSDP2 over shard {shard}, replicate {rep}"),
         "a2a_overlap": (False, "torchtitan has none"),
-        "dispatcher": (dispatcher, ",".join(names or []) or f"comm_backend={backend}"),
+        "dispatcher": (dispatcher, ",".join(names or []) or "-"),
         "dtype": (precision, f"training.mixed_precision_param={tr['mixed_precision_param']}"),
         "optimizer_dtype": ("bf16" if impl == "fused_opt_states_bf16" else "fp32",
                             f"optimizer.implementation={impl}"),
@@ -534,32 +540,26 @@ def run_megatron(plan: Plan, checkout: str, python: str) -> dict | str:
     return json.loads(result[0].removeprefix("PIPER_RESULT "))
 
 
-def hf_cache(folder: Path, hf_id: str, preset: str) -> None:
-    """A Hugging Face hub cache under `folder` holding `preset`'s config.json (the preset is the
-    model's HF config plus Piper's `_piper` block, dropped here) as `hf_id`'s, for the HF
-    backend's AutoConfig on a machine that cannot reach the hub."""
-    config = json.loads((ROOT / "profiles/models" / f"{preset}.json").read_text())
-    config.pop("_piper", None)
-    repo = folder / "hub" / ("models--" + hf_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / ("0" * 40)
-    snapshot.mkdir(parents=True, exist_ok=True)
-    (snapshot / "config.json").write_text(json.dumps(config))
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text("0" * 40)
-
-
-def run_titan(plan: Plan, python: str) -> dict | str:
-    """TITAN_DRIVER on the export: its output, or one line saying why it failed. A model on
-    torchtitan's HF backend reads its config from a hub cache made from Piper's preset."""
-    args = bash_array(export_plan(plan, "torchtitan").text, "TORCHTITAN_ARGS")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    source = plan.model.source
-    if "--hf_model" in args and source.startswith("preset:"):
-        cache = Path(tempfile.mkdtemp(prefix="hf_"))
-        hf_cache(cache, args[args.index("--hf_model") + 1], source.removeprefix("preset:"))
-        env["HF_HOME"] = str(cache)
-    run = subprocess.run([python, "-c", TITAN_DRIVER, json.dumps(args)], capture_output=True,
-                         text=True, env=env)  # fmt: skip
+def run_titan(plan_path: Path, python: str) -> dict | str:
+    """TITAN_DRIVER on the export as a user runs it: `piper export --to torchtitan --out` into
+    a fresh folder, the args file sourced in bash (TORCHTITAN_ARGS and the PYTHONPATH it sets
+    for its config module), the driver run from another folder. Its output, or one line
+    saying why it failed."""
+    folder = Path(tempfile.mkdtemp(prefix="titan_export_"))
+    args_file = folder / "torchtitan_args.sh"
+    code, err = quiet_piper(["export", str(plan_path), "--to", "torchtitan", "--out",
+                             str(args_file)])  # fmt: skip
+    if code:
+        return f"FAIL export: {err}"
+    script = (f"source {shlex.quote(str(args_file))}\n"
+              'printf "%s\\n" "${PYTHONPATH:-}" "${TORCHTITAN_ARGS[@]}"')  # fmt: skip
+    lines = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                           ).stdout.splitlines()  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": lines[0], "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([python, "-c", TITAN_DRIVER, json.dumps(lines[1:])], env=env,
+                         capture_output=True, text=True, cwd=tempfile.gettempdir())  # fmt: skip
+    shutil.rmtree(folder, ignore_errors=True)
     for line in run.stdout.splitlines():
         if line.startswith("PIPER_RESULT "):
             return json.loads(line.removeprefix("PIPER_RESULT "))
@@ -668,7 +668,7 @@ def check_engine(name: str, target: str, plan: Plan, path: Path, args, tally: Ta
         elif target == "torchtitan":
             export_plan(plan, "torchtitan")
             if args.torchtitan_python:
-                out = run_titan(plan, args.torchtitan_python)
+                out = run_titan(path, args.torchtitan_python)
                 if isinstance(out, str):
                     runs["torchtitan"] = out
                 else:

@@ -230,8 +230,9 @@ def not_composable(model: ModelSpec) -> str:
             return f"layer {i} has a dense MLP beside its experts"
         if a.kind == "mla" or a.bias or a.o_bias or a.sinks or a.sliding_window:
             return f"layer {i}'s attention has MLA, biases, sinks or a sliding window"
-        if not layer.dense_gated or (m is not None and (not m.gated or m.expert_bias
-                                                        or m.router_bias or m.shared_gate)):
+        if not layer.dense_gated or (
+            m is not None and (not m.gated or m.expert_bias or m.router_bias or m.shared_gate)
+        ):
             return f"layer {i} has an ungated MLP, expert or router biases or a shared gate"
     if len(dense) > 1:
         return "its dense layers differ in width"

@@ -7,6 +7,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -173,14 +175,37 @@ def test_compare_reports_a_setting_the_engine_did_not_give():
     assert ec.show(True, 1) == "on"
 
 
-def test_titan_parsed_reads_the_hf_backends_comm_backend_and_the_built_params():
+def test_titan_parsed_compares_the_built_params_within_one_percent():
     out = titan_out()
-    out.update(dispatchers=[], comm_backend="standard", params=46_702_000_000)
+    out.update(params=46_702_000_000)
     got = ec.titan_parsed(out, 4)
-    assert got["dispatcher"] == ("flat", "comm_backend=standard")
+    assert got["model_params"] == (46_702_000_000, "model built on meta")
+    out.update(dispatchers=[])  # a model config with no dispatcher is no flat dispatcher
+    assert ec.titan_parsed(out, 4)["dispatcher"][0] == "none in the model config"
     priced = {name: got[name][0] for name in ec.SETTINGS} | {"model_params": 46_702_792_704}
     assert all(r[4] for r in ec.compare(priced, got))  # within 1%
     priced["model_params"] = 46_702_792_704 // 2
     rows = ec.compare(priced, got)
     assert [r[0] for r in rows if not r[4]] == ["model_params"]
     assert ec.show(541_762_717_696, 4, "model_params") == "541.76B params"
+
+
+def test_run_titan_sources_the_export_and_builds_the_composed_model(tmp_path):
+    """The benchmark's torchtitan path end to end on a model torchtitan composes (skipped
+    without torchtitan): the args file sourced, its config module found on PYTHONPATH, every
+    priced setting parsed as priced and the model built with the plan's parameter count."""
+    pytest.importorskip("torchtitan.config.manager")
+    from planner.resources.params import count_params
+    from tests.planner.outputs.test_export_torchtitan_model import titan_plan
+
+    plan = titan_plan("tiny-moe-deep")
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    out = ec.run_titan(path, sys.executable)
+    assert isinstance(out, dict), out
+    model = plan.model_spec()
+    total = count_params(model).total
+    assert out["params"] == total and out["build"].startswith("ok")
+    priced = ec.priced_settings(plan, model.num_layers, model.num_mtp_layers, total)
+    rows = ec.compare(priced, ec.titan_parsed(out, model.num_layers))
+    assert [r[0] for r in rows if not r[4]] == []

@@ -18,8 +18,11 @@ Mapping (torchtitan's ParallelismConfig / TrainingConfig, `torchtitan/config/con
   lm_head on the last), pp * vp parts in virtual order for Interleaved1F1B.
 - CUDA graphs (on by default) refuse pipeline parallelism and the expert-parallel
   dispatchers that synchronize with the host, so they are turned off when pp > 1 or ep > 1.
-Models torchtitan 0.3 lacks (Mixtral, Llama-4, ...) go through its experimental HF
-transformers backend (`torchtitan/experiments/transformers_modeling_backend`), with a note.
+- A model torchtitan 0.3 has no config function for (Mixtral, Llama-4, other shapes of
+  Qwen3 MoE) is composed from torchtitan's own modules by a config module the export writes
+  beside the args file (planner/outputs/export/torchtitan_model.py); the args file names it
+  with `--module` and puts its folder on PYTHONPATH. Other models are refused in one line
+  (planner/targets.py, `check_model`).
 """
 
 from __future__ import annotations
@@ -29,13 +32,12 @@ from dataclasses import dataclass
 
 from planner.outputs.export.describe import noncontiguous_expert_layers, plan_title
 from planner.outputs.export.shell import comment
+from planner.outputs.export.torchtitan_model import TORCHTITAN_VERSION, composed_module
 from planner.parallel import divisors
 from planner.plan.schema import Plan
 from planner.run.layout import virtual_stages
 from planner.specs import ModelSpec
-
-HF_BACKEND = "transformers_modeling_backend"
-TORCHTITAN_VERSION = "0.3.0"
+from planner.targets import TARGETS, check_model
 
 
 @dataclass(frozen=True)
@@ -58,26 +60,12 @@ TITAN_MODELS = {
     ("gpt_oss", 36, 2880): TitanModel("gpt_oss", "gpt_oss_120b"),
     ("llama", 32, 4096): TitanModel("llama3", "llama3_8b"),
 }
-# Hugging Face ids of Piper's presets, for the HF backend's --hf_model.
-HF_IDS = {
-    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
-    "mixtral-8x22b": "mistralai/Mixtral-8x22B-v0.1",
-    "llama4-scout": "meta-llama/Llama-4-Scout-17B-16E",
-    "llama4-maverick": "meta-llama/Llama-4-Maverick-17B-128E",
-    "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
-    "qwen2-57b-a14b": "Qwen/Qwen2-57B-A14B",
-    "qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B",
-    "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924",
-    "dbrx": "databricks/dbrx-base",
-    "deepseek-v2": "deepseek-ai/DeepSeek-V2",
-    "kimi-k2": "moonshotai/Kimi-K2-Base",
-    "phi-3.5-moe": "microsoft/Phi-3.5-MoE-instruct",
-}
 _TITAN_DTYPES = {"fp32": "float32"}  # everything else trains with bf16 parameters
 
 
-def titan_model(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
-    """`--module/--config` (and `--hf_model` for the HF backend) for the plan's model, notes."""
+def titan_model(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str], dict[str, str]]:
+    """`--module/--config` for the plan's model, notes, and the files the export writes beside
+    the args file (file name -> text: the config module of a composed model)."""
     native = TITAN_MODELS.get((model.family, model.num_layers, model.hidden_size))
     fp8 = str(plan.training.get("dtype", "bf16")) in ("fp8", "mxfp8")
     if native is not None:
@@ -88,14 +76,10 @@ def titan_model(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
                          f"{native.module} has none for this model: it trains in bf16")  # fmt: skip
         elif fp8:
             notes.append("torchtitan's FP8 converter scales row-wise, not Megatron's recipe")
-        return ["--module", native.module, "--config", config], notes
-    name = plan.model.name or model.name
-    hf = HF_IDS.get(name) or plan.model.source.removeprefix("preset:") or name
-    config = f"{HF_BACKEND}_full_moe" if model.first_moe else f"{HF_BACKEND}_full"
-    note = (f"torchtitan {TORCHTITAN_VERSION} has no model for family '{model.family}'; the "
-            f"export uses its experimental HF transformers backend with --hf_model {hf} "
-            "(install transformers; check it builds this model before a long run)")  # fmt: skip
-    return ["--module", HF_BACKEND, "--config", config, "--hf_model", hf], [note]
+        return ["--module", native.module, "--config", config], notes, {}
+    check_model(model, TARGETS["torchtitan"])
+    module, function, text, notes = composed_module(plan, model)
+    return ["--module", module, "--config", function], list(notes), {f"{module}.py": text}
 
 
 def shard_degree(dp: int, cp: int, tp: int, ep: int, sharded: bool) -> int:
@@ -196,27 +180,50 @@ def _knob_notes(plan: Plan, model: ModelSpec, shard: int) -> list[str]:
     return notes
 
 
-def torchtitan_args(plan: Plan, model: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """torchtitan 0.3's arguments for `plan` (the AC subcommand last) and the notes."""
+@dataclass(frozen=True)
+class TitanExport:
+    """torchtitan 0.3's arguments for a plan (the AC subcommand last), the notes, and the files
+    written beside the args file (name -> text; empty for torchtitan's own models)."""
+
+    args: tuple[str, ...]
+    notes: tuple[str, ...]
+    files: dict[str, str]
+
+
+def torchtitan_args(plan: Plan, model: ModelSpec) -> TitanExport:
+    """torchtitan 0.3's arguments for `plan`, the notes and the config module it needs."""
     t = plan.training
     p = plan.parallel
     shard = shard_degree(p.dp, p.cp, p.tp, p.ep, bool(t.get("zero") or t.get("fsdp")))
-    head, notes = titan_model(plan, model)
+    head, notes, files = titan_model(plan, model)
     mode, rc_notes = _recompute(plan)
     args = head + _parallelism(plan, model, shard) + _training(plan)
     args.append(f"activation_checkpoint:{mode}")
-    return tuple(args), tuple(notes + rc_notes + _knob_notes(plan, model, shard))
+    return TitanExport(tuple(args), tuple(notes + rc_notes + _knob_notes(plan, model, shard)),
+                       files)  # fmt: skip
 
 
-def torchtitan_script(plan: Plan, model: ModelSpec) -> tuple[str, tuple[str, ...]]:
-    """The bash file defining TORCHTITAN_ARGS (notes as comments) and the notes."""
-    args, notes = torchtitan_args(plan, model)
+# Sourcing the args file puts its own folder (where the config module is) on PYTHONPATH.
+_PYTHONPATH = [
+    "# the config module named by --module lies beside this file",
+    'PIPER_TITAN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+    'export PYTHONPATH="${PIPER_TITAN_DIR}${PYTHONPATH:+:${PYTHONPATH}}"',
+]
+
+
+def torchtitan_script(plan: Plan, model: ModelSpec) -> tuple[str, tuple[str, ...], dict[str, str]]:
+    """The bash file defining TORCHTITAN_ARGS (notes as comments), the notes, and the files
+    to write beside it."""
+    export = torchtitan_args(plan, model)
+    args, notes = export.args, export.notes
     lines = [
         comment(f"torchtitan {TORCHTITAN_VERSION} arguments for {plan_title(plan)}"),
         "# generated by 'piper export'; source it, then run",
         '#   torchrun ... -m torchtitan.train "${TORCHTITAN_ARGS[@]}"',
     ]
     lines += [comment(f"NOTE: {n}") for n in notes]
+    if export.files:
+        lines += _PYTHONPATH
     lines.append("TORCHTITAN_ARGS=(")
     i = 0
     while i < len(args):
@@ -226,4 +233,4 @@ def torchtitan_script(plan: Plan, model: ModelSpec) -> tuple[str, tuple[str, ...
         lines.append("  " + " ".join(shlex.quote(a) for a in args[i:j]))
         i = j
     lines.append(")")
-    return "\n".join(lines) + "\n", notes
+    return "\n".join(lines) + "\n", notes, export.files
