@@ -10,7 +10,7 @@ or torchtitan).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner.outputs.export.megatron import megatron_script
 from planner.outputs.export.shell import check_plan_text
@@ -32,12 +32,14 @@ __all__ = ["DEFAULT_FILENAMES", "EXPORT_TARGETS", "TRAINERS", "ExportResult", "e
 
 @dataclass(frozen=True)
 class ExportResult:
-    """One rendered export: the file text, the notes inside it and a default file name."""
+    """One rendered export: the file text, the notes inside it, a default file name, and the
+    files written beside it (name -> text: torchtitan's config module for a composed model)."""
 
     target: str
     text: str
     notes: tuple[str, ...]
     filename: str
+    files: dict[str, str] = field(default_factory=dict)
 
 
 def export_plan(
@@ -69,5 +71,6 @@ def export_plan(
     elif target == "megatron":
         text, notes = megatron_script(plan, plan.model_spec())
     else:
-        text, notes = torchtitan_script(plan, plan.model_spec())
+        text, notes, files = torchtitan_script(plan, plan.model_spec())
+        return ExportResult(target, text, notes, DEFAULT_FILENAMES[target], files)
     return ExportResult(target, text, notes, DEFAULT_FILENAMES[target])
