@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from planner.outputs.export import DEFAULT_FILENAMES, EXPORT_TARGETS, TRAINERS, export_plan
-from planner.outputs.files import write_atomic
+from planner.outputs.files import write_atomic, write_files
 from planner.plan import load_plan
 from planner.specs import SpecError
 from planner.targets import TARGET_NAMES
@@ -82,11 +82,21 @@ def run(args: argparse.Namespace) -> int:
         trainer=args.trainer,
         args_file=_args_file(args),
     )
+    if result.files and not args.out:
+        raise SpecError(
+            f"export --to {args.to}: it writes {', '.join(result.files)} beside the args file; "
+            "give --out FILE"
+        )
     if args.out:
-        write_atomic(args.out, result.text)
+        out = Path(args.out)
+        if result.files:  # the args file and the modules it names, as one set
+            write_files(out.parent, {**result.files, out.name: result.text})
+        else:
+            write_atomic(out, result.text)
         if args.to == "slurm":
             os.chmod(args.out, 0o755)
-        print(f"wrote {args.out} ({len(result.notes)} notes)", file=sys.stderr)
+        beside = "".join(f" and {out.parent / name}" for name in result.files)
+        print(f"wrote {args.out}{beside} ({len(result.notes)} notes)", file=sys.stderr)
     else:
         sys.stdout.write(result.text)
     for note in result.notes:
