@@ -14,7 +14,7 @@ from typing import Literal
 
 from planner.parallel import ParallelConfig
 from planner.parallel import check_layout as check_model_layout
-from planner.resources import recompute, traffic
+from planner.resources import interleave, recompute, traffic
 from planner.resources.compute import ELEMENTWISE_PASSES, TRAIN_FACTOR, Work, head_work, layer_work
 from planner.resources.deepep import deepep_buffer_bytes
 from planner.resources.knobs import knob_conflict
@@ -369,5 +369,18 @@ def last_extras(
     held = head_held(model, training, parallel)
     work = tuple(head_work(model, cluster, training, parallel))
     return _role(
-        held.params_dense, held.params_expert, held.act_bytes, work, cluster, training, parallel
-    )
+        held.params_dense, held.params_expert, _head_live(held.act_bytes, training, parallel),
+        work, cluster, training, parallel,
+    )  # fmt: skip
+
+
+def _head_live(act_bytes: float, training: TrainingSpec, parallel: ParallelConfig) -> float:
+    """The head, loss and MTP activations sit in the last rank's last model chunk, whose
+    backward runs right after its forward: Megatron-Core's interleaved schedule warms the last
+    rank up with (vp - 1) pp forwards of its other chunks and starts the backwards with the
+    last chunk (`schedules.py` get_model_chunk_id), so one micro-batch of them is live, not
+    the live_chunks / vp the stage's layers hold. Scaled so that live / vp x act is one."""
+    if parallel.vp == 1 or parallel.pp == 1:
+        return act_bytes  # 1F1B's last stage holds one micro-batch already
+    pp, vp, m = parallel.pp, parallel.vp, parallel.num_microbatches
+    return act_bytes * vp / interleave.live_chunks(pp - 1, pp, vp, m, training.a2a_overlap)
