@@ -143,15 +143,19 @@ def test_redundant_slots_with_expert_tp_are_held_and_priced_alike(plans):
     assert states[0].weights / 4 - plain / 2 == 3 * EXPERT / 2
 
 
-def test_mla_runs_as_gqa_and_holds_its_attention_excess_over_the_model(plans):
-    states, ctx = check_every_rank(plans["mla-pp-ep"], mla=True)
+def test_mla_runs_as_mla_and_holds_the_models_attention(plans):
+    # every rank's parameters equal the planner's count with no attention excess: the
+    # runtime's MLA holds q down + up, kv down (latent + rope) and up (nope + v), o, and the
+    # two latent norms, D*32 + 32*4*16 + D*(16+8) + 16*4*(8+8) + 4*8*D + 32 + 16 a layer
+    states, ctx = check_every_rank(plans["mla-pp-ep"])
     assert [st.stage for st in states] == [0, 0, 1, 1]
-    # the runtime's GQA: q, k, v, o of 4 heads of 8 + 8 = 4 D^2; MLA: q down + up, kv down
-    # (latent + rope) and up (nope + v), o, and the two latent norms
-    gqa = 4 * D * D
     mla = D * 32 + 32 * 4 * 16 + D * (16 + 8) + 16 * 4 * (8 + 8) + 4 * 8 * D + 32 + 16
-    assert (gqa, mla) == (16_384, 8_752)
-    assert ctx["attention"] == [2 * (gqa - mla)] * 2  # two layers per stage
+    from runtime.model.attention import MLAttention, make_attention
+
+    att = load_plan(plans["mla-pp-ep"]).model_spec().layers[0].attention
+    module = make_attention(D, att, mo.torch.Generator())
+    assert isinstance(module, MLAttention)
+    assert sum(p.numel() for p in module.parameters()) == mla == 8_752
 
 
 def _first_rank_moes(spec) -> list:
