@@ -158,8 +158,9 @@ def arch_from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> Mode
         router=router,
         norm_topk_prob=norm,
         routed_scaling_factor=_number(cfg, "routed_scaling_factor", 1.0, where),
-        num_groups=int(cfg.get("n_group") or 1),
-        topk_groups=int(cfg.get("topk_group") or 1),
+        # group-limited choice as DeepSeek-V3 scores groups; V2's greedy variant is not run
+        num_groups=int(cfg.get("n_group") or 1) if router == "sigmoid" else 1,
+        topk_groups=int(cfg.get("topk_group") or 1) if router == "sigmoid" else 1,
         swiglu_limit=_number(cfg, "swiglu_limit", 7.0, where) if gpt_oss else 0.0,
         swiglu_alpha=_number(cfg, "swiglu_alpha", 1.702, where) if gpt_oss else 1.0,
     )
