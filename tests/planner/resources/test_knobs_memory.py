@@ -238,3 +238,46 @@ def test_a2a_overlap_holds_one_more_layer_as_a_workspace():
     base = estimate(model, cl, TrainingSpec(seq_len=32), par)
     extra = est.stages[0].total_gib - base.stages[0].total_gib
     assert extra == pytest.approx(paired.act.total / GIB)
+
+
+def _megatron_last_rank_live(pp: int, vp: int, m: int) -> tuple[int, int]:
+    """Replays Megatron-Core's interleaved order on the last rank (schedules.py: virtual
+    micro-batch k is chunk (k // pp) % vp of micro-batch (k // (pp vp)) pp + k % pp, the
+    backwards run the chunks in reverse; warm-up (vp - 1) pp forwards, then one forward and
+    one backward per step) and returns the most chunk-micro-batches live at once and the most
+    micro-batches of the LAST chunk live at once."""
+
+    def chunk(k: int, forward: bool) -> tuple[int, int]:
+        c = (k // pp) % vp
+        return (c if forward else vp - 1 - c), (k // (pp * vp)) * pp + k % pp
+
+    total = m * vp
+    warmup = min((vp - 1) * pp, total)
+    live: set[tuple[int, int]] = set()
+    peak = peak_all = 0
+    for k in range(warmup):
+        live.add(chunk(k, True))
+    for k in range(total):
+        if warmup + k < total:
+            live.add(chunk(warmup + k, True))
+        peak = max(peak, sum(1 for c, _ in live if c == vp - 1))
+        peak_all = max(peak_all, len(live))
+        live.discard(chunk(k, False))
+    return peak_all, peak
+
+
+@pytest.mark.parametrize(("pp", "vp", "m"), [(2, 2, 4), (4, 2, 8), (8, 4, 16), (4, 3, 12)])
+def test_head_activations_live_once_on_the_interleaved_last_stage(pp, vp, m):
+    # the replay holds as many chunks as the model's count, and one of them is the last
+    assert _megatron_last_rank_live(pp, vp, m) == (live_chunks(pp - 1, pp, vp, m, False), 1)
+    model = make_model(layers=2 * pp * vp, d=D, heads=H, experts=E, top_k=K, ffn=F, vocab=V)
+    tr = TrainingSpec(seq_len=32)
+    par = ParallelConfig(pp=pp, dp=2, ep=2, micro_batch=1, num_microbatches=m, vp=vp)
+    est = estimate(model, make_cluster(), tr, par)
+    last = est.stages[-1]
+    per_layer = layer_activations(model, model.layers[-1], tr, par).total
+    head = 2 * 2 * 32 * D + 4.0 * 32 * V
+    layers = len(last.layers)
+    assert _mem(last)["activations"] == pytest.approx(
+        last.in_flight / vp * layers * per_layer + head
+    )
