@@ -6,6 +6,7 @@ the three trial runs and a re-plan made with it."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def test_readme_trial_loop_runs_end_to_end(tmp_path):
     for t in trials:
         assert len((t / "run" / "metrics.jsonl").read_text().splitlines()) >= steps
     fitted = yaml.safe_load((out / "shortlist" / "fitted.yaml").read_text())
-    logged = [v for key, v in fitted["calibration"].items() if key.startswith("run_")]
+    logged = [v for key, v in fitted["calibration"].items() if re.fullmatch(r"run_\d+", key)]
     assert len(logged) == k and all(any(t.name in str(v) for v in logged) for t in trials)
     replan = out / "shortlist" / "replan" / "plan.json"
     assert replan.is_file() and "-fitted" in replan.read_text()
