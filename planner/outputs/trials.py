@@ -155,6 +155,7 @@ def _job(plan: Plan, trial: Path, steps: int) -> tuple[dict[str, str], Path]:
     exported = export_plan(plan, engine, str(plan_path))
     args_file = trial / exported.filename
     files[exported.filename] = exported.text
+    files.update(exported.files)  # beside it, as `piper export` writes them (torchtitan's module)
     short = " ".join(a.format(steps=steps) for a in SHORT_RUN[engine])
     data = " ${DATA_ARGS:-}" if engine == "megatron" else ""  # word-split on purpose
     command = f"{TRAINER_COMMANDS[engine]} {short}{data}"
