@@ -224,6 +224,15 @@ def torchtitan_script(plan: Plan, model: ModelSpec) -> tuple[str, tuple[str, ...
     lines += [comment(f"NOTE: {n}") for n in notes]
     if export.files:
         lines += _PYTHONPATH
+    for name in export.files:  # a missing module is one line before torchtitan starts
+        path = f'"$PIPER_TITAN_DIR"/{shlex.quote(name)}'
+        lines += [
+            f"if [[ ! -f {path} ]]; then",
+            f"  echo piper: {path} is missing: write it with piper export --to torchtitan "
+            '--out "${BASH_SOURCE[0]}" >&2',
+            "  return 1",
+            "fi",
+        ]
     lines.append("TORCHTITAN_ARGS=(")
     i = 0
     while i < len(args):

@@ -186,3 +186,18 @@ def test_cli_without_out_refuses_in_one_line_and_writes_nothing(tmp_path, capsys
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "piper_titan_llama4_scout.py" in err[0] and "--out" in err[0]
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_sourcing_the_args_file_without_its_module_is_one_line(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(titan_plan("mixtral-8x7b").to_json())
+    out = tmp_path / "job" / "torchtitan_args.sh"
+    assert main(["export", str(plan_path), "--to", "torchtitan", "--out", str(out)]) == 0
+    (out.parent / "piper_titan_mixtral_8x7b.py").unlink()
+    run = subprocess.run(["bash", "-c", f"set -euo pipefail; source {out}; echo started"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 1 and "started" not in run.stdout
+    assert run.stderr.strip().splitlines() == [
+        f"piper: {out.parent}/piper_titan_mixtral_8x7b.py is missing: write it with piper "
+        f"export --to torchtitan --out {out}"
+    ]
