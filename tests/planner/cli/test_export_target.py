@@ -24,7 +24,8 @@ def test_target_selects_the_slurm_trainer_and_is_checked(tmp_path, capsys):
     assert main(["export", str(mega), "--to", "slurm", "--target", "megatron",
                  "--args-file", "/x/megatron_args.sh", "--out", str(out)]) == 0  # fmt: skip
     assert "/x/megatron_args.sh" in out.read_text()
-    assert main(["export", str(titan), "--to", "torchtitan", "--target", "torchtitan"]) == 0
+    assert main(["export", str(titan), "--to", "torchtitan", "--target", "torchtitan",
+                 "--out", str(tmp_path / "titan" / "torchtitan_args.sh")]) == 0  # fmt: skip
     capsys.readouterr()
     bad = tmp_path / "bad.sh"
     assert main(["export", str(mega), "--to", "torchtitan", "--out", str(bad)]) == 2
