@@ -16,6 +16,10 @@ from planner.specs import ModelSpec, SpecError
 
 CONFIG = "config.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# the families whose checkpoints the runtime loads and computes as transformers does
+# (tests/runtime/model/test_hf_equivalence.py); RoPE types it runs
+LOADED_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+ROPE_TYPES = ("default", "yarn")
 
 
 def check_hf_checkpoint(path: str, model: ModelSpec, scale: float) -> None:
@@ -33,6 +37,16 @@ def check_hf_checkpoint(path: str, model: ModelSpec, scale: float) -> None:
         cfg = json.loads((folder / CONFIG).read_text())
     except json.JSONDecodeError as exc:
         raise SpecError(f"{flag}: {CONFIG} is not valid JSON ({exc.msg})") from None
+    if not isinstance(cfg, dict) or cfg.get("model_type") not in LOADED_FAMILIES:
+        family = cfg.get("model_type") if isinstance(cfg, dict) else None
+        raise SpecError(
+            f"{flag}: model_type {family!r} is not one the runtime loads "
+            f"({', '.join(LOADED_FAMILIES)}); leave --hf-weights out"
+        )
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+    if kind not in ROPE_TYPES:
+        raise SpecError(f"{flag}: rope_type {kind!r} is not run (only {', '.join(ROPE_TYPES)})")
     theirs = model_from_config(cfg, folder.name, str(folder / CONFIG))
     for what, ours_v, theirs_v in (
         ("hidden_size", model.hidden_size, theirs.hidden_size),

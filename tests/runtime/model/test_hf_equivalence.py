@@ -245,3 +245,31 @@ def test_hf_weights_refused_in_one_line_for_another_model(tmp_path):
         check_hf_checkpoint(str(tmp_path), other, 0.5)
     with pytest.raises(SpecError, match="no config.json"):
         check_hf_checkpoint(str(tmp_path / "missing"), other, 1.0)
+    config = tmp_path / "config.json"
+    text = config.read_text()
+    config.write_text(text.replace('"mixtral"', '"qwen2_moe"'))
+    with pytest.raises(SpecError, match="model_type 'qwen2_moe' is not one the runtime loads"):
+        check_hf_checkpoint(str(tmp_path), other, 1.0)
+    config.write_text(text.replace('"default"', '"llama3"'))
+    with pytest.raises(SpecError, match="rope_type 'llama3' is not run"):
+        check_hf_checkpoint(str(tmp_path), other, 1.0)
+
+
+def test_piper_run_refuses_a_checkpoint_of_another_model_in_one_line(tmp_path, capsys):
+    from planner.cli import main
+    from planner.plan import ModelEntry
+    from tests.runtime.tiny_plans import hand_plan
+
+    ckpt = tmp_path / "ckpt"
+    hf_reference("mixtral", vocab_size=256).save_pretrained(ckpt)
+    model = hf_model(ckpt)[0]
+    plan = hand_plan(model, 1, 1, 1, model_entry=ModelEntry("m", str(ckpt / "config.json")))
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    other = tmp_path / "other"
+    hf_reference("mixtral", vocab_size=256, num_hidden_layers=2).save_pretrained(other)
+    capsys.readouterr()  # save_pretrained's progress bars
+    assert main(["run", str(path), "--steps", "1", "--hf-weights", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--hf-weights" in err and "layers is 2 in the checkpoint, 3 in the plan" in err
+    assert "\n" not in err
