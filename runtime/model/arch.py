@@ -7,7 +7,7 @@ the runtime's own convention, used when a run has no Hugging Face config; `arch_
 reads one, so that the runtime computes what `transformers` computes for that family
 (tests/runtime/model/test_hf_equivalence.py). The conventions, from transformers 5.24:
 
-- Mixtral: softmax over all experts, top-k, renormalised (modeling_mixtral.py:103-109).
+- Mixtral: softmax over all experts, top-k, renormalised (modeling_mixtral.py:104-111).
 - Qwen3-MoE: softmax, top-k, renormalised only with `norm_topk_prob`
   (modeling_qwen3_moe.py:259-268).
 - GPT-OSS: top-k of the biased logits, softmax over the k chosen (modeling_gpt_oss.py:126-130);
@@ -15,7 +15,7 @@ reads one, so that the runtime computes what `transformers` computes for that fa
 - DeepSeek-V3: sigmoid scores; the choice adds `e_score_correction_bias`, keeps the `topk_group`
   groups with the largest sum of their two best scores, takes the top-k there; weights are
   the sigmoid scores, renormalised with `norm_topk_prob`, times `routed_scaling_factor`
-  (modeling_deepseek_v3.py:126-148); RoPE on interleaved pairs (:306-339).
+  (modeling_deepseek_v3.py:133-158); RoPE on interleaved pairs (:310-346).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class RopeSpec:
 
     def score_scale(self) -> float:
         """Extra factor on the softmax scale: DeepSeek's YaRN multiplies 1/sqrt(d) by
-        mscale(factor, mscale_all_dim)^2 (modeling_deepseek_v3.py:262-273, 437)."""
+        mscale(factor, mscale_all_dim)^2 (modeling_deepseek_v3.py:262-274, 405)."""
         if self.kind == "default" or not self.mscale_all_dim:
             return 1.0
         return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
@@ -73,7 +73,7 @@ class ModelArch:
     runtime's own convention). num_groups / topk_groups: DeepSeek's group-limited choice.
     swiglu_limit: 0 = plain SwiGLU, else GPT-OSS's clamped form with swiglu_alpha.
     mla_norm_eps: epsilon of MLA's q and kv latent norms (DeepSeek builds them with 1e-6
-    whatever rms_norm_eps says, modeling_deepseek_v3.py:375, 382).
+    whatever rms_norm_eps says, modeling_deepseek_v3.py:380, 392).
     """
 
     rope: RopeSpec = field(default_factory=RopeSpec)

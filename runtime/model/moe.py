@@ -69,7 +69,7 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert_TK int64, gate_TK float): chosen experts and their weights."""
         arch = self.arch
-        if arch.router == "sigmoid":  # fp32 logits (modeling_deepseek_v3.py:127)
+        if arch.router == "sigmoid":  # fp32 logits (modeling_deepseek_v3.py:135)
             logits = F.linear(x_TD.float(), self.weight.float(), self.bias)
         else:
             logits = F.linear(x_TD, self.weight, self.bias)
@@ -94,7 +94,7 @@ class Router(nn.Module):
 
 def _group_limited(choice_TE: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
     """Scores of the experts outside each token's `keep` best groups set to -inf; a group
-    scores the sum of its two best experts (DeepSeek-V3, modeling_deepseek_v3.py:130-143)."""
+    scores the sum of its two best experts (DeepSeek-V3, modeling_deepseek_v3.py:138-151)."""
     t, e = choice_TE.shape
     by_group = choice_TE.view(t, groups, e // groups)
     group_TG = by_group.topk(min(2, e // groups), dim=-1)[0].sum(dim=-1)

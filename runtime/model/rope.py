@@ -64,7 +64,7 @@ def rope_tables(
 def apply_rope(x_BHSY: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor, interleave: bool):
     """Rotate the last axis: halves (x_i, x_{i+R}) by default, pairs (x_2i, x_2i+1) when
     `interleave`; the output puts the rotated first members before the second ones in both
-    cases (as transformers does, modeling_deepseek_v3.py:306-339)."""
+    cases (as transformers does, modeling_deepseek_v3.py:310-346)."""
     half = cos_SR.shape[-1]
     rest = x_BHSY[..., 2 * half :]  # an odd last dimension (a --scale'd width) is not rotated
     if interleave:
