@@ -142,7 +142,7 @@ class MLAttention(nn.Module):
     q = W_qb norm(W_qa x) (or W_q x without a q rank); the keys and values come from one
     latent c = norm(W_kva x)[:C] expanded per head by W_kvb, plus a rope part of the key
     shared by all heads, rotated from W_kva x[C:]; the softmax scale is
-    X.
+    1 / sqrt(nope + rope dims) times YaRN's mscale^2 (modeling_deepseek_v3.py:349-483).
     """
 
     def __init__(
