@@ -163,8 +163,9 @@ def run_fit(args: argparse.Namespace) -> int:
     from planner.calibrate.fit import fit_params
     from planner.calibrate.log_runs import run_of_log
     from planner.calibrate.prior import fit_with_prior, warning_line
-    from planner.calibrate.prior_report import prior_profile_yaml, prior_tables
+    from planner.calibrate.prior_report import prior_profile, prior_profile_yaml, prior_tables
     from planner.calibrate.runs import run_of_metrics
+    from planner.calibrate.uncertainty import describe_source
     from planner.outputs.console import print_table, progress
 
     target = _fit_checks(args)
@@ -192,6 +193,7 @@ def run_fit(args: argparse.Namespace) -> int:
         print(f"the fit stopped before converging: {result.message}")
     write_files(target.parent, {target.name: text})
     print(f"wrote {target} (cluster {result.start.name}-fitted)")
+    print(f"error bars with it: {describe_source(prior_profile(result, '', ''))}")
     return 0
 
 

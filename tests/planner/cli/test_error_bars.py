@@ -137,3 +137,53 @@ def test_a_malformed_intervals_block_is_one_line(plan_dir, tmp_path, edit, match
     with pytest.raises(SpecError, match=match) as err:
         load_plan(tmp_path / "bad.json")
     assert "\n" not in str(err.value) and "predicted.intervals" in str(err.value)
+
+
+def test_a_fitted_profile_adds_its_constants_covariance(tmp_path, capsys):
+    from planner.calibrate.uncertainty import error_model, parameter_log_sd
+    from planner.inputs.clusters import load_cluster
+    from planner.inputs.models import load_model
+    from planner.parallel import ParallelConfig
+    from planner.resources.cost import estimate
+    from planner.specs import TrainingSpec
+    from planner.targets import TARGETS, with_conventions
+    from tests.planner.calibrate.synthetic import LAYOUTS, runs_csv, truth_cluster
+
+    (tmp_path / "runs.csv").write_text(runs_csv(truth_cluster(), LAYOUTS[:4]))
+    fitted = tmp_path / "fitted.yaml"
+    assert main(["calibrate", "--fit", str(tmp_path / "runs.csv"), "--cluster", "h100",
+                 "--params", "gemm_efficiency,layer_overhead_us", "--no-loo", "--out",
+                 str(fitted)]) in (0,)  # fmt: skip
+    assert (
+        "error bars with it: calibration without a leave-one-out error" in capsys.readouterr().out
+    )
+    assert (
+        main(
+            [
+                "calibrate",
+                "--fit",
+                str(tmp_path / "runs.csv"),
+                "--cluster",
+                "h100",
+                "--params",
+                "gemm_efficiency,layer_overhead_us",
+                "--out",
+                str(fitted),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "error bars with it: fitted on 4 runs" in out and "2 fitted constant(s)" in out
+    args = ["estimate", "--model", "qwen3-30b-a3b", "--cluster", str(fitted), "--dp", "16",
+            "--ep", "16", "--global-batch", "256", "--json"]  # fmt: skip
+    assert main(args) == 0
+    iv = json.loads(capsys.readouterr().out)["intervals"]
+    cluster = load_cluster(str(fitted))
+    model = error_model(cluster)
+    tr = with_conventions(TrainingSpec(global_batch=256, zero=True), TARGETS["megatron"])
+    par = ParallelConfig(pp=1, dp=16, ep=16, micro_batch=1, num_microbatches=16)
+    qwen = load_model("qwen3-30b-a3b")
+    param = parameter_log_sd(cluster, lambda c: estimate(qwen, c, tr, par).tokens_per_s, model)
+    assert param > 0 and iv["param_log_sd"] == pytest.approx(param, rel=1e-6)
+    assert iv["time_log_sd"] == pytest.approx(math.hypot(model.time_log_sd, param), rel=1e-6)
