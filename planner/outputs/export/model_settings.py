@@ -204,7 +204,7 @@ def _nope_layers(r: _Reader, family: str, num_layers: int) -> tuple[int, ...]:
     flags = r.int_list("no_rope_layers")
     if flags is not None:
         return tuple(i for i, use in enumerate(flags) if not use)
-    interval = int(r.number("nope_layer_interval", LLAMA4_NOPE_INTERVAL) or 0)
+    interval = int(r.number("no_rope_layer_interval", LLAMA4_NOPE_INTERVAL) or 0)
     return tuple(i for i in range(num_layers) if interval and (i + 1) % interval == 0)
 
 

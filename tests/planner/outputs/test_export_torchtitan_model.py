@@ -6,12 +6,14 @@ file that puts it on PYTHONPATH. Runs without torchtitan (the module is read, no
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 from dataclasses import replace
 
 import pytest
 
 from planner.cli import main
+from planner.inputs.models import resolve_model
 from planner.outputs.export import export_plan
 from planner.outputs.export.model_settings import model_settings
 from planner.outputs.export.torchtitan_model import composed_module
@@ -201,3 +203,15 @@ def test_sourcing_the_args_file_without_its_module_is_one_line(tmp_path):
         f"piper: {out.parent}/piper_titan_mixtral_8x7b.py is missing: write it with piper "
         f"export --to torchtitan --out {out}"
     ]
+
+
+def test_llama4_nope_layers_follow_the_configs_interval(tmp_path):
+    """Llama4TextConfig: a NoPE layer every `no_rope_layer_interval` layers (default 4)."""
+    cfg, _, _ = resolve_model("llama4-scout")
+    cfg["text_config"]["no_rope_layer_interval"] = 2
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    plan = titan_plan("llama4-scout")
+    plan = replace(plan, model=replace(plan.model, source=str(path)))
+    assert model_settings(plan, plan.model_spec()).nope_layers == tuple(range(1, 48, 2))
+    assert any("24 of 48" in n for n in composed_module(plan, plan.model_spec())[3])
