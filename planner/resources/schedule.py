@@ -21,7 +21,7 @@ from planner.resources import comm, interleave, offload, overlap, traffic
 from planner.resources.compute import TRAIN_FACTOR
 from planner.resources.layer_comm import fsdp_gather_s
 from planner.resources.layer_cost import ExtrasCost, LayerCost
-from planner.resources.memory import StateBytes, grad_bytes_per_param
+from planner.resources.memory import WEIGHT_BYTES_PER_PARAM, StateBytes, grad_bytes_per_param
 from planner.specs import GIB, ClusterSpec, ModelSpec, TrainingSpec
 
 
@@ -133,14 +133,17 @@ def _grad_sync_s(
     training: TrainingSpec,
     parallel: ParallelConfig,
     passes: float = 2.0,
+    bytes_per_param: float | None = None,
 ) -> list[tuple[str, float]]:
     """Gradient reduction of one stage's parameters: dense gradients over dp x cp (ranks tp
     apart), expert gradients over edp (ranks etp x ep apart), `passes` ring passes (2: an
     all-reduce; 1: the distributed optimizer's reduce-scatter, or its all-gather of updated
-    weights). FSDP reduce-scatters every micro-batch instead (in the layers' fsdp time)."""
+    weights). `bytes_per_param`: the gradient buffer's by default; the all-gather moves the
+    bf16 weights (WEIGHT_BYTES_PER_PARAM). FSDP reduce-scatters every micro-batch instead (in
+    the layers' fsdp time)."""
     if training.fsdp:
         return []
-    grad_b = grad_bytes_per_param(training)
+    grad_b = grad_bytes_per_param(training) if bytes_per_param is None else bytes_per_param
     dense, expert = held_params(layers, costs, extras)
     out = []
     dense_dp = parallel.dp * parallel.cp
@@ -250,12 +253,11 @@ def _grad_sync_all(
     With `zero` (Megatron-Core's distributed optimizer, which its recipes run with
     --overlap-grad-reduce and --overlap-param-gather): each chunk's reduce-scatter starts
     when its last backward is done (reduce_units), queued on one stream
-    (overlap.queued_reduce_exposed_s), and the updated weights are all-gathered bucket by
-    bucket ahead of the next step's forward, only stage 0's first bucket with no compute
-    before it. Without: one all-reduce of the stage after its backward (Piper's runtime,
-    runtime/parallel/pipeline.py `sync_gradients`). Either way stage i ends its backward
-    about i / vp chunk-slots before stage 0, so that much more hides. A chunk-backward is
-    2/3 of a chunk-slot."""
+    (overlap.queued_reduce_exposed_s); the all-gather of the updated weights mirrors it at
+    the start of the next step (_gather_exposed_s). Without: one all-reduce of the stage
+    after its backward (Piper's runtime, runtime/parallel/pipeline.py `sync_gradients`).
+    Stage i ends its backward about i / vp chunk-slots before stage 0, so that much more
+    hides. A chunk-backward is 2/3 of a chunk-slot."""
     pp, vp = parallel.pp, parallel.vp
     passes = 1.0 if training.zero else 2.0
     chunk_bwd = slot / vp * 2 / TRAIN_FACTOR
@@ -275,29 +277,44 @@ def _grad_sync_all(
         exposed = max(exposed, shown)
         for name, s in sync:  # reported as the step's whole traffic: 2 passes either way
             by_name[name] = max(by_name.get(name, 0.0), s * 2.0 / passes)
-    return exposed + _first_gather_s(stages[0], costs, ends, cluster, training, parallel), by_name
+    gather = _gather_exposed_s(stages, costs, ends, cluster, training, parallel, slot)
+    return exposed + gather, by_name
 
 
-def _first_gather_s(
-    stage0: StageEstimate,
+def _gather_exposed_s(
+    stages: Sequence[StageEstimate],
     costs: tuple[LayerCost, ...],
     ends: Sequence[ExtrasCost],
     cluster: ClusterSpec,
     training: TrainingSpec,
     parallel: ParallelConfig,
+    slot: float,
 ) -> float:
-    """With the distributed optimizer: the all-gather of stage 0's first bucket of updated
-    weights (chunk 0, bucketed as reduce_units buckets it), which the step's first forward
-    waits for (Megatron-Core `start_param_sync` from the forward pre-hook); later buckets
-    gather behind the forward. 0 without `zero`."""
+    """With the distributed optimizer (--overlap-param-gather): the updated bf16 weights
+    (2 B per parameter) are all-gathered one bucket ahead of the first micro-batch's forward
+    (Megatron-Core's forward pre-hook waits for its bucket and dispatches the next,
+    `distributed_data_parallel.py`; the interleaved schedule gathers chunk c + 1 during chunk
+    c's first forwards, `schedules.py` `param_sync_func`). The mirror of the reduction: chunk
+    c is needed c pp chunk-forwards after the step starts, chunk 0's buckets (pipeline rank
+    0) evenly through its first forward, the first at once; the forward waits for what the
+    stream has not delivered (reduce_units with the times mirrored). Stage i starts i
+    chunk-forwards after stage 0. A chunk-forward is 1/3 of a chunk-slot. 0 without `zero`."""
     if not training.zero or training.fsdp:
         return 0.0
-    extras = stage_extras(0, parallel.pp, ends)
-    gather = sum(s for _, s in _grad_sync_s(stage0.layers, costs, extras, cluster, training,
-                                             parallel, passes=1.0))  # fmt: skip
-    params = sum(held_params(stage0.layers, costs, extras))
-    k = max(1, math.ceil(params / parallel.vp / bucket_params(parallel)))
-    return gather / parallel.vp / k
+    pp, vp = parallel.pp, parallel.vp
+    chunk_fwd = slot / vp / TRAIN_FACTOR
+    worst = 0.0
+    for st in stages:
+        extras = stage_extras(st.stage, pp, ends)
+        sync = _grad_sync_s(
+            st.layers, costs, extras, cluster, training, parallel, 1.0, WEIGHT_BYTES_PER_PARAM
+        )
+        total = sum(s for _, s in sync)
+        params = sum(held_params(st.layers, costs, extras))
+        units = reduce_units(total, params, parallel, chunk_fwd, bucketed=st.stage == 0)
+        stall = overlap.queued_reduce_exposed_s(units) - st.stage * chunk_fwd
+        worst = max(worst, overlap.imperfect_s(max(stall, 0.0), total, cluster.overlap_efficiency))
+    return worst
 
 
 def _unpaired_s(

@@ -53,21 +53,23 @@ def test_units_interleaved_by_hand():
 
 
 def test_one_stage_distributed_optimizer_exposes_reduce_scatter_and_first_gather():
-    # pp 1, a model far below one 40M bucket: the whole reduce-scatter is launched when the
-    # backward ends, and the first (only) bucket's all-gather precedes the next forward:
-    # 1 + 1 ring passes over dp for the dense and over edp for the expert parameters.
+    # pp 1, a model far below one 40M bucket: the whole reduce-scatter of the fp32 gradients
+    # (Megatron's 18 B accounting) is launched when the backward ends, and the first (only)
+    # bucket's all-gather of the bf16 weights precedes the next forward: one ring pass each,
+    # over dp for the dense and over edp for the expert parameters.
     model, cl = make_model(layers=2), make_cluster()
-    tr = TrainingSpec(seq_len=32, zero=True)
+    tr = TrainingSpec(seq_len=32, zero=True, bytes_per_param=18)
     par = ParallelConfig(pp=1, dp=8, ep=2, num_microbatches=2)
     est = estimate(model, cl, tr, par)
     costs = layer_costs(model, cl, tr, par, "flat", "piper")
     ends = [first_extras(model, cl, tr, par, "piper"), last_extras(model, cl, tr, par, "piper")]
     dense, expert = held_params((0, 1), costs, ends)
-    g = grad_bytes_per_param(tr)
-    dense_s, _ = comm.ring_allreduce_s(cl, 8, 1, g * dense, 1.0)
-    expert_s, _ = comm.ring_allreduce_s(cl, par.edp, 2, g * expert, 1.0)
-    assert dense_s > 0 and expert_s > 0
-    assert est.dp_exposed_s == pytest.approx(2 * (dense_s + expert_s))
+    want = 0.0
+    for nbytes in (4, 2):  # reduce-scatter of fp32 gradients, all-gather of bf16 weights
+        want += comm.ring_allreduce_s(cl, 8, 1, nbytes * dense, 1.0)[0]
+        want += comm.ring_allreduce_s(cl, par.edp, 2, nbytes * expert, 1.0)[0]
+    assert grad_bytes_per_param(tr) == 4 and want > 0
+    assert est.dp_exposed_s == pytest.approx(want)
 
 
 def test_all_reduce_without_distributed_optimizer():
@@ -110,3 +112,32 @@ def test_without_distributed_optimizer_one_all_reduce_after_each_stage():
         total += comm.ring_allreduce_s(cl, par.edp, 2, g * expert)[0]
         want = max(want, total - st.stage / 2 * est.slot_s * 2 / 3)
     assert est.dp_exposed_s == pytest.approx(max(want, 0.0)) and want > 0
+
+
+def _forward_stall_by_simulation(gathers: list[tuple[float, float]]) -> float:
+    """Oracle: gathers (seconds, needed at) run one after another from t = 0 in the order
+    they are needed; the forward reaches each need point `needed` seconds of compute after
+    the start and waits there until that gather is done. Returns the total wait."""
+    stream_end, wait = 0.0, 0.0
+    for seconds, needed in sorted(gathers, key=lambda g: g[1]):
+        stream_end += seconds
+        wait = max(wait, stream_end - needed)  # compute reached `needed` at needed + wait
+    return wait
+
+
+def test_parameter_gather_is_the_mirror_of_the_reduction_queue():
+    # the forward waiting for gathers that run one bucket ahead equals the reduction queue
+    # with ready = -needed (reduce_units reused with forward times, _gather_exposed_s)
+    cases = [
+        [(1.0, 0.0), (1.0, 0.5), (2.0, 4.0)],
+        [(0.2, 0.0), (0.2, 1.0), (0.2, 2.0)],
+        [(3.0, 0.0), (0.5, 0.1), (0.5, 0.2), (4.0, 8.0)],
+    ]
+    for gathers in cases:
+        want = _forward_stall_by_simulation(gathers)
+        got = queued_reduce_exposed_s([(t, -n) for t, n in gathers])
+        assert got == pytest.approx(want)
+    par = ParallelConfig(pp=4, dp=8, vp=2, num_microbatches=8)
+    units = reduce_units(4.0, 160e6, par, chunk_bwd_s=1.0, bucketed=True)
+    gathers = [(t, -r) for t, r in units]  # chunk 1 needed at 4, chunk 0's buckets at 0, 0.5
+    assert _forward_stall_by_simulation(gathers) == pytest.approx(1.5)
