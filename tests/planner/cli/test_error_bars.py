@@ -187,3 +187,13 @@ def test_a_fitted_profile_adds_its_constants_covariance(tmp_path, capsys):
     param = parameter_log_sd(cluster, lambda c: estimate(qwen, c, tr, par).tokens_per_s, model)
     assert param > 0 and iv["param_log_sd"] == pytest.approx(param, rel=1e-6)
     assert iv["time_log_sd"] == pytest.approx(math.hypot(model.time_log_sd, param), rel=1e-6)
+
+
+def test_a_profile_with_a_bad_recorded_error_is_one_line_and_exit_2(tmp_path, capsys):
+    text = (ROOT / "profiles" / "clusters" / "h100.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("loo_rms_log: 0.124", "loo_rms_log: lots"))
+    assert main([*ESTIMATE, "--cluster", str(bad), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "calibration.loo_rms_log = 'lots'" in err
+    assert not (tmp_path / "o").exists()
