@@ -34,6 +34,10 @@ DEFAULT_TIME_LOG_SD with the normal quantile, and describe_source says so.
 
 **sigma_mem**: the profile's `calibration.memory_loo_rms_log` over `memory_runs` (>= 2) runs with
 a measured peak (leave-one-out on framework_overhead_gib's fit), else DEFAULT_MEMORY_LOG_SD.
+
+A fit not yet written to YAML gives its profile with
+planner.calibrate.prior_report.prior_profile(result, runs_file, date), whose calibration mapping
+holds the same keys.
 """
 
 from __future__ import annotations
