@@ -65,9 +65,29 @@ def _named_command(argv: Sequence[str] | None) -> str | None:
     return None
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """Whether `exc` is a Ctrl-C or was caused by one: an extension module whose import a
+    Ctrl-C cut short (ortools' CP-SAT) reports ImportError("initialization failed") with the
+    KeyboardInterrupt as its cause."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
+    try:
+        parser = build_parser(argv)  # imports the subcommand: a Ctrl-C may land here
+    except (KeyboardInterrupt, ImportError) as exc:
+        if not _interrupted(exc):
+            raise
+        print("piper: interrupted; no output was written", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -86,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # an input path that is a directory, unreadable, ...
         print(f"piper {name}: error: {_os_error_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, ImportError) as exc:
+        if not _interrupted(exc):
+            raise
         print(f"piper {name}: interrupted; no partial output was written", file=sys.stderr)
         return 130
 
