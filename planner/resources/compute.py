@@ -208,7 +208,12 @@ def mlp_work(
     Routed experts on the hottest rank: E/ep local experts, each split over etp, with
     M = etp ep T k / E * skew rows (the tokens of the whole etp x ep group spread over E
     experts, all-gathered over etp), run as one grouped GEMM per matrix of width f / etp;
-    FLOPs 2 etp T k skew mats d f / etp = 2 T k skew mats d f.
+    FLOPs 2 etp T k skew mats d f / etp = 2 T k skew mats d f. The grouped GEMM's efficiency
+    is taken at M / etp rows, the per-expert work of the unsplit expert: splitting over etp
+    multiplies the rows by etp and divides the width by etp, so each expert's output tiles
+    (M x f / etp) and its forward reduction length d stay, and it earns no efficiency
+    (Megatron-Core `megatron/core/transformer/moe/README.md`: "Use ETP=1 for MoE (better
+    GEMM efficiency, less communication)"). With etp = 1 this is M.
     """
     d = model.hidden_size
     rows = parallel.micro_batch * training.seq_len / parallel.cp
@@ -231,7 +236,7 @@ def mlp_work(
     )
     out.append(router)
     skew = training.routing_skew
-    rows_per_expert = parallel.etp * parallel.ep * tokens * k / e * skew
+    rows_per_expert = parallel.ep * tokens * k / e * skew  # M / etp: see the docstring
     local = e / parallel.ep
     copies = tokens * k * skew * parallel.etp
     w = local * mats * d * f
