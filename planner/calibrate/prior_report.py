@@ -8,7 +8,8 @@ label and where it came from), for every candidate constant `prior_<name>`, `wid
 and the errors before the fit, of the fit and left out (geomean predicted / measured, share
 within +-15%, worst run, RMS log error). What the error bars read
 (planner/calibrate/uncertainty.py): `runs` and `loo_rms_log`, `memory_runs` and
-`memory_loo_rms_log`, and the fitted constants' covariance in t = log(c + a) as `se_<name>`
+`memory_loo_rms_log`, the start profile's `start_runs` and `start_loo_rms_log` (its own error
+record, pooled in), and the fitted constants' covariance in t = log(c + a) as `se_<name>`
 and `corr_<a>__<b>`.
 """
 
@@ -22,7 +23,7 @@ import yaml
 
 from planner.calibrate.fit_report import Table, constant_text, errors_table, runs_table
 from planner.calibrate.prior import RUN_SIGMA, PriorFit
-from planner.calibrate.uncertainty import covariance_items
+from planner.calibrate.uncertainty import covariance_items, error_model
 from planner.inputs.clusters import cluster_from_dict, cluster_to_dict
 from planner.specs import EFFICIENCIES, ClusterSpec
 
@@ -72,6 +73,9 @@ def calibration_items(result: PriorFit, runs_file: str, date: str) -> list[tuple
         ("runs_used", ", ".join(r.run.label for r in result.runs)),
         ("params", ",".join(result.selection.kept)),
     ]  # fmt: skip
+    start = error_model(result.start)
+    if start.runs:
+        cal += [("start_runs", start.runs), ("start_loo_rms_log", round(start.time_log_sd, 4))]
     cal += [(f"run_{i}", f"{r.run.label} ({r.run.where})") for i, r in
             enumerate(result.runs, start=1)]  # fmt: skip
     why = dict(result.selection.dropped)

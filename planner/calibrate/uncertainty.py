@@ -29,8 +29,13 @@ share sigma_time (step time's interval is the reciprocal one); MFU's upper end i
 - q: the Student-t quantile with `runs` degrees of freedom (s_loo^2 is the mean of `runs`
   squared residuals around 0, so log-error / s_loo of a new run is t-distributed with that
   many under the model), the normal quantile for a default.
-A profile with no `loo_rms_log` (a preset never fitted, or fitted without leave-one-out) uses
-DEFAULT_TIME_LOG_SD with the normal quantile, and describe_source says so.
+A profile fitted from a calibrated start (`piper calibrate --fit` from a preset that records
+its own) also records the start's error as `start_runs` and `start_loo_rms_log`; the two are
+pooled, s_loo^2 = (n s^2 + n0 s0^2) / (n + n0) with n + n0 runs, the start's runs counting as
+evidence of the same model's error (a fit of 1 run, with no leave-one-out of its own, keeps
+the start's). A profile with neither (a preset never fitted, or fitted without leave-one-out
+from an uncalibrated start) uses DEFAULT_TIME_LOG_SD with the normal quantile, and
+describe_source says so.
 
 **sigma_mem**: the profile's `calibration.memory_loo_rms_log` over `memory_runs` (>= 2) runs with
 a measured peak (leave-one-out on framework_overhead_gib's fit), else DEFAULT_MEMORY_LOG_SD.
@@ -94,6 +99,7 @@ class ErrorModel:
     memory_runs: int
     names: tuple[str, ...] = ()
     covariance_t: tuple[tuple[float, ...], ...] = ()
+    start_runs: int = 0  # of `runs`, those of the start profile's record pooled in
 
     @property
     def calibrated(self) -> bool:
@@ -143,19 +149,30 @@ def error_model(cluster: ClusterSpec) -> ErrorModel:
             )
         return x
 
-    loo, runs = number("loo_rms_log"), number("runs")
-    mem, mem_runs = number("memory_loo_rms_log"), number("memory_runs")
-    time_ok = loo is not None and runs is not None and runs >= 2
-    mem_ok = mem is not None and mem_runs is not None and mem_runs >= 2
-    names, cov = _covariance(cluster, number)
+    own = _recorded(number("loo_rms_log"), number("runs"))
+    start = _recorded(number("start_loo_rms_log"), number("start_runs"))
+    memory = _recorded(number("memory_loo_rms_log"), number("memory_runs"))
+    runs = own[1] + start[1]
+    names, cov = _covariance(cluster, number) if runs else ((), ())
     return ErrorModel(
-        time_log_sd=loo if time_ok else DEFAULT_TIME_LOG_SD,  # type: ignore[arg-type]
-        runs=int(runs) if time_ok else 0,  # type: ignore[arg-type]
-        memory_log_sd=mem if mem_ok else DEFAULT_MEMORY_LOG_SD,  # type: ignore[arg-type]
-        memory_runs=int(mem_runs) if mem_ok else 0,  # type: ignore[arg-type]
-        names=names if time_ok else (),
-        covariance_t=cov if time_ok else (),
+        time_log_sd=math.sqrt((own[1] * own[0] ** 2 + start[1] * start[0] ** 2) / runs)
+        if runs
+        else DEFAULT_TIME_LOG_SD,
+        runs=runs,
+        memory_log_sd=memory[0] if memory[1] else DEFAULT_MEMORY_LOG_SD,
+        memory_runs=memory[1],
+        names=names,
+        covariance_t=cov,
+        start_runs=start[1],
     )
+
+
+def _recorded(sd: float | None, runs: float | None) -> tuple[float, int]:
+    """(sd, runs) of a recorded leave-one-out error; (0, 0) unless both are there with runs
+    >= 2 (one run leaves no leave-one-out)."""
+    if sd is None or runs is None or runs < 2:
+        return 0.0, 0
+    return sd, int(runs)
 
 
 def _covariance(
@@ -192,7 +209,11 @@ def _describe(m: ErrorModel, has_calibration: bool, level: float) -> str:
     tq, mq = m.time_quantile(level), m.memory_quantile(level)
     time, memory = math.exp(tq * m.time_log_sd), math.exp(mq * m.memory_log_sd)
     if m.calibrated:
-        head = (f"fitted on {m.runs} runs, leave-one-out log-error sd {m.time_log_sd:.3f}"
+        own = m.runs - m.start_runs
+        runs = (f"{own} runs pooled with the start profile's {m.start_runs}" if own and m.start_runs
+                else f"the start profile's {m.runs} runs (no leave-one-out of its own)"
+                if m.start_runs else f"{m.runs} runs")  # fmt: skip
+        head = (f"fitted on {runs}, leave-one-out log-error sd {m.time_log_sd:.3f}"
                 + (f" and the covariance of {len(m.names)} fitted constant(s)" if m.names
                    else ""))  # fmt: skip
     else:

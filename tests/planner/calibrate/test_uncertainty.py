@@ -128,6 +128,17 @@ def test_a_bad_recorded_value_is_one_line_naming_it(key, value):
     assert "\n" not in str(err.value)
 
 
+def test_the_start_profiles_record_is_pooled_in():
+    pooled = error_model(calibrated(3, 0.2, start_runs=12, start_loo_rms_log=0.1))
+    assert pooled.runs == 15 and pooled.start_runs == 12
+    assert pooled.time_log_sd == pytest.approx(math.sqrt((3 * 0.2**2 + 12 * 0.1**2) / 15))
+    one_run = error_model(calibrated(1, 0.0, start_runs=12, start_loo_rms_log=0.1))
+    assert one_run.runs == 12 and one_run.time_log_sd == 0.1
+    assert "start profile's 12 runs (no leave-one-out" in describe_source(
+        calibrated(1, 0.0, start_runs=12, start_loo_rms_log=0.1)
+    )
+
+
 def test_a_bad_level_is_one_line():
     with pytest.raises(SpecError, match="level must lie in"):
         intervals(load_cluster("h100"), predicted(), level=1.0)
@@ -148,7 +159,11 @@ def test_the_fitted_profile_records_what_the_intervals_read(fitted):
     text = prior_profile_yaml(result, "runs.csv", "2026-12-02")
     cluster = cluster_from_dict(yaml.safe_load(text), source="fitted")
     model = error_model(cluster)
-    assert model.runs == 4 and model.time_log_sd == round(result.left_out.rms_log, 4)
+    start = error_model(result.start)  # h100's record, kept by the derived start: pooled in
+    assert start.runs == 12 and model.runs == 4 + 12 and model.start_runs == 12
+    own = round(result.left_out.rms_log, 4)
+    pooled = math.sqrt((4 * own**2 + 12 * round(start.time_log_sd, 4) ** 2) / 16)
+    assert model.time_log_sd == pytest.approx(pooled, rel=1e-12)
     assert model.names == result.selection.kept == ("gemm_efficiency", "layer_overhead_us")
     np.testing.assert_allclose(model.covariance_t, result.covariance_t, rtol=1e-4, atol=1e-10)
     # memory: each run's peak predicted with framework_overhead_gib fitted on the others
