@@ -43,6 +43,7 @@ FOLDING = (
     ("folded", "mixtral-8x22b", 128, 2, 8, 8, 1, "none"),
     ("etp=tp", "mixtral-8x22b", 128, 2, 8, 8, 2, "none"),
     ("folded", "qwen2-57b-a14b", 64, 2, 4, 8, 1, "none"),
+    ("etp=tp", "qwen2-57b-a14b", 64, 2, 4, 8, 2, "none"),
     ("etp=tp", "qwen2-57b-a14b", 64, 2, 4, 4, 2, "none"),
     ("tp4 pp1", "qwen2-57b-a14b", 64, 4, 1, 8, 1, "none"),
 )
