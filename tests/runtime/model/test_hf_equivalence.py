@@ -209,10 +209,13 @@ def _trainer_body(rank: int, world: int, spec, path: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
-def test_run_with_hf_weights_starts_from_the_checkpoint(name, tmp_path, run_distributed):
-    """A dp = ep = 2 plan of the checkpoint's model, built as `piper run --hf-weights` builds
-    it: each rank's first loss is HF's loss on that rank's batch (vocab 256: byte data)."""
+@pytest.mark.parametrize(
+    "name,pp,dp", [("deepseek_v3", 1, 2), ("gpt_oss", 1, 2), ("qwen3_moe_tied_normalised", 2, 1)]
+)
+def test_run_with_hf_weights_starts_from_the_checkpoint(name, pp, dp, tmp_path, run_distributed):
+    """A dp = ep = 2 plan (or pp = 2, tied embeddings on two stages) of the checkpoint's
+    model, built as `piper run --hf-weights` builds it: the first loss of each rank with one
+    is HF's loss on that rank's batch (vocab 256: byte data)."""
     from planner.plan import ModelEntry
     from planner.run.hf_checkpoint import check_hf_checkpoint
     from planner.run.spec import run_spec_from_plan
@@ -222,11 +225,13 @@ def test_run_with_hf_weights_starts_from_the_checkpoint(name, tmp_path, run_dist
     hf.save_pretrained(tmp_path)
     model = hf_model(tmp_path)[0]
     entry = ModelEntry(model.name, str(tmp_path / "config.json"))
-    plan = hand_plan(model, 1, 2, 2, micro_batch=1, num_microbatches=2, seq_len=SEQ,
+    plan = hand_plan(model, pp, dp, dp, micro_batch=1, num_microbatches=2, seq_len=SEQ,
                      model_entry=entry)  # fmt: skip
     spec = run_spec_from_plan(plan, model, 1.0, 2, steps=1)
     check_hf_checkpoint(str(tmp_path), spec.model, 1.0)
-    for loss, x, y in run_distributed(_trainer_body, 2, spec, str(tmp_path)):
+    results = run_distributed(_trainer_body, 2, spec, str(tmp_path))
+    assert [loss is None for loss, _, _ in results] == [pp == 2, False]  # last stage's
+    for loss, x, y in results[pp - 1 :]:
         x, y = torch.from_numpy(x), torch.from_numpy(y)
         with torch.no_grad():
             logits = hf(input_ids=x).logits
