@@ -53,6 +53,20 @@ OPTIONS = SolverOptions("cpsat", 10.0, 1, 0)
 PRACTICAL_A2A_GBPS_PER_NODE = 30.0  # [paper] shared/PAPER.md, Frontier
 
 
+NOTES = """
+Reading the tables:
+- The fit rows' layouts are assumed (the paper states none): the paper's space (tp 1,
+  pp x ep = GCDs, no optimizer sharding, HALO); for the X-MoE family the layout Piper's
+  search ranks first there on the datasheet preset, for the weak-scaling family pp 4 with one
+  expert per EP rank and the work per GCD constant (gbs 16 x GCDs).
+- The X-MoE check rows' layouts are guesses too (X-MoE's SSMB and RBD are not modelled;
+  id 304's layout does not fit in memory in the model): weak evidence either way.
+- 'Planner in the paper's space' is Piper's own choice on each preset; for the weak family it
+  picks pp 16 with node-local EP, a layout the weak-scaling runs did not use.
+- 'The finding as measured' is issue 25's configuration (benchmarks/paper_check.py's tp = 1
+  search with FSDP allowed, global batch 1024)."""
+
+
 def datasheet_cluster() -> ClusterSpec:
     """frontier.yaml as it was at DATASHEET_COMMIT."""
     text = subprocess.run(
@@ -198,6 +212,11 @@ def report() -> None:
         a, b = finding_plan(model, gcds, sheet), finding_plan(model, gcds, preset)
         print(f"  {model:10} {gcds:5d} GCDs  measured {measured:5.1f}  datasheet "
               f"{ratio_cell(a, measured)}  preset {ratio_cell(b, measured)}")  # fmt: skip
+
+    print("\nSources (profiles/runs/frontier_paper.csv and frontier_checks.csv, per row):")
+    for run in (*paper, *checks):
+        print(f"  {run.label}: {run.field('source')}; {run.field('note')}")
+    print(NOTES)
 
     nbytes = 4096 * 2 * 5120 * 2  # one weak-scaling dispatch per rank: s k d x 2 B
     print(f"\nHALO all-to-all per node, {nbytes / 1e6:.0f} MB per GCD (GB/s a node sends; "
