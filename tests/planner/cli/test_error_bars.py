@@ -14,8 +14,13 @@ import pytest
 import yaml
 from scipy.stats import norm, t
 
-from planner.calibrate.uncertainty import DEFAULT_MEMORY_LOG_SD, DEFAULT_TIME_LOG_SD
+from planner.calibrate.uncertainty import (
+    DEFAULT_MEMORY_LOG_SD,
+    DEFAULT_TIME_LOG_SD,
+    describe_source,
+)
 from planner.cli import main
+from planner.inputs.clusters import load_cluster
 from planner.plan import load_plan
 from planner.specs import SpecError
 
@@ -51,8 +56,7 @@ def test_estimate_json_carries_each_figures_interval(cluster, capsys):
     for (lo, hi), st in zip(iv["memory_gib_per_stage"], d["stages"], strict=True):
         assert lo == pytest.approx(st["total_gib"] / f_mem, rel=1e-6)
         assert hi == pytest.approx(st["total_gib"] * f_mem, rel=1e-6)
-    calibrated = cluster == "h100"
-    assert iv["source"].startswith("fitted on 12 runs" if calibrated else "preset without")
+    assert iv["source"] == describe_source(load_cluster(cluster))
 
 
 def test_estimate_prints_intervals_and_writes_intervals_csv(tmp_path, capsys):
@@ -60,7 +64,7 @@ def test_estimate_prints_intervals_and_writes_intervals_csv(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "intervals: tokens/s [" in out and "(80%)" in out
     assert "memory (GiB) stage 0 [" in out and "stage 3 [" in out
-    assert "from preset without calibration" in out
+    assert f"from {describe_source(load_cluster('frontier'))}" in out
     rows = list(csv.DictReader((tmp_path / "intervals.csv").open()))
     assert [r["figure"] for r in rows] == ["tokens_per_s", "step_time_s", "tflops_per_gpu",
                                            "mfu"] + ["memory_gib"] * 4  # fmt: skip
@@ -141,7 +145,6 @@ def test_a_malformed_intervals_block_is_one_line(plan_dir, tmp_path, edit, match
 
 def test_a_fitted_profile_adds_its_constants_covariance(tmp_path, capsys):
     from planner.calibrate.uncertainty import error_model, parameter_log_sd
-    from planner.inputs.clusters import load_cluster
     from planner.inputs.models import load_model
     from planner.parallel import ParallelConfig
     from planner.resources.cost import estimate
