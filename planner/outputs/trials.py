@@ -211,7 +211,8 @@ def _summary(
     ]
     for j, t in zip(jobs, shortlist.trials, strict=True):
         step = j.plan.predicted.step_time_s
-        box = intervals(cluster, j.plan.predicted, level).step_time_s
+        ivs = j.plan.predicted.intervals or intervals(cluster, j.plan.predicted, level)
+        box = ivs.step_time_s  # plan.json's own interval where it has one
         lines.append(
             f"| {j.name} | {t.layout} | {step:.4g} | {box.lo:.4g}-{box.hi:.4g} | "
             f"{t.gain_nats:.2f} | {', '.join(t.leans_on) or '-'} |"
