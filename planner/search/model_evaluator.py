@@ -7,17 +7,31 @@ Shape letters: E = routed experts, S = pipeline stages.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from planner.ip.solvers import SolveReport, SolverOptions
 from planner.parallel import ParallelConfig
 from planner.resources.stage_inputs import StageCostInputs
 from planner.search.evaluator import EstimateView, RankChoice, StageChoice
-from planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from planner.specs import ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
 
 
 class ModelEvaluator:
     """Evaluator protocol (planner.search.evaluator) over the project's modules."""
+
+    def __init__(self) -> None:
+        self._shared: dict[ModelSpec, ModelSpec] = {}
+
+    def shared_layers(self, model: ModelSpec) -> ModelSpec:
+        """The model with equal layers as one object: the resource model keys per-layer costs
+        by LayerSpec for every candidate, and a dict lookup that finds the same object skips
+        comparing two equal specs field by field."""
+        if model not in self._shared:
+            pool: dict[LayerSpec, LayerSpec] = {}
+            layers = tuple(pool.setdefault(layer, layer) for layer in model.layers)
+            self._shared[model] = replace(model, layers=layers)
+        return self._shared[model]
 
     def cost_inputs(
         self,
@@ -29,6 +43,7 @@ class ModelEvaluator:
     ) -> StageCostInputs:
         from planner.resources.cost import stage_cost_inputs
 
+        model = self.shared_layers(model)
         return stage_cost_inputs(model, cluster, training, par, dispatcher=dispatcher)
 
     def solve_stages(self, inputs: StageCostInputs, options: SolverOptions) -> StageChoice:
@@ -63,6 +78,7 @@ class ModelEvaluator:
     ) -> EstimateView:
         from planner.resources.cost import estimate
 
+        model = self.shared_layers(model)
         est = estimate(model, cluster, training, par, stage_layers, recompute_layers, dispatcher)
         return view_of(est, cluster)
 
@@ -110,8 +126,6 @@ def _choice(inputs: StageCostInputs, sol: Any) -> StageChoice:
 
 
 def _with_message(sol: Any) -> SolveReport:
-    from dataclasses import replace
-
     return replace(sol.report, message=sol.reason)
 
 
