@@ -47,7 +47,9 @@ class RunOptions:
         None, "emulated node size (default: the plan cluster's gpus_per_node)"
     )
     scale: float = _flag(1.0, "shrink widths, depth and sequence by F in (0, 1] (see RUNTIME.md)")
-    dispatcher: Dispatcher = _flag("halo")
+    dispatcher: Dispatcher | None = _flag(
+        None, "expert all-to-all (default: the one the plan was priced with; RUNTIME.md)"
+    )
     migrate_every: int = _flag(0, "migrate experts every K steps (0 = never)", metavar="K")
     out: str | None = _flag(None, "output directory (default: PLAN's dir/run)")
     seed: int = _flag(0)
@@ -66,9 +68,9 @@ class RunOptions:
         "grouped", "a rank's experts in grouped GEMMs (torch._grouped_mm) or one by one"
     )
     precision: Precision = _flag(
-        "fp32",
-        "compute dtype: fp32; bf16 (autocast, fp32 master weights, Adam and reductions); "
-        "plan: the plan's training dtype (bf16 for bf16, fp8 and mxfp8)",
+        "plan",
+        "compute dtype: plan (default): the plan's training dtype (bf16 for bf16, fp8 and "
+        "mxfp8); fp32; bf16 (autocast, fp32 master weights, Adam and reductions)",
     )
     data: str | None = _flag(
         None,
@@ -180,10 +182,12 @@ def _argparse_kwargs(f: Field, hint: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help")}
     if hint is bool:
         return {**kwargs, "action": "store_true"}
+    if type(None) in typing.get_args(hint):  # `X | None`: the flag takes an X
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if typing.get_origin(hint) is Literal:
         kwargs["choices"] = typing.get_args(hint)
-    else:  # int, float, str or `X | None`
-        kwargs["type"] = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    else:  # int, float or str
+        kwargs["type"] = hint
     if f.metadata.get("metavar"):
         kwargs["metavar"] = f.metadata["metavar"]
     return kwargs

@@ -348,17 +348,49 @@ def spec_from_options(options: RunOptions) -> RunSpec:
     """Load options.plan and its model and build the run's (scaled) RunSpec.
 
     Every RunOptions field that is also a RunSpec field (steps, seed, lr, dispatcher, ...)
-    is passed through; raises SpecError as run_spec_from_plan does.
+    is passed through, the dispatcher defaulting to the plan's (priced_dispatcher); raises
+    SpecError as run_spec_from_plan does and, at full size, for a --dispatcher or
+    --precision that differs from what the plan was priced with (check_run_flags).
     """
     plan = load_plan(options.plan)
+    if options.scale == 1.0:  # the priced run itself; a --scale'd run is a rehearsal
+        check_run_flags(plan, options)
     passed = {f.name for f in fields(RunSpec)} - {"ranks_per_node"}
+    chosen = {f.name: getattr(options, f.name) for f in fields(options) if f.name in passed}
+    chosen["dispatcher"] = options.dispatcher or priced_dispatcher(plan)
     return run_spec_from_plan(
-        plan,
-        plan.model_spec(options.plan),
-        options.scale,
-        options.ranks_per_node,
-        **{f.name: getattr(options, f.name) for f in fields(options) if f.name in passed},
+        plan, plan.model_spec(options.plan), options.scale, options.ranks_per_node, **chosen
     )
+
+
+def priced_dispatcher(plan: Plan) -> Dispatcher:
+    """The runtime's dispatcher for the one the plan was priced with (plan.json
+    extra.dispatcher): flat or halo; a plan priced with DeepEP (made for another engine, which
+    `piper run` refuses at full size) rehearses with flat, the exchange DeepEP also makes."""
+    return "halo" if plan.extra.get("dispatcher", "flat") == "halo" else "flat"
+
+
+def check_run_flags(plan: Plan, options: RunOptions) -> None:
+    """Refuse (one SpecError line naming the flag and the fix) a --dispatcher or --precision
+    given explicitly that runs other than the plan was priced: another dispatcher (halo-dedup
+    is HALO, only without the copies the priced bytes include, so it runs a halo plan), or
+    another compute dtype than `--precision plan` gives."""
+    priced = priced_dispatcher(plan)
+    chosen = options.dispatcher
+    if chosen is not None and chosen != priced and (chosen, priced) != ("halo-dedup", "halo"):
+        raise SpecError(
+            f"--dispatcher {chosen}: the plan was priced with the {priced} dispatcher; leave "
+            f"the flag out to run {priced}, re-plan with --dispatcher "
+            f"{chosen.removesuffix('-dedup')}, or rehearse with --scale < 1"
+        )
+    want = replace(options, precision="plan").compute_dtype(plan.training)
+    if options.precision != "plan" and options.precision != want:
+        dtype = plan.training.get("dtype", "fp32")
+        raise SpecError(
+            f"--precision {options.precision}: the plan was priced in {dtype}, which runs in "
+            f"{want} here; leave the flag out (or --precision plan), re-plan with --dtype "
+            f"{options.precision}, or rehearse with --scale < 1"
+        )
 
 
 def checked_spec(options: RunOptions) -> RunSpec:

@@ -12,7 +12,7 @@ from planner.calibrate.metrics import load_metrics
 from planner.cli import main
 from planner.inputs.models import load_model, model_config
 from planner.migration.trace import load_trace
-from planner.plan import ClusterEntry, ModelEntry, ParallelPlan, RankPlan
+from planner.plan import ClusterEntry, ModelEntry, ParallelPlan, RankPlan, load_plan
 from planner.run.scale import keep_layers
 from planner.run.spec import run_spec_from_plan
 from planner.specs import SpecError
@@ -173,11 +173,97 @@ def test_one_run_options_builds_both_parsers_and_the_torchrun_line():
         launcher.parse_args(["--plan", "p.json", "--nproc", "8"])
     defaults = RunOptions.from_args(cli.parse_args(["p.json"]))
     assert defaults == RunOptions("p.json")
-    want = "--plan p.json --steps 30 --scale 1.0 --dispatcher halo --migrate-every 0 --seed 0"
+    # no --dispatcher: the launcher takes the plan's too; --precision plan: the plan's dtype
+    want = "--plan p.json --steps 30 --scale 1.0 --migrate-every 0 --seed 0"
     want += " --lr 0.003 --trace-every 1 --halo-direct-below-bytes -1 --router-bias-rate 0.0"
-    want += " --expert-gemm grouped --precision fp32 --checkpoint-every 0"
+    want += " --expert-gemm grouped --precision plan --checkpoint-every 0"
     assert defaults.to_launch_argv() == ["-m", "runtime.launch", *want.split()]
     assert str(defaults.out_dir).endswith("/run") and options.out_dir.name == "o"
+
+
+def _priced(tmp_path, dispatcher: str, dtype: str):
+    """A plan priced with `dispatcher` (plan.json extra.dispatcher) in `dtype`."""
+    _, plan = _write_plan(tmp_path, ep=2, dp=2)
+    priced = replace(
+        plan,
+        training={**plan.training, "dtype": dtype},
+        extra={**plan.extra, "dispatcher": dispatcher},
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(priced.to_json())
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "dispatcher, dtype, ran",
+    [("halo", "bf16", ("halo", "bf16")), ("flat", "fp32", ("flat", "fp32")),
+     ("deepep", "bf16", ("flat", "bf16"))],  # DeepEP: only a --scale'd rehearsal runs it
+)  # fmt: skip
+def test_without_flags_piper_run_runs_the_priced_dispatcher_and_precision(
+    tmp_path, dispatcher, dtype, ran
+):
+    from planner.run.options import RunOptions
+    from planner.run.spec import checked_spec
+
+    path = _priced(tmp_path, dispatcher, dtype)
+    scale = 0.5 if dispatcher == "deepep" else 1.0
+    options = RunOptions(path, scale=scale)
+    spec = checked_spec(options)
+    assert (spec.dispatcher, options.compute_dtype(load_plan(path).training)) == ran
+    if dispatcher == "deepep":  # at full size the DeepEP plan is another engine's
+        with pytest.raises(SpecError, match="deepep dispatcher.*--target piper"):
+            checked_spec(RunOptions(path))
+
+
+@pytest.mark.parametrize(
+    "priced, flags, msg",
+    [
+        (("flat", "bf16"), ["--dispatcher", "halo"],
+         "--dispatcher halo: the plan was priced with the flat dispatcher; leave the flag out "
+         "to run flat, re-plan with --dispatcher halo, or rehearse with --scale < 1"),
+        (("halo", "bf16"), ["--dispatcher", "flat"], "priced with the halo dispatcher"),
+        (("flat", "bf16"), ["--dispatcher", "halo-dedup"], "re-plan with --dispatcher halo,"),
+        (("flat", "bf16"), ["--precision", "fp32"],
+         "--precision fp32: the plan was priced in bf16, which runs in bf16 here; leave the "
+         "flag out (or --precision plan), re-plan with --dtype fp32, or rehearse with --scale"),
+        (("flat", "fp32"), ["--precision", "bf16"], "priced in fp32, which runs in fp32 here"),
+    ],
+)  # fmt: skip
+def test_a_flag_that_changes_a_priced_setting_is_refused_at_full_size(
+    tmp_path, capsys, monkeypatch, priced, flags, msg
+):
+    import planner.cli.run as run_cli
+
+    path = _priced(tmp_path, *priced)
+    launched = []
+    monkeypatch.setattr(run_cli.subprocess, "run", _record_launch(launched, run_cli.subprocess.run))
+    assert main(["run", path, "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"piper run: error: {path}: ") and msg in err and "\n" not in err
+    assert launched == []  # torchrun never started
+
+
+@pytest.mark.parametrize(
+    "priced, flags, ran",
+    [
+        (("halo", "bf16"), ["--dispatcher", "halo-dedup"], ("halo-dedup", 1.0)),
+        (("halo", "bf16"), ["--dispatcher", "halo", "--precision", "bf16"], ("halo", 1.0)),
+        (("flat", "bf16"), ["--precision", "plan"], ("flat", 1.0)),
+        # a --scale'd rehearsal may change them
+        (("flat", "bf16"), ["--dispatcher", "halo", "--precision", "fp32", "--scale", "0.5"],
+         ("halo", 0.5)),
+    ],
+)  # fmt: skip
+def test_flags_that_keep_the_priced_settings_or_rehearse_are_taken(tmp_path, priced, flags, ran):
+    import argparse
+
+    from planner.run.options import RunOptions, add_run_arguments
+    from planner.run.spec import checked_spec
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    options = RunOptions.from_args(parser.parse_args([_priced(tmp_path, *priced), *flags]))
+    assert (checked_spec(options).dispatcher, options.scale) == ran
 
 
 def test_scale_keeps_structure():
@@ -257,6 +343,10 @@ def test_piper_run_end_to_end_through_torchrun(tmp_path, capsys):
     assert "4 steps: loss" in printed
     tokens = run["dp"] * run["micro_batch"] * run["num_microbatches"] * run["seq_len"]
     assert f"seq=32, {tokens:,} tokens per step" in printed  # the size of a step, up front
+    priced = load_plan(plan)  # no flags: the dispatcher and precision it was priced with
+    dispatcher, dtype = priced.extra["dispatcher"], priced.training["dtype"]
+    assert f"tokens per step, {dispatcher} dispatcher, {dtype} compute" in printed
+    assert run["dispatcher"] == dispatcher
     assert f"; checkpoint {tmp_path / 'ckpt' / 'step-000004'}; wrote" in printed
     # two more steps from the checkpoint after step 4: metrics.jsonl holds all six
     more = ["run", plan, "--steps", "6", "--scale", "0.5", "--out", str(tmp_path / "more")]
@@ -276,6 +366,7 @@ def test_piper_run_trains_a_vp2_fsdp_plan_like_the_oracle(tmp_path, capsys):
     entry = ModelEntry("tiny-moe", model.source, model_config(model))
     plan = hand_plan(model, 2, 2, 2, micro_batch=2, num_microbatches=2, seq_len=32,
                      gpus_per_node=2, model_entry=entry, vp=2, fsdp=True)  # fmt: skip
+    plan = replace(plan, extra={**plan.extra, "dispatcher": "halo"})  # run as priced: HALO
     path, out = tmp_path / "plan.json", tmp_path / "run"
     path.write_text(plan.to_json())
     rc = main(["run", str(path), "--steps", "3", "--out", str(out), "--force"])
@@ -287,6 +378,7 @@ def test_piper_run_trains_a_vp2_fsdp_plan_like_the_oracle(tmp_path, capsys):
         True,
         [[0], [1], [2], [3]],
     )
+    assert run["dispatcher"] == "halo"
     load_corpus()
     spec = run_spec_from_plan(plan, model, 1.0, 2, steps=3)
     losses = [d["loss"] for d in load_metrics(out / "metrics.jsonl")]
