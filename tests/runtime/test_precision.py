@@ -32,7 +32,7 @@ def test_plan_precision_follows_the_plans_dtype():
     ]
     assert opts.compute_dtype({}) == "fp32"  # a plan without a dtype: fp32
     assert RunOptions("p.json", precision="bf16").compute_dtype({"dtype": "fp32"}) == "bf16"
-    assert RunOptions("p.json").compute_dtype({"dtype": "bf16"}) == "fp32"  # the default
+    assert RunOptions("p.json").compute_dtype({"dtype": "bf16"}) == "bf16"  # default: plan
 
 
 @pytest.mark.parametrize("gemm", ["grouped", "loop"])
