@@ -5,8 +5,8 @@ collects their logs, refits the profile and re-plans.
 
 - `<n>-<layout>/plan.json`: the layout's plan (trial 1 is the plan itself);
 - the job, by the engine the plan was made for (plan.json `extra.target`):
-  - piper: `<n>-<layout>/trial.sh`, `piper run PLAN --steps N` with the plan's dispatcher and
-    precision, its metrics in `<n>-<layout>/run/metrics.jsonl` (the log);
+  - piper: `<n>-<layout>/trial.sh`, `piper run PLAN --steps N` (the plan's dispatcher and
+    precision, piper run's defaults), its metrics in `<n>-<layout>/run/metrics.jsonl` (the log);
   - megatron / torchtitan: the engine's export (`megatron_args.sh` / `torchtitan_args.sh`,
     exactly what was priced), `trial.sbatch` (`piper export --to slurm --trainer ENGINE` with
     the trainer's command plus a short run: Megatron-LM `--train-iters N --log-interval 1
@@ -142,10 +142,8 @@ def _job(plan: Plan, trial: Path, steps: int) -> tuple[dict[str, str], Path]:
     plan_path = trial / "plan.json"
     files = {"plan.json": plan.to_json()}
     if engine == "piper":
-        run = trial / "run"
-        dispatcher = str(plan.extra.get("dispatcher", "flat"))
+        run = trial / "run"  # piper run's dispatcher and precision default to the plan's
         argv = ["${PIPER:-piper}", "run", shlex.quote(str(plan_path)), "--steps", str(steps),
-                "--dispatcher", shlex.quote(dispatcher), "--precision", "plan",
                 "--out", shlex.quote(str(run))]  # fmt: skip
         files["trial.sh"] = _script([f"# {steps} steps of this layout; its log: run/metrics.jsonl",
                                      '"' + argv[0] + '" ' + " ".join(argv[1:])])  # fmt: skip
