@@ -139,11 +139,15 @@ def stage_cost_inputs(
     check_layout(model, cluster, parallel, training, dispatcher)
     costs = layer_costs(model, cluster, training, parallel, dispatcher, accounting)
     vp = parallel.vp
+    allowed = effective_recompute(training, parallel) != "none"
+    uniform = allowed and training.uniform_recompute
     templates: dict[LayerSpec, UnitCost] = {}
+    distinct: dict[LayerSpec, LayerCost] = {}  # equal specs have equal costs: price each once
     units = []
     for c, spec in zip(costs, model.layers, strict=True):
         unit = templates.get(spec)
         if unit is None:
+            distinct[spec] = c
             unit = templates[spec] = UnitCost(
                 layer=c.layer,
                 kind=c.kind,
@@ -153,16 +157,17 @@ def stage_cost_inputs(
                 act_bytes=c.act.total / vp,
                 act_recompute_bytes=c.act_recompute.total / vp,
             )
+            if uniform:
+                unit = templates[spec] = _uniform(unit)
         units.append(unit if unit.layer == c.layer else with_index(unit, c.layer))
     first = first_extras(model, cluster, training, parallel, accounting)
     last = last_extras(model, cluster, training, parallel, accounting)
-    allowed = effective_recompute(training, parallel) != "none"
     usable = usable_memory_bytes(cluster, training.memory_margin_gib)
     if allowed:
-        usable -= max(c.act.total - c.act_recompute.total for c in costs)
+        usable -= max(c.act.total - c.act_recompute.total for c in distinct.values())
     usable -= _workspace_reserve(costs, (first, last))
-    if allowed and training.uniform_recompute:
-        units, allowed = [_uniform(u) for u in units], False
+    if uniform:
+        allowed = False
     return StageCostInputs(
         units=tuple(units),
         first=StageExtras(first.time_s, first.state.total, first.act_bytes / vp),
