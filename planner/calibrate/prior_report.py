@@ -25,7 +25,7 @@ from planner.calibrate.fit_report import Table, constant_text, errors_table, run
 from planner.calibrate.prior import RUN_SIGMA, PriorFit
 from planner.calibrate.uncertainty import covariance_items, error_model
 from planner.inputs.clusters import cluster_from_dict, cluster_to_dict
-from planner.specs import EFFICIENCIES, ClusterSpec
+from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec
 
 
 def prior_tables(result: PriorFit) -> list[Table]:
@@ -34,7 +34,8 @@ def prior_tables(result: PriorFit) -> list[Table]:
     elasticity = dict(result.selection.elasticity)
     priors = {p.name: p for p in result.priors}
     constants = []
-    for e in EFFICIENCIES:
+    named = [e for e in TOPOLOGY_EFFICIENCIES if e.name in priors]  # fitted only when named
+    for e in (*EFFICIENCIES, *named):
         p = priors.get(e.name)
         fitted = e.name in result.selection.kept
         width = "-" if p is None else f"{p.width:g}" + (f" (+{p.offset:g})" if p.offset else "")
