@@ -27,10 +27,10 @@ the same after taking the known excess below (`known excess B`) off the runtime'
 Known differences, by design: with tp > 1 the runtime keeps the embedding, head, norms,
 routers and row-parallel biases whole on every TP rank (runtime/parallel/tensor_parallel.py),
 the model splits all non-expert parameters over tp; `tp excess` is (1 - 1/tp) x those
-parameters (the final norm is whole in both). MLA (DeepSeek-V3) runs as GQA with the same
-heads in the runtime (runtime/model/transformer.py, planner/run/scale.py): q, k, v and o
-of 128 heads of 192, 704.6 M parameters a layer where MLA has 187.1 M
-(`attention_excess`).
+parameters (the final norm is whole in both). Attention is built as planned: MLA
+(DeepSeek-V3) as MLA (runtime/model/attention.py), sinks and sliding windows as the config
+says; `attention_excess` (the run model's attention parameters minus the plan model's) is
+kept as a check and is 0 at full size.
 
 Two hooks, undone after each rank: `runtime.parallel.fsdp.shard_chunk` builds its DeviceMesh
 with the parameters' device type, and FSDP2 has no device module for "meta", so the oracle
@@ -281,8 +281,8 @@ def tp_excess(state: RankState, spec: RunSpec) -> float:
 
 def attention_excess(spec: RunSpec, model: ModelSpec, stage: int) -> float:
     """Attention parameters a rank of pipeline rank `stage` holds over the model: the run
-    model's attention (MLA run as GQA: planner.run.scale) minus the plan model's, over tp;
-    0 for every GQA / MHA layer."""
+    model's attention (planner.run.scale) minus the plan model's, over tp; 0 at --scale 1,
+    where the run model keeps every layer's attention as planned."""
     d = model.hidden_size
     return (
         sum(
