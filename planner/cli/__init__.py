@@ -26,6 +26,7 @@ COMMANDS = (
     "trace",
     "a2a_sim",
     "run",
+    "prepare_data",
     "profile",
     "calibrate",
     "export",
