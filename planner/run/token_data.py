@@ -6,10 +6,13 @@ Two layouts of token ids, both a flat little-endian array in a `.bin` file:
   b"MMIDIDX\\x00\\x00", a uint64 version (1), a uint8 dtype code (1 uint8, 4 int32, 5 int64,
   8 uint16 are read here), then uint64 sequence and document counts and the sequence
   lengths, byte pointers and document indices (megatron/core/datasets/indexed_dataset.py,
-  `_IndexWriter` / `_IndexReader`). Only the dtype and the count are used: the run reads
-  the .bin as one stream, windows may cross documents (as nanoGPT does).
+  `_IndexWriter` / `_IndexReader`). The dtype is used, and the sequence lengths must add up
+  to the .bin's ids; the run reads the .bin as one stream, windows may cross documents (as
+  nanoGPT does).
 - nanoGPT's train.bin (data/*/prepare.py writes np.uint16 ids): FILE.bin, uint16 unless a
-  FILE.json beside it says {"dtype": "uint16" | "uint32", "vocab_size": N}.
+  FILE.json beside it says {"dtype": "uint16" | "uint32", "vocab_size": N} (vocab_size at
+  most what the dtype holds; an optional "tokens": N must equal the .bin's ids), as
+  `piper prepare-data` (planner/run/prepare_data.py) writes it.
 PATH may name the .bin or the Megatron prefix. The vocabulary is the json's vocab_size, else
 the largest id + 1.
 """
@@ -45,8 +48,10 @@ class TokenFile:
         return np.memmap(self.bin_path, dtype=np.dtype(self.dtype), mode="r", shape=(self.tokens,))
 
 
-def _megatron_dtype(idx: Path) -> np.dtype:
-    head = idx.read_bytes()[: len(MEGATRON_HEADER) + 9]
+def _megatron_index(idx: Path) -> tuple[np.dtype, int]:
+    """The dtype of a Megatron index and the tokens its sequence lengths add up to."""
+    raw = idx.read_bytes()
+    head = raw[: len(MEGATRON_HEADER) + 9]
     if len(head) < len(MEGATRON_HEADER) + 9 or not head.startswith(MEGATRON_HEADER):
         raise SpecError(f"--data: {idx} is not a Megatron index (no MMIDIDX header)")
     version, code = struct.unpack("<QB", head[len(MEGATRON_HEADER) :])
@@ -55,7 +60,37 @@ def _megatron_dtype(idx: Path) -> np.dtype:
             f"--data: {idx} has version {version}, dtype code {code}; readable: version 1, "
             f"codes {sorted(MEGATRON_DTYPES)}"
         )
-    return np.dtype(MEGATRON_DTYPES[code])
+    at = len(head)
+    if len(raw) < at + 16:
+        raise SpecError(f"--data: {idx} ends inside its header; rebuild the index")
+    (sequences,) = struct.unpack("<Q", raw[at : at + 8])
+    room = (len(raw) - at - 16) // 4
+    lengths = np.frombuffer(raw, dtype=np.int32, count=min(sequences, room), offset=at + 16)
+    if len(lengths) < sequences:
+        raise SpecError(f"--data: {idx} lists {sequences} sequences but ends early; rebuild it")
+    return np.dtype(MEGATRON_DTYPES[code]), int(lengths.sum(dtype=np.int64))
+
+
+def _sidecar(side: Path) -> tuple[np.dtype, int | None, int | None]:
+    """dtype, vocab_size and tokens of a .json sidecar (the last two may be absent)."""
+    try:
+        meta = json.loads(side.read_text())
+        dtype = np.dtype(SIDECAR_DTYPES[meta["dtype"]])
+        vocab, tokens = meta.get("vocab_size"), meta.get("tokens")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        vocab = tokens = "bad"
+    for value in (vocab, tokens):
+        if value is not None and (type(value) is not int or value <= 0):
+            raise SpecError(
+                f'--data: {side} must be {{"dtype": "uint16" | "uint32", "vocab_size": N}} '
+                '(optional "tokens": N), N a positive integer'
+            )
+    if vocab is not None and vocab > np.iinfo(dtype).max + 1:
+        raise SpecError(
+            f"--data: {side} says vocab_size {vocab} in {dtype}, which holds ids below "
+            f"{np.iinfo(dtype).max + 1}; fix the .json or rebuild with uint32"
+        )
+    return dtype, vocab, tokens
 
 
 def open_token_file(path: str) -> TokenFile:
@@ -64,22 +99,22 @@ def open_token_file(path: str) -> TokenFile:
     if not bin_path.is_file():
         raise SpecError(f"--data: {bin_path} not found; give a token .bin or a Megatron prefix")
     idx, side = bin_path.with_suffix(".idx"), bin_path.with_suffix(".json")
-    vocab = None
+    vocab = expected = None
     if idx.is_file():
-        dtype = _megatron_dtype(idx)
+        dtype, expected = _megatron_index(idx)
     elif side.is_file():
-        try:
-            meta = json.loads(side.read_text())
-            dtype, vocab = np.dtype(SIDECAR_DTYPES[meta["dtype"]]), meta.get("vocab_size")
-        except (ValueError, KeyError, TypeError):
-            raise SpecError(
-                f'--data: {side} must be {{"dtype": "uint16" | "uint32", "vocab_size": N}}'
-            ) from None
+        dtype, vocab, expected = _sidecar(side)
     else:
         dtype = np.dtype(np.uint16)
     size = bin_path.stat().st_size
     if size % dtype.itemsize or size == 0:
         raise SpecError(f"--data: {bin_path} has {size} bytes, not a whole number of {dtype}")
+    if expected is not None and expected != size // dtype.itemsize:
+        meta = idx if idx.is_file() else side
+        raise SpecError(
+            f"--data: {meta} counts {expected} tokens, {bin_path} holds "
+            f"{size // dtype.itemsize} {dtype}; the pair is inconsistent, rebuild it"
+        )
     tokens = np.memmap(bin_path, dtype=dtype, mode="r")
     top = int(tokens.max())
     if int(tokens.min()) < 0 or (vocab is not None and top >= vocab):
