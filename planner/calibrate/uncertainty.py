@@ -51,13 +51,11 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from statistics import NormalDist
 from typing import Protocol
 
 import numpy as np
-from scipy.stats import norm, t
 
-from planner.calibrate.fit import fit_params
-from planner.calibrate.prior import JACOBIAN_STEP, PRIORS
 from planner.plan.schema import Interval, Intervals
 from planner.specs import ClusterSpec, SpecError
 
@@ -119,7 +117,11 @@ def quantile(level: float, dof: int | None) -> float:
     if not 0 < level < 1:
         raise SpecError(f"interval level must lie in (0, 1), got {level}; use e.g. 0.8")
     p = 0.5 + level / 2
-    return float(norm.ppf(p) if dof is None else t.ppf(p, dof))
+    if dof is None:
+        return NormalDist().inv_cdf(p)
+    from scipy.stats import t  # imported here: scipy.stats costs `piper plan` a second
+
+    return float(t.ppf(p, dof))
 
 
 def interval(value: float, log_sd: float, q: float, level: float = LEVEL) -> Interval:
@@ -181,8 +183,12 @@ def _covariance(
     """(names, covariance) from `se_<name>` and `corr_<a>__<b>` (0 when absent); a name that
     is not a constant a fit may set raises SpecError."""
     keys = [k[3:] for k, _ in cluster.calibration if k.startswith("se_")]
+    if not keys:
+        return (), ()
+    from planner.calibrate.fit import fit_params  # scipy.optimize: only a fitted profile's
+
     try:
-        names = tuple(e.name for e in fit_params(keys)) if keys else ()
+        names = tuple(e.name for e in fit_params(keys))
     except SpecError as err:
         raise SpecError(f"cluster {cluster.name}: calibration se_<name>: {err}") from None
     se = [number(f"se_{n}") or 0.0 for n in names]
@@ -231,6 +237,9 @@ def parameter_log_sd(cluster: ClusterSpec, reprice: Reprice, model: ErrorModel) 
     layout `reprice` prices (module docstring); 0 without a covariance."""
     if not model.names:
         return 0.0
+    from planner.calibrate.fit import fit_params  # scipy.optimize: only a fitted profile's
+    from planner.calibrate.prior import JACOBIAN_STEP, PRIORS
+
     base = math.log(reprice(cluster))
     grad = []
     for e in fit_params(model.names):
