@@ -6,11 +6,18 @@ per case and prints the median with each run, the targets (1024 GPUs <= 10 s on 
 cluster, 16384 <= 60 s), the 1-minute load average around each case (the machine is
 shared), and from the last run's timings.json and plan.json: the candidates enumerated,
 costed by the resource model, scored (split solved and predicted) and pruned, the chosen
-layout and the stage IP's status and gap. With --compare-ip it also plans with the stage IP
-on every candidate (`--score ip`) up to --compare-up-to GPUs and prints the time ratio and
-whether plan.json is byte-identical.
+layout and the stage IP's status and gap. The planner is this checkout's (PYTHONPATH), not
+whichever `piper` is on PATH.
 
-    OMP_NUM_THREADS=1 python3 benchmarks/plan_speed.py [--repeats 3] [--compare-ip]
+--tree DIR also times another checkout (e.g. the commit before a change: `git worktree add
+/tmp/before COMMIT`), its runs alternating with this one's so both see the same load, and
+prints its median, the ratio and whether its plan.json (and every other output but
+timings.json) is byte-identical. With --compare-ip it also plans with the stage IP on every
+candidate (`--score ip`) up to --compare-up-to GPUs and prints the time ratio and whether
+plan.json is byte-identical.
+
+    OMP_NUM_THREADS=1 python3 benchmarks/plan_speed.py [--repeats 3] [--tree DIR]
+        [--cases h100:1024:megatron ...] [--compare-ip]
 
 Writes what it prints to results/plan_speed.md (--results FILE elsewhere, --no-results not).
 """
@@ -20,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -36,21 +42,32 @@ DEFAULT_CASES = ("frontier:64", "frontier:256", "frontier:1024", "h100:1024:mega
                  "frontier:16384")  # fmt: skip
 
 
+ROOT = Path(__file__).resolve().parent.parent
+CODE = "import sys; from planner.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
 def _command(model: str, cluster: str, gpus: int, out: Path, extra: list[str]) -> list[str]:
-    piper = shutil.which("piper")
-    head = [piper] if piper else [sys.executable, "-c", "import sys; from planner.cli import "
-                                  "main; sys.exit(main(sys.argv[1:]))"]  # fmt: skip
     args = ["plan", "--model", model, "--cluster", cluster, "--gpus", str(gpus)]
-    return [*head, *args, "--out", str(out), *extra]
+    return [sys.executable, "-c", CODE, *args, "--out", str(out), *extra]
 
 
-def _run(cmd: list[str]) -> tuple[float, int, str]:
-    """(wall seconds, exit code, the last line of stderr) of one command."""
+def _run(cmd: list[str], tree: Path = ROOT) -> tuple[float, int, str]:
+    """(wall seconds, exit code, the last line of stderr) of one command with the planner of
+    checkout `tree`."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=tree, env=env)
     wall = time.perf_counter() - t0
     err = done.stderr.strip().splitlines()
     return wall, done.returncode, err[-1] if err else ""
+
+
+def _same_outputs(a: Path, b: Path) -> bool:
+    """Every output file but timings.json byte-identical in run directories a and b."""
+    names = sorted(p.name for p in a.iterdir() if p.name != "timings.json")
+    if names != sorted(p.name for p in b.iterdir() if p.name != "timings.json"):
+        return False
+    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
 
 
 def _summary(out: Path) -> tuple[dict, str, str]:
@@ -87,6 +104,7 @@ def main() -> None:
                     "cluster's)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3, help="runs per case (median reported)")
     ap.add_argument("--solver", default="cpsat", choices=("cpsat", "cbc"))
+    ap.add_argument("--tree", type=Path, help="another checkout to time alternately (before)")
     ap.add_argument("--compare-ip", action="store_true", help="also time --score ip")
     ap.add_argument("--compare-up-to", type=int, default=1024)
     ap.add_argument("--results", default="results/plan_speed.md", help="markdown to write")
@@ -110,15 +128,17 @@ def run(args: argparse.Namespace) -> None:
             _case(args, cluster, int(gpus), engine, Path(tmp) / case.replace(":", "-"))
 
 
-def _case(
-    args: argparse.Namespace, cluster: str, gpus: int, engine: list[str], out: Path
-) -> None:
+def _case(args: argparse.Namespace, cluster: str, gpus: int, engine: list[str], out: Path) -> None:
     extra = ["--solver", args.solver, *(["--target", engine[0]] if engine else [])]
+    other = out.with_name(out.name + "-tree")
     load_before = os.getloadavg()[0]
-    walls, code, err = [], 0, ""
+    walls, code, err, tree_walls = [], 0, "", []
     for _ in range(args.repeats):
         wall, code, err = _run(_command(args.model, cluster, gpus, out, extra))
         walls.append(wall)
+        if args.tree:
+            cmd = _command(args.model, cluster, gpus, other, extra)
+            tree_walls.append(_run(cmd, args.tree.resolve())[0])
     load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
     median = statistics.median(walls)
     target = TARGET_S.get(gpus)
@@ -132,6 +152,12 @@ def _case(
     t, ip, layout = _summary(out)
     counts = (t["layouts"], t["costed"], t["candidates_scored"], t["candidates_pruned"])
     print(f"{row} " + " ".join(f"{int(c):>6}" for c in counts) + f"  {ip:<22} {layout}")
+    if args.tree:
+        before = statistics.median(tree_walls)
+        same = other.is_dir() and _same_outputs(out, other)
+        print(f"{'':>15} --tree {args.tree}: median {before:.2f} s (runs "
+              f"{' '.join(f'{w:.2f}' for w in tree_walls)}), this checkout "
+              f"{median / before:.2f}x its time, same outputs: {same}")  # fmt: skip
     if args.compare_ip and gpus <= args.compare_up_to:
         wall_ip, _, _ = _run(_command(args.model, cluster, gpus, out.with_name(out.name + "-ip"),
                                       [*extra, "--score", "ip"]))  # fmt: skip
