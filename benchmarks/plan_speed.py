@@ -62,6 +62,17 @@ def _run(cmd: list[str], tree: Path = ROOT) -> tuple[float, int, str]:
     return wall, done.returncode, err[-1] if err else ""
 
 
+def _describe_tree(tree: Path) -> str:
+    """The checkout's commit and the files it changes from it (git status)."""
+    git = ["git", "-C", str(tree)]
+    head = subprocess.run([*git, "log", "-1", "--format=%h %s"], capture_output=True, text=True)
+    status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True)  # fmt: skip
+    changed = [line[3:] for line in status.stdout.splitlines()]
+    head_line = head.stdout.strip()[:70] or "not a git checkout"
+    return head_line + (f"; changed: {', '.join(changed)}" if changed else "")
+
+
 def _same_outputs(a: Path, b: Path) -> bool:
     """Every output file but timings.json byte-identical in run directories a and b."""
     names = sorted(p.name for p in a.iterdir() if p.name != "timings.json")
@@ -122,6 +133,9 @@ def run(args: argparse.Namespace) -> None:
             f"{'runs (s)':<20} {'load':>9} {'cands':>6} {'costed':>6} {'scored':>6} "
             f"{'pruned':>6}")  # fmt: skip
     print(f"{head}  stage IP (status, gap)  plan")
+    print(f"this checkout: {_describe_tree(ROOT)}")
+    if args.tree:
+        print(f"--tree {args.tree}: {_describe_tree(args.tree)}")
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
             cluster, gpus, *engine = case.split(":")
