@@ -8,7 +8,8 @@ Qwen3-MoE and DeepSeek-V3 (`mlp.experts.{e}.gate_proj/up_proj/down_proj`), and G
 fused `mlp.experts.gate_up_proj` [E, D, 2F] with gate and up interleaved on the last axis
 (modeling_gpt_oss.py:83). `load_hf_weights` copies every tensor the module holds: its layers,
 the experts of its slots (an empty slot stays zero), this TP rank's slice of a head-split
-weight; DeepSeek's `e_score_correction_bias` becomes the router's selection bias `bias_E`.
+weight and its vocabulary rows of the embedding and head (zero-padded, tensor_parallel.py);
+DeepSeek's `e_score_correction_bias` becomes the router's selection bias `bias_E`.
 Load before expert TP or FSDP reshape the parameters (the Trainer does both).
 
 Runtime weights are [out, in] for nn.Linear (as in HF) and [X, D, F] / [X, F, D] for the
@@ -30,6 +31,7 @@ from planner.specs import ModelSpec, SpecError
 from runtime.model.arch import ModelArch, arch_from_hf_config
 from runtime.model.attention import MLAttention
 from runtime.model.transformer import Block, StageModule
+from runtime.parallel.tensor_parallel import vocab_shard
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -130,12 +132,15 @@ def load_hf_weights(module: StageModule, path: str | Path, family: str) -> None:
         whole = tensors.get(key)
         _copy(param, transform(whole) if transform else whole, key, tp_index, tp_size)
 
+    def rows(whole_VD: torch.Tensor) -> torch.Tensor:  # the vocabulary-parallel slice
+        return whole_VD if module.tp is None else vocab_shard(whole_VD, module.tp)
+
     if module.embed is not None:
-        load(module.embed.weight, "model.embed_tokens.weight")
+        load(module.embed.weight, "model.embed_tokens.weight", rows)
     if module.head is not None:
         load(module.norm.weight, "model.norm.weight")
         tied = "lm_head.weight" not in tensors
-        load(module.head.weight, "model.embed_tokens.weight" if tied else "lm_head.weight")
+        load(module.head.weight, "model.embed_tokens.weight" if tied else "lm_head.weight", rows)
     for layer, block in zip(module.layer_ids, module.blocks, strict=True):
         _load_block(block, f"model.layers.{layer}.", family, load, tensors)
 

@@ -30,10 +30,11 @@ from runtime.model.layers import RMSNorm, seeded_linear
 from runtime.model.moe import MoELayer, seeded_generator
 from runtime.parallel.tensor_parallel import (
     TPGroup,
-    gather_tokens,
+    VocabParallelEmbedding,
+    VocabParallelHead,
     shard_linear,
     sp_gather,
-    split_tokens,
+    vocab_parallel_cross_entropy,
 )
 
 
@@ -167,11 +168,13 @@ class StageModule(nn.Module):
         self.layer_ids = list(layer_ids)
         self.first, self.last = first, last
         self.tp = tp
-        self.embed = nn.Embedding(v, d) if first else None
-        if self.embed is not None:
+        self.embed = self.head = None
+        if first:
+            self.embed = nn.Embedding(v, d)
             with torch.no_grad():
-                gen = seeded_generator(seed, 10**6, 1)
-                self.embed.weight.copy_(torch.randn(v, d, generator=gen))
+                self.embed.weight.copy_(_embedding_init(v, d, seed))
+            if tp is not None:
+                self.embed = VocabParallelEmbedding(self.embed.weight, tp)
         self.blocks = nn.ModuleList(
             Block(
                 d, model.layers[i], i, seed, placements.get(i), ep_rank, tp,
@@ -180,31 +183,35 @@ class StageModule(nn.Module):
             for i in self.layer_ids
         )  # fmt: skip
         self.norm = RMSNorm(d, arch.norm_eps) if last else None
-        self.head = seeded_linear(d, v, False, seeded_generator(seed, 10**6, 2)) if last else None
-        if self.head is not None and model.tie_word_embeddings:
-            if self.embed is not None:
+        if last:
+            self.head = seeded_linear(d, v, False, seeded_generator(seed, 10**6, 2))
+            if model.tie_word_embeddings and self.embed is None:
+                with torch.no_grad():  # the embedding's initial weights
+                    self.head.weight.copy_(_embedding_init(v, d, seed))
+            if tp is not None:
+                self.head = VocabParallelHead(self.head.weight, tp)
+            if model.tie_word_embeddings and self.embed is not None:
                 self.head.weight = self.embed.weight
-            else:  # the embedding's initial weights (the same generator as above)
-                with torch.no_grad():
-                    gen = seeded_generator(seed, 10**6, 1)
-                    self.head.weight.copy_(torch.randn(v, d, generator=gen))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """With TP, hidden states between layers and stages are this rank's token slice
-        [T / n, D]; the head sees the whole micro-batch, so logits are [B, S, V] anyway."""
-        tp = self.tp
+        [T / n, D], and the logits are the whole micro-batch's over this rank's vocabulary
+        rows [B, S, V / n] (runtime/parallel/tensor_parallel.py)."""
         if self.embed is not None:
             x = self.embed(x)
-            if tp is not None:
-                x = split_tokens(x.reshape(-1, x.shape[-1]), tp)
         for block in self.blocks:
             x = block(x)
         if self.head is not None:
-            x = self.norm(x)
-            if tp is not None:
-                x = gather_tokens(x, tp).view(tp.tokens // tp.seq_len, tp.seq_len, -1)
-            x = self.head(x)
+            x = self.head(self.norm(x))
         return x
+
+    def loss(self, logits_BSV: torch.Tensor, target_BS: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy of this chunk's logits (the last chunk's): lm_loss,
+        or with TP the vocab-parallel cross entropy over the group (the same on every rank)."""
+        if self.tp is None:
+            return lm_loss(logits_BSV, target_BS)
+        start = self.head.start if self.head is not None else 0
+        return vocab_parallel_cross_entropy(logits_BSV, target_BS, start, self.tp)
 
     def moe_layers(self) -> dict[int, MoELayer]:
         """Layer index -> MoELayer for the MoE layers of this stage."""
@@ -218,21 +225,21 @@ class StageModule(nn.Module):
 
     def tp_partial_parameters(self) -> list[nn.Parameter]:
         """Replicated parameters whose grads are partial sums over the TP group: all but the
-        sharded ones and the embedding and head (which see the whole micro-batch alike) -
-        norms, routers, row-parallel biases and gates see only this rank's tokens or heads."""
+        sharded ones (norms, routers, row-parallel biases, gates and MLA's down-projections
+        see only this rank's tokens or heads)."""
         if self.tp is None:
             return []
-        whole = {id(p) for m in (self.embed, self.head) if m is not None for p in m.parameters()}
-        return [
-            p
-            for p in self.dense_parameters()
-            if id(p) not in whole and not getattr(p, "tp_sharded", False)
-        ]
+        return [p for p in self.dense_parameters() if not getattr(p, "tp_sharded", False)]
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters replicated over the stage's data-parallel ranks."""
         expert_ids = {id(p) for p in self.expert_parameters()}
         return [p for p in self.parameters() if id(p) not in expert_ids]
+
+
+def _embedding_init(v: int, d: int, seed: int) -> torch.Tensor:
+    """The whole embedding's initial [V, D] weights (a tied head on another stage starts so)."""
+    return torch.randn(v, d, generator=seeded_generator(seed, 10**6, 1))
 
 
 def lm_loss(logits_BSV: torch.Tensor, target_BS: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Tensor parallelism with sequence parallelism (Megatron-style) for attention and the dense /
-shared-expert MLPs.
+"""Tensor parallelism with sequence parallelism (Megatron-style) for attention, the dense /
+shared-expert MLPs, the embedding, the output head and the loss.
 
 Within a tensor-parallel (TP) group of `size` ranks, the residual stream is split by
 tokens: each rank holds its own slice of the micro-batch's B * S tokens (`chunk_sizes`)
@@ -14,13 +14,23 @@ The MoE block does not split its experts (expert TP = 1): each rank routes and d
 the tokens of its own slice, so the expert-parallel group (ep consecutive ranks of the
 dp * tp block) sees every token of its replicas exactly once.
 
-The first stage embeds the whole micro-batch and keeps its slice (`split_tokens`); the last
-stage gathers the slices before the head (`gather_tokens`), so logits and loss are the same
-on every TP rank. Weights are built whole from the layer's seeded generator and then sliced
-(`shard_linear`), so a TP run starts from the same model as a single-device run. The
-replicated weights that see only this rank's tokens or heads (norms, routers, the row-
-parallel biases, the shared expert's gate) get partial gradients, summed over the group
-by the gradient sync. Shape letters: T = tokens, D = hidden.
+The embedding and the output head are vocabulary-parallel, as in Megatron-Core: each rank
+holds ceil(V / n) rows of each (`vocab_rows`; the vocabulary padded with zero rows to a
+multiple of n, which no token id reaches and no logit reads). `VocabParallelEmbedding`
+looks up the ids in its rows, zeroes the others and reduce-scatters the partial embeddings
+to token slices (Megatron's VocabParallelEmbedding with reduce_scatter_embeddings,
+megatron/core/tensor_parallel/layers.py:336-380). `VocabParallelHead` gathers the token
+slices and applies its rows (a column-parallel linear over the vocabulary,
+megatron/core/models/gpt/gpt_model.py:277-288), giving this rank's logits [B, S, V / n];
+`vocab_parallel_cross_entropy` takes the loss from them with three all-reduces of one
+number per token (max, sum of exponentials, the target's logit;
+megatron/core/tensor_parallel/cross_entropy.py:119-210), so the loss is the same on every
+TP rank and each rank's logit gradient is its columns of the whole one. Weights are built
+whole from the layer's seeded generator and then sliced (`shard_linear`, `vocab_rows`), so
+a TP run starts from the same model as a single-device run. The replicated weights (norms,
+routers, the row-parallel biases, the shared expert's gate, MLA's down-projections) see only
+this rank's tokens or heads and get partial gradients, summed over the group by the
+gradient sync. Shape letters: T = tokens, D = hidden, V = vocabulary.
 """
 
 from __future__ import annotations
@@ -82,6 +92,13 @@ class TPGroup:
         self._count(pad.numel() * pad.element_size() * self.size)
         return torch.cat([parts[self._group_rank(i)][: sizes[i]] for i in range(self.size)])
 
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """x reduced in place over the group (counted as a ring all-reduce)."""
+        dist.all_reduce(x, op=op, group=self.group)
+        if self.counter is not None:
+            self.counter.add_allreduce(self.kind, x.numel() * x.element_size(), self.ranks)
+        return x
+
     def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[all tokens, ...] partial sums -> [my slice, ...] of the sum over the group."""
         sizes, width = self.sizes, max(self.sizes)
@@ -128,49 +145,12 @@ class _SPReduceScatter(torch.autograd.Function):
         return ctx.tp.all_gather_rows(grad.contiguous()), None
 
 
-class _SplitTokens(torch.autograd.Function):
-    """Whole micro-batch, the same on every rank -> my slice (after the embedding)."""
-
-    @staticmethod
-    def forward(ctx, x_TD, tp):
-        ctx.tp = tp
-        return x_TD[tp.start : tp.start + tp.sizes[tp.index]].clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.all_gather_rows(grad.contiguous()), None
-
-
-class _GatherTokens(torch.autograd.Function):
-    """My slice -> the whole micro-batch, used the same on every rank (before the head)."""
-
-    @staticmethod
-    def forward(ctx, x_TD, tp):
-        ctx.tp = tp
-        return tp.all_gather_rows(x_TD.contiguous())
-
-    @staticmethod
-    def backward(ctx, grad):
-        tp = ctx.tp
-        return grad[tp.start : tp.start + tp.sizes[tp.index]], None
-
-
 def sp_gather(x_TD: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _SPGather.apply(x_TD, tp)
 
 
 def sp_reduce_scatter(x_TD: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _SPReduceScatter.apply(x_TD, tp)
-
-
-def split_tokens(x_TD: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """This rank's slice of tokens that every rank holds alike (gradient all-gathered)."""
-    return x_TD if tp is None else _SplitTokens.apply(x_TD, tp)
-
-
-def gather_tokens(x_TD: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """Every rank's slice, in order, for a computation every rank repeats alike."""
-    return x_TD if tp is None else _GatherTokens.apply(x_TD, tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -217,3 +197,103 @@ def shard_linear(lin: nn.Linear, tp: TPGroup | None, dim: int, groups: int = 0) 
     for p in out.parameters():
         p.tp_sharded = True
     return out
+
+
+def vocab_rows(vocab: int, tp: TPGroup) -> tuple[int, int, int]:
+    """(first id, rows held, real rows) of this rank's vocabulary slice: ceil(V / n) rows from
+    index * ceil(V / n); rows past V are padding (Megatron pads to a multiple of
+    make_vocab_size_divisible_by * n, megatron/training/vocab_utils.py:58; here the multiple
+    is n, so the single-device model needs none)."""
+    per = -(-vocab // tp.size)
+    start = tp.index * per
+    real = min(per, vocab - start)
+    if real <= 0:
+        raise ValueError(f"vocab_size {vocab} leaves tp rank {tp.index} of {tp.size} no rows")
+    return start, per, real
+
+
+def vocab_shard(whole_VD: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's rows of a whole [V, D] embedding or head weight, zero-padded to ceil(V / n)."""
+    start, per, real = vocab_rows(whole_VD.shape[0], tp)
+    out = whole_VD.new_zeros((per, *whole_VD.shape[1:]))
+    out[:real] = whole_VD[start : start + real]
+    return out
+
+
+def _vocab_parameter(whole_VD: torch.Tensor, tp: TPGroup) -> nn.Parameter:
+    weight = nn.Parameter(vocab_shard(whole_VD.detach(), tp))
+    weight.tp_sharded = True
+    return weight
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the input embedding: token ids [B, S] -> this rank's token slice
+    [T / n, D] of the embeddings (ids outside its rows give zeros before the reduce-scatter)."""
+
+    def __init__(self, whole_VD: torch.Tensor, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp, self.vocab = tp, whole_VD.shape[0]
+        self.start, _, self.real = vocab_rows(self.vocab, tp)
+        self.weight = _vocab_parameter(whole_VD, tp)
+
+    def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        ids = ids_BS.reshape(-1)
+        outside = (ids < self.start) | (ids >= self.start + self.real)
+        local = (ids - self.start).masked_fill(outside, 0)
+        x_TD = nn.functional.embedding(local, self.weight).masked_fill(outside[:, None], 0.0)
+        return sp_reduce_scatter(x_TD, self.tp)
+
+
+class VocabParallelHead(nn.Module):
+    """The output head over this rank's vocabulary rows: the token slice [T / n, D] ->
+    logits [B, S, real rows] of the whole micro-batch for ids start .. start + real."""
+
+    def __init__(self, whole_VD: torch.Tensor, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp, self.vocab = tp, whole_VD.shape[0]
+        self.start, _, self.real = vocab_rows(self.vocab, tp)
+        self.weight = _vocab_parameter(whole_VD, tp)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        x = sp_gather(x_TD, tp).view(tp.tokens // tp.seq_len, tp.seq_len, -1)
+        return nn.functional.linear(x, self.weight[: self.real])
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy from vocab-parallel logits (Megatron-Core's
+    _VocabParallelCrossEntropy, without label smoothing); backward is local: softmax minus
+    the one-hot of the target on this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, logits_TV, target_T, start, tp):
+        logits = logits_TV.float()
+        logits_max = tp.all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
+        logits = logits - logits_max[:, None]
+        outside = (target_T < start) | (target_T >= start + logits.shape[-1])
+        local = (target_T - start).masked_fill(outside, 0)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        predicted = tp.all_reduce(logits[rows, local].masked_fill(outside, 0.0))
+        exp = logits.exp()
+        sum_exp = tp.all_reduce(exp.sum(dim=-1))
+        softmax = exp / sum_exp[:, None]
+        ctx.save_for_backward(softmax, outside, local)
+        ctx.dtype = logits_TV.dtype
+        return torch.log(sum_exp) - predicted
+
+    @staticmethod
+    def backward(ctx, grad_T):
+        softmax, outside, local = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= (~outside).to(grad.dtype)
+        return (grad * grad_T[:, None]).to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_BSV: torch.Tensor, target_BS: torch.Tensor, start: int, tp: TPGroup
+) -> torch.Tensor:
+    """Mean next-token cross entropy from this rank's logit columns (ids start .. start +
+    width), the same value on every TP rank."""
+    logits_TV = logits_BSV.reshape(-1, logits_BSV.shape[-1])
+    return _VocabParallelCrossEntropy.apply(logits_TV, target_BS.reshape(-1), start, tp).mean()

@@ -195,8 +195,9 @@ def _reference_grads(spec):
 @pytest.mark.slow
 @pytest.mark.parametrize(("dp", "recompute"), [(1, "none"), (2, "none"), (1, "full")])
 def test_tp2_gradients_equal_the_single_device_gradients(run_distributed, dp, recompute):
-    """Every gradient after the sync: a TP shard equals its slice of the oracle's gradient,
-    a replicated weight (norms, router, biases, embedding, head) the whole of it, and each
+    """Every gradient after the sync: a TP shard (the embedding's and head's vocabulary rows
+    too) equals its slice of the oracle's gradient, a replicated weight (norms, router,
+    biases) the whole of it, and each
     expert (EP over the TP pair, replicated over dp) its own; also with every layer
     recomputed (its TP collectives and all-to-alls rerun inside the backward)."""
     spec = _spec(pp=1, dp=dp, tp=2, ep=2, g=2, model=_featureful_model())
@@ -221,8 +222,8 @@ def test_tp2_gradients_equal_the_single_device_gradients(run_distributed, dp, re
             experts_seen.add(key)
     assert experts_seen == set(ref_experts)
     # per layer q, k, v (weight and bias) and o's weight; up, gate, down of the dense MLP
-    # and of both shared experts; on every rank
-    assert sharded == spec.world * (3 * 7 + 3 + 2 * 3)
+    # and of both shared experts; the embedding and head; on every rank
+    assert sharded == spec.world * (3 * 7 + 3 + 2 * 3 + 2)
 
 
 @pytest.mark.slow
@@ -243,17 +244,21 @@ def test_pp2_dp2_tp2_ep2_eight_ranks_trains_like_the_oracle(run_distributed):
     assert p2p == act * spec.num_microbatches * 2 * spec.dp * (spec.pp - 1)
     # TP collectives, by hand: per layer and micro-batch, attention and each MLP (dense or
     # shared expert) gather before and reduce-scatter after, forward and backward (4 ring
-    # passes each); the first stage all-gathers the embedding's gradient slices, the last
-    # gathers the slices before the head (1 pass each). A pass sends (n-1)/n of [B S, D].
+    # passes each); the vocab-parallel embedding reduce-scatters forward and all-gathers
+    # backward, the head gathers forward and reduce-scatters backward (2 passes each). A
+    # pass sends (n-1)/n of [B S, D]. The cross entropy all-reduces 3 fp32 numbers per token
+    # (max, sum of exponentials, target logit; 2 passes each).
     passes = 0
     for layers in spec.stage_layers:
-        passes += 1
+        passes += 2
         for i in layers:
             layer = spec.model.layers[i]
             passes += 4 + 4 * bool(layer.dense_ffn) + 4 * bool(layer.moe and layer.moe.shared_ffn)
     per_pass = (spec.tp - 1) / spec.tp * act
+    loss_passes = 3 * 2 * (spec.tp - 1) / spec.tp * spec.micro_batch * spec.seq_len * 4
     tp_bytes = sum(v for k, v in lines[-1]["bytes_by_kind"].items() if k.startswith("tp_"))
-    assert tp_bytes == passes * spec.dp * spec.tp * spec.num_microbatches * per_pass
+    per_rank = passes * per_pass + loss_passes
+    assert tp_bytes == pytest.approx(per_rank * spec.dp * spec.tp * spec.num_microbatches, abs=64)
 
 
 @pytest.mark.slow
@@ -270,3 +275,52 @@ def test_tp2_with_live_migration_keeps_every_expert_equal_to_the_oracle(run_dist
     assert [d["loss"] for d in lines] == pytest.approx(ref_losses, rel=1e-4, abs=1e-4)
     assert [d["migrated_experts"] for d in lines] == [0, 24, 0, 24, 0]  # 3 MoE layers x 8
     assert_experts_match_oracle(results, ref_model, ref_opt, edp=2)
+
+
+def _vocab_grads_body(rank: int, world: int, model, x, y):
+    """Two TP ranks' loss and gradients of one vocab-parallel stage (embedding, the final
+    norm and the head only), gradients summed over the group where partial."""
+    import torch.distributed as dist
+
+    from runtime.model.transformer import StageModule
+    from runtime.parallel.tensor_parallel import TPGroup
+
+    tp = TPGroup(dist.group.WORLD, list(range(world)), rank, x.numel(), x.shape[1])
+    module = StageModule(model, [], True, True, tp=tp)
+    logits = module(x)
+    loss = module.loss(logits, y)
+    loss.backward()
+    for p in module.tp_partial_parameters():
+        dist.all_reduce(p.grad)
+    grads = {n: p.grad.numpy().copy() for n, p in module.named_parameters()}
+    return loss.item(), tuple(logits.shape), grads
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocab_parallel_embedding_head_and_loss_equal_one_device(run_distributed, tied):
+    """tp = 2 over a vocabulary of 257 (ceil(257 / 2) = 129 rows a rank, one zero pad row on
+    rank 1): the loss equals the single-device cross entropy and every gradient is the
+    rank's rows of the single-device one (pad rows zero), untied and tied."""
+    from runtime.model.transformer import StageModule, lm_loss
+    from runtime.parallel.tensor_parallel import vocab_shard
+
+    model = replace(tiny_model(layers=1), vocab_size=257, tie_word_embeddings=tied)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 257, (2, 8), generator=gen)
+    y = torch.randint(0, 257, (2, 8), generator=gen)
+    y[0, :3] = torch.tensor([0, 128, 256])  # the first and last id of each rank's rows
+    ref = StageModule(model, [], True, True)
+    ref_loss = lm_loss(ref(x), y)
+    ref_loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    results = run_distributed(_vocab_grads_body, 2, model, x, y)
+    for rank, (loss, shape, grads) in enumerate(results):
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+        assert shape == (2, 8, (129, 128)[rank])  # the real rows' logits
+        assert set(grads) == set(ref_grads)
+        for name, g in grads.items():
+            want = ref_grads[name].grad
+            if name != "norm.weight":  # embedding and head: this rank's rows, padded
+                want = vocab_shard(want, _FakeTP(2, rank))
+            assert torch.allclose(torch.from_numpy(g), want, rtol=1e-5, atol=1e-7), name
+    assert "head.weight" not in results[0][2] if tied else "head.weight" in results[0][2]
