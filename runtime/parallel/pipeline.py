@@ -37,7 +37,7 @@ from torch.distributed.pipelining.stage import stage_backward
 from torch.distributed.tensor import DTensor
 
 from runtime.metrics import ByteCounter
-from runtime.model.transformer import StageModule, lm_loss
+from runtime.model.transformer import StageModule
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.replicas import sum_replica_gradients
 
@@ -172,13 +172,14 @@ class PipelineRunner:
             stage.stage_index_to_group_rank = {v: group_rank[v % pp] for v in range(n)}
             stage.counter = counter
             stages.append(stage)
+        loss_fn = chunks_of(module)[-1].loss  # with TP: the vocab-parallel cross entropy
         if len(stages) > 1:
             position = {g: s for s, g in enumerate(group_rank)}
-            self.schedule = PlanOrderInterleaved1F1B(stages, num_microbatches, lm_loss, position)
+            self.schedule = PlanOrderInterleaved1F1B(stages, num_microbatches, loss_fn, position)
             return
         # 1F1B needs at least pp micro-batches; fewer run as GPipe (same math, more memory)
         schedule = Schedule1F1B if num_microbatches >= pp else ScheduleGPipe
-        self.schedule = schedule(stages[0], num_microbatches, loss_fn=lm_loss)
+        self.schedule = schedule(stages[0], num_microbatches, loss_fn=loss_fn)
 
     def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float | None:
         """Forward + backward of every micro-batch; returns the mean loss on the last stage."""
@@ -197,9 +198,9 @@ class PipelineRunner:
 
     def _step_by_hand(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float:
         """pp = 1: forward, backward of loss / m per micro-batch."""
-        total = 0.0
+        total, loss_fn = 0.0, chunks_of(self.module)[-1].loss
         for x, y in zip(inputs_BS.chunk(self.m), targets_BS.chunk(self.m), strict=True):
-            loss = lm_loss(self.module(x), y) / self.m
+            loss = loss_fn(self.module(x), y) / self.m
             loss.backward()
             total += float(loss.detach())
         return total
