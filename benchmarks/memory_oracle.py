@@ -24,13 +24,15 @@ ratios runtime / model are 2, 2 and 2/3 by convention and the total's is 1; `per
 is the ratio divided by that factor: 1.000 when both hold the same parameters; `net` is
 the same after taking the known excess below (`known excess B`) off the runtime's bytes.
 
-Known differences, by design: with tp > 1 the runtime keeps the embedding, head, norms,
-routers and row-parallel biases whole on every TP rank (runtime/parallel/tensor_parallel.py),
-the model splits all non-expert parameters over tp; `tp excess` is (1 - 1/tp) x those
-parameters (the final norm is whole in both). Attention is built as planned: MLA
-(DeepSeek-V3) as MLA (runtime/model/attention.py), sinks and sliding windows as the config
-says; `attention_excess` (the run model's attention parameters minus the plan model's) is
-kept as a check and is 0 at full size.
+Known differences: none at full size. With tp > 1 both sides split the same parameters:
+the embedding and the output head by vocabulary rows (ceil(V / tp) each), attention and the
+dense and shared-expert MLPs by heads and width, while norms, routers, row-parallel biases,
+the shared expert's gate and MLA's down-projections are whole on every TP rank, as in
+Megatron-Core (runtime/parallel/tensor_parallel.py, planner.resources.params.
+tp_replicated_params). Attention is built as planned: MLA (DeepSeek-V3) as MLA
+(runtime/model/attention.py), sinks and sliding windows as the config says;
+`attention_excess` (the run model's attention parameters minus the plan model's, nonzero
+only when --scale shrinks the attention) is kept as a check and is the `known excess`.
 
 Two hooks, undone after each rank: `runtime.parallel.fsdp.shard_chunk` builds its DeviceMesh
 with the parameters' device type, and FSDP2 has no device module for "meta", so the oracle
@@ -76,7 +78,6 @@ from planner.resources.params import attention_params, layer_params  # noqa: E40
 from planner.run.spec import RunSpec, run_spec_from_plan  # noqa: E402
 from planner.specs import GIB, ModelSpec  # noqa: E402
 from runtime.launch import build_trainer  # noqa: E402
-from runtime.parallel.pipeline import chunks_of  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from results_md import recorded  # noqa: E402
@@ -99,17 +100,13 @@ FULL_PLANS = (
 
 @dataclass(frozen=True)
 class RankState:
-    """Training state one rank of the runtime holds (bytes), and where it sits.
-
-    tp_replicated: parameters the runtime keeps whole on every TP rank that the model
-    splits over tp (`tp_replicated`), 0 with tp = 1 or FSDP."""
+    """Training state one rank of the runtime holds (bytes), and where it sits."""
 
     rank: int
     stage: int
     weights: int
     grads: int
     optimizer: int
-    tp_replicated: int = 0
 
     def component(self, name: str) -> int:
         return (
@@ -181,26 +178,13 @@ def rank_state(spec: RunSpec, rank: int) -> RankState:
             for k, v in state.items()
             if k in ("exp_avg", "exp_avg_sq")
         ]
-        replicated = tp_replicated(trainer.module) if spec.tp > 1 and not spec.fsdp else 0
         return RankState(
             rank,
             trainer.mesh.me.stage,
             sum(_nbytes(p) for p in params),
             sum(_nbytes(p.grad) for p in params if p.grad is not None),
             sum(_nbytes(v) for v in moments),
-            replicated,
         )
-
-
-def tp_replicated(module) -> int:
-    """Parameters a TP rank holds whole that the model splits over tp: the dense ones not
-    marked tp_sharded, but the final norm (the model's head keeps it whole too)."""
-    final = {id(p) for c in chunks_of(module) if c.norm is not None for p in c.norm.parameters()}
-    return sum(
-        _numel(p)
-        for p in module.dense_parameters()
-        if not getattr(p, "tp_sharded", False) and id(p) not in final
-    )
 
 
 def slot_state(plan: Plan) -> list[StateBytes]:
@@ -274,11 +258,6 @@ def oracle(plan_path: Path, every_rank: bool = False) -> tuple[list[RankState], 
     }
 
 
-def tp_excess(state: RankState, spec: RunSpec) -> float:
-    """Parameters the runtime holds over the model on a TP rank (module docstring)."""
-    return state.tp_replicated * (1 - 1 / spec.tp) if spec.tp > 1 else 0.0
-
-
 def attention_excess(spec: RunSpec, model: ModelSpec, stage: int) -> float:
     """Attention parameters a rank of pipeline rank `stage` holds over the model: the run
     model's attention (planner.run.scale) minus the plan model's, over tp; 0 at --scale 1,
@@ -296,11 +275,11 @@ def attention_excess(spec: RunSpec, model: ModelSpec, stage: int) -> float:
 
 def rows(name: str, states: list[RankState], ctx: dict) -> list[tuple]:
     """(plan, rank, stage, component, runtime, model, ratio, per convention, known excess
-    bytes (tp_excess + attention_excess), per convention net of it) per rank and component."""
+    bytes (attention_excess), per convention net of it) per rank and component."""
     out = []
     for st in states:
         model = ctx["model"][st.stage]
-        extra = tp_excess(st, ctx["spec"]) + ctx["attention"][st.stage]
+        extra = ctx["attention"][st.stage]
         for c in (*COMPONENTS, "total"):
             run, mod, conv = st.component(c), model[c], ctx["conv"][c]
             excess = extra * RUNTIME_BYTES_PER_PARAM.get(c, 16)

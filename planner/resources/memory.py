@@ -21,7 +21,7 @@ from typing import Literal
 
 from planner.parallel import ParallelConfig
 from planner.resources import act_offload
-from planner.resources.params import layer_params, mlp_params
+from planner.resources.params import layer_params, mlp_params, tp_replicated_params
 from planner.resources.recompute import kept_components
 from planner.specs import LayerSpec, ModelSpec, Recompute, TrainingSpec
 
@@ -170,13 +170,16 @@ def layer_param_split(
     accounting: Accounting = "piper",
 ) -> tuple[float, float]:
     """(non-expert, expert) parameters of one layer held by one rank: non-expert split over
-    tp, routed experts over ep and each expert over etp (the layer lives on one pipeline
-    stage). The paper's accounting counts attention as 4 d^2 and ignores norms and the router."""
+    tp but the ones every TP rank holds whole (params.tp_replicated_params: norms, router,
+    row-parallel biases), routed experts over ep and each expert over etp (the layer lives on
+    one pipeline stage). The paper's accounting counts attention as 4 d^2 and ignores norms
+    and the router."""
     p = layer_params(model, layer)
-    dense = p.non_expert
+    expert = p.experts_total / (parallel.ep * parallel.etp)
     if accounting == "paper":
-        dense = 4 * model.hidden_size**2 + p.dense_mlp
-    return dense / parallel.tp, p.experts_total / (parallel.ep * parallel.etp)
+        return (4 * model.hidden_size**2 + p.dense_mlp) / parallel.tp, expert
+    whole = tp_replicated_params(model, layer)
+    return (p.non_expert - whole) / parallel.tp + whole, expert
 
 
 def layer_state(
@@ -380,9 +383,10 @@ class Held:
 
 
 def embedding_held(model: ModelSpec, training: TrainingSpec, parallel: ParallelConfig) -> Held:
-    """First stage: the vocab-parallel embedding (V d / tp parameters); activations: the int64
-    token ids (the embedding output is the first layer's input, counted there)."""
-    params = model.vocab_size * model.hidden_size / parallel.tp
+    """First stage: the vocab-parallel embedding (ceil(V / tp) d parameters: the vocabulary
+    padded to a multiple of tp); activations: the int64 token ids (the embedding output is
+    the first layer's input, counted there)."""
+    params = -(-model.vocab_size // parallel.tp) * model.hidden_size
     ids = 8.0 * rank_tokens(training, parallel)
     return Held(params, 0.0, ids)
 
@@ -395,13 +399,14 @@ def head_held(model: ModelSpec, training: TrainingSpec, parallel: ParallelConfig
     a = act_bytes_per_element(training)
     tokens = rank_tokens(training, parallel)
     untied_or_split = not model.tie_word_embeddings or parallel.pp > 1
-    dense = (v * d if untied_or_split else 0) / tp + d
+    dense = (-(-v // tp) * d if untied_or_split else 0) + d  # vocab rows padded as embedding
     expert = 0.0
     act = 2 * a * tokens * d + 4.0 * tokens * v
     if model.num_mtp_layers:
         last = model.layers[-1]
         p = layer_params(model, last)
-        per_dense = (3 * d + 2 * d * d + p.non_expert) / tp
+        whole = tp_replicated_params(model, last)  # its 3 norms are whole too
+        per_dense = (2 * d * d + p.non_expert - whole) / tp + 3 * d + whole
         dense += model.num_mtp_layers * per_dense
         expert += model.num_mtp_layers * p.experts_total / (parallel.ep * parallel.etp)
         layer_act = layer_activations(model, last, training, parallel).total

@@ -79,6 +79,25 @@ def attention_params(att: AttentionSpec, d: int) -> int:
     return n
 
 
+def tp_replicated_params(model: ModelSpec, layer: LayerSpec) -> int:
+    """Non-expert parameters of one layer that every tensor-parallel rank holds whole, as
+    Megatron-Core does: the norms (layer norms, qk-norms; attention.py:1734-1745), the
+    row-parallel o bias (tensor_parallel/layers.py:1482-1499), the router (moe/router.py:64-69),
+    the shared expert's gate (moe/shared_experts.py:139) and MLA's down-projections with
+    their latent norms (duplicated under Transformer Engine, multi_latent_attention.py:526-599).
+    The rest is split over tp."""
+    d, att = model.hidden_size, layer.attention
+    n = model.norm_params_per_layer + (d if att.o_bias else 0)
+    if att.kind == "mla":
+        n += d * att.q_lora_rank + att.q_lora_rank if att.q_lora_rank else 0
+        n += d * (att.kv_lora_rank + att.qk_rope_head_dim) + att.kv_lora_rank
+    elif att.qk_norm:
+        n += 2 * att.head_dim
+    if layer.moe is not None:
+        n += _moe_params(layer.moe, d)[2] + (d if layer.moe.shared_gate else 0)
+    return n
+
+
 def mlp_params(d: int, ffn: int, gated: bool, bias: bool = False) -> int:
     """One MLP / expert: gated = up, gate, down (3 d f); plain = up, down (2 d f)."""
     if ffn == 0:

@@ -7,8 +7,8 @@ parameter, under pp, vp, tp, ep, etp, FSDP and redundant expert slots.
 The two sides hold 16 B per parameter split differently (runtime fp32 weights 4, grads 4,
 Adam moments 8; model bf16 weights 2, grads 2, master + moments 12), so each component is
 compared in parameters (bytes / bytes per parameter) and the totals in bytes. With tp > 1
-the runtime keeps the embedding, head, norms and routers whole on every TP rank where the
-model splits them over tp: the test pins that excess to its hand count.
+both split the embedding and head by vocabulary rows and keep norms and routers whole on
+every TP rank; the test pins a TP rank's parameters to their hand count too.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _params(nbytes: float, per_param: float) -> float:
 
 def check_every_rank(path: Path, mla: bool = False) -> tuple[list, dict]:
     """Every rank's runtime parameters equal the model's for its stage, component by
-    component (plus the TP and, for MLA, the attention excess); totals equal in bytes.
+    component (plus, for MLA, the attention excess); totals equal in bytes.
     Returns the states and context."""
     states, ctx = mo.oracle(path, every_rank=True)
     model_bpp = {c: mo.RUNTIME_BYTES_PER_PARAM[c] / ctx["conv"][c] for c in mo.COMPONENTS}
@@ -85,7 +85,7 @@ def check_every_rank(path: Path, mla: bool = False) -> tuple[list, dict]:
         assert ctx["attention"] == [0.0] * ctx["spec"].pp  # GQA runs as planned
     for st in states:
         model = ctx["model"][st.stage]
-        excess = mo.tp_excess(st, ctx["spec"]) + ctx["attention"][st.stage]
+        excess = ctx["attention"][st.stage]
         for c in mo.COMPONENTS:
             run = _params(st.component(c), mo.RUNTIME_BYTES_PER_PARAM[c])
             assert run == pytest.approx(_params(model[c], model_bpp[c]) + excess, rel=1e-12), (
@@ -96,17 +96,20 @@ def check_every_rank(path: Path, mla: bool = False) -> tuple[list, dict]:
     return states, ctx
 
 
-def test_pp_vp_tp_ep_ranks_hold_the_model_state_plus_the_tp_replicated_weights(plans):
+def test_pp_vp_tp_ep_ranks_hold_the_model_state_with_vocab_rows_and_whole_norms(plans):
     states, ctx = check_every_rank(plans["pp-vp-tp-ep"])
     spec = ctx["spec"]
     assert (spec.pp, spec.vp, spec.tp, spec.ep, spec.dp) == (2, 2, 2, 2, 2)
     assert [st.stage for st in states] == [0] * 4 + [1] * 4
-    # whole on both TP ranks, split over tp by the model: first stage embedding + 4 layers'
-    # norms + 3 routers; last stage head + 4 layers' norms + 4 routers (the final norm is
-    # whole in the model too)
-    first, last = V * D + 4 * 2 * D + 3 * E * D, V * D + 4 * 2 * D + 4 * E * D
-    assert [st.tp_replicated for st in states] == [first] * 4 + [last] * 4
-    assert mo.tp_excess(states[0], spec) == first / 2 == 9216
+    # a TP rank: half the vocabulary rows of the embedding (first stage: layers 0-1, 4-5)
+    # or head (last: 2-3, 6-7) and half of attention (3 D^2) and each MLP (dense 128 wide,
+    # shared expert 64 wide); the 2 norms a layer, the routers and the final norm whole;
+    # 4 of the 8 experts of each MoE layer (ep = 2)
+    layer = 3 * D * D // 2 + 2 * D
+    moe = E * D + 3 * D * 64 // 2 + 4 * EXPERT
+    first = V // 2 * D + 4 * layer + 3 * D * 128 // 2 + 3 * moe
+    last = 4 * layer + 4 * moe + V // 2 * D + D
+    assert [st.weights for st in states] == [4 * first] * 4 + [4 * last] * 4
 
 
 def test_fsdp_shards_weights_grads_and_moments_as_the_model(plans):
