@@ -1,6 +1,7 @@
 """`piper run --data`: Megatron (.bin + .idx) and nanoGPT (.bin, optional .json) token files
-the tests write, their one-line refusals, windows sharded by data-parallel rank as a function
-of the step, and a dp = ep = 2 run on such a file equal to the single-device oracle."""
+the tests write, their one-line refusals (a .json or .idx that disagrees with its .bin too),
+windows sharded by data-parallel rank as a function of the step, and a dp = ep = 2 run on
+such a file equal to the single-device oracle."""
 
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ def test_both_layouts_are_read_with_their_dtype_and_vocabulary(tmp_path):
         ("odd.bin", b"\x01\x02\x03", "has 3 bytes, not a whole number of uint16"),
         ("badidx.bin", b"\x01\x00", "is not a Megatron index (no MMIDIDX header)"),
         ("over.bin", b"\x01\x00\xff\x00", "holds ids outside [0, 100); fix the file"),
+        ("count.bin", b"\x01\x00\x02\x00", "counts 3 tokens, {bin} holds 2 uint16; the pair"),
+        ("narrow.bin", b"\x01\x00", "says vocab_size 70000 in uint16, which holds ids below"),
+        ("badjson.bin", b"\x01\x00", '"vocab_size": N}} (optional "tokens": N), N a positive'),
+        ("shortidx.bin", b"\x01\x00" * 5, "counts 4 tokens, {bin} holds 5 uint16; the pair"),
     ],
 )
 def test_a_bad_token_file_is_one_line_naming_it(tmp_path, name, content, msg):
@@ -79,8 +84,18 @@ def test_a_bad_token_file_is_one_line_naming_it(tmp_path, name, content, msg):
         path.write_bytes(content)
     if name == "badidx.bin":
         path.with_suffix(".idx").write_bytes(b"NOTANINDEX" + bytes(30))
-    if name == "over.bin":
-        path.with_suffix(".json").write_text('{"dtype": "uint16", "vocab_size": 100}')
+    side = {
+        "over.bin": {"dtype": "uint16", "vocab_size": 100},
+        "count.bin": {"dtype": "uint16", "vocab_size": 10, "tokens": 3},
+        "narrow.bin": {"dtype": "uint16", "vocab_size": 70_000},
+        "badjson.bin": {"dtype": "uint16", "vocab_size": "many"},
+    }
+    if name in side:
+        path.with_suffix(".json").write_text(json.dumps(side[name]))
+    if name == "shortidx.bin":  # a Megatron index of 2 x 2 tokens beside 5 tokens
+        write_megatron(tmp_path / "other", np.arange(4, dtype=np.uint16), docs=2)
+        (tmp_path / "other.idx").rename(path.with_suffix(".idx"))
+    msg = msg.format(bin=path)
     with pytest.raises(SpecError, match=re.escape(msg)) as err:
         open_token_file(str(path))
     assert str(path.with_suffix("")) in str(err.value) and "\n" not in str(err.value)
