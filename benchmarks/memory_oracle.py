@@ -24,7 +24,7 @@ ratios runtime / model are 2, 2 and 2/3 by convention and the total's is 1; `per
 is the ratio divided by that factor: 1.000 when both hold the same parameters; `net` is
 the same after taking the known excess below (`known excess B`) off the runtime's bytes.
 
-Known differences: none at full size. With tp > 1 both sides split the same parameters:
+Known differences: none in the plans below. With tp > 1 both sides split the same parameters:
 the embedding and the output head by vocabulary rows (ceil(V / tp) each), attention and the
 dense and shared-expert MLPs by heads and width, while norms, routers, row-parallel biases,
 the shared expert's gate and MLA's down-projections are whole on every TP rank, as in
@@ -33,6 +33,8 @@ tp_replicated_params). Attention is built as planned: MLA (DeepSeek-V3) as MLA
 (runtime/model/attention.py), sinks and sliding windows as the config says;
 `attention_excess` (the run model's attention parameters minus the plan model's, nonzero
 only when --scale shrinks the attention) is kept as a check and is the `known excess`.
+Not in these plans: FSDP with tp > 1, where the runtime leaves the TP-whole weights out of
+FSDP's units (runtime/parallel/fsdp.py) and the model shards them over dp.
 
 Two hooks, undone after each rank: `runtime.parallel.fsdp.shard_chunk` builds its DeviceMesh
 with the parameters' device type, and FSDP2 has no device module for "meta", so the oracle

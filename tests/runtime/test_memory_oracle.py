@@ -38,6 +38,7 @@ LAYOUTS = {  # name -> piper plan's ranks and layout flags on cpu-gloo
     "ep-fsdp": "--gpus 4 --pp 1 --tp 1 --ep 2 --fsdp",
     "pp-vp-ep-etp-slots": "--gpus 8 --pp 2 --vp 2 --tp 1 --ep 2 --etp 2 --redundant-slots 2",
     "mla-pp-ep": "--gpus 4 --pp 2 --vp 1 --tp 1 --ep 2",  # TINY_MLA, not tiny-moe-deep
+    "mla-tp-ep": "--gpus 4 --pp 1 --vp 1 --tp 2 --ep 2 --no-fsdp",
 }
 # a DeepSeek-V2-shaped model at tiny size: 4 heads, q / kv latents 32 / 16, heads 8 + 8 (v 8)
 TINY_MLA = {
@@ -159,6 +160,21 @@ def test_mla_runs_as_mla_and_holds_the_models_attention(plans):
     module = make_attention(D, att, mo.torch.Generator())
     assert isinstance(module, MLAttention)
     assert sum(p.numel() for p in module.parameters()) == mla == 8_752
+
+
+def test_mla_over_tp_keeps_its_down_projections_whole(plans):
+    # tp = 2: q / kv up-projections and o split by heads, the down-projections (q: D x 32,
+    # kv: D x (16 + 8)) and the latent norms whole on both ranks, in the runtime and the model
+    states, ctx = check_every_rank(plans["mla-tp-ep"])
+    assert ctx["spec"].tp == 2 and ctx["attention"] == [0.0]
+    whole = D * 32 + 32 + D * (16 + 8) + 16
+    split = 32 * 4 * 16 + 16 * 4 * (8 + 8) + 4 * 8 * D
+    from runtime.model.attention import MLAttention
+
+    with mo.fake_world(0, ctx["spec"].world), mo.meta_hooks(), mo.torch.device("meta"):
+        att = mo.build_trainer(ctx["spec"], 0, mo.torch.device("meta")).module.blocks[0].attn
+        assert isinstance(att, MLAttention)
+        assert sum(p.numel() for p in att.parameters()) == whole + split // 2
 
 
 def _first_rank_moes(spec) -> list:
