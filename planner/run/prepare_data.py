@@ -77,22 +77,23 @@ class TextTokenizer:
 
 
 def _eos_name(path: Path, eos_token: str | None, vocab: dict[str, int]) -> str:
-    """--eos-token, else a tokenizer_config.json beside the file, else a usual EOS name."""
-    if eos_token is not None:
-        return eos_token
+    """--eos-token, else a tokenizer_config.json beside a tokenizer file, else a usual EOS
+    name; it must be in the vocabulary."""
+    name = eos_token
     config = path.with_name("tokenizer_config.json")
-    if config.is_file():
+    if name is None and path.is_file() and config.is_file():
         eos = json.loads(config.read_text()).get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if isinstance(eos, str):
-            return eos
-    for name in EOS_NAMES:
-        if name in vocab:
-            return name
-    raise SpecError(
-        f"--tokenizer: {path} names no EOS token (none of {', '.join(EOS_NAMES)}); "
-        "pass --eos-token TOKEN"
-    )
+        name = eos.get("content") if isinstance(eos, dict) else eos
+    if name is None:
+        name = next((n for n in EOS_NAMES if n in vocab), None)
+    if name is None:
+        raise SpecError(
+            f"--tokenizer: {path} names no EOS token (none of {', '.join(EOS_NAMES)}); "
+            "pass --eos-token TOKEN"
+        )
+    if name not in vocab:
+        raise SpecError(f"--eos-token: {name!r} is not in {path}'s vocabulary; name one that is")
+    return name
 
 
 def _file_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
@@ -108,8 +109,6 @@ def _file_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
         ) from None
     vocab = tok.get_vocab(with_added_tokens=True)
     name = _eos_name(path, eos_token, vocab)
-    if name not in vocab:
-        raise SpecError(f"--eos-token: {name!r} is not in {path}'s vocabulary; name one that is")
 
     def encode(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch(texts)]
@@ -128,9 +127,11 @@ def _dir_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
             f"--tokenizer: no tokenizer loads from {path} ({first}); give a model directory "
             "with tokenizer files or a tokenizer.json"
         ) from None
-    eos = tok.eos_token_id if eos_token is None else tok.convert_tokens_to_ids(eos_token)
-    if eos is None or (eos_token is not None and eos == tok.unk_token_id):
-        raise SpecError(f"--tokenizer: {path} has no EOS token {eos_token or ''}; pass --eos-token")
+    vocab = tok.get_vocab()
+    if eos_token is None and tok.eos_token_id is not None:
+        eos = int(tok.eos_token_id)
+    else:
+        eos = vocab[_eos_name(path, eos_token, vocab)]
 
     def encode(texts: list[str]) -> list[list[int]]:
         return tok(texts, verbose=False)["input_ids"]
@@ -324,6 +325,8 @@ def prepare_data(opts: PrepareOptions, update: Update | None = None) -> Prepared
     """
     update = update or (lambda done, total=None: None)
     prefix = opts.out[: -len(".bin")] if opts.out.endswith(".bin") else opts.out
+    if not Path(prefix).name or Path(prefix).is_dir():
+        raise SpecError(f"--out: {opts.out} is a directory; give a prefix such as DIR/train")
     bin_path, json_path = Path(f"{prefix}.bin"), Path(f"{prefix}.json")
     if Path(f"{prefix}.idx").exists():
         raise SpecError(

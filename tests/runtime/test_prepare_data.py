@@ -181,6 +181,7 @@ def run_cli(tmp: Path, capsys, *argv: str) -> tuple[int, str]:
         ("not a tokenizer", "is not a tokenizers JSON file"),
         ("no eos", "names no EOS token"),
         ("idx beside", "out.idx exists and --data would read it instead"),
+        ("unknown eos", "--eos-token: '<end>' is not in {tmp}/tokenizer.json's vocabulary"),
     ],
 )
 def test_bad_inputs_are_one_line_exit_2_and_write_nothing(corpus, capsys, case, msg):
@@ -206,8 +207,10 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(corpus, capsys, case, 
         tokenizer = str(tmp / "plain.json")
     elif case == "idx beside":
         (tmp / "out.idx").write_bytes(b"MMIDIDX")
+    more = ["--eos-token", "<end>"] if case == "unknown eos" else []
     before = sorted(p.name for p in tmp.iterdir())
-    code, err = run_cli(tmp, capsys, *inputs, "--tokenizer", tokenizer, "--out", str(tmp / "out"))
+    argv = [*inputs, "--tokenizer", tokenizer, "--out", str(tmp / "out"), *more]
+    code, err = run_cli(tmp, capsys, *argv)
     assert code == 2 and err.count("\n") == 1 and msg.format(tmp=tmp) in err, err
     assert sorted(p.name for p in tmp.iterdir()) == before  # no output, no temporary
 
