@@ -96,7 +96,16 @@ def _eos_name(path: Path, eos_token: str | None, vocab: dict[str, int]) -> str:
     return name
 
 
+def _require(module: str, what: str) -> None:
+    """A missing optional package is a one-line error naming it, not a traceback."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise SpecError(f"--tokenizer: {what} needs the `{module}` package; pip install {module}")
+
+
 def _file_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
+    _require("tokenizers", f"{path} (a tokenizer file)")
     from tokenizers import Tokenizer
 
     try:
@@ -117,6 +126,7 @@ def _file_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
 
 
 def _dir_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
+    _require("transformers", f"{path} (a model directory)")
     from transformers import AutoTokenizer
 
     try:
