@@ -2,7 +2,9 @@
 
 Runs `piper plan --model deepseek-v3 --cluster C --gpus N --out TMP` as a user does (a fresh
 process: start-up, search, placement, baselines, every output file and plot) --repeats times
-per case and prints the median with each run, the targets (1024 GPUs <= 10 s on either
+per case and prints the median wall time with each run, the median CPU time of the process
+(user + sys; the command is single-threaded, so on an idle machine it is the wall time), the
+targets (1024 GPUs <= 10 s on either
 cluster, 16384 <= 60 s), the 1-minute load average around each case (the machine is
 shared), and from the last run's timings.json and plan.json: the candidates enumerated,
 costed by the resource model, scored (split solved and predicted) and pruned, the chosen
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,15 +54,18 @@ def _command(model: str, cluster: str, gpus: int, out: Path, extra: list[str]) -
     return [sys.executable, "-c", CODE, *args, "--out", str(out), *extra]
 
 
-def _run(cmd: list[str], tree: Path = ROOT) -> tuple[float, int, str]:
-    """(wall seconds, exit code, the last line of stderr) of one command with the planner of
-    checkout `tree`."""
+def _run(cmd: list[str], tree: Path = ROOT) -> tuple[float, float, int, str]:
+    """(wall s, CPU s of the child (user + sys: steadier than the wall on a shared machine),
+    exit code, the last line of stderr) of one command with the planner of checkout `tree`."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=tree, env=env)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     err = done.stderr.strip().splitlines()
-    return wall, done.returncode, err[-1] if err else ""
+    return wall, cpu, done.returncode, err[-1] if err else ""
 
 
 def _describe_tree(tree: Path) -> str:
@@ -129,8 +135,8 @@ def run(args: argparse.Namespace) -> None:
     """Plan every case --repeats times and print one row each."""
     print(f"{args.model}, seq 4096, global batch 1024, solver {args.solver}, "
           f"{args.repeats} runs per case; whole `piper plan` command")  # fmt: skip
-    head = (f"{'cluster':>8} {'engine':>10} {'GPUs':>6} {'median_s':>8} {'target':>6}  "
-            f"{'runs (s)':<20} {'load':>9} {'cands':>6} {'costed':>6} {'scored':>6} "
+    head = (f"{'cluster':>8} {'engine':>10} {'GPUs':>6} {'median_s':>8} {'cpu_s':>6} "
+            f"{'target':>6}  {'runs (s)':<20} {'load':>9} {'cands':>6} {'costed':>6} {'scored':>6} "
             f"{'pruned':>6}")  # fmt: skip
     print(f"{head}  stage IP (status, gap)  plan")
     print(f"this checkout: {_describe_tree(ROOT)}")
@@ -146,20 +152,24 @@ def _case(args: argparse.Namespace, cluster: str, gpus: int, engine: list[str], 
     extra = ["--solver", args.solver, *(["--target", engine[0]] if engine else [])]
     other = out.with_name(out.name + "-tree")
     load_before = os.getloadavg()[0]
-    walls, code, err, tree_walls = [], 0, "", []
+    walls, cpus, code, err, tree_walls, tree_cpus = [], [], 0, "", [], []
     for _ in range(args.repeats):
-        wall, code, err = _run(_command(args.model, cluster, gpus, out, extra))
+        wall, cpu, code, err = _run(_command(args.model, cluster, gpus, out, extra))
         walls.append(wall)
+        cpus.append(cpu)
         if args.tree:
             cmd = _command(args.model, cluster, gpus, other, extra)
-            tree_walls.append(_run(cmd, args.tree.resolve())[0])
+            tree_wall, tree_cpu, _, _ = _run(cmd, args.tree.resolve())
+            tree_walls.append(tree_wall)
+            tree_cpus.append(tree_cpu)
     load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
-    median = statistics.median(walls)
+    median, cpu = statistics.median(walls), statistics.median(cpus)
     target = TARGET_S.get(gpus)
     mark = f"{target:>5.0f}s" if target else f"{'-':>6}"
     runs = " ".join(f"{w:.2f}" for w in walls)
     name = engine[0] if engine else "default"
-    row = f"{cluster:>8} {name:>10} {gpus:>6} {median:>8.2f} {mark}  {runs:<20} {load:>9}"
+    row = f"{cluster:>8} {name:>10} {gpus:>6} {median:>8.2f} {cpu:>6.2f} {mark}  {runs:<20}"
+    row += f" {load:>9}"
     if code != 0:
         print(f"{row} {'':>27}  -                       exit {code}: {err}")
         return
@@ -167,13 +177,14 @@ def _case(args: argparse.Namespace, cluster: str, gpus: int, engine: list[str], 
     counts = (t["layouts"], t["costed"], t["candidates_scored"], t["candidates_pruned"])
     print(f"{row} " + " ".join(f"{int(c):>6}" for c in counts) + f"  {ip:<22} {layout}")
     if args.tree:
-        before = statistics.median(tree_walls)
+        before, before_cpu = statistics.median(tree_walls), statistics.median(tree_cpus)
         same = other.is_dir() and _same_outputs(out, other)
-        print(f"{'':>15} --tree {args.tree}: median {before:.2f} s (runs "
-              f"{' '.join(f'{w:.2f}' for w in tree_walls)}), this checkout "
-              f"{median / before:.2f}x its time, same outputs: {same}")  # fmt: skip
+        print(f"{'':>15} --tree {args.tree}: median {before:.2f} s, CPU {before_cpu:.2f} s "
+              f"(runs {' '.join(f'{w:.2f}' for w in tree_walls)}); this checkout "
+              f"{median / before:.2f}x its wall, {cpu / before_cpu:.2f}x its CPU time; same "
+              f"outputs: {same}")  # fmt: skip
     if args.compare_ip and gpus <= args.compare_up_to:
-        wall_ip, _, _ = _run(_command(args.model, cluster, gpus, out.with_name(out.name + "-ip"),
+        wall_ip, _, _, _ = _run(_command(args.model, cluster, gpus, out.with_name(out.name + "-ip"),
                                       [*extra, "--score", "ip"]))  # fmt: skip
         same = (out / "plan.json").read_bytes() == (
             out.with_name(out.name + "-ip") / "plan.json"
