@@ -7,10 +7,10 @@ ranks sent in the last step (metrics.jsonl) beside the bytes the planner's model
 that step (planner.resources.cost.predicted_traffic, with the run's fp32 activations and
 gradients), and their ratio.
 
-Where they differ, by design: `tp` - the runtime also all-gathers the embedding's gradient
-slices and the slices before the head (one ring pass per stage end); `grad_dense` with
-tp > 1 - the runtime replicates the embedding, head and norms on every TP rank, the model
-splits the embedding and head over the vocabulary; `dispatch` and `etp` - the model's rows
+Where they differ, by design: `tp` - the runtime also reduce-scatters the vocab-parallel
+embedding and all-gathers before the head (two ring passes per stage end, forward and
+backward) and all-reduces three fp32 numbers per token in the vocab-parallel cross entropy;
+`dispatch` and `etp` - the model's rows
 are the mean routing, the run's its actual routing (expert TP also pads each all-gather to
 the largest member's rows and gathers the per-slot row counts); with FSDP, `param_gather`
 - the model gathers bf16 weights twice per micro-batch, the run its fp32 weights, and
