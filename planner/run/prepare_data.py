@@ -171,6 +171,8 @@ def list_sources(inputs: tuple[str, ...]) -> list[Path]:
     sources: list[Path] = []
     for item in inputs:
         p = Path(item)
+        if (p / "dataset_dict.json").is_file():
+            raise SpecError(f"input: {p} holds several splits; give one, e.g. {p / 'train'}")
         if _is_saved_dataset(p) or (p.is_file() and p.suffix in known):
             sources.append(p)
         elif p.is_dir():
@@ -240,10 +242,13 @@ def _dataset_documents(path: Path, key: str) -> Iterator[tuple[str, int]]:
             f"input: {path} has no column {key!r} (columns: {_columns(ds)}); choose one with "
             "--text-key, or save one split"
         )
-    for i, text in enumerate(ds[key]):
-        if not isinstance(text, str):
-            raise SpecError(f"input: {path} row {i}: {key!r} is not a string; fix the dataset")
-        yield text, size * (i + 1) // max(len(ds), 1)
+    i, rows = 0, max(len(ds), 1)
+    for batch in ds.select_columns([key]).iter(batch_size=1024):  # a column slice at a time
+        for text in batch[key]:
+            if not isinstance(text, str):
+                raise SpecError(f"input: {path} row {i}: {key!r} is not a string; fix it")
+            i += 1
+            yield text, size * i // rows
 
 
 def _parquet_documents(path: Path, key: str) -> Iterator[tuple[str, int]]:
@@ -290,6 +295,8 @@ def _size(path: Path) -> int:
 def _batches(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int]]:
     batch, chars, done = [], 0, 0
     for text, done in docs:
+        if not text.strip():  # blank: no document (a tokenizer's BOS alone is none either)
+            continue
         batch.append(text)
         chars += len(text)
         if chars >= BATCH_CHARS:
@@ -348,11 +355,13 @@ def prepare_data(opts: PrepareOptions, update: Update | None = None) -> Prepared
     sources = list_sources(opts.inputs)
     tok = load_tokenizer(opts.tokenizer, opts.eos_token)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
-    update(0, sum(_size(p) for p in sources))
+    total = sum(_size(p) for p in sources)
+    update(0, total)
     tmp_bin, tmp_json = _temporary(bin_path), _temporary(json_path)
     try:
         with open(tmp_bin, "wb") as f:
             tokens, documents = _write(f, tok, dtype, _batches(_documents(sources, opts)), update)
+        update(total, None)
         if tokens == 0:
             raise SpecError(
                 f"input: {', '.join(opts.inputs)} holds no text; give non-empty documents"

@@ -65,6 +65,7 @@ def test_every_input_layout_gives_the_tokenizers_ids_with_eos_after_each_documen
     (tmp / "docs").mkdir()
     for i, d in enumerate(docs):  # one document per file; sorted names keep their order
         (tmp / "docs" / f"{i:03d}.txt").write_text(d)
+    (tmp / "docs" / "blank.txt").write_text(" \n")  # no document, no EOS
     rows = [json.dumps({"id": i, "body": d}) for i, d in enumerate(docs)]
     (tmp / "rows.jsonl").write_text("\n".join(rows) + "\n")
     runs = {
@@ -150,6 +151,9 @@ def test_hugging_face_datasets_give_the_same_ids_as_jsonl(corpus):
         assert np.array_equal(open_token_file(prepare_data(opts).bin_path).array(), want), name
         with pytest.raises(SpecError, match="has no column 'body' \\(columns: n, text\\)"):
             prepare_data(replace(opts, text_key="body", out=str(tmp / "y")))
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp / "splits"))
+    with pytest.raises(SpecError, match="splits holds several splits; give one, e.g. .*train"):
+        prepare_data(replace(opts, inputs=(str(tmp / "splits"),), out=str(tmp / "y")))
     assert not list(tmp.glob("y.*")) and not list(tmp.glob(".y*"))
 
 
