@@ -10,8 +10,8 @@ local model directory (transformers `AutoTokenizer.from_pretrained(dir,
 local_files_only=True)`). Each document is encoded as the tokenizer encodes it (its own
 special tokens included, as Megatron-LM's HuggingFaceTokenizer does) and followed by the EOS
 id, as Megatron-LM's tools/preprocess_data.py:103 (--append-eod) and nanoGPT's
-data/openwebtext/prepare.py:45 do; a document that encodes to nothing is skipped (Megatron's
-rule, preprocess_data.py:103) and one that already ends in EOS gets no second one.
+data/openwebtext/prepare.py:45 do; a blank document, or one that encodes to nothing, is
+skipped (Megatron's rule, preprocess_data.py:103), one that already ends in EOS gets no second.
 
 Output, PREFIX.bin + PREFIX.json: the ids as one little-endian array, uint16 when the
 vocabulary fits (<= 65536 ids; nanoGPT's prepare.py:62 uses uint16 for GPT-2), else uint32,
