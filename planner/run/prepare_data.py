@@ -8,7 +8,8 @@ Inputs, in the order given (a directory: its files with a known suffix, sorted w
 The tokenizer is a `tokenizer.json` (the `tokenizers` library, `Tokenizer.from_file`) or a
 local model directory (transformers `AutoTokenizer.from_pretrained(dir,
 local_files_only=True)`). Each document is encoded as the tokenizer encodes it (its own
-special tokens included, as Megatron-LM's HuggingFaceTokenizer does) and followed by the EOS
+special tokens included, as Megatron-LM's HuggingFaceTokenizer does by default,
+megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py:288) and followed by the EOS
 id, as Megatron-LM's tools/preprocess_data.py:103 (--append-eod) and nanoGPT's
 data/openwebtext/prepare.py:45 do; a blank document, or one that encodes to nothing, is
 skipped (Megatron's rule, preprocess_data.py:103), one that already ends in EOS gets no second.
@@ -354,7 +355,7 @@ def prepare_data(opts: PrepareOptions, update: Update | None = None) -> Prepared
         raise SpecError(f"--out: directory {bin_path.parent} does not exist; create it first")
     sources = list_sources(opts.inputs)
     tok = load_tokenizer(opts.tokenizer, opts.eos_token)
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
+    dtype = np.dtype("<u2" if tok.vocab_size <= 2**16 else "<u4")  # little-endian, as read
     total = sum(_size(p) for p in sources)
     update(0, total)
     tmp_bin, tmp_json = _temporary(bin_path), _temporary(json_path)
