@@ -2,7 +2,8 @@
 
 For a few layouts of tiny-moe on the cpu-gloo cluster (pipeline, data, tensor and expert
 parallel; interleaved 1F1B, expert TP, FSDP), plans with `piper plan` (every size and knob
-fixed), trains 2 steps with `piper run` (flat all-to-all) and prints, per kind, the bytes all
+fixed, --dtype fp32 so the run computes in fp32, as piper run follows the plan's dtype),
+trains 2 steps with `piper run` (flat all-to-all) and prints, per kind, the bytes all
 ranks sent in the last step (metrics.jsonl) beside the bytes the planner's model moves for
 that step (planner.resources.cost.predicted_traffic, with the run's fp32 activations and
 gradients), and their ratio.
@@ -85,7 +86,7 @@ def run_layout(root: Path, gpus: int, pp: int, dp: int, tp: int, ep: int, vp=1, 
            "--vp", str(vp), "--etp", str(etp), "--cp", "1",
            "--fsdp" if fsdp else "--no-fsdp",
            "--micro-batch", "2", "--seq-len", "128", "--global-batch", str(4 * dp),
-           "--out", str(plan_dir))  # fmt: skip
+           "--dtype", "fp32", "--out", str(plan_dir))  # fmt: skip
     _piper("run", str(plan_dir / "plan.json"), "--steps", "2", "--dispatcher", "flat",
            "--ranks-per-node", "2", "--out", str(run_dir))  # fmt: skip
     return name, predicted(plan_dir / "plan.json"), measured(run_dir)
