@@ -200,8 +200,8 @@ def _trainer_lines(
 ) -> list[str]:
     """The trainer's environment, its sourced args file and CMD."""
     if trainer == "piper":
-        # the dispatcher and precision the plan was priced with (the runtime's own defaults
-        # are halo and fp32)
+        # the dispatcher and precision the plan was priced with, spelled out (the launcher
+        # defaults to the plan's too; at full size it refuses any other)
         dispatcher = str(plan.extra.get("dispatcher", "flat"))
         cmd = command or shlex.join(
             ["python", "-m", "runtime.launch", "--plan", plan_path, "--out", "results/run",
