@@ -135,7 +135,11 @@ def test_sourcing_an_args_file_runs_nothing(target, tmp_path):
     )
     render = megatron_script if target == "megatron" else torchtitan_script
     out = tmp_path / "args.sh"
-    out.write_text(render(plan, plan.model_spec())[0])
+    rendered = render(plan, plan.model_spec())
+    out.write_text(rendered[0])
+    if target == "torchtitan":  # the config module the args file names, written beside it
+        for name, text in rendered[2].items():
+            (tmp_path / name).write_text(text)
     work = tmp_path / "work"
     work.mkdir()
     array = "MEGATRON_ARGS" if target == "megatron" else "TORCHTITAN_ARGS"
