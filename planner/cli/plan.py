@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from planner.cli.estimate import DTYPES
+from planner.cli.optimizer_args import add_optimizer_state_arguments, optimizer_state
 from planner.cli.plan_shortlist import (
     PlanInputs,
     add_shortlist_arguments,
@@ -126,6 +127,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--optimizer-dtype", choices=("fp32", "bf16"), default="fp32", help="Adam moments dtype"
     )
+    add_optimizer_state_arguments(p)
     add_target_arguments(p)
     p.add_argument("--solver", choices=("cpsat", "cbc"), default="cpsat")
     p.add_argument("--time-limit-s", type=float, default=10.0, help="limit for each IP solve")
@@ -199,6 +201,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec, Target]:
         optimizer_dtype=args.optimizer_dtype,
         cuda_graphs=args.cuda_graphs,
         memory_margin_gib=margin,
+        **optimizer_state(args),
     )
     return model, cluster, training, target  # make_plan applies the target's conventions
 

@@ -145,6 +145,13 @@ def make_plan(
         fixed, recompute, recompute_modules = cut.fixed, cut.recompute, cut.recompute_modules
         sharding, a2a_overlap, dispatchers = cut.sharding, cut.a2a_overlap, cut.dispatchers
         module_set, etp_rule = cut.module_set, cut.etp_rule
+    if training.optimizer_offload_fraction > 0:  # HybridDeviceOptimizer: the distributed one's
+        if "zero" not in (sharding or ("zero",)):
+            raise SpecError(
+                "plan: --optimizer-offload-fraction runs beside the distributed optimizer "
+                "(--zero), not FSDP; drop --fsdp or the offload"
+            )
+        sharding = ("zero",)
         if not target.expert_placement:
             trace_loads = None  # the engine loads experts in its default placement
     space = make_space(
