@@ -21,6 +21,7 @@ expert input). Which models take this route: planner/targets.py (`composed_famil
 from __future__ import annotations
 
 import re
+from importlib.resources import files
 
 from planner.outputs.export.model_settings import model_settings
 from planner.plan.schema import Plan
@@ -35,122 +36,9 @@ HF_IDS = {
     "llama4-maverick": "meta-llama/Llama-4-Maverick-17B-128E",
 }
 
-_TEMPLATE = '''"""torchtitan {version} config function for {title}, written by `piper export`.
-
-{origin}
-torchtitan {version} has no model of its own for it: this composes torchtitan's own decoder
-modules (those of torchtitan.models.qwen3) with the model's shapes below and takes the
-training recipe of qwen3_30b_a3b; the args file beside it overrides what the plan priced.
-Use: --module {module} --config {function}
-(this file's folder on PYTHONPATH; sourcing the args file beside it sets it).
-"""
-
-from functools import partial
-
-import torch.nn as nn
-
-from torchtitan.components.optimizer import register_moe_load_balancing_hook
-from torchtitan.distributed.pipeline_parallel import pipeline_llm
-from torchtitan.models.common import Embedding, Linear
-from torchtitan.models.common.config_utils import (
-    get_attention_config,
-    make_ffn_config,
-    make_gqa_config,
-    make_moe_config,
-    make_routed_experts_config,
-    make_router_config,
-)
-from torchtitan.models.common.nn_modules import RMSNorm
-from torchtitan.models.common.rope import {rope_class}
-from torchtitan.models.qwen3 import parallelize_qwen3
-from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
-from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
-from torchtitan.protocols.model_spec import ModelSpec
-
-# The model, as the plan priced it
-DIM = {dim}
-VOCAB_SIZE = {vocab}
-N_HEADS = {heads}
-N_KV_HEADS = {kv_heads}
-HEAD_DIM = {head_dim}
-NORM_EPS = {eps}
-ROPE = {rope!r}
-QK_NORM = {qk_norm}
-DENSE_FFN = {dense_ffn}  # the dense layers' MLP width
-MOE_LAYERS = {moe_layers}  # the other layers are dense
-NUM_EXPERTS = {experts}
-TOP_K = {top_k}
-EXPERT_FFN = {expert_ffn}
-SHARED_FFN = {shared_ffn}  # one shared expert's width, 0 = none
-SCORE_FUNC = {score!r}
-ROUTE_NORM = {route_norm}  # renormalize the top-k probabilities
-TIE_EMBEDDINGS = {tie}
-N_LAYERS = {layers}
-HF_ASSETS = {assets!r}  # the tokenizer: python scripts/download_hf_assets.py --repo_id {hf_id}
-
-_INIT = {{"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}}
-_OUT_INIT = {{"weight": partial(nn.init.normal_, std=0.02 / (2 * N_LAYERS) ** 0.5),
-             "bias": nn.init.zeros_}}
-_EXPERT_INIT = {{"w1_EFD": _INIT["weight"], "w2_EDF": _OUT_INIT["weight"],
-                "w3_EFD": _INIT["weight"]}}
-
-
-def _norm(dim):
-    ones = {{"weight": nn.init.ones_}}
-    return RMSNorm.Config(normalized_shape=dim, eps=NORM_EPS, param_init=ones)
-
-
-def _ffn(hidden_dim):
-    return make_ffn_config(dim=DIM, hidden_dim=hidden_dim, w1_param_init=_INIT,
-                           w2w3_param_init=_OUT_INIT)
-
-
-def _moe():
-    router = make_router_config(dim=DIM, num_experts=NUM_EXPERTS, gate_param_init=_INIT,
-                                top_k=TOP_K, score_func=SCORE_FUNC, route_norm=ROUTE_NORM)
-    experts = make_routed_experts_config(dim=DIM, hidden_dim=EXPERT_FFN,
-                                         num_experts=NUM_EXPERTS, top_k=TOP_K,
-                                         param_init=_EXPERT_INIT, comm_backend="standard")
-    return make_moe_config(num_experts=NUM_EXPERTS, router=router, routed_experts=experts,
-                           shared_experts=_ffn(SHARED_FFN) if SHARED_FFN else None)
-
-
-def _layer(i):
-    attention = make_gqa_config(
-        dim=DIM, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM,
-        wqkv_param_init=_INIT, wo_param_init=_OUT_INIT,
-        inner_attention=get_attention_config("flex"), fuse_qkv=True,
-        rope={rope_class}.Config(dim=HEAD_DIM, **ROPE),
-        qk_norm=_norm(HEAD_DIM) if QK_NORM else None,
-    )
-    mlp = {{"moe": _moe()}} if i in MOE_LAYERS else {{"feed_forward": _ffn(DENSE_FFN)}}
-    return Qwen3TransformerBlock.Config(attention_norm=_norm(DIM), ffn_norm=_norm(DIM),
-                                        attention=attention, **mlp)
-
-
-def model():
-    """The decoder config: embeddings, N_LAYERS blocks, final norm and output head."""
-    return Qwen3Model.Config(
-        vocab_size=VOCAB_SIZE, dim=DIM, norm=_norm(DIM), enable_weight_tying=TIE_EMBEDDINGS,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB_SIZE, embedding_dim=DIM,
-                                        param_init=_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB_SIZE, param_init=_INIT),
-        layers=[_layer(i) for i in range(N_LAYERS)],
-    )
-
-
-def {function}():
-    """torchtitan's Trainer.Config for {title}."""
-    config = qwen3_30b_a3b()
-    config.model_spec = ModelSpec(
-        name={module!r}, flavor={name!r}, model=model(), parallelize_fn=parallelize_qwen3,
-        pipelining_fn=pipeline_llm, post_optimizer_build_fn=register_moe_load_balancing_hook,
-        state_dict_adapter=None,
-    )
-    config.loss.loss_fn.global_vocab_size = VOCAB_SIZE
-    config.hf_assets_path = HF_ASSETS
-    return config
-'''
+# The module's text, with str.format fields; kept out of the planner's Python sources (the
+# module it renders imports torch and torchtitan, the planner never does).
+_TEMPLATE = (files("planner.outputs.export") / "torchtitan_config.py.tmpl").read_text()
 
 
 def _plain(text: str) -> str:
