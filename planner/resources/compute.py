@@ -15,7 +15,10 @@ or, when the cluster has a measured `gemm_<dtype>` table (y = achieved TFLOPS at
 Attention scores use `attention_<dtype>` (y at sequence length) likewise.
 
 Notation: b micro-batch, s sequence, d hidden, T = b s / (tp cp) tokens per rank, k top-k,
-E experts, f expert ffn width, mats = 3 for gated MLPs (SwiGLU) else 2.
+E experts, f expert ffn width, mats = 3 for gated MLPs (SwiGLU) else 2. The tensor-parallel
+GEMMs (attention projections, dense MLPs, shared experts, head) see all b s / cp tokens of
+their tp group (sequence parallelism gathers them) with 1/tp of the weights, so their FLOPs
+summed over the tp ranks are those of tp = 1 (tests/planner/resources/test_compute_tp.py).
 """
 
 from __future__ import annotations
@@ -165,15 +168,14 @@ def attention_work(
     training: TrainingSpec,
     parallel: ParallelConfig,
 ) -> list[Work]:
-    """Projections (2 T x attention parameters / tp) and the causal score/value products
-    (2 b (H/tp) s ctx (d_qk + d_v)) of one attention block."""
+    """Projections (2 b s / cp rows x attention parameters / tp: sequence parallelism
+    all-gathers the tp ranks' tokens before the column-parallel GEMMs and each rank holds
+    1/tp of the weights) and the causal score/value products (2 b (H/tp) s ctx (d_qk + d_v))
+    of one attention block."""
     att, d = layer.attention, model.hidden_size
     rows = parallel.micro_batch * training.seq_len / parallel.cp
-    tokens = rank_tokens(training, parallel)
     p_att = attention_params(att, d) / parallel.tp
-    proj = _gemm_work(
-        "attn_proj", cluster, training, rows, 2 * tokens * p_att, p_att, tokens * 2 * d, 4
-    )
+    proj = _gemm_work("attn_proj", cluster, training, rows, 2 * rows * p_att, p_att, rows * 2 * d, 4)
     if att.kind == "mla":
         d_qk, d_v = att.qk_nope_head_dim + att.qk_rope_head_dim, att.v_head_dim
     else:
@@ -222,8 +224,8 @@ def mlp_work(
     if layer.dense_ffn:
         mats = 3 if layer.dense_gated else 2
         w = mats * d * layer.dense_ffn / parallel.tp
-        io = tokens * (2 * d + mats * layer.dense_ffn)
-        out.append(_gemm_work("dense_mlp", cluster, training, rows, 2 * tokens * w, w, io, mats))
+        io = rows * (2 * d + mats * layer.dense_ffn / parallel.tp)
+        out.append(_gemm_work("dense_mlp", cluster, training, rows, 2 * rows * w, w, io, mats))
     moe = layer.moe
     if moe is None:
         return out
@@ -247,9 +249,9 @@ def mlp_work(
         )
     )
     if moe.num_shared_experts:
-        w = moe.num_shared_experts * mats * d * moe.shared_ffn
-        io = tokens * (2 * d + moe.num_shared_experts * mats * moe.shared_ffn)
-        out.append(_gemm_work("shared", cluster, training, rows, 2 * tokens * w, w, io, mats))
+        w = moe.num_shared_experts * mats * d * moe.shared_ffn / parallel.tp
+        io = rows * (2 * d + moe.num_shared_experts * mats * moe.shared_ffn / parallel.tp)
+        out.append(_gemm_work("shared", cluster, training, rows, 2 * rows * w, w, io, mats))
     return out
 
 
@@ -285,7 +287,7 @@ def memory_bound_bytes(
     }
     if layer.dense_ffn:
         mats = 3 if layer.dense_gated else 2
-        out["activation"] = tokens * mats * layer.dense_ffn / parallel.tp * a
+        out["activation"] = full * mats * layer.dense_ffn / parallel.tp * a
     moe = layer.moe
     if moe is not None:
         kk, skew = moe.top_k, training.routing_skew
@@ -347,21 +349,22 @@ def layer_work(
 def head_work(
     model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, parallel: ParallelConfig
 ) -> list[Work]:
-    """Output projection (2 T d V, vocab-parallel over tp) and the fp32 cross-entropy pass,
+    """Output projection (2 (b s / cp) d V / tp: the gathered tokens times the rank's vocabulary
+    slice) and the fp32 cross-entropy pass,
     plus each MTP module (2d -> d projection, one layer like the last, its own head)."""
     d, v = model.hidden_size, model.vocab_size
     rows = parallel.micro_batch * training.seq_len / parallel.cp
     tokens = rank_tokens(training, parallel)
     w = d * v / parallel.tp
     heads = 1 + model.num_mtp_layers
-    head_flops = heads * 2 * tokens * w
+    head_flops = heads * 2 * rows * w
     out = [_gemm_work("head", cluster, training, rows, head_flops, w, 0.0, heads, linear=False)]
     ce_s = heads * ELEMENTWISE_PASSES * 4.0 * tokens * v / cluster.hbm_bytes_per_s
     out.append(Work("elementwise", 0.0, ce_s, ce_s / TRAIN_FACTOR))
     if model.num_mtp_layers:
         n = model.num_mtp_layers
         pw = 2 * d * d / parallel.tp
-        proj = _gemm_work("mtp_proj", cluster, training, rows, n * 2 * tokens * pw, pw, 0.0, n)
+        proj = _gemm_work("mtp_proj", cluster, training, rows, n * 2 * rows * pw, pw, 0.0, n)
         out += [proj, *quantize_work(cluster, training, parallel, [proj])]
         for work in layer_work(model, model.layers[-1], cluster, training, parallel):
             out.append(
