@@ -1,4 +1,5 @@
-"""Render a Calibration: a text/markdown table, a CSV and a predicted-vs-measured plot.
+"""Render a Calibration: a text/markdown table, a CSV and a predicted-vs-measured plot; and
+where measurements fall in their intervals: one line per figure, a summary line, JSON.
 
 The CSV keeps 6 significant digits; the markdown writes numbers as people read them
 (planner.numbers).
@@ -7,9 +8,16 @@ The CSV keeps 6 significant digits; the markdown writes numbers as people read t
 from __future__ import annotations
 
 import io
+import math
+from collections.abc import Sequence
 
 from planner.calibrate.compare import Calibration, Component
+from planner.calibrate.interval_check import IntervalCheck, Tally
+from planner.calibrate.log_runs import ENGINE_NAMES
+from planner.calibrate.measured import Comparison
 from planner.numbers import number
+from planner.outputs.error_bars import bracket
+from planner.plan.schema import Interval
 
 CSV_HEADER = "component,stage,unit,predicted,measured,error_pct"
 
@@ -109,3 +117,74 @@ def calibration_png(cal: Calibration) -> bytes:
     buf = io.BytesIO()
     calibration_figure(cal).savefig(buf, format="png", dpi=100, metadata={"Software": None})
     return buf.getvalue()
+
+
+def check_line(c: IntervalCheck) -> str:
+    """One figure against its interval, e.g. "tokens/s measured 1,234 vs predicted 1,300
+    [1,100, 1,520] (80%): inside (z -0.4)"."""
+    iv = Interval(c.lo, c.predicted, c.hi, c.level)
+    return (f"{c.label} measured {number(c.measured)} vs predicted {number(c.predicted)} "
+            f"{bracket(iv)}: {c.side} (z {_z(c.z)})")  # fmt: skip
+
+
+def _z(z: float) -> str:
+    return f"{z:+.1f}" if math.isfinite(z) else ("+inf" if z > 0 else "-inf")
+
+
+def interval_lines(comparison: Comparison, indent: str = "  ") -> list[str]:
+    """The measurement's head line (where its intervals come from) and one line per check;
+    one line saying why when the plan has no intervals."""
+    c, ivs = comparison, comparison.intervals
+    what = f"{c.measured_path} ({ENGINE_NAMES[c.engine]})"
+    if ivs.intervals is None:
+        return [f"{what}: no intervals to compare with: {ivs.origin}"]
+    head = f"{what} against {c.plan_path}'s {ivs.intervals.level:.0%} intervals, {ivs.origin}:"
+    return [head, *(indent + check_line(x) for x in c.checks)]
+
+
+def summary_line(tallies: Sequence[Tally], measurements: int) -> str:
+    """Across measurements: how many fell inside, below and above, and the mean z, per kind."""
+    parts = [
+        f"{t.kind} {t.inside} inside, {t.below} below, {t.above} above of {t.count} "
+        f"(mean z {_z(t.mean_z)}; {t.level:.0%} expected inside)"
+        for t in tallies
+    ]
+    body = "; ".join(parts) if parts else "no intervals to compare with"
+    return f"summary over {measurements} measurements: {body}"
+
+
+def comparisons_json(comparisons: Sequence[Comparison], tallies: Sequence[Tally]) -> dict:
+    """`piper calibrate PLAN MEASURED ... --json`: every check with its numbers, the tallies."""
+
+    def check(x: IntervalCheck) -> dict:
+        z = x.z if math.isfinite(x.z) else None
+        return {"figure": x.figure, "stage": x.stage, "measured": x.measured,
+                "predicted": x.predicted, "lo": x.lo, "hi": x.hi, "level": x.level,
+                "log_sd": x.log_sd, "z": z, "side": x.side}  # fmt: skip
+
+    return {
+        "measurements": [
+            {
+                "plan": c.plan_path,
+                "measured": c.measured_path,
+                "format": c.engine,
+                "intervals_from": c.intervals.origin if c.intervals.intervals else None,
+                "no_intervals": None if c.intervals.intervals else c.intervals.origin,
+                "note": c.calibration.note if c.calibration else "",
+                "checks": [check(x) for x in c.checks],
+            }  # fmt: skip
+            for c in comparisons
+        ],
+        "summary": [
+            {
+                "kind": t.kind,
+                "inside": t.inside,
+                "below": t.below,
+                "above": t.above,
+                "count": t.count,
+                "mean_z": t.mean_z if math.isfinite(t.mean_z) else None,
+                "level": t.level,
+            }  # fmt: skip
+            for t in tallies
+        ],
+    }

@@ -7,9 +7,13 @@ Two modes (planner/PROFILING.md):
   preset (planner/calibrate/prior.py), and framework_overhead_gib from measured peaks; prints
   what was fitted and why the rest was kept, the constants, the fit's and the leave-one-out
   errors; writes the fitted cluster profile.
-- `piper calibrate PLAN METRICS [--out DIR] [--write-profile OUT]`: predicted vs measured
-  per component for one `piper run`; where the run's run.json records another dispatcher or
-  layout than the plan priced, one line says so and the dispatcher is repriced.
+- `piper calibrate PLAN MEASURED [MEASURED ...] [--format F] [--json] [--out DIR]
+  [--write-profile OUT]`, or `piper calibrate --log PLAN:LOG ...`: each measurement (a `piper
+  run`'s metrics.jsonl, a Megatron-LM or torchtitan log) against the plan's prediction:
+  whether tokens/s, step time and peak memory lie inside the plan's 80% interval, below or
+  above it, and z; for metrics.jsonl also predicted vs measured per component (where the
+  run's run.json records another dispatcher or layout than the plan priced, one line says so
+  and the dispatcher is repriced); a summary line over several measurements.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import datetime
 from pathlib import Path
 
+from planner.calibrate.measured import FORMATS
 from planner.outputs.files import write_files
 from planner.specs import SpecError
 
@@ -29,10 +34,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="With --fit RUNS.csv: fit the cluster profile's named efficiencies to "
         "measured runs (least squares on log throughput, leave-one-out errors) and write the "
         "fitted profile. With PLAN METRICS: predicted (plan.json + resource model per stage) "
-        "vs measured (metrics.jsonl from 'piper run') per component. See planner/PROFILING.md.",
+        "vs measured (metrics.jsonl from 'piper run', or a Megatron-LM / torchtitan log), "
+        "with where each figure falls in the plan's 80%% interval. See planner/PROFILING.md.",
     )
     p.add_argument("plan", nargs="?", help="plan.json the run executed (compare mode)")
-    p.add_argument("metrics", nargs="?", help="metrics.jsonl written by 'piper run' (compare)")
+    p.add_argument(
+        "metrics",
+        nargs="*",
+        metavar="MEASURED",
+        help="compare mode: runs of PLAN: metrics.jsonl written by 'piper run', or Megatron-LM "
+        "/ torchtitan logs",
+    )
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="auto",
+        help="compare mode: the MEASURED files' format (default: detected)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="compare mode: print one JSON object (for scripts)"
+    )
     p.add_argument(
         "--fit",
         nargs="?",
@@ -47,8 +68,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="PLAN_OR_EXPORT:LOGFILE",
-        help="fit mode: a Megatron-LM or torchtitan log (or piper run's metrics.jsonl) and the "
-        "plan.json it ran, or the export beside that plan (repeatable)",
+        help="a Megatron-LM or torchtitan log (or piper run's metrics.jsonl) and the "
+        "plan.json it ran, or the export beside that plan (repeatable): a run of the fit, or "
+        "without --fit and PLAN a measurement to compare",
     )
     p.add_argument(
         "--run",
@@ -96,6 +118,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.skip_steps < 0:
         raise SpecError(f"--skip-steps must be >= 0, got {args.skip_steps}")
+    if args.fit is not None and (args.json or args.format != "auto"):
+        raise SpecError("--json and --format belong to the compare mode; drop them with --fit")
+    if args.fit is None and args.log and not args.plan:  # --log PLAN:LOG ...: compare each
+        if args.run or args.params or args.no_loo:
+            raise SpecError("--run, --params and --no-loo belong to the fit mode; add --fit")
+        return run_compare(args)
     if args.fit is not None:
         return run_fit(args)
     if args.run or args.log or args.params or args.no_loo:
@@ -111,51 +139,88 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    """PLAN METRICS: the component table, calibration.{csv,md,png}, --write-profile."""
-    import yaml
+    """PLAN MEASURED ... / --log PLAN:LOG ...: each measurement against the plan's intervals
+    (and, for metrics.jsonl, the component table and calibration.{csv,md,png}), a summary line
+    over several, --json, --write-profile."""
+    import json
 
-    from planner.calibrate.compare import calibrate, fit_profile, plan_inputs
-    from planner.calibrate.metrics import load_metrics
-    from planner.calibrate.report import calibration_csv, calibration_markdown, calibration_png
-    from planner.calibrate.run_settings import (
-        differences_line,
-        load_run_info,
-        repricing,
-        run_differences,
+    from planner.calibrate.interval_check import summarise
+    from planner.calibrate.measured import compare_measurement
+    from planner.calibrate.report import (
+        calibration_markdown,
+        comparisons_json,
+        interval_lines,
+        summary_line,
     )
     from planner.inputs.clusters import load_cluster
+
+    pairs = [(args.plan, m) for m in args.metrics] + [_log_pair(p) for p in args.log]
+    cluster = load_cluster(args.cluster) if args.cluster else None
+    comparisons = [
+        compare_measurement(plan, measured, args.format, args.skip_steps, cluster)
+        for plan, measured in pairs
+    ]
+    files = _compare_files(comparisons, args, cluster)
+    tallies = summarise([x for c in comparisons for x in c.checks])
+    for path, content in files.items():
+        write_files(path.parent, {path.name: content})
+    wrote = [str(path) for path in files]
+    if args.json:
+        print(json.dumps({**comparisons_json(comparisons, tallies), "wrote": wrote}, indent=2))
+        return 0
+    for c in comparisons:
+        if c.calibration is not None:
+            print(calibration_markdown(c.calibration), end="")
+        print("\n".join(interval_lines(c)))
+    if len(comparisons) > 1:
+        print(summary_line(tallies, len(comparisons)))
+    if wrote:
+        print(f"wrote {', '.join(wrote)}")
+    return 0
+
+
+def _log_pair(text: str) -> tuple[str, str]:
+    """--log PLAN_OR_EXPORT:LOG in compare mode: the plan.json (beside an export) and the log."""
+    from planner.calibrate.log_runs import resolve_plan, split_pair
+
+    given, log = split_pair(text)
+    return str(resolve_plan(given)), log
+
+
+def _compare_files(comparisons: list, args: argparse.Namespace, cluster) -> dict[Path, object]:
+    """calibration.{csv,md,png} of each metrics.jsonl comparison (in --out, else beside it) and
+    the --write-profile profile, all rendered before anything is written."""
+    import yaml
+
+    from planner.calibrate.compare import fit_profile, plan_inputs
+    from planner.calibrate.report import (
+        calibration_csv,
+        calibration_markdown,
+        calibration_png,
+        interval_lines,
+    )
     from planner.plan import load_plan
 
-    plan = load_plan(args.plan)
-    metrics = load_metrics(args.metrics)
-    cluster = load_cluster(args.cluster) if args.cluster else None
-    differences = run_differences(plan, load_run_info(args.metrics))
-    reprice = repricing(plan, differences)
-    note = differences_line(differences, reprice, bool(plan.training.get("a2a_overlap")))
-    cal = calibrate(plan, metrics, args.skip_steps, cluster, reprice, note)
-    table = calibration_markdown(cal)
-    out = Path(args.out) if args.out else Path(args.metrics).parent
-    files: dict[str, str | bytes] = {
-        "calibration.csv": calibration_csv(cal),
-        "calibration.md": table,
-        "calibration.png": calibration_png(cal),
-    }
-    fitted = None
-    if args.write_profile:
-        base = cluster or plan_inputs(plan)[1]
-        fitted = yaml.safe_dump(
-            fit_profile(cal, base, plan), sort_keys=False, default_flow_style=None, width=100
+    runs = [c for c in comparisons if c.calibration is not None]
+    if (args.out or args.write_profile) and len(runs) != 1:
+        raise SpecError(
+            f"--out and --write-profile take one piper run's metrics.jsonl, got {len(runs)}; "
+            "compare one run at a time to write them"
         )
-    write_files(out, files)
-    if fitted is not None:
-        target = Path(args.write_profile)
-        write_files(target.parent, {target.name: fitted})
-    print(table, end="")
-    print(
-        f"wrote {out}/calibration.csv, calibration.md, calibration.png"
-        + (f" and {args.write_profile}" if args.write_profile else "")
-    )
-    return 0
+    files: dict[Path, object] = {}
+    for c in runs:
+        out = Path(args.out) if args.out else Path(c.measured_path).parent
+        table = calibration_markdown(c.calibration) + "\n".join(["", *interval_lines(c), ""])
+        files[out / "calibration.csv"] = calibration_csv(c.calibration)
+        files[out / "calibration.md"] = table
+        files[out / "calibration.png"] = calibration_png(c.calibration)
+    if args.write_profile:
+        plan = load_plan(runs[0].plan_path)
+        base = cluster or plan_inputs(plan)[1]
+        profile = fit_profile(runs[0].calibration, base, plan)
+        text = yaml.safe_dump(profile, sort_keys=False, default_flow_style=None, width=100)
+        files[Path(args.write_profile)] = text
+    return files
 
 
 def run_fit(args: argparse.Namespace) -> int:

@@ -177,7 +177,12 @@ def _recompute(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
 
 def run(args: argparse.Namespace) -> int:
     from planner.calibrate.uncertainty import intervals
-    from planner.outputs.error_bars import interval_lines, intervals_csv
+    from planner.outputs.error_bars import (
+        interval_lines,
+        intervals_csv,
+        may_not_fit,
+        may_not_fit_note,
+    )
     from planner.outputs.files import write_files
     from planner.resources.cost import estimate, estimate_to_dict
     from planner.resources.flops import FLOPS_CONVENTION
@@ -194,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
     est = price(cluster)
     bars = intervals(cluster, est, reprice=lambda c: price(c).tokens_per_s)
+    bars = may_not_fit(bars, cluster.device.memory_gib)
     data = {
         "model": model.name,
         "cluster": cluster.name,
@@ -237,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_rounded(data), indent=2, sort_keys=True))
     else:
-        print(_table(data))
+        print(_table(data, may_not_fit_note(bars, cluster.device.memory_gib)))
         print("\n".join(interval_lines(bars, parallel.world, indent="")))
         if args.out:
             print(
@@ -276,7 +282,7 @@ def _files(data: dict) -> dict[str, str]:
     }
 
 
-def _table(d: dict) -> str:
+def _table(d: dict, interval_note: str = "") -> str:
     from planner.numbers import number, percent
 
     par, tr = d["parallel"], d["training"]
@@ -339,7 +345,7 @@ def _table(d: dict) -> str:
         f"{number(d['flops_per_token'] / 1e9)} GFLOP/token, {d['flops_convention']} convention)",
         f"memory limit     {d['usable_memory_gib']:.1f} GiB per GPU (stage totals include "
         f"the framework overhead)",
-        f"fits             {_verdict(d)}",
+        f"fits             {_verdict(d, interval_note)}",
         f"headroom         {_headroom(d)}",
         f"target           {d['target']} (conventions and what it runs: planner/EXPORT.md)",
         f"measured tables  {tables}",
@@ -347,12 +353,16 @@ def _table(d: dict) -> str:
     return "\n".join(lines)
 
 
-def _verdict(d: dict) -> str:
-    """yes / only inside the margin / NO, with the reason."""
+def _verdict(d: dict, interval_note: str = "") -> str:
+    """yes / only inside the margin / NO, with the reason; at the estimate only when
+    `interval_note` (error_bars.may_not_fit_note) says a stage's memory interval reaches past
+    the device memory."""
+    margin = f"with the {d['memory_margin_gib']:.1f} GiB memory margin kept free"
     if d["fits"]:
-        return f"yes, with the {d['memory_margin_gib']:.1f} GiB memory margin kept free"
+        return f"at the estimate, {margin}; {interval_note}" if interval_note else f"yes, {margin}"
     if d["fits_without_margin"]:
-        return "ONLY INSIDE THE MARGIN: " + d["reason"]
+        tail = f"; {interval_note}" if interval_note else ""
+        return f"ONLY INSIDE THE MARGIN: {d['reason']}{tail}"
     return "NO: " + d["reason"]
 
 

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from planner.numbers import number, percent
-from planner.outputs.error_bars import bracket, interval_lines
+from planner.outputs.error_bars import bracket, interval_lines, may_not_fit_note
 from planner.outputs.tables import (
     CANDIDATE_DIGITS,
     COMM_DIGITS,
@@ -139,6 +139,7 @@ def summary_md(result: PlanResult) -> str:
         _predicted_table(est, result.gpus, plan.predicted.intervals),
         "",
         *_source_lines(plan.predicted.intervals),
+        *_fits_lines(est, plan.predicted.intervals, "Fits (at the estimate; {}).", ""),
         f"TFLOPS/GPU and MFU: {FLOPS_NOTE}, {number(_gflop_per_token(est, result.gpus), 4)} GFLOP "
         "per token.",
         "",
@@ -170,6 +171,13 @@ def _gflop_per_token(est: EstimateView, gpus: int) -> float:
 def _source_lines(ivs: Intervals | None) -> list[str]:
     """summary.md's line under the prediction: where its intervals come from."""
     return [] if ivs is None else [f"Intervals: {ivs.source}.", ""]
+
+
+def _fits_lines(est: EstimateView, ivs: Intervals | None, form: str, *after: str) -> list[str]:
+    """The fits verdict's warning, in `form`, when a stage's memory interval reaches past the
+    device memory (error_bars.may_not_fit_note); none otherwise."""
+    note = may_not_fit_note(ivs, capacity_gib(est))
+    return [form.format(note), *after] if note else []
 
 
 def _interval_row(est: EstimateView, gpus: int, ivs: Intervals) -> list[str]:
@@ -293,6 +301,7 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
         f"{', '.join(number(capacity_gib(est) - m, 3) for m in est.memory_gib_per_stage)}; "
         f"memory margin {number(plan.training.get('memory_margin_gib', 0.0), 3)} GiB kept free; "
         f"target {plan.extra.get('target', 'piper')}",
+        *_fits_lines(est, plan.predicted.intervals, "  fits (at the estimate; {})"),
         f"  {number(est.tflops_per_gpu, 3)} TFLOPS/GPU, MFU {percent(est.mfu)} ({FLOPS_NOTE}, "
         f"{number(_gflop_per_token(est, result.gpus), 4)} GFLOP/token)",
         *interval_lines(plan.predicted.intervals, result.gpus),

@@ -92,21 +92,24 @@ def capacity_gib(est: EstimateView) -> float:
 
 def stages_frame(result: PlanResult) -> pd.DataFrame:
     """Per stage: layers, recomputed layers, time per micro-batch (s), memory (GiB) with its
-    interval's ends (empty when the plan has no intervals)."""
+    interval's ends and memory_may_not_fit (1: the upper end exceeds the device memory; all
+    three empty when the plan has no intervals)."""
     best, plan = result.best, result.plan
     assert best is not None and best.estimate is not None and plan is not None
     est = best.estimate
     bars = memory_bars(est, plan.predicted.intervals)
+    over = memory_may_not_fit(plan.predicted.intervals, len(plan.stages))
     rows = [
         [st.stage, st.layers[0], st.layers[-1], len(st.layers),
          " ".join(map(str, st.recompute_layers)),
          est.stage_time_s[st.stage] if st.stage < len(est.stage_time_s) else NAN,
-         est.memory_gib_per_stage[st.stage], capacity_gib(est), *bars[st.stage]]
+         est.memory_gib_per_stage[st.stage], capacity_gib(est), *bars[st.stage],
+         over[st.stage]]
         for st in plan.stages
     ]  # fmt: skip
     columns = ["stage", "first_layer", "last_layer", "num_layers", "recompute_layers",
                "time_per_microbatch_s", "memory_gib", "capacity_gib", "memory_gib_lo",
-               "memory_gib_hi"]  # fmt: skip
+               "memory_gib_hi", "memory_may_not_fit"]  # fmt: skip
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -119,6 +122,13 @@ def memory_frame(est: EstimateView, ivs: Intervals | None = None) -> pd.DataFram
         rows += [[s, name, per_stage[s], NAN, NAN] for name, per_stage in est.memory_gib_SC]
         rows.append([s, "total", total, *bars[s]])
     return pd.DataFrame(rows, columns=["stage", "component", "gib", "gib_lo", "gib_hi"])
+
+
+def memory_may_not_fit(ivs: Intervals | None, stages: int) -> list[int | str]:
+    """Per stage 1 / 0: the interval's upper end exceeds the device memory ("" unjudged)."""
+    if ivs is None or not ivs.memory_may_not_fit:
+        return [""] * stages
+    return [int(x) for x in ivs.memory_may_not_fit]
 
 
 def memory_bars(est: EstimateView, ivs: Intervals | None) -> list[tuple[float, float]]:

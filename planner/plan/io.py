@@ -101,6 +101,10 @@ def _intervals(pred: dict[str, Any], path: str) -> Intervals | None:
         raise SpecError(f"{where}.level must lie in (0, 1), got {block['level']}; {fix}")
     if not isinstance(block.get("source"), str):
         raise SpecError(f"{where}.source must be text; {fix}")
+    over = block.get("memory_may_not_fit_per_stage", [False] * stages)
+    if not (isinstance(over, list) and len(over) == stages
+            and all(isinstance(x, bool) for x in over)):  # fmt: skip
+        raise SpecError(f"{where}.memory_may_not_fit_per_stage must list {stages} booleans; {fix}")
     return Intervals.from_dict(block, pred)
 
 

@@ -204,7 +204,8 @@ class Intervals:
 
     In plan.json each figure is its [lo, hi] pair (the mid is the figure in `predicted`):
     {"level", "source", "time_log_sd", "param_log_sd", "memory_log_sd", "tokens_per_s",
-    "step_time_s", "tflops_per_gpu", "mfu": [lo, hi], "memory_gib_per_stage": [[lo, hi], ...]}.
+    "step_time_s", "tflops_per_gpu", "mfu": [lo, hi], "memory_gib_per_stage": [[lo, hi], ...],
+    "memory_may_not_fit_per_stage": [bool, ...] (optional: hi > the device memory)}.
     """
 
     level: float
@@ -217,6 +218,8 @@ class Intervals:
     tflops_per_gpu: Interval
     mfu: Interval
     memory_gib_per_stage: tuple[Interval, ...]
+    # per stage: the memory interval's upper end exceeds the device memory (empty: not judged)
+    memory_may_not_fit: tuple[bool, ...] = ()
 
     FIGURES = ("tokens_per_s", "step_time_s", "tflops_per_gpu", "mfu")
 
@@ -229,6 +232,8 @@ class Intervals:
             iv = getattr(self, name)
             d[name] = [iv.lo, iv.hi]
         d["memory_gib_per_stage"] = [[iv.lo, iv.hi] for iv in self.memory_gib_per_stage]
+        if self.memory_may_not_fit:
+            d["memory_may_not_fit_per_stage"] = list(self.memory_may_not_fit)
         return d
 
     @classmethod
@@ -247,7 +252,8 @@ class Intervals:
                                   strict=True)
         )  # fmt: skip
         return cls(level, str(d["source"]), float(d["time_log_sd"]), float(d["param_log_sd"]),
-                   float(d["memory_log_sd"]), memory_gib_per_stage=memory, **figures)  # fmt: skip
+                   float(d["memory_log_sd"]), memory_gib_per_stage=memory, **figures,
+                   memory_may_not_fit=tuple(d.get("memory_may_not_fit_per_stage", ())))  # fmt: skip
 
 
 @dataclass(frozen=True)
