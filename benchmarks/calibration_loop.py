@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from results_md import ROOT, recorded
 
 from planner.calibrate.fit import WITHIN, fit
+from planner.calibrate.likelihood import likelihood_of
 from planner.calibrate.prior import fit_with_prior
 from planner.calibrate.runs import Run, estimate_run, load_runs, predicted_value
 from planner.calibrate.shortlist import d_optimal, log_sensitivities
@@ -141,7 +142,7 @@ def rule_rows(hardware: str, runs: Sequence[Run]) -> tuple[list[tuple], list[str
     the target."""
     preset = load_cluster(CLUSTERS[hardware])
     priors, jac = log_sensitivities(runs, preset)
-    design = d_optimal(jac, [p.width for p in priors], max(SIZES))
+    design = d_optimal(jac, [p.width for p in priors], max(SIZES), likelihood_of(preset).sigma)
     rows, met = [], False
     for k in SIZES:
         chosen = design.chosen[:k]

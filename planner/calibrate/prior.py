@@ -1,23 +1,36 @@
-"""A fit that cannot overfit silently: regularised toward the preset, only what the runs identify.
+"""A fit that cannot overfit silently: the posterior of the constants given a few runs.
 
 `piper calibrate --fit` fits a team's few runs with this module (planner/calibrate/fit.py's
 plain least squares stays the fit of the presets on the published runs). For runs r with
-measured throughput m_r and a cluster whose named efficiencies (planner.specs.EFFICIENCIES)
-have the preset's values c0_k, each constant is moved in t_k = log(c_k + a_k) (a_k > 0 only
-for constants whose range starts at 0) and the fit solves, within each constant's bounds,
+measured throughput m_r and the candidate constants c_k (planner.specs.EFFICIENCIES, or
+--params), each moved in t_k = log(c_k + a_k), the fit maximises the posterior
 
-    min  sum_r (log(p_r / m_r) / RUN_SIGMA)^2  +  sum_k ((t_k - t0_k) / w_k)^2
+    sum_r -log t_nu(log(p_r / m_r) / s_r)  +  sum_k (t_k - t0_k)^2 / (2 w_k^2)
 
-RUN_SIGMA = 0.1 is the model's per-run log error the data term is scaled by (ASSUMPTION: the
-spread of the presets' own fit, results/published_runs.md); w_k (PRIORS) is how far, in log
-units, a constant may plausibly sit from the preset (ASSUMPTION, per constant below).
+(planner/calibrate/likelihood.py: sigma and nu from the start profile's leave-one-out error,
+w_k the prior sd, t0_k the start profile's value) within each constant's bounds, with
+scipy.optimize.least_squares on the signed roots of the terms. The fitted constants S are the
+ones the runs identify; the others stay at the start, and their prior uncertainty joins each
+run's noise: s_r^2 = sigma^2 + sum_{k not in S} J_rk^2 w_k^2 (J_rk = d log p_r / d t_k at the
+start, forward differences of JACOBIAN_STEP; the linearised marginal over the unfitted
+constants, cross-run correlation left out). The step is the posterior mode: shrunk toward the
+start by the prior, and a run far off the prediction pulls less (Student-t).
 
-Which constants: at the preset, J_rk = d log p_r / d t_k by forward differences (step
-JACOBIAN_STEP in t). A constant is dropped when its RMS column over the runs is below
-MIN_ELASTICITY (no run's prediction moves with it) and, of the rest, a QR with column pivoting
-(scipy.linalg.qr) keeps columns in pivot order while |R_jj| >= COLLINEAR x |R_00| and there
-are fewer than max_fitted(runs) of them: a dropped column moves the runs' predictions as the
-kept ones do (collinear). The others stay at the preset; the result says which and why.
+**Which constants (identifiability).** With H_S = J_S' diag(kappa_r / s_r^2) J_S + diag(1 /
+w_S^2) (kappa_r: the t likelihood's curvature at run r's standardised residual at the start,
+0 for a run beyond sqrt(nu)), constant k's posterior sd is sqrt((H_S^-1)_kk). Greedily, the
+constant whose posterior sd falls furthest below its prior sd joins S, while every member of
+S keeps a posterior sd at most SHRINK = 1/sqrt(2) of its prior's (the runs carry at least as
+much information about it as the prior does) and S has fewer than max_fitted(runs) members.
+A constant no run moves (RMS column below MIN_ELASTICITY) is named as such.
+
+**Outliers.** A run whose residual at the start lies outside the OUTLIER_LEVEL predictive
+interval, |r| / sqrt(sigma^2 + sum_k J_rk^2 w_k^2) above the t quantile, is reported with its
+weight nu / (nu + z^2) at the fit (1 for a run on the prediction); the t likelihood is what
+down-weights it.
+
+**Covariance** (planner/calibrate/uncertainty.py reads it from the fitted profile): the
+Laplace approximation at the fit, H_S^-1 with J and kappa evaluated there.
 
 Memory (runs with a measured peak): framework_overhead_gib, the constant the resource model
 adds to every stage (planner/resources/cost.py), moves by the shrunk mean of measured minus
@@ -28,11 +41,6 @@ fits are separate.
 
 Leave-one-out: for each run, the selection and the fit are redone on the others and the run is
 predicted; for memory, framework_overhead_gib is refitted without each run's peak.
-
-Uncertainty (planner/calibrate/uncertainty.py reads it from the fitted profile): the kept
-constants' covariance in t at the fit, (J'J / RUN_SIGMA^2 + diag(1 / w_k^2))^-1 with J the
-runs' d log p / d t there (the Laplace approximation of the posterior the objective is the
-negative log of, up to a factor 2).
 """
 
 from __future__ import annotations
@@ -42,29 +50,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from scipy.linalg import qr
 from scipy.optimize import least_squares
 
 from planner.calibrate.fit import FitError, RunFit, fit_error, fit_params
+from planner.calibrate.likelihood import OFFSETS, Likelihood, likelihood_of, prior_sds
 from planner.calibrate.runs import Run, estimate_run, predicted_value
+from planner.calibrate.uncertainty import quantile
 from planner.specs import ClusterSpec, Efficiency, SpecError
 
-RUN_SIGMA = 0.1
-# name -> (prior width w in log units, offset a added before the log)
-PRIORS: dict[str, tuple[float, float]] = {
-    "gemm_efficiency": (0.3, 0.0),
-    "grouped_gemm_half_rows": (1.0, 0.0),
-    "attention_efficiency": (0.3, 0.0),
-    "hbm_efficiency": (0.3, 0.0),
-    "layer_overhead_us": (1.0, 1000.0),  # 1 ms: the scale of the h100 preset's 1,911 us
-    "scale_up_efficiency": (0.3, 0.0),
-    "scale_out_efficiency": (0.3, 0.0),
-    "overlap_efficiency": (0.5, 0.1),
-    "network_jitter_us": (1.0, 100.0),  # 100 us: a few switch traversals' worth of delay
-}
 JACOBIAN_STEP = 0.05
 MIN_ELASTICITY = 0.01  # RMS d log p / d t below this: no run sees the constant
-COLLINEAR = 0.1  # |R_jj| / |R_00| below this: the column repeats the kept ones
+SHRINK = 1 / math.sqrt(2)  # posterior sd / prior sd at most this: the runs identify it
+OUTLIER_LEVEL = 0.95  # a run outside this predictive interval at the start is reported
 MEMORY_SIGMA_GIB = 1.0
 MEMORY_WIDTH_GIB = 4.0
 MEMORY_FLOOR_GIB = 0.5  # the CUDA context alone takes about this much
@@ -81,11 +78,11 @@ def max_fitted(runs: int) -> int:
 
 @dataclass(frozen=True)
 class Prior:
-    """One constant's prior: the preset's value, the width and offset of its log scale."""
+    """One constant's prior: the start's value, the sd and offset of its log scale."""
 
     efficiency: Efficiency
     value: float
-    width: float
+    width: float  # prior sd of t = log(c + offset)
     offset: float
 
     @property
@@ -112,6 +109,16 @@ class Selection:
     kept: tuple[str, ...]
     dropped: tuple[tuple[str, str], ...]  # (name, why)
     elasticity: tuple[tuple[str, float], ...]  # RMS d log p / d log(c + a) over the runs
+    shrink: tuple[tuple[str, float], ...] = ()  # posterior sd / prior sd, kept ones at the fit
+
+
+@dataclass(frozen=True)
+class Outlier:
+    """A run outside the predictive interval at the start, and its weight at the fit."""
+
+    label: str
+    z: float  # residual at the start / predictive sd
+    weight: float  # nu / (nu + z^2) at the fit
 
 
 @dataclass(frozen=True)
@@ -139,25 +146,29 @@ class PriorFit:
     memory: MemoryFit | None
     converged: bool
     message: str
+    likelihood: Likelihood
     covariance_t: tuple[tuple[float, ...], ...] = ()  # selection.kept x kept, in t units
+    outliers: tuple[Outlier, ...] = ()
 
 
 def priors_of(cluster: ClusterSpec, names: Sequence[str] | None) -> tuple[Prior, ...]:
-    """The candidates' priors: the cluster's values with PRIORS' widths and offsets."""
+    """The candidates' priors: the cluster's values, sds (likelihood.prior_sds) and offsets."""
+    sds = prior_sds(cluster)
     out = []
     for e in fit_params(names):
-        width, offset = PRIORS[e.name]
         value = min(max(float(getattr(cluster, e.name)), e.low), e.high)
-        out.append(Prior(e, value, width, offset))
+        out.append(Prior(e, value, sds[e.name], OFFSETS.get(e.name, 0.0)))
     return tuple(out)
 
 
 class _Problem:
     """Predictions of the runs at constants t (cached), for one set of candidate priors."""
 
-    def __init__(self, runs: Sequence[Run], cluster: ClusterSpec, priors: tuple[Prior, ...]):
-        self.runs, self.cluster, self.priors = tuple(runs), cluster, priors
+    def __init__(self, runs: Sequence[Run], cluster: ClusterSpec, priors: tuple[Prior, ...],
+                 noise: Likelihood) -> None:  # fmt: skip
+        self.runs, self.cluster, self.priors, self.noise = tuple(runs), cluster, priors, noise
         self.t0 = np.array([p.t(p.value) for p in priors])
+        self.widths = np.array([p.width for p in priors])
         self._cache: dict[tuple[int, tuple[float, ...]], float] = {}
 
     def cluster_at(self, t: np.ndarray) -> ClusterSpec:
@@ -191,42 +202,80 @@ class _Problem:
             t = t_at.copy()
             t[k] += step
             cols.append((np.array([self.log_ratio(i, t) for i in rows]) - base) / step)
-        return np.column_stack(cols)
+        return np.column_stack(cols) if cols else np.zeros((len(rows), 0))
+
+    def run_sd(self, jac: np.ndarray, idx: Sequence[int]) -> np.ndarray:
+        """s_r: sigma with the prior variance of the constants outside `idx` (docstring)."""
+        out = [k for k in range(len(self.priors)) if k not in idx]
+        spread = (jac[:, out] ** 2) @ (self.widths[out] ** 2) if out else np.zeros(len(jac))
+        return np.sqrt(self.noise.sigma**2 + spread)
+
+    def information(self, jac: np.ndarray, z: np.ndarray, idx) -> np.ndarray:
+        """H_S for the constants `idx`, runs at standardised residuals z: the runs'
+        curvature-weighted J'J plus the prior's."""
+        sd = self.run_sd(jac, idx)
+        kappa = np.array([self.noise.curvature(x) for x in z])
+        cols = jac[:, list(idx)]
+        return cols.T @ (cols * (kappa / sd**2)[:, None]) + np.diag(1 / self.widths[list(idx)] ** 2)
+
+    def shrinks(self, jac: np.ndarray, z: np.ndarray, idx) -> np.ndarray:
+        """Posterior sd / prior sd of each constant in `idx`, the others unfitted."""
+        cov = np.linalg.inv(self.information(jac, z, idx))
+        return np.sqrt(np.diag(cov)) / self.widths[list(idx)]
+
+    def prior_z(self, rows: Sequence[int], jac: np.ndarray) -> np.ndarray:
+        """Each run's residual at the start over its prior predictive sd (every candidate
+        unfitted): how far off the start's prediction it lies."""
+        sd = self.run_sd(jac, [])
+        return np.array([self.log_ratio(i, self.t0) / s for i, s in zip(rows, sd, strict=True)])
 
     def covariance(self, rows: Sequence[int], kept: Sequence[str], t: np.ndarray) -> np.ndarray:
-        """The kept constants' covariance in t at the fit t: the inverse of the Gauss-Newton
-        Hessian of the objective / 2, J'J / RUN_SIGMA^2 + diag(1 / w_k^2) (Laplace's
-        approximation of the posterior the regularised fit maximises)."""
+        """The kept constants' covariance in t at the fit t: H_S^-1 (Laplace)."""
         idx = [k for k, p in enumerate(self.priors) if p.name in kept]
         if not idx:
             return np.zeros((0, 0))
-        jac = self.jacobian(rows, at=t, only=idx)
-        prior = np.diag([1.0 / self.priors[k].width ** 2 for k in idx])
-        return np.linalg.inv(jac.T @ jac / RUN_SIGMA**2 + prior)
+        jac = self.jacobian(rows, at=t)
+        sd = self.run_sd(jac, idx)
+        z = np.array([self.log_ratio(i, t) / s for i, s in zip(rows, sd, strict=True)])
+        return np.linalg.inv(self.information(jac, z, idx))
 
     def select(self, rows: Sequence[int]) -> Selection:
         """The identifiable constants over `rows` (module docstring)."""
         jac = self.jacobian(rows)
+        z = self.prior_z(rows, jac)
         rms = np.linalg.norm(jac, axis=0) / math.sqrt(len(rows))
         names = [p.name for p in self.priors]
-        flat = f"no run's prediction moves with it (elasticity {{:.3f}} < {MIN_ELASTICITY})"
-        dropped = [(names[k], flat.format(rms[k])) for k in range(len(names))
-                   if rms[k] < MIN_ELASTICITY]  # fmt: skip
-        live = [k for k in range(len(names)) if rms[k] >= MIN_ELASTICITY]
-        kept, more = _pivoted(jac[:, live], [names[k] for k in live], max_fitted(len(rows)))
-        order = {n: i for i, n in enumerate(names)}
+        alone = {k: float(self.shrinks(jac, z, [k])[0]) for k in range(len(names))}
+        kept: list[int] = []
+        cap = max_fitted(len(rows))
+        while len(kept) < cap:
+            fits = {}
+            for k in set(range(len(names))) - set(kept):
+                ratios = self.shrinks(jac, z, [*kept, k])
+                if rms[k] >= MIN_ELASTICITY and max(ratios) <= SHRINK:
+                    fits[k] = ratios[-1]
+            if not fits:
+                break
+            kept.append(min(fits, key=lambda k: (fits[k], k)))
+        joint = self.shrinks(jac, z, kept) if kept else []
+        dropped = []
+        for k in range(len(names)):
+            if k not in kept:
+                collinear = max(self.shrinks(jac, z, [*kept, k])) if kept else alone[k]
+                dropped.append((names[k], _why(k, names, kept, rms[k], alone[k], collinear,
+                                               len(rows), cap)))  # fmt: skip
         return Selection(
-            tuple(sorted(kept, key=order.__getitem__)),
-            tuple(sorted(dropped + more, key=lambda d: order[d[0]])),
+            tuple(names[k] for k in sorted(kept)), tuple(dropped),
             tuple((n, float(x)) for n, x in zip(names, rms, strict=True)),
-        )
+            tuple((names[k], float(r)) for k, r in zip(kept, joint, strict=True)),
+        )  # fmt: skip
 
     def solve(self, rows: Sequence[int], kept: Sequence[str]) -> tuple[np.ndarray, bool, str]:
-        """The regularised least squares over `rows`, moving only `kept`."""
+        """The posterior mode over `rows`, moving only `kept`."""
         idx = [k for k, p in enumerate(self.priors) if p.name in kept]
         if not idx:
             return self.t0.copy(), True, "nothing to fit"
-        widths = np.array([self.priors[k].width for k in idx])
+        sd = self.run_sd(self.jacobian(rows), idx)
         low = np.array([self.priors[k].t_bounds[0] for k in idx])
         high = np.array([self.priors[k].t_bounds[1] for k in idx])
 
@@ -237,8 +286,8 @@ class _Problem:
 
         def residuals(x: np.ndarray) -> np.ndarray:
             t = full(x)
-            data = [self.log_ratio(i, t) / RUN_SIGMA for i in rows]
-            return np.concatenate([np.array(data), (x - self.t0[idx]) / widths])
+            data = [self.noise.psi(self.log_ratio(i, t) / s) for i, s in zip(rows, sd, strict=True)]
+            return np.concatenate([np.array(data), (x - self.t0[idx]) / self.widths[idx]])
 
         x0 = np.clip(self.t0[idx], low, high)
         sol = least_squares(residuals, x0, bounds=(low, high), method="trf",
@@ -250,32 +299,30 @@ class _Problem:
         t, converged, message = self.solve(rows, selection.kept)
         return selection, t, converged, message
 
+    def outliers(self, rows: Sequence[int], t_fit: np.ndarray) -> tuple[Outlier, ...]:
+        """Runs outside the OUTLIER_LEVEL predictive interval at the start (docstring)."""
+        q = quantile(OUTLIER_LEVEL, self.noise.dof)
+        out = []
+        for i, z in zip(rows, self.prior_z(rows, self.jacobian(rows)), strict=True):
+            if abs(z) > q:
+                w = self.noise.weight(self.log_ratio(i, t_fit) / self.noise.sigma)
+                out.append(Outlier(self.runs[i].label, float(z), w))
+        return tuple(out)
 
-def _pivoted(
-    jac: np.ndarray, names: list[str], cap: int
-) -> tuple[list[str], list[tuple[str, str]]]:
-    """QR with column pivoting: the columns kept in pivot order while |R_jj| >= COLLINEAR x
-    |R_00| and fewer than `cap` are kept; the others with the reason."""
-    kept: list[str] = []
-    dropped: list[tuple[str, str]] = []
-    if not names:
-        return kept, dropped
-    _, r, piv = qr(jac, mode="economic", pivoting=True)
-    rank, top = min(r.shape), abs(r[0, 0])
-    for j, col in enumerate(piv):
-        name, after = names[col], ", ".join(kept)
-        ratio = abs(r[j, j]) / top if j < rank and top > 0 else 0.0
-        if j >= rank:
-            why = f"{jac.shape[0]} run(s) leave no direction for it beyond {after}"
-        elif ratio < COLLINEAR:
-            why = f"moves the runs' predictions as {after} (collinear: {ratio:.3f} < {COLLINEAR})"
-        elif len(kept) >= cap:
-            why = f"{jac.shape[0]} run(s) set at most {cap} constant(s)"
-        else:
-            kept.append(name)
-            continue
-        dropped.append((name, why))
-    return kept, dropped
+
+def _why(k, names, kept, rms: float, alone: float, joint: float, runs: int, cap: int) -> str:
+    """Why constant k stays at the start (module docstring): `alone` / `joint` are its
+    posterior sd / prior sd fitted by itself / with the kept ones."""
+    if rms < MIN_ELASTICITY:
+        return f"no run's prediction moves with it (elasticity {rms:.3f} < {MIN_ELASTICITY})"
+    if alone > SHRINK:
+        return (f"the runs would shrink its sd only to {alone:.2f} of the prior's (fitted at "
+                f"<= {SHRINK:.2f})")  # fmt: skip
+    if len(kept) >= cap:
+        return f"{runs} run(s) set at most {cap} constant(s)"
+    after = ", ".join(names[j] for j in kept)
+    return (f"moves the runs' predictions as {after} do (collinear: fitted together, a sd "
+            f"would shrink only to {joint:.2f} of its prior's)")  # fmt: skip
 
 
 def fit_with_prior(
@@ -285,11 +332,12 @@ def fit_with_prior(
     leave_one_out: bool = True,
     progress: Progress | None = None,
 ) -> PriorFit:
-    """Fit the identifiable constants among `names` (default all EFFICIENCIES) to `runs`,
-    regularised toward `cluster`'s values; framework_overhead_gib from measured peaks."""
+    """Fit the identifiable constants among `names` (default all EFFICIENCIES) to `runs`:
+    the posterior mode from `cluster`'s values (module docstring); framework_overhead_gib
+    from measured peaks. Raises SpecError for no runs or a bad prior in the profile."""
     if not runs:
         raise SpecError("no runs to fit; give at least one measured run")
-    problem = _Problem(runs, cluster, priors_of(cluster, names))
+    problem = _Problem(runs, cluster, priors_of(cluster, names), likelihood_of(cluster))
     rows = tuple(range(len(runs)))
     selection, t_fit, converged, message = problem.fit_rows(rows)
     fitted = problem.cluster_at(t_fit)
@@ -320,7 +368,21 @@ def fit_with_prior(
         left_out=fit_error(labels, left_out, measured) if left_out else None,
         memory=memory, converged=converged, message=message,
         covariance_t=tuple(tuple(float(x) for x in row) for row in cov),
+        likelihood=problem.noise, outliers=problem.outliers(rows, t_fit),
     )  # fmt: skip
+
+
+def covariance_at(
+    runs: Sequence[Run], cluster: ClusterSpec, names: Sequence[str]
+) -> tuple[tuple[str, ...], np.ndarray]:
+    """The Laplace covariance in t of `names` at `cluster`'s own constants, nothing refitted:
+    H^-1 over `runs` with every named constant fitted (a preset fitted elsewhere records it
+    with `piper calibrate --fit ... --covariance-only`)."""
+    if not runs:
+        raise SpecError("no runs to compute the covariance on; give at least one measured run")
+    problem = _Problem(runs, cluster, priors_of(cluster, names), likelihood_of(cluster))
+    kept = tuple(p.name for p in problem.priors)
+    return kept, problem.covariance(tuple(range(len(runs))), kept, problem.t0)
 
 
 def fit_memory(runs: Sequence[Run], cluster: ClusterSpec) -> MemoryFit | None:

@@ -2,15 +2,17 @@
 
 The fitted profile is the starting cluster with the fitted constants (and framework_overhead_gib
 where the runs measured peak memory), named `<cluster>-fitted`, with a `calibration` mapping:
-the fit's method and sigma, the inputs (`runs_file`, and `run_1`, `run_2`, ...: each run's
-label and where it came from), for every candidate constant `prior_<name>`, `width_<name>` and
-`fitted_<name>` (the value; `kept_<name>` says why one stayed at the preset), the memory fit,
+the fit's method and likelihood (`noise_sd`, `noise_dof`), the inputs (`runs_file`, and
+`run_1`, `run_2`, ...: each run's label and where it came from), for every candidate constant
+`prior_<name>` (the start's value), `prior_sd_<name>` (its prior sd in t, which a fit from this
+profile uses in turn) and `fitted_<name>` (the value; `kept_<name>` says why one stayed at the
+preset), the runs reported as outliers (`outliers`), the memory fit,
 and the errors before the fit, of the fit and left out (geomean predicted / measured, share
 within +-15%, worst run, RMS log error). What the error bars read
 (planner/calibrate/uncertainty.py): `runs` and `loo_rms_log`, `memory_runs` and
 `memory_loo_rms_log`, the start profile's `start_runs` and `start_loo_rms_log` (its own error
-record, pooled in), and the fitted constants' covariance in t = log(c + a) as `se_<name>`
-and `corr_<a>__<b>`.
+record, pooled in), and the fitted constants' posterior covariance in t = log(c + a) as
+`se_<name>` (standard errors, in the order of `params`) and `corr_<a>__<b>` (correlations).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import yaml
 
 from planner.calibrate.fit_report import Table, constant_text, errors_table, runs_table
-from planner.calibrate.prior import RUN_SIGMA, PriorFit
+from planner.calibrate.prior import PriorFit
 from planner.calibrate.uncertainty import covariance_items, error_model
 from planner.inputs.clusters import cluster_from_dict, cluster_to_dict
 from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec
@@ -38,7 +40,7 @@ def prior_tables(result: PriorFit) -> list[Table]:
     for e in (*EFFICIENCIES, *named):
         p = priors.get(e.name)
         fitted = e.name in result.selection.kept
-        width = "-" if p is None else f"{p.width:g}" + (f" (+{p.offset:g})" if p.offset else "")
+        width = "-" if p is None else f"{p.width:.3g}" + (f" (+{p.offset:g})" if p.offset else "")
         constants.append((
             e.name, constant_text(getattr(result.start, e.name)),
             constant_text(getattr(result.fitted, e.name)), "yes" if fitted else "kept", width,
@@ -47,9 +49,9 @@ def prior_tables(result: PriorFit) -> list[Table]:
         ))  # fmt: skip
     tables = [
         (f"constants of {result.start.name}: {len(result.selection.kept)} of "
-         f"{len(result.priors)} fitted (prior = the preset; width in log units; elasticity = "
-         "RMS d log predicted / d log constant over the runs)",
-         ("constant", "prior", "fitted", "fitted?", "width", "elasticity", "why kept"),
+         f"{len(result.priors)} fitted (prior = the preset; prior sd of log(constant + offset); "
+         "elasticity = RMS d log predicted / d log constant over the runs)",
+         ("constant", "prior", "fitted", "fitted?", "prior sd", "elasticity", "why kept"),
          constants),
         runs_table(result.runs),
         errors_table(result.before, result.after, result.left_out),
@@ -67,9 +69,11 @@ def prior_tables(result: PriorFit) -> list[Table]:
 
 def calibration_items(result: PriorFit, runs_file: str, date: str) -> list[tuple[str, Any]]:
     """The `calibration` mapping of the fitted profile (module docstring), in order."""
+    noise = result.likelihood
     cal: list[tuple[str, Any]] = [
-        ("fitted_by", "piper calibrate --fit"), ("method", "regularised toward the preset"),
-        ("run_sigma", RUN_SIGMA), ("date", date), ("runs_file", runs_file or "-"),
+        ("fitted_by", "piper calibrate --fit"), ("method", "posterior mode, Student-t runs"),
+        ("noise_sd", round(noise.sigma, 4)), ("noise_dof", noise.dof), ("date", date),
+        ("runs_file", runs_file or "-"),
         ("from_cluster", result.start.name), ("runs", len(result.runs)),
         ("runs_used", ", ".join(r.run.label for r in result.runs)),
         ("params", ",".join(result.selection.kept)),
@@ -81,10 +85,13 @@ def calibration_items(result: PriorFit, runs_file: str, date: str) -> list[tuple
             enumerate(result.runs, start=1)]  # fmt: skip
     why = dict(result.selection.dropped)
     for p in result.priors:
-        cal += [(f"prior_{p.name}", p.value), (f"width_{p.name}", p.width),
+        cal += [(f"prior_{p.name}", p.value), (f"prior_sd_{p.name}", p.width),
                 (f"fitted_{p.name}", getattr(result.fitted, p.name))]  # fmt: skip
         if p.name in why:
             cal.append((f"kept_{p.name}", why[p.name]))
+    if result.outliers:
+        cal.append(("outliers", "; ".join(f"{o.label} z {o.z:+.2f} weight {o.weight:.2f}"
+                                          for o in result.outliers)))  # fmt: skip
     if result.memory is not None:
         cal += [("prior_framework_overhead_gib", result.memory.prior_gib),
                 ("fitted_framework_overhead_gib", result.memory.fitted_gib),

@@ -13,8 +13,9 @@ faster ones in truth. A few short runs decide, and the same runs calibrate the p
    planner.calibrate.prior), J_ik = d log(step_time_i) / d t_k by forward differences
    (step prior.JACOBIAN_STEP, backward at the upper bound), through the resource model.
 3. Active choice, greedy D-optimal design: the fit's information about t starts at the prior,
-   M = diag(1 / w_k^2) (prior.PRIORS' widths), and a measured run i adds J_i J_i' / s^2
-   (s = prior.RUN_SIGMA, the per-run log error the fit assumes). The predicted best is always
+   M = diag(1 / w_k^2) (the prior sds the fit uses, planner.calibrate.likelihood), and a
+   measured run i adds J_i J_i' / s^2 (s = the fit's noise sigma on this profile, its
+   leave-one-out error: the same posterior the fit computes). The predicted best is always
    run first (it is the layout the team wants to confirm); each next trial is the layout
    that maximises det(M + J_i J_i' / s^2), i.e. the largest v_i = J_i' M^-1 J_i: the layout
    whose step time the fit, given the trials already chosen, is least sure of. v_i is large
@@ -37,7 +38,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from planner.calibrate.prior import JACOBIAN_STEP, RUN_SIGMA, Prior, priors_of
+from planner.calibrate.likelihood import likelihood_of
+from planner.calibrate.prior import JACOBIAN_STEP, Prior, priors_of
 from planner.calibrate.runs import Run, estimate_run
 from planner.calibrate.uncertainty import LEVEL, Estimated, intervals
 from planner.resources.cost import even_split
@@ -93,7 +95,11 @@ class Shortlist:
 
 
 def d_optimal(
-    jac_NK: np.ndarray, widths_K: Sequence[float], count: int, first: int | None = None
+    jac_NK: np.ndarray,
+    widths_K: Sequence[float],
+    count: int,
+    noise_sd: float,
+    first: int | None = None,
 ) -> Design:
     """Greedy D-optimal choice of `count` rows of `jac_NK` (module docstring, step 3).
 
@@ -101,6 +107,7 @@ def d_optimal(
         jac_NK: d log(prediction) / d t per layout (row) and constant (column).
         widths_K: the prior standard deviation of each t_k (> 0).
         count: rows to choose (at most N; fewer when only that many distinct rows exist).
+        noise_sd: s, a run's log error (likelihood_of(cluster).sigma), > 0.
         first: a row chosen first whatever its information (the predicted best), or None.
     """
     jac = np.asarray(jac_NK, dtype=float)
@@ -119,8 +126,8 @@ def d_optimal(
             break
         pick = first if first is not None and not chosen else max(open_, key=lambda i: var_N[i])
         chosen.append(pick)
-        gains.append(math.log1p(float(var_N[pick]) / RUN_SIGMA**2))
-        info = info + np.outer(jac[pick], jac[pick]) / RUN_SIGMA**2
+        gains.append(math.log1p(float(var_N[pick]) / noise_sd**2))
+        info = info + np.outer(jac[pick], jac[pick]) / noise_sd**2
     post = np.sqrt(np.diag(np.linalg.inv(info)))
     return Design(tuple(chosen), tuple(gains), prior_sd, tuple(float(x) for x in post))
 
@@ -196,7 +203,8 @@ def shortlist(
     kept = overlap[:MAX_CONSIDERED]
     runs = [priced[i].run for i in kept]
     priors, jac = log_sensitivities(runs, cluster)
-    design = d_optimal(jac, [p.width for p in priors], count, first=0)
+    noise = likelihood_of(cluster).sigma
+    design = d_optimal(jac, [p.width for p in priors], count, noise, first=0)
     names = tuple(p.name for p in priors)
     trials = []
     for pick, gain in zip(design.chosen, design.gain_nats, strict=True):

@@ -239,12 +239,13 @@ def parameter_log_sd(cluster: ClusterSpec, reprice: Reprice, model: ErrorModel) 
     if not model.names:
         return 0.0
     from planner.calibrate.fit import fit_params  # scipy.optimize: only a fitted profile's
-    from planner.calibrate.prior import JACOBIAN_STEP, PRIORS
+    from planner.calibrate.likelihood import OFFSETS
+    from planner.calibrate.prior import JACOBIAN_STEP
 
     base = math.log(reprice(cluster))
     grad = []
     for e in fit_params(model.names):
-        name, offset = e.name, PRIORS[e.name][1]
+        name, offset = e.name, OFFSETS.get(e.name, 0.0)
         t0 = math.log(float(getattr(cluster, name)) + offset)
         step = JACOBIAN_STEP if math.exp(t0 + JACOBIAN_STEP) - offset <= e.high else -JACOBIAN_STEP
         value = min(max(math.exp(t0 + step) - offset, e.low), e.high)

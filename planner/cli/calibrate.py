@@ -88,6 +88,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-loo", action="store_true", help="fit mode: skip the leave-one-out refits")
     p.add_argument(
+        "--covariance-only",
+        action="store_true",
+        help="fit mode: refit nothing; print the calibration entries (se_<name>, corr_<a>__<b>) "
+        "of the --params constants' covariance at the cluster's own values, for a preset "
+        "fitted elsewhere",
+    )
+    p.add_argument(
         "--out",
         default=None,
         help="fit mode: the fitted cluster YAML (required); compare mode: directory for "
@@ -126,9 +133,10 @@ def run(args: argparse.Namespace) -> int:
         return run_compare(args)
     if args.fit is not None:
         return run_fit(args)
-    if args.run or args.log or args.params or args.no_loo:
+    if args.run or args.log or args.params or args.no_loo or args.covariance_only:
         raise SpecError(
-            "--run, --log, --params and --no-loo belong to the fit mode; add --fit [RUNS.csv]"
+            "--run, --log, --params, --no-loo and --covariance-only belong to the fit mode; add "
+            "--fit [RUNS.csv]"
         )
     if not (args.plan and args.metrics):
         raise SpecError(
@@ -242,6 +250,8 @@ def run_fit(args: argparse.Namespace) -> int:
         used.append(run_of_metrics(*_pair(pair), skip_steps=args.skip_steps))
     for pair in args.log:
         used.append(run_of_log(pair, skip_steps=args.skip_steps))
+    if target is None:
+        return _print_covariance(used, cluster, names)
     loo = not args.no_loo and len(used) >= 2
     with progress("leave-one-out refits", total=len(used) if loo else None) as update:
         result = fit_with_prior(used, cluster, names, leave_one_out=loo, progress=update)
@@ -251,6 +261,11 @@ def run_fit(args: argparse.Namespace) -> int:
         print()
     if others:
         print(f"left out {left} row(s) of {args.fit} on other hardware ({', '.join(others)})")
+    print(f"likelihood: Student-t, sd {result.likelihood.sigma:.3f} with "
+          f"{result.likelihood.dof} dof ({result.likelihood.source})")  # fmt: skip
+    for o in result.outliers:
+        print(f"outlier: {o.label} lies {o.z:+.2f} predictive sds off the start; the t "
+              f"likelihood weights it {o.weight:.2f} at the fit")  # fmt: skip
     warning = warning_line(result)
     if warning:
         print(warning)
@@ -262,8 +277,24 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_checks(args: argparse.Namespace) -> Path:
-    """The fit mode's argument rules; returns the profile to write."""
+def _print_covariance(runs: list, cluster, names: list[str] | None) -> int:
+    """--covariance-only: the calibration entries of the covariance at the cluster's values."""
+    import numpy as np
+
+    from planner.calibrate.prior import covariance_at
+    from planner.calibrate.uncertainty import covariance_items
+
+    kept, cov = covariance_at(runs, cluster, names)
+    print(f"# {cluster.name}: covariance in t = log(c + a) of {', '.join(kept)} at the profile's "
+          f"constants over {len(runs)} runs (nothing refitted); add under calibration:")
+    for key, value in covariance_items(kept, np.asarray(cov)):
+        print(f"  {key}: {value}")
+    return 0
+
+
+def _fit_checks(args: argparse.Namespace) -> Path | None:
+    """The fit mode's argument rules; returns the profile to write (None with
+    --covariance-only, which writes nothing)."""
     if args.plan or args.metrics:
         raise SpecError(
             "--fit takes no PLAN METRICS; give a piper run as --run PLAN.json:METRICS.jsonl"
@@ -276,6 +307,10 @@ def _fit_checks(args: argparse.Namespace) -> Path:
     if args.fit and not args.cluster:
         raise SpecError("--fit needs --cluster C: the cluster profile the runs ran on")
     out = args.out or args.write_profile
+    if args.covariance_only:
+        if out or args.no_loo:
+            raise SpecError("--covariance-only writes nothing; leave out --out and --no-loo")
+        return None
     if not out:
         raise SpecError("--fit needs --out FITTED.yaml: where to write the fitted profile")
     target = Path(out)

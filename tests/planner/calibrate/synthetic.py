@@ -26,10 +26,28 @@ LAYOUTS = (  # gpus, seq, gbs, mbs, tp, pp, vp, cp, ep, etp, recompute
 TRUTH = {"gemm_efficiency": 0.55, "grouped_gemm_half_rows": 300.0, "layer_overhead_us": 800.0}
 
 
+# Prior sds (calibration.prior_sd_<name>) of the derived start: no fitted preset, so its
+# constants may sit far from the truth (TRUTH's gemm_efficiency is 2 of these sds away).
+WIDE_PRIOR_SD = {"gemm_efficiency": 0.3, "grouped_gemm_half_rows": 1.0,
+                 "attention_efficiency": 0.3, "hbm_efficiency": 0.3, "layer_overhead_us": 1.0,
+                 "scale_up_efficiency": 0.3, "scale_out_efficiency": 0.3,
+                 "overlap_efficiency": 0.5}  # fmt: skip
+
+
 def derived_cluster(base: str = "h100") -> ClusterSpec:
     """The base preset with every named efficiency at ClusterSpec's default (the analytic
-    model as derived, before any fit): a start that does not move when presets are refit."""
-    return derived(load_cluster(base))
+    model as derived, before any fit), with WIDE_PRIOR_SD: a start that does not move when
+    presets are refit."""
+    cluster = derived(load_cluster(base))
+    wide = tuple((f"prior_sd_{n}", str(v)) for n, v in WIDE_PRIOR_SD.items())
+    kept = tuple(kv for kv in cluster.calibration if not kv[0].startswith("prior_sd_"))
+    return replace(cluster, calibration=kept + wide)
+
+
+def with_calibration(cluster: ClusterSpec, **items: object) -> ClusterSpec:
+    """`cluster` with these calibration entries set (e.g. loo_rms_log, prior_sd_<name>)."""
+    kept = tuple(kv for kv in cluster.calibration if kv[0] not in items)
+    return replace(cluster, calibration=kept + tuple((k, str(v)) for k, v in items.items()))
 
 
 def truth_cluster(base: str = "h100", **values: float) -> ClusterSpec:

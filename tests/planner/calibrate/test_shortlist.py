@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from planner.calibrate.prior import RUN_SIGMA, _Problem, priors_of
+from planner.calibrate.likelihood import likelihood_of
+from planner.calibrate.prior import _Problem, priors_of
 from planner.calibrate.runs import estimate_run, predicted_value
 from planner.calibrate.shortlist import candidate_run, d_optimal, log_sensitivities, shortlist
 from planner.calibrate.uncertainty import intervals
@@ -21,10 +22,13 @@ from planner.specs import SpecError, TrainingSpec
 from planner.targets import get_target, with_conventions
 
 
+NOISE = 0.12  # a run's log error s
+
+
 def log_det_info(jac, widths, rows):
     info = np.diag(1 / np.asarray(widths) ** 2)
     for i in rows:
-        info = info + np.outer(jac[i], jac[i]) / RUN_SIGMA**2
+        info = info + np.outer(jac[i], jac[i]) / NOISE**2
     return np.linalg.slogdet(info)[1], info
 
 
@@ -33,7 +37,7 @@ def test_each_greedy_step_maximises_the_determinant(seed):
     rng = np.random.default_rng(seed)
     jac = rng.normal(size=(9, 4)) * rng.uniform(0.05, 1.0, size=4)
     widths = rng.uniform(0.2, 1.0, size=4)
-    design = d_optimal(jac, widths, 4, first=2)
+    design = d_optimal(jac, widths, 4, NOISE, first=2)
     assert design.chosen[0] == 2
     for step in range(1, 4):
         before = list(design.chosen[:step])
@@ -54,10 +58,10 @@ def test_the_trials_differ_where_the_fit_is_least_sure():
         [1.0, 0.0, 0.0], [0.98, 0.02, 0.0], [0.97, 0.0, 0.03], [0.99, 0.01, 0.01],
         [0.2, 1.0, 0.0], [0.2, 0.0, 1.0], [1.0, 0.0, 0.0],
     ])  # fmt: skip
-    design = d_optimal(jac, [0.3, 1.0, 0.3], 3, first=0)
+    design = d_optimal(jac, [0.3, 1.0, 0.3], 3, NOISE, first=0)
     assert design.chosen == (0, 4, 5)
     assert design.posterior_sd[1] < 0.2 * design.prior_sd[1]  # the wide constant is pinned
-    assert d_optimal(jac[[0, 6]], [0.3, 1.0, 0.3], 3, first=0).chosen == (0,)  # copies add none
+    assert d_optimal(jac[[0, 6]], [0.3, 1.0, 0.3], 3, NOISE, first=0).chosen == (0,)  # copies add none
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +92,7 @@ def test_sensitivities_are_the_fits_jacobian(tiny_plan):
     runs = [r.__class__(**{**r.__dict__, "measured": predicted_value(r, estimate_run(r, cluster))})
             for r in runs]  # fmt: skip
     priors, jac = log_sensitivities(runs, cluster)
-    fit_jac = _Problem(runs, cluster, priors_of(cluster, None)).jacobian(range(len(runs)))
+    fit_jac = _Problem(runs, cluster, priors_of(cluster, None), likelihood_of(cluster)).jacobian(range(len(runs)))
     assert [p.name for p in priors] == [p.name for p in priors_of(cluster, None)]
     np.testing.assert_allclose(jac, -fit_jac, rtol=1e-9, atol=1e-12)
     scale_out = [p.name for p in priors].index("scale_out_efficiency")

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
-from planner.calibrate.prior import PRIORS, RUN_SIGMA, fit_memory, fit_with_prior
+from planner.calibrate.likelihood import OFFSETS
+from planner.calibrate.prior import fit_memory, fit_with_prior
 from planner.calibrate.prior_report import prior_profile_yaml
 from planner.calibrate.runs import estimate_run, parse_runs, predicted_value
 from planner.calibrate.uncertainty import (
@@ -50,7 +51,7 @@ def test_covariance_through_a_log_linear_toy_matches_monte_carlo():
     cov = np.array([[0.08**2, -0.4 * 0.08 * 0.3], [-0.4 * 0.08 * 0.3, 0.3**2]])
     cluster = calibrated(12, 0.1, se_gemm_efficiency=0.08, se_layer_overhead_us=0.3,
                          corr_gemm_efficiency__layer_overhead_us=-0.4)  # fmt: skip
-    offset = PRIORS["layer_overhead_us"][1]
+    offset = OFFSETS["layer_overhead_us"]
 
     def tokens(c) -> float:  # log tokens = 1.3 t_gemm - 0.5 t_layer: linear in t
         return 1e4 * c.gemm_efficiency**1.3 * (c.layer_overhead_us + offset) ** -0.5
@@ -183,11 +184,14 @@ def test_the_fit_covariance_is_the_inverse_hessian_of_its_objective(fitted):
     names = result.selection.kept
     priors = {p.name: p for p in result.priors}
 
-    def objective(t: np.ndarray) -> float:  # half the fit's sum of squares
+    noise = result.likelihood  # every candidate fitted: each run's sd is sigma
+
+    def objective(t: np.ndarray) -> float:  # the negative log posterior: half the fit's sum
         values = {n: priors[n].value_at(x) for n, x in zip(names, t, strict=True)}
         cluster = replace(result.fitted, **values)
-        data = sum((math.log(predicted_value(r, estimate_run(r, cluster)) / r.measured)
-                    / RUN_SIGMA) ** 2 for r in runs)  # fmt: skip
+        z = [math.log(predicted_value(r, estimate_run(r, cluster)) / r.measured) / noise.sigma
+             for r in runs]  # fmt: skip
+        data = sum((noise.dof + 1) * math.log1p(x * x / noise.dof) for x in z)
         prior = sum(((x - priors[n].t(priors[n].value)) / priors[n].width) ** 2
                     for n, x in zip(names, t, strict=True))  # fmt: skip
         return 0.5 * (data + prior)
@@ -200,4 +204,5 @@ def test_the_fit_covariance_is_the_inverse_hessian_of_its_objective(fitted):
             ei, ej = np.eye(k)[i] * h, np.eye(k)[j] * h
             hess[i, j] = (objective(t + ei + ej) - objective(t + ei - ej) - objective(t - ei + ej)
                           + objective(t - ei - ej)) / (4 * h * h)  # fmt: skip
-    np.testing.assert_allclose(np.array(result.covariance_t), np.linalg.inv(hess), rtol=0.1)
+    # Gauss-Newton leaves out the residuals times the model's own curvature in t
+    np.testing.assert_allclose(np.array(result.covariance_t), np.linalg.inv(hess), rtol=0.15)

@@ -1,0 +1,133 @@
+"""What `piper calibrate --fit` believes before the runs: each run's noise and each constant's prior.
+
+**Noise (the likelihood).** A run's log(predicted / measured) at the true constants is the
+model's own error, which no constant absorbs. Its scale sigma is the start profile's
+leave-one-out RMS log error (planner.calibrate.uncertainty.error_model: `calibration.loo_rms_log`
+over `runs`, pooled with a start's own record), and its shape Student-t with nu = those runs
+degrees of freedom: the predictive distribution the error bars use (an RMS of nu residuals
+around 0 makes a new residual / sigma t-distributed with nu dof). A profile without a recorded
+error uses DEFAULT_RUN_SIGMA with DEFAULT_RUN_DOF. The t likelihood lets a run far off the
+prediction pull on the constants less than a Gaussian would: its curvature, the information one
+run carries, falls to 0 at |z| = sqrt(nu).
+
+**Priors.** Each constant c_k moves in t_k = log(c_k + a_k) (a_k > 0 only where the range
+starts at 0), with a Gaussian prior centred on the start profile's value and sd w_k:
+`calibration.prior_sd_<name>` where the profile records one, else DEFAULT_PRIOR_SD (the
+statistics below). Constants whose range starts at 0 carry the offset a_k of OFFSETS.
+
+DEFAULT_PRIOR_SD[k] is how far the same constant sits on one fitted stack from another: the
+sample sd (n - 1) of t_k over the presets that fitted it independently (h100, gb200-nvl72,
+frontier: profiles/clusters/*.yaml at the commit of this file; h200 copies h100 and is not
+counted), capped at the sd of a uniform distribution over its bounds in t, (t_high - t_low) /
+sqrt(12) (what the bounds alone say); a constant fitted by one preset or none takes that cap.
+
+| constant | fitted values | spread | cap | sd |
+|---|---|---|---|---|
+| gemm_efficiency | 0.6712, 0.7388, 0.614 | 0.0925 | 0.333 | 0.0925 |
+| grouped_gemm_half_rows | 1437, 8 | 3.67 | 1.80 | 1.80 |
+| attention_efficiency | 0.7832, 0.9 (frontier's is assumed) | 0.0983 | 0.517 | 0.0983 |
+| hbm_efficiency | 0.3 (h100 only) | - | 0.348 | 0.348 |
+| layer_overhead_us (a = 1000) | 1843, 6107 | 0.648 | 0.879 | 0.648 |
+| scale_up_efficiency | 1.0 (h100 only) | - | 0.348 | 0.348 |
+| scale_out_efficiency | 0.9757 (h100 only) | - | 0.465 | 0.465 |
+| overlap_efficiency (a = 0.1) | 1.0 (h100 only) | - | 0.692 | 0.692 |
+| network_jitter_us (a = 100) | 2549 (frontier only) | - | 1.79 | 1.79 |
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec, SpecError
+
+# The pooled leave-one-out RMS log error of the fitted presets, sqrt((12 x 0.114^2 + 6 x
+# 0.206^2) / 18) (h100: 12 runs, gb200-nvl72: 6; results/published_runs.md), with their 18 dof.
+DEFAULT_RUN_SIGMA = 0.151
+DEFAULT_RUN_DOF = 18
+# a_k of t_k = log(c_k + a_k) for the constants whose range starts at 0: the scale below
+# which the constant barely moves a step (1 ms of host time per layer, a tenth of the overlap,
+# 100 us: a few switch traversals of delay).
+OFFSETS: dict[str, float] = {
+    "layer_overhead_us": 1000.0,
+    "overlap_efficiency": 0.1,
+    "network_jitter_us": 100.0,
+}
+DEFAULT_PRIOR_SD: dict[str, float] = {  # module docstring's table
+    "gemm_efficiency": 0.0925,
+    "grouped_gemm_half_rows": 1.80,
+    "attention_efficiency": 0.0983,
+    "hbm_efficiency": 0.348,
+    "layer_overhead_us": 0.648,
+    "scale_up_efficiency": 0.348,
+    "scale_out_efficiency": 0.465,
+    "overlap_efficiency": 0.692,
+    "network_jitter_us": 1.79,
+}
+PRIOR_KEY = "prior_sd_"
+
+
+@dataclass(frozen=True)
+class Likelihood:
+    """Student-t noise on log(predicted / measured): scale sigma, nu degrees of freedom."""
+
+    sigma: float
+    dof: int
+    source: str  # where sigma comes from, for the report
+
+    def psi(self, z: float) -> float:
+        """The signed root of the t loss, sign(z) sqrt((nu + 1) log(1 + z^2 / nu)): a least
+        squares over psi(r / sigma) maximises the t likelihood (z^2 as nu grows)."""
+        nu = self.dof
+        return math.copysign(math.sqrt((nu + 1) * math.log1p(z * z / nu)), z)
+
+    def curvature(self, z: float) -> float:
+        """d^2 / dz^2 of half the t loss, held at 0 beyond sqrt(nu): the information one run
+        at standardised residual z carries (the Laplace approximation's weight)."""
+        nu = self.dof
+        return max((nu + 1) * (nu - z * z) / (nu + z * z) ** 2, 0.0)
+
+    def weight(self, z: float) -> float:
+        """How much a run at z pulls relative to one on the prediction: nu / (nu + z^2)."""
+        return self.dof / (self.dof + z * z)
+
+
+def likelihood_of(cluster: ClusterSpec) -> Likelihood:
+    """The noise of runs on `cluster` (module docstring)."""
+    from planner.calibrate.uncertainty import error_model
+
+    model = error_model(cluster)
+    if model.calibrated:
+        return Likelihood(model.time_log_sd, model.runs,
+                          f"{cluster.name}'s leave-one-out error over {model.runs} runs")  # fmt: skip
+    return Likelihood(DEFAULT_RUN_SIGMA, DEFAULT_RUN_DOF,
+                      "the fitted presets' pooled leave-one-out error (no record in "
+                      f"{cluster.name})")  # fmt: skip
+
+
+def prior_sds(cluster: ClusterSpec) -> dict[str, float]:
+    """Each constant's prior sd in t: DEFAULT_PRIOR_SD with the profile's
+    `calibration.prior_sd_<name>`; raises SpecError (one line) for an unknown name or a value
+    that is not a finite number > 0."""
+    known = {e.name for e in (*EFFICIENCIES, *TOPOLOGY_EFFICIENCIES)}
+    out = dict(DEFAULT_PRIOR_SD)
+    for key, text in cluster.calibration:
+        if not key.startswith(PRIOR_KEY):
+            continue
+        name = key[len(PRIOR_KEY) :]
+        if name not in known:
+            raise SpecError(
+                f"cluster {cluster.name}: calibration.{key}: '{name}' is not a constant a fit "
+                f"may set; use prior_sd_<name> with one of {', '.join(sorted(known))}"
+            )
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise SpecError(
+                f"cluster {cluster.name}: calibration.{key} = {text!r} must be a number > 0 "
+                "(the prior sd of log(constant + offset), e.g. 0.1); fix the profile"
+            )
+        out[name] = value
+    return out
