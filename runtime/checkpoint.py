@@ -6,23 +6,28 @@ What a checkpoint holds, keyed so that it does not depend on the plan that wrote
   (`layers.3.experts.5.w_in`), whichever rank and slot holds it; `optim.{exp_avg,
   exp_avg_sq,step}.<key>`: its Adam state; `buffers.layers.3.router.bias_E`: the
   aux-loss-free selection bias; `rng.rank<r>`: each process's torch RNG state.
-  Replicated tensors (dense weights over data-parallel ranks, an expert over its expert-DP
-  replicas and copies) have one key, so DCP writes them once.
+  Every key is the whole weight's shape. A rank that holds a slice of it (a TP or expert-TP
+  slice, an FSDP chunk, an FSDP chunk of a TP slice) writes only its slice, as a DTensor
+  that tells DCP where the slice sits in the whole (runtime/weight_shards.py); nothing is
+  gathered. Replicated tensors and slices (dense weights over data-parallel ranks, an expert
+  over its expert-DP replicas and copies) have one key and offset, so DCP writes them once.
 - `state.json` (rank 0, planner/run/checkpoint_dir.py): finished steps, the layout and model
   it came from, the live slot table of every MoE layer, each stage's migration history (the
   leader's interval rows and the window of per-step counts), metrics.jsonl's lines and the
   trace rows so far.
 
 Save: after every `--checkpoint-every` steps and after the last, each rank copies its
-tensors and hands them to `dcp.async_save` on a gloo group of its own (a thread writes while
-training goes on; at most one save in flight, the next waits for it); when it completes,
-rank 0 adds state.json and the manifest and renames the folder into place (atomic).
+tensors (its slices only) and hands them to `dcp.async_save` on a gloo group of its own (a
+thread writes while training goes on; at most one save in flight, the next waits for it);
+when it completes, rank 0 adds state.json and the manifest and renames the folder into place
+(atomic).
 Resume: rank 0 takes the newest intact checkpoint (a corrupt or partial one is refused in one
 logged line and the one before is used) and broadcasts its state; every rank installs the
-saved slot tables (same ep and slot counts) and loads the keys its own parameters need, so
-another pp / dp / ep or placement of the same model reads the same checkpoint (DCP reads
-any saved tensor into any rank). The data position is the step: batches are a function of
-(seed, step, dp rank). Not with tp > 1, etp > 1 or FSDP (checked before launch).
+saved slot tables (same ep and slot counts) and asks DCP for the part of each key its own
+parameters hold, which DCP reads from whichever saved slices overlap it. So any layout of
+the same model reads the checkpoint: another pp / dp / ep or placement, tp 1 <-> 2, etp
+1 <-> 2, FSDP on or off. Padding rows of a vocabulary-parallel slice are not saved and stay
+zero. The data position is the step: batches are a function of (seed, step, dp rank).
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 
 from planner.run.checkpoint_dir import (
     finish,
@@ -48,7 +52,8 @@ from planner.run.checkpoint_dir import (
     tmp_dir,
 )
 from planner.run.spec import EMPTY, ExpertSlots, RunSpec
-from runtime.parallel.pipeline import chunks_of
+from runtime.parallel.mesh import Mesh
+from runtime.weight_shards import pieces
 
 log = logging.getLogger(__name__)
 
@@ -62,47 +67,24 @@ class CheckpointOptions:
     resume: bool = False
 
 
-def _dense_key(chunk, name: str) -> str:
-    if name.startswith("blocks."):
-        _, i, rest = name.split(".", 2)
-        return f"layers.{chunk.layer_ids[int(i)]}.{rest}"
-    return name
-
-
-def entries(module) -> list[tuple[str, nn.Parameter, int | None]]:
-    """(key, parameter, slot or None) of every weight this rank holds; an expert's stacked
-    parameter gives one entry per held slot."""
-    out = []
-    for chunk in chunks_of(module):
-        stacked = {
-            id(p): (layer, name, moe)
-            for layer, moe in chunk.moe_layers().items()
-            for name, p in moe.experts.named_parameters()
-        }
-        for name, p in chunk.named_parameters():
-            if id(p) not in stacked:
-                out.append((_dense_key(chunk, name), p, None))
-                continue
-            layer, pname, moe = stacked[id(p)]
-            for slot, e in enumerate(moe.experts.expert_ids):
-                if e != EMPTY:
-                    out.append((f"layers.{layer}.experts.{e}.{pname}", p, slot))
-    return out
-
-
-def state_tensors(module, optimizer, rank: int | None) -> dict[str, torch.Tensor]:
-    """This rank's checkpoint tensors as views of the live ones (rank None: no RNG)."""
+def state_tensors(module, optimizer, mesh: Mesh, rank: int | None, copy: bool = False) -> dict:
+    """This rank's checkpoint tensors (rank None: no RNG state): views of the live ones, or
+    with `copy` copies of them; a slice of a weight as a DTensor of the whole weight's shape
+    (runtime/weight_shards.py)."""
     out = {}
-    for key, p, slot in entries(module):
-        out[f"model.{key}"] = p.data if slot is None else p.data[slot]
-        state = optimizer.state.get(p, {})
+    for piece in pieces(module, mesh):
+        local = piece.local(piece.param)
+        out[f"model.{piece.key}"] = piece.saved(local.clone() if copy else local)
+        state = optimizer.state.get(piece.param, {})
         for name in ("exp_avg", "exp_avg_sq"):
             if name in state:
-                out[f"optim.{name}.{key}"] = state[name] if slot is None else state[name][slot]
+                local = piece.local(state[name])
+                out[f"optim.{name}.{piece.key}"] = piece.saved(local.clone() if copy else local)
         if "step" in state:
-            out[f"optim.step.{key}"] = state["step"]
+            out[f"optim.step.{piece.key}"] = state["step"].clone() if copy else state["step"]
     for layer, moe in module.moe_layers().items():
-        out[f"buffers.layers.{layer}.router.bias_E"] = moe.router.bias_E
+        bias = moe.router.bias_E
+        out[f"buffers.layers.{layer}.router.bias_E"] = bias.clone() if copy else bias
     if rank is not None:
         out[f"rng.rank{rank}"] = torch.get_rng_state()
     return out
@@ -150,8 +132,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         parts = [None] * dist.get_world_size() if t.rank == 0 else None
         dist.gather_object(_rank_state(t, trace), parts, dst=0)
-        live = state_tensors(t.module, t.optimizer, t.rank)
-        tensors = {k: v.detach().clone() for k, v in live.items()}
+        tensors = state_tensors(t.module, t.optimizer, t.mesh, t.rank, copy=True)
         future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self.group)
         state = _assemble(done, t.spec, list(lines), parts) if t.rank == 0 else None
         self.pending = (future, tmp, step_dir(root, done), state)
@@ -250,7 +231,8 @@ def _fresh_adam_state(optimizer) -> None:
 def _load(trainer, path: str, rng: bool) -> None:
     """Read this rank's tensors from the checkpoint at `path` into the live ones."""
     _fresh_adam_state(trainer.optimizer)
-    want = state_tensors(trainer.module, trainer.optimizer, trainer.rank if rng else None)
+    t = trainer
+    want = state_tensors(t.module, t.optimizer, t.mesh, t.rank if rng else None)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = sorted(k for k in want if k not in saved and not k.startswith("rng."))
     if missing:
@@ -258,6 +240,14 @@ def _load(trainer, path: str, rng: bool) -> None:
             f"checkpoint {path} has no {missing[0]} ({len(missing)} missing): it is of another "
             "model; resume with that model's plan or use another --checkpoint-dir"
         )
+    for k, v in want.items():
+        size = getattr(saved.get(k), "size", None)
+        if size is not None and tuple(size) != tuple(v.shape):
+            raise SystemExit(
+                f"checkpoint {path} holds {k} of shape {list(size)}, this run's is "
+                f"{list(v.shape)}: it is of another model; resume with that model's plan or "
+                "use another --checkpoint-dir"
+            )
     rng_key = f"rng.rank{trainer.rank}"
     if rng_key in want and rng_key not in saved:
         del want[rng_key]

@@ -123,6 +123,9 @@ def layout_of(spec: RunSpec) -> dict:
         "pp": spec.pp,
         "dp": spec.dp,
         "ep": spec.ep,
+        "tp": spec.tp,
+        "etp": spec.etp,
+        "fsdp": spec.fsdp,
         "stage_layers": [list(s) for s in spec.stage_layers],
         "migrate_every": spec.migrate_every,
     }
@@ -139,11 +142,16 @@ def model_of(spec: RunSpec) -> dict:
 
 
 def check_checkpointable(spec: RunSpec) -> None:
-    """Checkpoints are keyed by whole weights: refuse the layouts that split them."""
-    if spec.tp > 1 or spec.etp > 1 or spec.fsdp:
+    """Every layout the runtime executes saves and loads whole-weight slices
+    (runtime/weight_shards.py), but one: FSDP chunks each TP rank's vocabulary slice padding
+    rows included, so with a vocabulary that tp does not divide a chunk is no slice of the
+    whole embedding or head."""
+    vocab = spec.model.vocab_size
+    if spec.fsdp and spec.tp > 1 and vocab % spec.tp:
         raise SpecError(
-            f"--checkpoint-dir needs tp = etp = 1 without FSDP (this run: tp={spec.tp} "
-            f"etp={spec.etp} fsdp={spec.fsdp}); re-plan with --tp 1 or drop --checkpoint-dir"
+            f"--checkpoint-dir with FSDP and tp={spec.tp} needs the vocabulary ({vocab}) "
+            f"divisible by tp; re-plan with a tp that divides {vocab}, or without FSDP, or "
+            "drop --checkpoint-dir"
         )
 
 

@@ -40,6 +40,14 @@ from runtime.parallel.tensor_parallel import TPGroup, sp_gather, sp_reduce_scatt
 _COLUMN = ("w_in", "w_gate", "b_in", "b_gate")  # the FFN width is their last axis
 
 
+def width_axis(name: str) -> int | None:
+    """The FFN-width axis of one expert's parameter `name` (slot axis dropped) that expert TP
+    splits; None for b_out, which etp rank 0 holds whole."""
+    if name in _COLUMN:
+        return 0 if name.startswith("b_") else 1
+    return 0 if name == "w_out" else None
+
+
 def shard_experts(experts: Experts, etp: int, index: int) -> None:
     """Keep slice `index` of `etp` of every expert's FFN width (in place, before training)."""
     f = experts.w_in.shape[-1]

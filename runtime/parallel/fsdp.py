@@ -78,6 +78,7 @@ def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -
     dp_mesh = DeviceMesh.from_group(mesh.dp_group, device)
     edp_mesh = DeviceMesh.from_group(mesh.edp_group, device)
     ignored = set(chunk.tp_partial_parameters())
+    marks = {n: _tp_marks(p) for n, p in chunk.named_parameters()}
     for block in chunk.blocks:
         if block.moe is not None:
             experts = _shard(
@@ -91,3 +92,10 @@ def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -
                 experts.set_force_sum_reduction_for_comms(True)
         _shard(block, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored)
     _shard(chunk, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored)
+    for name, p in chunk.named_parameters():  # fully_shard made new parameters
+        vars(p).update(marks[name])
+
+
+def _tp_marks(p: torch.Tensor) -> dict:
+    """The TP marks of a parameter (tensor_parallel.tp_layout reads them, checkpoints too)."""
+    return {k: v for k, v in vars(p).items() if k.startswith("tp_")}

@@ -175,7 +175,8 @@ def shard_linear(lin: nn.Linear, tp: TPGroup | None, dim: int, groups: int = 0) 
     dim 0 (column parallel): a Linear over this rank's output features (its input is the
     gathered micro-batch). dim 1 (row parallel): a RowParallelLinear over its input features.
     `groups` (default: one per feature) is the number of equal blocks (heads) that must stay
-    whole on one rank. Every sharded weight is marked `tp_sharded`.
+    whole on one rank. Every sharded weight is marked `tp_sharded` and `tp_dim` (the split
+    axis, read by `tp_layout`).
     """
     if tp is None:
         return lin
@@ -187,7 +188,7 @@ def shard_linear(lin: nn.Linear, tp: TPGroup | None, dim: int, groups: int = 0) 
     lo, hi = tp.index * per, (tp.index + 1) * per
     if dim == 1:
         out = RowParallelLinear(lin.weight[:, lo:hi], lin.bias, tp)
-        out.weight.tp_sharded = True
+        out.weight.tp_sharded, out.weight.tp_dim = True, 1
         return out
     out = nn.Linear(lin.in_features, per, bias=lin.bias is not None)
     with torch.no_grad():
@@ -195,7 +196,7 @@ def shard_linear(lin: nn.Linear, tp: TPGroup | None, dim: int, groups: int = 0) 
         if lin.bias is not None:
             out.bias.copy_(lin.bias[lo:hi])
     for p in out.parameters():
-        p.tp_sharded = True
+        p.tp_sharded, p.tp_dim = True, 0
     return out
 
 
@@ -222,8 +223,20 @@ def vocab_shard(whole_VD: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def _vocab_parameter(whole_VD: torch.Tensor, tp: TPGroup) -> nn.Parameter:
     weight = nn.Parameter(vocab_shard(whole_VD.detach(), tp))
-    weight.tp_sharded = True
+    weight.tp_sharded, weight.tp_dim, weight.tp_vocab = True, 0, whole_VD.shape[0]
     return weight
+
+
+def tp_layout(p: torch.Tensor, size: int) -> tuple[int, int] | None:
+    """(split axis, its length in the whole weight) of a TP-sharded parameter of a group of
+    `size` ranks; None for a replicated one. Rank i holds the torch.chunk slice i of that
+    axis: equal slices, except the vocabulary's (`vocab_rows`: the last may be short, its
+    padding rows are not part of the whole). A 1-D shard without `tp_dim` (attention sinks)
+    splits its only axis."""
+    if not getattr(p, "tp_sharded", False) or size == 1:
+        return None
+    dim = getattr(p, "tp_dim", 0)
+    return dim, getattr(p, "tp_vocab", p.shape[dim] * size)
 
 
 class VocabParallelEmbedding(nn.Module):

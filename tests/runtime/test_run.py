@@ -439,14 +439,3 @@ def test_the_run_summary_counts_migrations_their_copies_and_bytes(tmp_path):
     still = [{**x, "migrated_experts": 0, "bytes_by_kind": {}} for x in lines]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in still))
     assert "; 0 migrations moved 0 expert copies (0 B); wrote " in _summary(tmp_path)
-
-
-def test_checkpoints_are_refused_for_layouts_that_split_weights():
-    from planner.run.checkpoint_dir import check_checkpointable
-    from tests.runtime.tiny_plans import tiny_spec
-
-    spec = tiny_spec(pp=1, dp=2, ep=2, ranks_per_node=2)
-    check_checkpointable(spec)  # whole weights: fine
-    for split in ({"tp": 2}, {"etp": 2}, {"fsdp": True}):
-        with pytest.raises(SpecError, match="--checkpoint-dir needs tp = etp = 1 without FSDP"):
-            check_checkpointable(replace(spec, **split))
