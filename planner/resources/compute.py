@@ -39,6 +39,16 @@ ELEMENTWISE_PASSES = 4  # ASSUMPTION: norms/activations/permutes touch each save
 # Fused attention kernels (FlashAttention-2/3, cuDNN) work in tiles of ATTN_TILE queries x
 # ATTN_TILE keys: a causal or windowed mask still computes the whole diagonal tiles.
 ATTN_TILE = 128
+# A GEMM's efficiency also falls with its reduction length K: each output tile pays a fixed
+# prologue and epilogue beside its K / tile MMA steps, so eff ~ K / (K + K_HALF). DeepGEMM's
+# FP8 dense GEMMs on H800 (deepseek-ai/DeepGEMM README.md:15-36 @78cacf7, M = 4096) follow
+# 1426 K / (K + 730) TFLOPS within 3% from K = 512 to 16,384; a bf16 MMA step takes twice as
+# long as an FP8 one, so the same fixed cost is worth half as many elements of K (ASSUMPTION).
+# Tensor parallelism shortens K: the row-parallel GEMMs (attention output, MLP down
+# projection) reduce over 1/tp of their input, the column-parallel ones' data gradients over
+# 1/tp of their output.
+K_HALF = {"fp8": 730.0, "mxfp8": 730.0}
+K_HALF_DEFAULT = 365.0
 # Kernel efficiency grows with the head dim as d / (d + ATTN_HEAD_DIM_HALF) (FlashAttention-3,
 # Shah et al. 2024, H100 bf16: head dim 64 reaches ~0.7 of head dim 128's TFLOPS); the
 # profile's attention_efficiency is the value at head dim 128, and the gain stops at 192.
@@ -90,6 +100,23 @@ def attention_head_efficiency(att: AttentionSpec) -> float:
     return (d / (d + ATTN_HEAD_DIM_HALF)) / (ref / (ref + ATTN_HEAD_DIM_HALF))
 
 
+def reduction_factor(shapes: tuple[tuple[float, float], ...], dtype: str) -> float:
+    """Efficiency factor of the reduction lengths of the forward + backward GEMMs of matrices
+    `shapes` ((in, out) per rank, FLOPs in proportion to in x out): the forward reduces over
+    `in`, the data gradient over `out`, each at K / (K + K_HALF); the weight gradient reduces
+    over the rows (gemm_time's rows factor covers it). The FLOP-weighted harmonic mean, 1 with
+    no shapes."""
+    if not shapes:
+        return 1.0
+    half = K_HALF.get(dtype, K_HALF_DEFAULT)
+    work = time = 0.0
+    for k_in, k_out in shapes:
+        w = k_in * k_out
+        work += 3 * w
+        time += w * (1 + (k_in + half) / k_in + (k_out + half) / k_out)
+    return work / time
+
+
 def gemm_time(
     cluster: ClusterSpec,
     training: TrainingSpec,
@@ -99,11 +126,14 @@ def gemm_time(
     kernels: int,
     grouped: bool = False,
     dtype: str | None = None,
+    shapes: tuple[tuple[float, float], ...] = (),
 ) -> tuple[float, tuple[str, ...]]:
     """Seconds for GEMMs of `flops` total with `rows` rows (M) each, moving `bytes_moved`
     bytes through HBM in `kernels` launches; and the measured tables used. `grouped` (the
     routed experts) prefers the profiler's `gemm_grouped_<dtype>` table (x = tokens per
-    expert) over `gemm_<dtype>`. `dtype`: the GEMM's precision (default the training's)."""
+    expert) over `gemm_<dtype>`. `dtype`: the GEMM's precision (default the training's).
+    `shapes`: the matrices' (in, out) per rank, for the reduction-length factor of the
+    analytic path (reduction_factor); a measured table already holds its shapes' factor."""
     if flops <= 0:
         return 0.0, ()
     dtype = dtype or training.dtype
@@ -116,7 +146,7 @@ def gemm_time(
             return flops / (measured * 1e12), (name,)
     peak = cluster.device.peak(dtype) * 1e12
     half = cluster.grouped_gemm_half_rows if grouped else M_HALF_ROWS
-    eff = cluster.gemm_efficiency * rows / (rows + half)
+    eff = cluster.gemm_efficiency * rows / (rows + half) * reduction_factor(shapes, dtype)
     compute_s = flops / (peak * eff)
     memory_s = bytes_moved / cluster.hbm_bytes_per_s
     return max(compute_s, memory_s) + kernels * KERNEL_LAUNCH_S, ()
@@ -132,17 +162,20 @@ def _gemm_work(
     io_elems: float,
     mats: int,
     linear: bool = True,
+    shapes: tuple[tuple[float, float], ...] = (),
 ) -> Work:
     """Forward + backward of GEMMs with `weight_params` weights and `io_elems` input+output
     elements per forward: weights are read 3 times (fwd, dgrad, wgrad writes dW) and the
     activations 3 times; 3 kernels per matrix. `linear` GEMMs run in the recipe's precision,
-    the others (router, head) in bf16."""
+    the others (router, head) in bf16. `shapes`: (in, out) per matrix and rank."""
     a = act_bytes_per_element(training)
     bytes_moved = a * 3 * (weight_params + io_elems)
     flops = TRAIN_FACTOR * fwd_flops
     grouped = name == "experts"
     dtype = linear_dtype(training) if linear else compute_dtype(training)
-    t, tables = gemm_time(cluster, training, rows, flops, bytes_moved, 3 * mats, grouped, dtype)
+    t, tables = gemm_time(
+        cluster, training, rows, flops, bytes_moved, 3 * mats, grouped, dtype, shapes
+    )
     if linear and dtype in LOW_PRECISION:
         return Work(name, flops, t, t / TRAIN_FACTOR, tables, io_elems, weight_params)
     return Work(name, flops, t, t / TRAIN_FACTOR, tables)
@@ -161,6 +194,33 @@ def quantize_work(
     return [Work("quantize", 0.0, t, t / 2)]
 
 
+def attention_shapes(att: AttentionSpec, d: int, tp: int) -> tuple[tuple[float, float], ...]:
+    """(in, out) per rank of an attention block's projections: column-parallel q/k/v (and
+    MLA's up-projections) split their output over tp, the row-parallel output projection its
+    input; MLA's down-projections are whole on every rank."""
+    if att.kind == "mla":
+        qk_head = att.qk_nope_head_dim + att.qk_rope_head_dim
+        h = att.num_heads
+        q = (
+            ((d, att.q_lora_rank), (att.q_lora_rank, h * qk_head / tp))
+            if att.q_lora_rank
+            else ((d, h * qk_head / tp),)
+        )
+        kv = (
+            (d, att.kv_lora_rank + att.qk_rope_head_dim),
+            (att.kv_lora_rank, h * (att.qk_nope_head_dim + att.v_head_dim) / tp),
+        )
+        return (*q, *kv, (h * att.v_head_dim / tp, d))
+    q_out, kv_out = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+    return ((d, (q_out + 2 * kv_out) / tp), (q_out / tp, d))
+
+
+def mlp_shapes(d: int, width: float, mats: int) -> tuple[tuple[float, float], ...]:
+    """(in, out) of an MLP's up (gate + up when gated) and down projections, `width` being the
+    per-rank hidden width."""
+    return ((d, (mats - 1) * width), (width, d))
+
+
 def attention_work(
     model: ModelSpec,
     layer: LayerSpec,
@@ -175,7 +235,11 @@ def attention_work(
     att, d = layer.attention, model.hidden_size
     rows = parallel.micro_batch * training.seq_len / parallel.cp
     p_att = attention_params(att, d) / parallel.tp
-    proj = _gemm_work("attn_proj", cluster, training, rows, 2 * rows * p_att, p_att, rows * 2 * d, 4)
+    shapes = attention_shapes(att, d, parallel.tp)
+    proj = _gemm_work(
+        "attn_proj", cluster, training, rows, 2 * rows * p_att, p_att, rows * 2 * d, 4,
+        shapes=shapes,
+    )  # fmt: skip
     if att.kind == "mla":
         d_qk, d_v = att.qk_nope_head_dim + att.qk_rope_head_dim, att.v_head_dim
     else:
@@ -213,7 +277,8 @@ def mlp_work(
     FLOPs 2 etp T k skew mats d f / etp = 2 T k skew mats d f. The grouped GEMM's efficiency
     is taken at M / etp rows, the per-expert work of the unsplit expert: splitting over etp
     multiplies the rows by etp and divides the width by etp, so each expert's output tiles
-    (M x f / etp) and its forward reduction length d stay, and it earns no efficiency
+    (M x f / etp) and its forward reduction length d stay, and it earns no rows efficiency;
+    the down projection's reduction shortens to f / etp (reduction_factor), which costs
     (Megatron-Core `megatron/core/transformer/moe/README.md`: "Use ETP=1 for MoE (better
     GEMM efficiency, less communication)"). With etp = 1 this is M.
     """
@@ -225,7 +290,11 @@ def mlp_work(
         mats = 3 if layer.dense_gated else 2
         w = mats * d * layer.dense_ffn / parallel.tp
         io = rows * (2 * d + mats * layer.dense_ffn / parallel.tp)
-        out.append(_gemm_work("dense_mlp", cluster, training, rows, 2 * rows * w, w, io, mats))
+        shapes = mlp_shapes(d, layer.dense_ffn / parallel.tp, mats)
+        out.append(
+            _gemm_work("dense_mlp", cluster, training, rows, 2 * rows * w, w, io, mats,
+                       shapes=shapes)
+        )  # fmt: skip
     moe = layer.moe
     if moe is None:
         return out
@@ -245,13 +314,17 @@ def mlp_work(
     io = copies * (2 * d + mats * f)
     out.append(
         _gemm_work(
-            "experts", cluster, training, rows_per_expert, 2 * copies * mats * d * f, w, io, mats
-        )
+            "experts", cluster, training, rows_per_expert, 2 * copies * mats * d * f, w, io, mats,
+            shapes=mlp_shapes(d, f, mats),
+        )  # fmt: skip
     )
     if moe.num_shared_experts:
         w = moe.num_shared_experts * mats * d * moe.shared_ffn / parallel.tp
         io = rows * (2 * d + moe.num_shared_experts * mats * moe.shared_ffn / parallel.tp)
-        out.append(_gemm_work("shared", cluster, training, rows, 2 * rows * w, w, io, mats))
+        shapes = mlp_shapes(d, moe.num_shared_experts * moe.shared_ffn / parallel.tp, mats)
+        out.append(
+            _gemm_work("shared", cluster, training, rows, 2 * rows * w, w, io, mats, shapes=shapes)
+        )
     return out
 
 
@@ -358,13 +431,19 @@ def head_work(
     w = d * v / parallel.tp
     heads = 1 + model.num_mtp_layers
     head_flops = heads * 2 * rows * w
-    out = [_gemm_work("head", cluster, training, rows, head_flops, w, 0.0, heads, linear=False)]
+    out = [
+        _gemm_work("head", cluster, training, rows, head_flops, w, 0.0, heads, linear=False,
+                   shapes=((d, v / parallel.tp),))
+    ]  # fmt: skip
     ce_s = heads * ELEMENTWISE_PASSES * 4.0 * tokens * v / cluster.hbm_bytes_per_s
     out.append(Work("elementwise", 0.0, ce_s, ce_s / TRAIN_FACTOR))
     if model.num_mtp_layers:
         n = model.num_mtp_layers
         pw = 2 * d * d / parallel.tp
-        proj = _gemm_work("mtp_proj", cluster, training, rows, n * 2 * rows * pw, pw, 0.0, n)
+        proj = _gemm_work(
+            "mtp_proj", cluster, training, rows, n * 2 * rows * pw, pw, 0.0, n,
+            shapes=((2 * d, d / parallel.tp),),
+        )  # fmt: skip
         out += [proj, *quantize_work(cluster, training, parallel, [proj])]
         for work in layer_work(model, model.layers[-1], cluster, training, parallel):
             out.append(
