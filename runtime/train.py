@@ -55,6 +55,13 @@ class RunResult:
     checkpoint: Path | None = None  # the newest checkpoint saved (rank 0)
 
 
+def _source_layer(spec: RunSpec, layer: int) -> int:
+    """The plan-model layer of run layer `layer`; an MTP module's (past the run's layers) is
+    numbered after the plan's last layer, as in the checkpoint's names."""
+    n = len(spec.source_layers)
+    return spec.source_layers[layer] if layer < n else spec.source_layers[-1] + 1 + layer - n
+
+
 def _stage_tokens(module: StageModule, mesh: Mesh) -> torch.Tensor:
     """Tokens per expert of this step [L, E], summed over the stage's ranks; resets."""
     moes = list(module.moe_layers().values())
@@ -220,9 +227,11 @@ class Trainer:
         )
         # a stage's decision is applied by all its ranks; count its moves once (leader)
         record["migrated_experts"] = moved if self.leader else 0
+        if loss is not None and self.runner.mtp_losses is not None:
+            record["mtp_losses"] = self.runner.mtp_losses  # CE_k per depth; loss: the main CE
         rows = []
         if self.leader:
-            src = [spec.source_layers[i] for i in self.module.moe_layers()]
+            src = [_source_layer(spec, i) for i in self.module.moe_layers()]
             interval = step // spec.trace_every
             rows = [
                 (interval, src[li], e, int(t))
@@ -260,6 +269,9 @@ def train(
         if rank == 0:
             moved_total = sum(r.pop("migrated_experts") for r in records)
             lines.append(step_line(records, spec.tokens_per_step, moved_total))
+            mtp = [r["mtp_losses"] for r in records if "mtp_losses" in r]
+            if mtp:  # beside the main loss: each depth's mean over the last stage's ranks
+                lines[-1]["mtp_losses"] = [sum(d) / len(d) for d in zip(*mtp, strict=True)]
             log.warning(
                 "step %d loss %.4f step_time %.3fs",
                 step,

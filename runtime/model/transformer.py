@@ -7,7 +7,8 @@ generator keyed by (seed, layer, part), so the same model comes out whatever the
 pipeline split or expert placement.
 
 The layers follow the ModelSpec (MLA, sliding windows, sinks, qk-norm, biases, shared
-experts, dense layers, tied embeddings); the numerics its shapes leave open (RoPE, norm
+experts, dense layers, tied embeddings, `num_mtp_layers` multi-token-prediction modules on
+the last stage, runtime/model/mtp.py); the numerics its shapes leave open (RoPE, norm
 epsilon, router, expert activation) follow a ModelArch (runtime/model/arch.py): the runtime's
 own convention by default, a family's when read from its HF config (runtime/RUNTIME.md,
 "Model architectures").
@@ -28,6 +29,7 @@ from runtime.model.arch import ModelArch
 from runtime.model.attention import make_attention
 from runtime.model.layers import RMSNorm, seeded_linear
 from runtime.model.moe import MoELayer, seeded_generator
+from runtime.model.mtp import MTPModule, mtp_depth_losses, mtp_objective
 from runtime.parallel.tensor_parallel import (
     TPGroup,
     VocabParallelEmbedding,
@@ -145,7 +147,16 @@ class StageModule(nn.Module):
     With `model.tie_word_embeddings` the head's weight is the embedding's when both sit on
     this stage; on two stages the head starts as a copy and trains on its own (Megatron
     instead sums the two copies' gradients over its embedding group).
-    forward: token ids [B, S] (first stage) or hidden [B, S, D] -> hidden or logits [B, S, V].
+    With `model.num_mtp_layers` = D > 0 the last stage also holds D MTPModules
+    (runtime/model/mtp.py), run-model layer indices L .. L + D - 1 (L = len(model.layers),
+    the checkpoint's `model.layers.<num_hidden_layers>` names), each a Block like the last
+    layer on the last layer's expert placement. They read the shared embedding: the first
+    stage's when this stage is also the first; else `mtp_embed`, a copy (Megatron's MTP
+    stage holds one too, gpt_model.py:173) whose gradient the pipeline's gradient sync sums
+    with the first stage's (runtime/parallel/pipeline.py), or with tied embeddings the
+    head's weight.
+    forward: token ids [B, S] (first stage) or hidden [B, S, D] -> hidden or logits [B, S, V];
+    with MTP the last stage returns (logits, main final-norm output) for `loss`.
     """
 
     def __init__(
@@ -183,6 +194,12 @@ class StageModule(nn.Module):
             for i in self.layer_ids
         )  # fmt: skip
         self.norm = RMSNorm(d, arch.norm_eps) if last else None
+        self.mtp = self.mtp_embed = None
+        self.mtp_layer_ids: list[int] = []
+        # first or last stage of a split model whose MTP modules read an untied embedding copy
+        untied = model.num_mtp_layers > 0 and not model.tie_word_embeddings
+        self.syncs_mtp_embedding = untied and first != last
+        self.loss_parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (main, CE_k) per call
         if last:
             self.head = seeded_linear(d, v, False, seeded_generator(seed, 10**6, 2))
             if model.tie_word_embeddings and self.embed is None:
@@ -192,6 +209,30 @@ class StageModule(nn.Module):
                 self.head = VocabParallelHead(self.head.weight, tp)
             if model.tie_word_embeddings and self.embed is not None:
                 self.head.weight = self.embed.weight
+        if last and model.num_mtp_layers:
+            self._build_mtp(model, placements, ep_rank, seed, arch)
+
+    def _build_mtp(self, model: ModelSpec, placements: dict, ep_rank: int, seed: int, arch):
+        """The MTP modules and, on a stage without the embedding, its copy (class docstring)."""
+        d, v, n = model.hidden_size, model.vocab_size, len(model.layers)
+        last = placements.get(n - 1)
+        self.mtp_layer_ids = list(range(n, n + model.num_mtp_layers))
+        blocks = [
+            Block(d, model.layers[-1], i, seed, last, ep_rank, self.tp, "none", arch)
+            for i in self.mtp_layer_ids
+        ]
+        self.mtp = nn.ModuleList(
+            MTPModule(d, b, seed, i, self.tp, arch)
+            for i, b in zip(self.mtp_layer_ids, blocks, strict=True)
+        )
+        if self.embed is not None:
+            return
+        embed = nn.Embedding(v, d)
+        with torch.no_grad():
+            embed.weight.copy_(_embedding_init(v, d, seed))
+        self.mtp_embed = VocabParallelEmbedding(embed.weight, self.tp) if self.tp else embed
+        if model.tie_word_embeddings:
+            self.mtp_embed.weight = self.head.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """With TP, hidden states between layers and stages are this rank's token slice
@@ -201,23 +242,42 @@ class StageModule(nn.Module):
             x = self.embed(x)
         for block in self.blocks:
             x = block(x)
-        if self.head is not None:
-            x = self.head(self.norm(x))
-        return x
+        if self.head is None:
+            return x
+        h = self.norm(x)
+        return (self.head(h), h) if self.mtp is not None else self.head(h)
 
-    def loss(self, logits_BSV: torch.Tensor, target_BS: torch.Tensor) -> torch.Tensor:
+    def loss(self, output, target_BS: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy of this chunk's logits (the last chunk's): lm_loss,
-        or with TP the vocab-parallel cross entropy over the group (the same on every rank)."""
+        or with TP the vocab-parallel cross entropy over the group (the same on every rank).
+        With MTP, `output` is forward's (logits, final-norm output) and the loss is
+        main + (lambda / D) sum_k CE_k (runtime/model/mtp.py); (main, [CE_k]) is appended to
+        `loss_parts`, detached, for the metrics."""
+        if self.mtp is None:
+            return self._cross_entropy(output, target_BS)
+        logits_BSV, h = output
+        main = self._cross_entropy(logits_BSV, target_BS)
+        embed = self.embed if self.embed is not None else self.mtp_embed
+        depth = mtp_depth_losses(self.mtp, h, target_BS, embed, self.head, self._cross_entropy)
+        self.loss_parts.append((main.detach(), torch.stack(depth).detach()))
+        return mtp_objective(main, depth)
+
+    def _cross_entropy(self, logits_BSV: torch.Tensor, target_BS: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return lm_loss(logits_BSV, target_BS)
         start = self.head.start if self.head is not None else 0
         return vocab_parallel_cross_entropy(logits_BSV, target_BS, start, self.tp)
 
     def moe_layers(self) -> dict[int, MoELayer]:
-        """Layer index -> MoELayer for the MoE layers of this stage."""
-        return {
-            i: b.moe for i, b in zip(self.layer_ids, self.blocks, strict=True) if b.moe is not None
-        }
+        """Layer index -> MoELayer for the MoE layers of this stage (MTP modules' included)."""
+        return {i: b.moe for i, b in self.indexed_blocks() if b.moe is not None}
+
+    def indexed_blocks(self) -> list[tuple[int, Block]]:
+        """(run-model layer index, Block) of this stage's layers, then its MTP modules'."""
+        out = list(zip(self.layer_ids, self.blocks, strict=True))
+        if self.mtp is not None:
+            out += [(i, m.block) for i, m in zip(self.mtp_layer_ids, self.mtp, strict=True)]
+        return out
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """Parameters sharded over EP (synchronized over the edp group)."""

@@ -18,10 +18,16 @@ Gradient sync after the schedule: dense parameters are averaged over the stage's
 data-parallel group; expert parameters are summed over the expert-DP group and divided by
 dp (each expert already received the gradients of the whole EP group's tokens through the
 all-to-all backward), which makes the update equal to a single-device step on the global
-batch. Shape letters: B = sequences, S = sequence length, D = hidden, V = vocabulary.
+batch. With MTP modules and pp > 1, the last stage's copy of the embedding and the first
+stage's embedding exchange their gradients and both take the sum (Megatron-Core's
+embedding-group all-reduce, megatron/core/distributed/finalize_model_grads.py:190-235 at
+NVIDIA/Megatron-LM d98e8a64ddf34856e74b24714e3bedb2f5a39553), so the copies stay equal.
+Shape letters: B = sequences, S = sequence length, D = hidden, V = vocabulary.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -77,14 +83,27 @@ class CountingStage(PipelineStage):
     def _forward_metadata_inference(self, *args, **kwargs):
         """The library's one-time shape-inference forward: not training, so the MoE layers
         do not count its tokens (its all-to-all bytes are counted: they were sent)."""
+        with self._not_training():
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        """The library's one-time backward shape inference, which on the last stage runs the
+        loss (with MTP, the MTP modules): neither their tokens nor that loss count."""
+        with self._not_training():
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _not_training(self):
         moes = self.submod.moe_layers().values()
+        parts = len(self.submod.loss_parts)
         for moe in moes:
             moe.counting = False
         try:
-            return super()._forward_metadata_inference(*args, **kwargs)
+            yield
         finally:
             for moe in moes:
                 moe.counting = True
+            del self.submod.loss_parts[parts:]
 
     def _to_tensor(self, arg):
         """Materialize inferred inputs as zeros, not uninitialized memory (deterministic)."""
@@ -159,6 +178,7 @@ class PipelineRunner:
         device: torch.device,
     ) -> None:
         self.module, self.mesh, self.m = module, mesh, num_microbatches
+        self.mtp_losses: list[float] | None = None  # last step's mean CE_k per MTP depth
         pp = len(mesh.pp_ranks)
         self.schedule = None
         if pp == 1:
@@ -182,7 +202,19 @@ class PipelineRunner:
         self.schedule = schedule(stages[0], num_microbatches, loss_fn=loss_fn)
 
     def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float | None:
-        """Forward + backward of every micro-batch; returns the mean loss on the last stage."""
+        """Forward + backward of every micro-batch; returns the mean loss on the last stage.
+        With MTP that is the main next-token loss (the objective adds the MTP losses) and
+        `mtp_losses` holds the mean CE_k of each depth."""
+        loss = self._run(inputs_BS, targets_BS)
+        last = chunks_of(self.module)[-1]
+        if last.mtp is None or loss is None:
+            return loss
+        main, depth = zip(*last.loss_parts, strict=True)
+        last.loss_parts.clear()
+        self.mtp_losses = [float(x) for x in torch.stack(depth).mean(dim=0)]
+        return float(torch.stack(main).mean())
+
+    def _run(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float | None:
         if self.schedule is None:
             return self._step_by_hand(inputs_BS, targets_BS)
         losses: list[torch.Tensor] = []
@@ -227,12 +259,42 @@ def _allreduce_mean(
         offset += n
 
 
+def sync_mtp_embedding(module: StageModule | RankChunks, mesh: Mesh, counter: ByteCounter) -> None:
+    """First and last pipeline rank of a model with MTP and an untied embedding copy
+    (StageModule.syncs_mtp_embedding): each sends its embedding gradient (this TP rank's
+    vocabulary rows, or its FSDP shard of them) to the other and both keep the same sum
+    (module docstring). Other ranks: nothing."""
+    chunks = chunks_of(module)
+    chunk = chunks[0] if chunks[0].first else chunks[-1]
+    if len(mesh.pp_ranks) == 1 or not chunk.syncs_mtp_embedding:
+        return
+    weight = chunk.embed.weight if chunk.first else chunk.mtp_embed.weight
+    peer = mesh.pp_ranks[-1] if chunk.first else mesh.pp_ranks[0]
+    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    mine = (grad.to_local() if isinstance(grad, DTensor) else grad).contiguous()
+    theirs = torch.empty_like(mine)
+    ops = [
+        dist.P2POp(dist.isend, mine, peer, mesh.pp_group),
+        dist.P2POp(dist.irecv, theirs, peer, mesh.pp_group),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    counter.add("grad_embedding", mine.numel() * mine.element_size(), peer)
+    total = mine + theirs if chunk.first else theirs + mine  # first + last on both
+    if isinstance(grad, DTensor):
+        grad.to_local().copy_(total)
+    else:
+        weight.grad = total
+
+
 def sync_gradients(module: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -> None:
     """Dense grads: mean over the dp ranks (same stage and tp_idx). Expert grads: sum over
     edp, / dp, then over the copies of each replicated expert (runtime/parallel/replicas.py).
     With tp > 1, the replicated weights that saw only this rank's tokens or heads
     (StageModule.tp_partial_parameters: norms, routers, row-parallel biases, gates) are
-    first summed over the TP group."""
+    first summed over the TP group. With MTP and pp > 1, the embedding copies' gradients
+    are summed first (sync_mtp_embedding)."""
+    sync_mtp_embedding(module, mesh, counter)
     if len(mesh.tp_ranks) > 1:
         partial = module.tp_partial_parameters()
         _allreduce_mean(partial, mesh.tp_group, mesh.tp_ranks, 1, counter, "grad_tp")
