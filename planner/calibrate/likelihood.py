@@ -1,4 +1,4 @@
-"""What `piper calibrate --fit` believes before the runs: each run's noise and each constant's prior.
+"""What `piper calibrate --fit` believes before the runs: a run's noise, each constant's prior.
 
 **Noise (the likelihood).** A run's log(predicted / measured) at the true constants is the
 model's own error, which no constant absorbs. Its scale sigma is the start profile's
@@ -17,21 +17,21 @@ statistics below). Constants whose range starts at 0 carry the offset a_k of OFF
 
 DEFAULT_PRIOR_SD[k] is how far the same constant sits on one fitted stack from another: the
 sample sd (n - 1) of t_k over the presets that fitted it independently (h100, gb200-nvl72,
-frontier: profiles/clusters/*.yaml at the commit of this file; h200 copies h100 and is not
-counted), capped at the sd of a uniform distribution over its bounds in t, (t_high - t_low) /
+frontier: profiles/clusters/*.yaml at commits 5aec5f6 and f91a329; h200 copies h100 and is
+not counted), capped at the sd of a uniform distribution over its bounds in t, (t_high - t_low) /
 sqrt(12) (what the bounds alone say); a constant fitted by one preset or none takes that cap.
 
 | constant | fitted values | spread | cap | sd |
 |---|---|---|---|---|
 | gemm_efficiency | 0.6712, 0.7388, 0.614 | 0.0925 | 0.333 | 0.0925 |
-| grouped_gemm_half_rows | 1437, 8 | 3.67 | 1.80 | 1.80 |
+| grouped_gemm_half_rows | 1437, 8 | 3.67 | 1.801 | 1.801 |
 | attention_efficiency | 0.7832, 0.9 (frontier's is assumed) | 0.0983 | 0.517 | 0.0983 |
 | hbm_efficiency | 0.3 (h100 only) | - | 0.348 | 0.348 |
 | layer_overhead_us (a = 1000) | 1843, 6107 | 0.648 | 0.879 | 0.648 |
 | scale_up_efficiency | 1.0 (h100 only) | - | 0.348 | 0.348 |
 | scale_out_efficiency | 0.9757 (h100 only) | - | 0.465 | 0.465 |
 | overlap_efficiency (a = 0.1) | 1.0 (h100 only) | - | 0.692 | 0.692 |
-| network_jitter_us (a = 100) | 2549 (frontier only) | - | 1.79 | 1.79 |
+| network_jitter_us (a = 100) | 2549 (frontier only) | - | 1.795 | 1.795 |
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ OFFSETS: dict[str, float] = {
 }
 DEFAULT_PRIOR_SD: dict[str, float] = {  # module docstring's table
     "gemm_efficiency": 0.0925,
-    "grouped_gemm_half_rows": 1.80,
+    "grouped_gemm_half_rows": 1.801,
     "attention_efficiency": 0.0983,
     "hbm_efficiency": 0.348,
     "layer_overhead_us": 0.648,
     "scale_up_efficiency": 0.348,
     "scale_out_efficiency": 0.465,
     "overlap_efficiency": 0.692,
-    "network_jitter_us": 1.79,
+    "network_jitter_us": 1.795,
 }
 PRIOR_KEY = "prior_sd_"
 
@@ -98,8 +98,8 @@ def likelihood_of(cluster: ClusterSpec) -> Likelihood:
 
     model = error_model(cluster)
     if model.calibrated:
-        return Likelihood(model.time_log_sd, model.runs,
-                          f"{cluster.name}'s leave-one-out error over {model.runs} runs")  # fmt: skip
+        source = f"{cluster.name}'s leave-one-out error over {model.runs} runs"
+        return Likelihood(model.time_log_sd, model.runs, source)
     return Likelihood(DEFAULT_RUN_SIGMA, DEFAULT_RUN_DOF,
                       "the fitted presets' pooled leave-one-out error (no record in "
                       f"{cluster.name})")  # fmt: skip

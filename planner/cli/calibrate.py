@@ -285,8 +285,10 @@ def _print_covariance(runs: list, cluster, names: list[str] | None) -> int:
     from planner.calibrate.uncertainty import covariance_items
 
     kept, cov = covariance_at(runs, cluster, names)
-    print(f"# {cluster.name}: covariance in t = log(c + a) of {', '.join(kept)} at the profile's "
-          f"constants over {len(runs)} runs (nothing refitted); add under calibration:")
+    print(
+        f"# {cluster.name}: covariance in t = log(c + a) of {', '.join(kept)} at the profile's "
+        f"constants over {len(runs)} runs (nothing refitted); add under calibration:"
+    )
     for key, value in covariance_items(kept, np.asarray(cov)):
         print(f"  {key}: {value}")
     return 0

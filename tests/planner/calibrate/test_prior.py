@@ -41,7 +41,10 @@ def test_one_run_and_eight_constants_fit_at_most_one_and_warn(runs):
     assert len(kept) <= 1
     assert all(ratio <= SHRINK for _, ratio in result.selection.shrink)
     line = warning_line(result)
-    assert line.startswith(f"warning: 1 run(s) for 8 constant(s): fitting {kept[0] if kept else 'nothing'}; kept at ")
+    head = (
+        f"warning: 1 run(s) for 8 constant(s): fitting {kept[0] if kept else 'nothing'}; kept at "
+    )
+    assert line.startswith(head)
     assert len(result.selection.dropped) == 8 - len(kept)
     for e in EFFICIENCIES:  # every other constant stays at the preset
         if e.name not in kept:

@@ -21,7 +21,6 @@ from planner.search.make_plan import make_plan
 from planner.specs import SpecError, TrainingSpec
 from planner.targets import get_target, with_conventions
 
-
 NOISE = 0.12  # a run's log error s
 
 
@@ -61,7 +60,8 @@ def test_the_trials_differ_where_the_fit_is_least_sure():
     design = d_optimal(jac, [0.3, 1.0, 0.3], 3, NOISE, first=0)
     assert design.chosen == (0, 4, 5)
     assert design.posterior_sd[1] < 0.2 * design.prior_sd[1]  # the wide constant is pinned
-    assert d_optimal(jac[[0, 6]], [0.3, 1.0, 0.3], 3, NOISE, first=0).chosen == (0,)  # copies add none
+    copies = d_optimal(jac[[0, 6]], [0.3, 1.0, 0.3], 3, NOISE, first=0)
+    assert copies.chosen == (0,)  # copies add none
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,8 @@ def test_sensitivities_are_the_fits_jacobian(tiny_plan):
     runs = [r.__class__(**{**r.__dict__, "measured": predicted_value(r, estimate_run(r, cluster))})
             for r in runs]  # fmt: skip
     priors, jac = log_sensitivities(runs, cluster)
-    fit_jac = _Problem(runs, cluster, priors_of(cluster, None), likelihood_of(cluster)).jacobian(range(len(runs)))
+    problem = _Problem(runs, cluster, priors_of(cluster, None), likelihood_of(cluster))
+    fit_jac = problem.jacobian(range(len(runs)))
     assert [p.name for p in priors] == [p.name for p in priors_of(cluster, None)]
     np.testing.assert_allclose(jac, -fit_jac, rtol=1e-9, atol=1e-12)
     scale_out = [p.name for p in priors].index("scale_out_efficiency")

@@ -44,7 +44,8 @@ def test_piper_trials_and_collect(piper_shortlist):
     assert [p.name.split("-", 1)[0] for p in trials] == ["1", "2", "3"]
     # trial 1 is the plan itself; the others are plans of the other layouts
     assert (trials[0] / "plan.json").read_text() == (out / "plan.json").read_text()
-    layouts = {json.dumps(json.loads((t / "plan.json").read_text())["parallel"]) for t in trials}
+    plans = [json.loads((t / "plan.json").read_text()) for t in trials]
+    layouts = {json.dumps([p["parallel"], p["training"]["fsdp"]]) for p in plans}  # FSDP: a knob
     assert len(layouts) == 3
     parser = build_parser()
     for t in trials:
