@@ -31,7 +31,6 @@ from runtime.dispatch.factory import make_dispatcher
 from runtime.metrics import ByteCounter
 from runtime.migrate import MigrationPolicy, plan_migration
 from runtime.model.arch import ModelArch
-from runtime.model.hf_weights import hf_model
 from runtime.model.transformer import StageModule
 from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.parallel.pipeline import RankChunks
@@ -45,7 +44,7 @@ def build_stage(
     """This rank's StageModule (RankChunks of vp of them with vp > 1) with placements
     translated to EP group ranks; with tp > 1 its attention and dense MLPs are sharded over
     the TP group (TP bytes go to `counter`). arch: the model's numerics (runtime/model/arch.py;
-    None: the runtime's own)."""
+    None: the spec's, RunSpec.arch)."""
     tp = None
     if spec.tp > 1:
         tokens = spec.micro_batch * spec.seq_len
@@ -64,7 +63,7 @@ def build_stage(
             seed=spec.seed,
             tp=tp,
             recompute={i: spec.recompute for i in spec.recompute_layers},
-            arch=arch,
+            arch=arch or spec.arch,
         )
         for k, layers in spec.chunks(mesh.me.stage)
     ]
@@ -83,14 +82,15 @@ def build_trainer(
     hf_weights: str | None = None,
 ) -> Trainer:
     """This rank's groups, byte counter and stage (with its dispatcher), ready to train;
-    `migration` decides the placements (default: the planner's policy at uniform prices).
+    `migration` decides the placements (default: the planner's policy at uniform prices). The
+    model computes with spec.arch; `hf_weights` loads a checkpoint's weights (build the spec
+    with the same directory, run_spec_from_plan(..., hf_weights=DIR), for its numerics).
 
     Every process calls it in the same order (it creates the process groups)."""
     device = device or torch.device("cpu")
     mesh = build_mesh(spec, rank)
     counter = ByteCounter([c.node for c in mesh.coords], rank)
-    arch = hf_model(hf_weights)[1] if hf_weights else None
-    module = build_stage(spec, mesh, device, counter, arch)
+    module = build_stage(spec, mesh, device, counter, spec.arch)
     return Trainer(spec, mesh, module, counter, device, migration, hf_weights)
 
 
@@ -143,6 +143,7 @@ def _run_info(spec: RunSpec) -> dict:
         "layers": spec.model.num_layers,
         "source_layers": list(spec.source_layers),
         "dispatcher": spec.dispatcher,
+        "arch_source": spec.arch_source,
         "ranks_per_node": spec.ranks_per_node,
         "backend": dist.get_backend(),
         "seed": spec.seed,

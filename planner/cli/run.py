@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         f"tp={spec.tp} ep={spec.ep} edp={spec.edp}, {spec.ranks_per_node} per node), "
         f"{spec.model.num_layers} layers d={spec.model.hidden_size} seq={spec.seq_len}, "
         f"{spec.tokens_per_step:,} tokens per step, {spec.dispatcher} dispatcher, "
-        f"{options.compute_dtype(plan.training)} compute",
+        f"{options.compute_dtype(plan.training)} compute, numerics from {spec.arch_source}",
         flush=True,
     )
     env = dict(os.environ)

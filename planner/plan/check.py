@@ -4,10 +4,11 @@
 dotted path, e.g. `stages[1].layers`) and the fix. It checks the schema_version and what the
 runtime and the exports rely on: positive integer sizes, pp*dp*tp ranks numbered 0..N-1, ep
 dividing dp*tp, one contiguous block of layers per stage, EP ranks in range, the types of the
-model and cluster entries. `ranks` may be empty (a hand-written plan without placement); when
-present it must cover every rank. The field lists come from planner.plan.schema's dataclasses,
-so a new field is checked where it is declared. It does not re-parse the model config
-(planner.inputs.models does when a command needs the model).
+model and cluster entries and the keys and types of the model's optional `numerics`
+(planner.inputs.numerics.check_numerics). `ranks` may be empty (a hand-written plan without
+placement); when present it must cover every rank. The field lists come from
+planner.plan.schema's dataclasses, so a new field is checked where it is declared. It does not
+re-parse the model config (planner.inputs.models does when a command needs the model).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from planner.inputs.numerics import check_numerics
 from planner.plan.schema import (
     SCHEMA_VERSION,
     ClusterEntry,
@@ -182,6 +184,8 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
         c.get(d["solver"], key, "solver.", kind)
     for section, kinds in _ENTRIES.items():
         _check_entry(c, d[section], section, kinds)
+    if "numerics" in d["model"]:
+        check_numerics(d["model"]["numerics"], f"{path}: model.numerics")
 
 
 _TRAINING = {f.name: t for f, t in zip(fields(TrainingSpec), get_type_hints(TrainingSpec).values(),

@@ -36,20 +36,33 @@ class ModelEntry:
 
     `config` is the normalized HuggingFace-style config (planner.inputs.models.model_config);
     it stays a dict because it is the HF config. A hand-written plan may leave it empty and
-    name a preset or a config file instead.
+    name a preset or a config file instead. `numerics` (optional) holds the keys of the
+    original config.json that the numerics depend on (RoPE theta and scaling, norm epsilon,
+    router options; planner.inputs.numerics.NUMERICS_KEYS), which `piper run` builds the
+    model's ModelArch from; a plan without it runs with the runtime's own numerics.
     """
 
     name: str = ""
     source: str = ""
     config: Mapping[str, Any] = field(default_factory=dict)
+    numerics: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelEntry:
         """The entry of a parsed `model` object (validated by planner.plan.check)."""
-        return cls(d.get("name", ""), d.get("source", ""), dict(d.get("config", {})))
+        return cls(
+            d.get("name", ""),
+            d.get("source", ""),
+            dict(d.get("config", {})),
+            dict(d.get("numerics", {})),
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "source": self.source, "config": dict(self.config)}
+        """The plan.json object; `numerics` only when the plan has them."""
+        d = {"name": self.name, "source": self.source, "config": dict(self.config)}
+        if self.numerics:
+            d["numerics"] = dict(self.numerics)
+        return d
 
 
 @dataclass(frozen=True)

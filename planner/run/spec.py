@@ -10,8 +10,9 @@ Shape letters: L = layers, E = routed experts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
+from planner.inputs.numerics import ModelArch
 from planner.migration.placement import EMPTY
 from planner.parallel import default_placement
 from planner.plan import ClusterEntry, Plan, load_plan
@@ -24,6 +25,7 @@ from planner.run.layout import (
     refuse_context_parallel,
     virtual_stages,
 )
+from planner.run.numerics import DEFAULT_ARCH, run_arch
 from planner.run.options import Dispatcher, RunOptions
 from planner.run.scale import keep_layers, scale_layer, scale_width
 from planner.specs import ModelSpec, SpecError
@@ -94,6 +96,8 @@ class RunSpec:
     not listed holds its placement, E/ep experts per rank (`slots_of`).
     source_layers: plan layer index of each run layer.
     logical_of_physical: logical rank (plan convention) run by process RANK p.
+    arch: the model's numerics (RoPE, norm epsilon, router, activation); arch_source says
+    where they come from (planner.run.numerics.run_arch).
     """
 
     model: ModelSpec
@@ -126,6 +130,8 @@ class RunSpec:
     # HaloCost from the plan's cluster: (message s, intra-node GB/s, node link GB/s); () = none
     halo_cost: tuple[float, ...] = ()
     slots: tuple[tuple[int, ExpertSlots], ...] = ()
+    arch: ModelArch = field(default_factory=ModelArch)
+    arch_source: str = DEFAULT_ARCH
 
     @property
     def world(self) -> int:
@@ -195,11 +201,24 @@ def _placements(plan: Plan, model: ModelSpec, source: list[int]):
     return tuple(placements), tuple(slots)
 
 
+def _mtp_layers(plan: Plan, model: ModelSpec) -> int:
+    """The MTP modules the plan priced: training.mtp_layers, else the model's."""
+    mtp = plan.training.get("mtp_layers")
+    return model.num_mtp_layers if mtp is None else int(mtp)
+
+
 def run_spec_from_plan(
-    plan: Plan, model: ModelSpec, scale: float = 1.0, ranks_per_node: int | None = None, **options
+    plan: Plan,
+    model: ModelSpec,
+    scale: float = 1.0,
+    ranks_per_node: int | None = None,
+    hf_weights: str | None = None,
+    **options,
 ) -> RunSpec:
     """Build the RunSpec for `plan` (model = the plan's ModelSpec), shrunk by `scale`.
 
+    hf_weights: a Hugging Face checkpoint directory the run starts from; its config.json
+    gives the numerics when the plan has none (run_arch).
     options: steps, seed, lr, dispatcher, migrate_every, ... (RunSpec fields).
     Raises SpecError for plans the runtime cannot execute (bad stages, widths that tp does
     not divide) and, at scale 1, for a plan priced with settings it runs differently
@@ -218,7 +237,7 @@ def run_spec_from_plan(
         layers=tuple(scale_layer(model.layers[i], scale, par.tp) for i in source),
         vocab_size=vocab,
         hidden_size=scale_width(model.hidden_size, scale),
-        num_mtp_layers=0,
+        num_mtp_layers=_mtp_layers(plan, model),
     )
     starts = [sum(len(s) for s in kept[:i]) for i in range(len(kept) + 1)]
     virtual = tuple(tuple(range(starts[k], starts[k + 1])) for k in range(len(kept)))
@@ -237,6 +256,7 @@ def run_spec_from_plan(
     recomputed = {i for s in plan.stages for i in s.recompute_layers}
     recompute = par.recompute if recomputed and par.recompute != "none" else "none"
     world = par.pp * par.dp * par.tp
+    arch, arch_source = run_arch(plan, hf_weights)
     return RunSpec(
         model=run_model,
         pp=par.pp,
@@ -260,6 +280,8 @@ def run_spec_from_plan(
         recompute_layers=tuple(i for i, src in enumerate(source) if src in recomputed)
         if recompute != "none"
         else (),
+        arch=arch,
+        arch_source=arch_source,
         **{"halo_cost": halo_cost_of(plan.cluster), **options},
     )
 
@@ -348,7 +370,8 @@ def spec_from_options(options: RunOptions) -> RunSpec:
     """Load options.plan and its model and build the run's (scaled) RunSpec.
 
     Every RunOptions field that is also a RunSpec field (steps, seed, lr, dispatcher, ...)
-    is passed through, the dispatcher defaulting to the plan's (priced_dispatcher); raises
+    is passed through, the dispatcher defaulting to the plan's (priced_dispatcher), the
+    numerics from the plan and --hf-weights (run_arch); raises
     SpecError as run_spec_from_plan does and, at full size, for a --dispatcher or
     --precision that differs from what the plan was priced with (check_run_flags).
     """
@@ -358,8 +381,9 @@ def spec_from_options(options: RunOptions) -> RunSpec:
     passed = {f.name for f in fields(RunSpec)} - {"ranks_per_node"}
     chosen = {f.name: getattr(options, f.name) for f in fields(options) if f.name in passed}
     chosen["dispatcher"] = options.dispatcher or priced_dispatcher(plan)
+    model = plan.model_spec(options.plan)
     return run_spec_from_plan(
-        plan, plan.model_spec(options.plan), options.scale, options.ranks_per_node, **chosen
+        plan, model, options.scale, options.ranks_per_node, options.hf_weights, **chosen
     )
 
 

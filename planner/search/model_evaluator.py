@@ -101,8 +101,10 @@ class ModelEvaluator:
 
     def describe_model(self, model: ModelSpec) -> dict[str, Any]:
         from planner.inputs.models import model_config
+        from planner.inputs.numerics import numerics_of_model
 
-        return {"name": model.name, "source": model.source, "config": model_config(model)}
+        entry = {"name": model.name, "source": model.source, "config": model_config(model)}
+        return {**entry, "numerics": numerics_of_model(model)}
 
     def describe_cluster(self, cluster: ClusterSpec) -> dict[str, Any]:
         from planner.inputs.clusters import cluster_to_dict

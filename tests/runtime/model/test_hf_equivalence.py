@@ -231,7 +231,7 @@ def test_run_with_hf_weights_starts_from_the_checkpoint(name, pp, dp, tmp_path, 
     entry = ModelEntry(model.name, str(tmp_path / "config.json"))
     plan = hand_plan(model, pp, dp, dp, micro_batch=1, num_microbatches=2, seq_len=SEQ,
                      model_entry=entry)  # fmt: skip
-    spec = run_spec_from_plan(plan, model, 1.0, 2, steps=1)
+    spec = run_spec_from_plan(plan, model, 1.0, 2, str(tmp_path), steps=1)
     check_hf_checkpoint(str(tmp_path), spec.model, 1.0)
     results = run_distributed(_trainer_body, 2, spec, str(tmp_path))
     assert [loss is None for loss, _, _ in results] == [pp == 2, False]  # last stage's
@@ -314,7 +314,7 @@ def test_tp2_trains_mla_and_sinks_like_one_device(name, tmp_path, run_distribute
     for tp in (1, 2):
         plan = hand_plan(model, 1, 1, 1, micro_batch=2, num_microbatches=1, seq_len=SEQ,
                          model_entry=entry, tp=tp)  # fmt: skip
-        spec = run_spec_from_plan(plan, model, 1.0, tp, steps=3)
+        spec = run_spec_from_plan(plan, model, 1.0, tp, str(tmp_path), steps=3)
         runs[tp] = run_distributed(_losses_body, tp, spec, str(tmp_path), 3)
     (one_losses, one_grads), *_ = runs[1]
     for rank, (losses, grads) in enumerate(runs[2]):
