@@ -17,21 +17,22 @@ statistics below). Constants whose range starts at 0 carry the offset a_k of OFF
 
 DEFAULT_PRIOR_SD[k] is how far the same constant sits on one fitted stack from another: the
 sample sd (n - 1) of t_k over the presets that fitted it independently (h100, gb200-nvl72,
-frontier: profiles/clusters/*.yaml at commits 5aec5f6 and f91a329; h200 copies h100 and is
-not counted), capped at the sd of a uniform distribution over its bounds in t, (t_high - t_low) /
-sqrt(12) (what the bounds alone say); a constant fitted by one preset or none takes that cap.
+frontier: profiles/clusters/*.yaml at commit 5da0ecf; h200 copies h100 and is not counted; a
+value at its bound is where a fit stopped, not an estimate, and is left out), capped at the sd
+of a uniform distribution over its bounds in t, (t_high - t_low) / sqrt(12) (what the bounds
+alone say); a constant with fewer than two such values takes that cap.
 
-| constant | fitted values | spread | cap | sd |
+| constant | fitted values (at a bound: left out) | spread | cap | sd |
 |---|---|---|---|---|
-| gemm_efficiency | 0.6712, 0.7388, 0.614 | 0.0925 | 0.333 | 0.0925 |
-| grouped_gemm_half_rows | 1437, 8 | 3.67 | 1.801 | 1.801 |
-| attention_efficiency | 0.7832, 0.9 (frontier's is assumed) | 0.0983 | 0.517 | 0.0983 |
-| hbm_efficiency | 0.3 (h100 only) | - | 0.348 | 0.348 |
-| layer_overhead_us (a = 1000) | 1843, 6107 | 0.648 | 0.879 | 0.648 |
-| scale_up_efficiency | 1.0 (h100 only) | - | 0.348 | 0.348 |
-| scale_out_efficiency | 0.9757 (h100 only) | - | 0.465 | 0.465 |
-| overlap_efficiency (a = 0.1) | 1.0 (h100 only) | - | 0.692 | 0.692 |
-| network_jitter_us (a = 100) | 2549 (frontier only) | - | 1.795 | 1.795 |
+| gemm_efficiency | 0.7918, 0.7914, 0.6723 | 0.0943 | 0.333 | 0.0943 |
+| grouped_gemm_half_rows | 1528 (gb200's 8) | - | 1.801 | 1.801 |
+| attention_efficiency | 0.8793 (gb200's 0.9; frontier's is assumed) | - | 0.517 | 0.517 |
+| hbm_efficiency | (h100's 0.3) | - | 0.348 | 0.348 |
+| layer_overhead_us (a = 1000) | 1465, 5824 | 0.720 | 0.879 | 0.720 |
+| scale_up_efficiency | (measured, not fitted) | - | 0.348 | 0.348 |
+| scale_out_efficiency | (h100's 1.0) | - | 0.465 | 0.465 |
+| overlap_efficiency (a = 0.1) | (h100's 1.0) | - | 0.692 | 0.692 |
+| network_jitter_us (a = 100) | 2845 (frontier only) | - | 1.795 | 1.795 |
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from dataclasses import dataclass
 
 from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec, SpecError
 
-# The pooled leave-one-out RMS log error of the fitted presets, sqrt((12 x 0.114^2 + 6 x
-# 0.206^2) / 18) (h100: 12 runs, gb200-nvl72: 6; results/published_runs.md), with their 18 dof.
-DEFAULT_RUN_SIGMA = 0.151
+# The pooled leave-one-out RMS log error of the fitted presets, sqrt((12 x 0.073^2 + 6 x
+# 0.209^2) / 18) (h100: 12 runs, gb200-nvl72: 6; their calibration blocks at commit 5da0ecf,
+# results/published_runs.md), with their 18 dof.
+DEFAULT_RUN_SIGMA = 0.135
 DEFAULT_RUN_DOF = 18
 # a_k of t_k = log(c_k + a_k) for the constants whose range starts at 0: the scale below
 # which the constant barely moves a step (1 ms of host time per layer, a tenth of the overlap,
@@ -54,11 +56,11 @@ OFFSETS: dict[str, float] = {
     "network_jitter_us": 100.0,
 }
 DEFAULT_PRIOR_SD: dict[str, float] = {  # module docstring's table
-    "gemm_efficiency": 0.0925,
+    "gemm_efficiency": 0.0943,
     "grouped_gemm_half_rows": 1.801,
-    "attention_efficiency": 0.0983,
+    "attention_efficiency": 0.517,
     "hbm_efficiency": 0.348,
-    "layer_overhead_us": 0.648,
+    "layer_overhead_us": 0.720,
     "scale_up_efficiency": 0.348,
     "scale_out_efficiency": 0.465,
     "overlap_efficiency": 0.692,

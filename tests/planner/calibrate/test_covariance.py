@@ -97,3 +97,20 @@ def test_covariance_only_prints_the_entries_and_writes_nothing(tmp_path, fitted)
     assert bad.code == 2 and len(bad.err_lines) == 1
     assert "--covariance-only writes nothing" in bad.err_lines[0]
     assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize("preset", ["h100", "gb200-nvl72"])
+def test_the_fitted_presets_record_their_covariance_at_their_constants(preset):
+    from planner.calibrate.runs import hardware_matches, load_runs
+    from planner.inputs.clusters import load_cluster
+    from tests.hardening_cli import REPO
+
+    cluster = load_cluster(preset)
+    params = tuple(n.strip() for n in dict(cluster.calibration)["params"].split(","))
+    model = error_model(cluster)
+    assert model.names == params
+    runs = [r for r in load_runs(REPO / "profiles" / "runs" / "published_runs.csv")
+            if hardware_matches(r.hardware, cluster)]  # fmt: skip
+    _, cov = covariance_at(runs, cluster, params)
+    # stale after a refit or a model change: regenerate with the command in the profile
+    np.testing.assert_allclose(model.covariance_t, cov, rtol=1e-3, atol=2e-6)
