@@ -167,3 +167,21 @@ def test_only_fsdp_over_a_padded_vocabulary_is_refused():
     check_checkpointable(replace(odd, fsdp=False))  # TP pads the last slice: still slices
     with pytest.raises(SpecError, match=r"FSDP and tp=2 needs the vocabulary \(257\) divisible"):
         check_checkpointable(odd)
+
+
+def test_every_layout_writes_the_same_keys_of_the_same_whole_shapes(root):
+    """tp, etp and FSDP slices are saved under the whole weight's key and shape: the
+    checkpoints of every layout describe the same tensors (the RNG keys are per process)."""
+    import torch.distributed.checkpoint as dcp
+
+    from planner.run.checkpoint_dir import checkpoints
+
+    def described(layout: str) -> dict:
+        path = checkpoints(_written_by(layout, root)[2])[-1]  # the step-2 checkpoint
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k: tuple(v.size) for k, v in saved.items() if not k.startswith("rng.")}
+
+    whole = described("tp1")
+    assert any(k.startswith("model.layers.1.experts.7.") for k in whole)
+    for layout in ("tp2", "etp2", "fsdp"):
+        assert described(layout) == whole, layout
