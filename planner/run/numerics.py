@@ -14,7 +14,7 @@ from pathlib import Path
 from planner.inputs.models import read_config_file
 from planner.inputs.numerics import ModelArch, arch_from_hf_config, first_difference
 from planner.plan import Plan
-from planner.specs import SpecError
+from planner.specs import ModelSpec, SpecError
 
 DEFAULT_ARCH = "the runtime's default ModelArch() (the plan has no model.numerics)"
 PLAN_ARCH = "plan.json model.numerics"
@@ -48,3 +48,22 @@ def run_arch(plan: Plan, hf_weights: str | None = None) -> tuple[ModelArch, str]
             "--hf-weights out"
         )
     return planned, f"{PLAN_ARCH} (= --hf-weights {config})"
+
+
+def check_arch(arch: ModelArch, model: ModelSpec, source: str) -> None:
+    """Refuse (one SpecError line naming the key) a group-limited router the model's MoE layers
+    cannot split: n_group must divide the experts, topk_group <= n_group, and the kept groups
+    must hold top-k experts (DeepSeek-V3's choice, runtime/model/moe.py)."""
+    if arch.num_groups <= 1:
+        return
+    groups, keep = arch.num_groups, arch.topk_groups
+    for i in model.moe_layers:
+        moe = model.layers[i].moe
+        assert moe is not None
+        per_group = moe.num_experts // groups
+        if moe.num_experts % groups or not 1 <= keep <= groups or keep * per_group < moe.top_k:
+            raise SpecError(
+                f"{source}: n_group={groups}, topk_group={keep} do not fit layer {i}'s "
+                f"{moe.num_experts} experts, top-{moe.top_k} (n_group must divide them, "
+                "topk_group <= n_group and the kept groups hold top-k experts); fix the keys"
+            )

@@ -25,7 +25,7 @@ from planner.run.layout import (
     refuse_context_parallel,
     virtual_stages,
 )
-from planner.run.numerics import DEFAULT_ARCH, run_arch
+from planner.run.numerics import DEFAULT_ARCH, check_arch, run_arch
 from planner.run.options import Dispatcher, RunOptions
 from planner.run.scale import keep_layers, scale_layer, scale_width
 from planner.specs import ModelSpec, SpecError
@@ -257,6 +257,7 @@ def run_spec_from_plan(
     recompute = par.recompute if recomputed and par.recompute != "none" else "none"
     world = par.pp * par.dp * par.tp
     arch, arch_source = run_arch(plan, hf_weights)
+    check_arch(arch, model, arch_source)
     return RunSpec(
         model=run_model,
         pp=par.pp,

@@ -195,3 +195,34 @@ def test_every_preset_gives_its_numerics_and_the_same_arch_through_them():
         section = numerics_of_config(cfg, source)
         assert set(section) <= set(NUMERICS_KEYS)
         assert arch_from_hf_config(section) == arch_from_hf_config(cfg), name
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+         "model.numerics: rope_type 'llama3' is not supported by the runtime"),
+        ({"model_type": "deepseek_v3", "n_group": 3, "topk_group": 1},
+         "n_group=3, topk_group=1 do not fit layer 0's 4 experts, top-2"),
+        ({"model_type": "deepseek_v3", "n_group": 4, "topk_group": 1},  # 1 expert kept < top-2
+         "n_group=4, topk_group=1 do not fit layer 0's 4 experts, top-2"),
+    ],
+)  # fmt: skip
+def test_numerics_the_runtime_cannot_run_are_refused_before_launch(
+    planned, tmp_path, capsys, change, message
+):
+    _, path = planned
+    doc = json.loads(path.read_text())
+    doc["model"]["numerics"].update(change)
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps(doc))
+    load_plan(bad)  # a valid plan: other commands (export, calibrate) read it
+    assert main(["run", str(bad), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"piper run: error: {bad}: ") and message in err and "\n" not in err
+    n_group = dict(change, n_group=2, topk_group=1)
+    if "n_group" in change:  # two groups of two experts, one kept: fits top-2
+        doc["model"]["numerics"].update(n_group)
+        bad.write_text(json.dumps(doc))
+        spec = checked_spec(RunOptions(str(bad)))
+        assert (spec.arch.router, spec.arch.num_groups, spec.arch.topk_groups) == ("sigmoid", 2, 1)
