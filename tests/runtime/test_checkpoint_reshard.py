@@ -28,20 +28,23 @@ from tests.runtime.tiny_plans import hand_plan, tiny_model
 
 STEPS = 4  # straight; the checkpoint is taken after STEPS // 2
 
-# name -> (dp, tp, ep, etp, fsdp): every layout keeps its own dp (the data is sharded by it)
+# name -> (dp, tp, ep, etp, fsdp, vocabulary): every layout keeps its own dp (the data is
+# sharded by it)
 LAYOUTS = {
-    "tp1": (1, 1, 1, 1, False),
-    "tp2": (1, 2, 2, 1, False),  # the EP group folds over the TP pair
-    "etp1": (2, 1, 2, 1, False),
-    "etp2": (2, 1, 1, 2, False),
-    "fsdp": (2, 1, 1, 1, True),  # experts chunked over the expert-DP pair by slot
-    "fsdp_tp2": (2, 2, 1, 1, True),  # dense weights: FSDP chunks of TP slices (a 2-D mesh)
+    "tp1": (1, 1, 1, 1, False, 256),
+    "tp2": (1, 2, 2, 1, False, 256),  # the EP group folds over the TP pair
+    "etp1": (2, 1, 2, 1, False, 256),
+    "etp2": (2, 1, 1, 2, False, 256),
+    "fsdp": (2, 1, 1, 1, True, 256),  # experts chunked over the expert-DP pair by slot
+    "fsdp_tp2": (2, 2, 1, 1, True, 256),  # dense weights: FSDP chunks of TP slices (2-D mesh)
+    "tp1_v257": (1, 1, 1, 1, False, 257),
+    "tp2_v257": (1, 2, 2, 1, False, 257),  # vocabulary slices of 129 and 128 + 1 padding row
 }
 
 
 def _spec(layout: str, steps: int = STEPS):
-    dp, tp, ep, etp, fsdp = LAYOUTS[layout]
-    model = tiny_model(layers=3)
+    dp, tp, ep, etp, fsdp, vocab = LAYOUTS[layout]
+    model = replace(tiny_model(layers=3), vocab_size=vocab)  # the byte data uses ids < 256
     plan = hand_plan(model, 1, dp, ep, micro_batch=2, num_microbatches=2, seq_len=32,
                      gpus_per_node=dp * tp, tp=tp, etp=etp, fsdp=fsdp)  # fmt: skip
     return run_spec_from_plan(plan, model, 1.0, dp * tp, steps=steps)
@@ -157,11 +160,32 @@ def test_another_layout_loads_the_checkpoint_and_continues_the_run(
     assert loaded[0][2] == pytest.approx(want, rel=1e-5, abs=1e-5)
 
 
+def test_a_padded_vocabulary_slice_is_saved_without_its_padding_row(root):
+    """V = 257 over tp = 2: rank 0 holds ids 0..128, rank 1 ids 129..256 and a zero padding
+    row. The tp = 1 run that loads the tp = 2 checkpoint holds the two real slices end to
+    end, and continues with the tp = 2 run's losses."""
+    import numpy as np
+
+    from tests.runtime.conftest import run_distributed
+
+    straight, part, directory = _written_by("tp2_v257", root)
+    [(start, (_, whole), losses)] = run_distributed(_load_body, 1, _spec("tp1_v257"), directory)
+    by_tp = {coord[0]: named for coord, named in (r[2] for r in part)}
+    for key in (("embed", "weight"), ("head", "weight")):
+        first, second = by_tp[0][key], by_tp[1][key]
+        assert first.shape == second.shape == (129, 32)
+        assert not second[128].any()  # the padding row
+        assert whole[key].shape == (257, 32)
+        assert (np.concatenate([first, second[:128]]) == whole[key]).all()
+    assert start == STEPS // 2
+    assert losses == pytest.approx(straight[0][0][STEPS // 2 :], rel=1e-5, abs=1e-5)
+
+
 def test_only_fsdp_over_a_padded_vocabulary_is_refused():
     from planner.run.checkpoint_dir import check_checkpointable
 
     for layout in LAYOUTS:
-        check_checkpointable(_spec(layout))  # every other layout: fine
+        check_checkpointable(_spec(layout))  # every other layout: fine (V = 257 without FSDP)
     spec = _spec("fsdp_tp2")
     odd = replace(spec, model=replace(spec.model, vocab_size=257))
     check_checkpointable(replace(odd, fsdp=False))  # TP pads the last slice: still slices
