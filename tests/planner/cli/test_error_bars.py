@@ -30,13 +30,15 @@ ESTIMATE = ["estimate", "--model", "mixtral-8x7b", "--pp", "4", "--dp", "8", "--
             "--global-batch", "256"]  # fmt: skip
 
 
-def spread(cluster: str) -> tuple[float, float]:
-    """(tokens/s hi / mid, memory hi / mid) at 80% from what the preset's YAML records."""
+def spread(cluster: str, param_log_sd: float = 0.0) -> tuple[float, float]:
+    """(tokens/s hi / mid, memory hi / mid) at 80% from what the preset's YAML records, with
+    the fitted constants' covariance propagated to the layout (param_log_sd) added."""
     cal = yaml.safe_load((ROOT / "profiles" / "clusters" / f"{cluster}.yaml").read_text()).get(
         "calibration", {}
     )
     if "loo_rms_log" in cal:
-        time = math.exp(t.ppf(0.9, int(cal["runs"])) * float(cal["loo_rms_log"]))
+        sd = math.hypot(float(cal["loo_rms_log"]), param_log_sd)
+        time = math.exp(t.ppf(0.9, int(cal["runs"])) * sd)
     else:
         time = math.exp(norm.ppf(0.9) * DEFAULT_TIME_LOG_SD)
     return time, math.exp(norm.ppf(0.9) * DEFAULT_MEMORY_LOG_SD)
@@ -46,7 +48,9 @@ def spread(cluster: str) -> tuple[float, float]:
 def test_estimate_json_carries_each_figures_interval(cluster, capsys):
     assert main([*ESTIMATE, "--cluster", cluster, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    iv, (f_time, f_mem) = d["intervals"], spread(cluster)
+    iv = d["intervals"]
+    f_time, f_mem = spread(cluster, iv["param_log_sd"])
+    assert (iv["param_log_sd"] > 0) == (cluster == "h100")  # h100 records a covariance
     assert iv["level"] == 0.8
     for key in ("tokens_per_s", "step_time_s", "tflops_per_gpu"):
         lo, hi = iv[key]
@@ -84,10 +88,11 @@ def plan_dir(tmp_path_factory) -> Path:
 
 def test_plan_json_summary_and_csvs_carry_the_intervals(plan_dir):
     d = json.loads((plan_dir / "plan.json").read_text())
-    pred, f_time, f_mem = d["predicted"], *spread("h100")
+    pred = d["predicted"]
     iv = pred["intervals"]
+    f_time, f_mem = spread("h100", iv["param_log_sd"])
     assert iv["tokens_per_s"][1] / pred["tokens_per_s"] == pytest.approx(f_time, rel=1e-6)
-    assert iv["param_log_sd"] == 0.0  # the preset records no covariance
+    assert iv["param_log_sd"] > 0  # the preset records its constants' covariance
     for (lo, hi), mid in zip(iv["memory_gib_per_stage"], pred["memory_gib_per_stage"], strict=True):
         assert lo == pytest.approx(mid / f_mem, rel=1e-6) and hi == pytest.approx(mid * f_mem)
     summary = (plan_dir / "summary.md").read_text()
