@@ -3,13 +3,14 @@ Megatron-LM / torchtitan training log against the plan's prediction and its inte
 
     compare_measurement(plan_path, measured_path, ...) -> Comparison
 
-The file's format is detected (planner.calibrate.logs.log_engine: a JSON object per line is
-metrics.jsonl, Megatron's arguments block or iteration line, torchtitan's step line) or given
-(`fmt`); a file that reads as another format than the one given, or as none, is one SpecError
-line. metrics.jsonl gives the component table (planner/calibrate/compare.py) and its interval
-checks (tokens/s, step time, each stage's memory); a training log gives tokens/s, step time
-and its peak memory after the warm-up, read as `piper calibrate --fit --log` reads it
-(planner/calibrate/log_runs.py: the log's layout and engine checked against the plan's).
+The file's format is given (`fmt`), or metrics for a *.jsonl file, or detected
+(planner.calibrate.logs.log_engine: a JSON object per line is metrics.jsonl, Megatron's
+arguments block or iteration line, torchtitan's step line); a file that reads as another
+format than the one given, or as none, is one SpecError line. metrics.jsonl gives the
+component table (planner/calibrate/compare.py) and its interval checks (tokens/s, step time,
+each stage's memory); a training log gives tokens/s, step time and its peak memory after the
+warm-up, read as `piper calibrate --fit --log` reads it (planner/calibrate/log_runs.py: the
+log's layout and engine checked against the plan's).
 """
 
 from __future__ import annotations
@@ -47,9 +48,13 @@ class Comparison:
     intervals: PlanIntervals
 
 
-def measured_format(text: str, path: str, fmt: Format = "auto") -> str:
-    """The file's format (log_engine's name); SpecError when it reads as none, or as another
-    than `fmt` names."""
+def measured_format(path: str, fmt: Format = "auto") -> str:
+    """The file's format (log_engine's names): `fmt` when given, metrics for a *.jsonl file
+    (load_metrics then reads it and names any faulty line), else detected from the text;
+    SpecError when it reads as none, or as another than `fmt` names."""
+    if fmt == "metrics" or (fmt == "auto" and Path(path).suffix == ".jsonl"):
+        return "metrics"
+    text = read_log(path)
     engine = log_engine(text) or parse_log(text, path).engine  # parse_log: the one line
     if fmt != "auto" and engine != fmt:
         raise SpecError(
@@ -77,7 +82,7 @@ def compare_measurement(
     from planner.plan import load_plan
 
     plan = load_plan(plan_path)
-    engine = measured_format(read_log(measured_path), measured_path, fmt)
+    engine = measured_format(measured_path, fmt)
     ivs = plan_intervals(plan, plan_path)
     if engine == "metrics":
         cal = _calibration(plan, measured_path, skip_steps, cluster)
