@@ -72,6 +72,15 @@ def may_not_fit(ivs: Intervals, device_memory_gib: float) -> Intervals:
     return replace(ivs, memory_may_not_fit=over)
 
 
+def memory_spread(ivs: Intervals | None) -> float:
+    """hi / mid of the memory intervals (one profile-wide sd, so every stage and layout shares
+    it); 1.0 without intervals."""
+    for iv in ivs.memory_gib_per_stage if ivs else ():
+        if iv.mid > 0:
+            return iv.hi / iv.mid
+    return 1.0
+
+
 def may_not_fit_note(ivs: Intervals | None, device_memory_gib: float) -> str:
     """The verdict's warning for stages that fit at the estimate (mid <= device memory) while
     their interval's upper end exceeds it; "" when there is none. E.g. "the 80% interval's

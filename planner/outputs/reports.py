@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from planner.numbers import number, percent
-from planner.outputs.error_bars import bracket, interval_lines, may_not_fit_note
+from planner.outputs.error_bars import bracket, interval_lines, may_not_fit_note, memory_spread
 from planner.outputs.tables import (
     CANDIDATE_DIGITS,
     COMM_DIGITS,
@@ -66,15 +66,23 @@ FLOPS_NOTE = "model FLOPs in Megatron-Core's convention"  # planner/resources/fl
 def baseline_rows(result: PlanResult) -> list[list[str]]:
     """One row per baseline (BASELINE_COLUMNS) against the plan's step time."""
     assert result.best is not None and result.best.estimate is not None
-    return _baseline_rows(result.baselines, result.best.estimate.step_time_s, result.gpus)
+    ivs = result.plan.predicted.intervals if result.plan else None
+    return _baseline_rows(result.baselines, result.best.estimate.step_time_s, result.gpus, ivs)
 
 
-def _baseline_rows(baselines: Sequence[Baseline], step_s: float, gpus: int) -> list[list[str]]:
+def _baseline_rows(
+    baselines: Sequence[Baseline], step_s: float, gpus: int, ivs: Intervals | None = None
+) -> list[list[str]]:
+    """The rows; a baseline that fits at its estimate while a stage's total times the plan's
+    memory spread (`ivs`: hi / mid, one profile-wide sd) exceeds the device says so."""
+    spread = memory_spread(ivs)
     rows = []
     for b in baselines:
         e = b.estimate
         layout = describe(b.parallel, b.knobs) if b.parallel else "-"
         fits = "yes" if e and e.fits else "no"
+        if e and e.fits and any(m * spread > capacity_gib(e) for m in e.memory_gib_per_stage):
+            fits = f"at the estimate ({ivs.level:.0%} interval: may not)" if ivs else fits
         speed = b.speedup(step_s)
         rows.append(
             [
@@ -116,6 +124,8 @@ def summary_md(result: PlanResult) -> str:
     assert plan is not None and best is not None and best.estimate is not None
     est, par = best.estimate, best.parallel
     model, cluster = plan.model.name or "?", plan.cluster.name or "?"
+    ivs = plan.predicted.intervals
+    baselines = _baseline_rows(result.baselines, est.step_time_s, result.gpus, ivs)
     lines = [
         f"# Piper plan: {model} on {result.gpus} GPUs of {cluster}",
         "",
@@ -149,7 +159,7 @@ def summary_md(result: PlanResult) -> str:
         "",
         "## Baselines (same resource model)",
         "",
-        _table(BASELINE_COLUMNS, _baseline_rows(result.baselines, est.step_time_s, result.gpus)),
+        _table(BASELINE_COLUMNS, baselines),
         "",
         "## Top candidates",
         "",

@@ -18,6 +18,7 @@ from planner.inputs.clusters import load_cluster
 from planner.ip.solvers import SolverOptions
 from planner.outputs import reports
 from planner.outputs.error_bars import may_not_fit, may_not_fit_note
+from planner.outputs.tables import capacity_gib
 from planner.plan import plan_from_dict
 from planner.plan.schema import Interval, Intervals
 from planner.search.make_plan import make_plan
@@ -118,3 +119,12 @@ def test_plan_summary_csv_and_json_carry_the_verdict(toy_result, spread):
     assert [s["memory_may_not_fit"] for s in stages] == [str(int(over))]
     back = plan_from_dict(json.loads(files["plan.json"]))
     assert back.predicted.intervals.memory_may_not_fit == (over,)
+    fits = reports.BASELINE_COLUMNS.index("fits")
+    for b, row in zip(result.baselines, reports.baseline_rows(result), strict=True):
+        e = b.estimate
+        risky = bool(e and e.fits and max(e.memory_gib_per_stage) * spread > capacity_gib(e))
+        want = (
+            "at the estimate (80% interval: may not)" if risky else "yes" if e and e.fits else "no"
+        )
+        assert row[fits] == want, b.title
+        assert f"| {want} |" in md
