@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "measured runs (least squares on log throughput, leave-one-out errors) and write the "
         "fitted profile. With PLAN METRICS: predicted (plan.json + resource model per stage) "
         "vs measured (metrics.jsonl from 'piper run', or a Megatron-LM / torchtitan log), "
-        "with where each figure falls in the plan's 80%% interval. See planner/PROFILING.md.",
+        "with where each figure falls in the plan's 80% interval. See planner/PROFILING.md.",
     )
     p.add_argument("plan", nargs="?", help="plan.json the run executed (compare mode)")
     p.add_argument(
