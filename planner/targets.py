@@ -81,7 +81,7 @@ TARGETS: dict[TargetName, Target] = {
         recompute=("none", "selective", "full"), recompute_modules=("core_attn",),
         sharding=("none", "fsdp"), a2a_overlap=False, dispatchers=("flat", "halo"),
         cuda_graphs=("none",), dtypes=("bf16", "fp32"), optimizer_dtypes=("fp32",),
-        vp=True, cp=False, etp_rule="any", expert_placement=True, mtp=False,
+        vp=True, cp=False, etp_rule="any", expert_placement=True, mtp=True,
         uneven_stages=True, default_sharding="none",
     ),
     "megatron": Target(

@@ -394,7 +394,9 @@ def embedding_held(model: ModelSpec, training: TrainingSpec, parallel: ParallelC
 def head_held(model: ModelSpec, training: TrainingSpec, parallel: ParallelConfig) -> Held:
     """Last stage: final norm + output head (a tied head is a separate copy when pp > 1, as in
     Megatron), fp32 logits b s V / tp, final norm in/out; plus each MTP module (norms,
-    2d -> d projection, one layer like the last, its own fp32 logits)."""
+    2d -> d projection, one layer like the last, its own fp32 logits) and, when pp > 1 and
+    the head is untied, the embedding copy the MTP modules read (Megatron-LM's MTP stage
+    builds one, megatron/core/models/gpt/gpt_model.py:173 at d98e8a6; a tied head is it)."""
     d, v, tp = model.hidden_size, model.vocab_size, parallel.tp
     a = act_bytes_per_element(training)
     tokens = rank_tokens(training, parallel)
@@ -408,6 +410,8 @@ def head_held(model: ModelSpec, training: TrainingSpec, parallel: ParallelConfig
         whole = tp_replicated_params(model, last)  # its 3 norms are whole too
         per_dense = (2 * d * d + p.non_expert - whole) / tp + 3 * d + whole
         dense += model.num_mtp_layers * per_dense
+        if parallel.pp > 1 and not model.tie_word_embeddings:
+            dense += -(-v // tp) * d
         expert += model.num_mtp_layers * p.experts_total / (parallel.ep * parallel.etp)
         layer_act = layer_activations(model, last, training, parallel).total
         per_act = layer_act + a * tokens * 2 * d + 4.0 * tokens * v

@@ -39,6 +39,8 @@ LAYOUTS = {  # name -> piper plan's ranks and layout flags on cpu-gloo
     "pp-vp-ep-etp-slots": "--gpus 8 --pp 2 --vp 2 --tp 1 --ep 2 --etp 2 --redundant-slots 2",
     "mla-pp-ep": "--gpus 4 --pp 2 --vp 1 --tp 1 --ep 2",  # TINY_MLA, not tiny-moe-deep
     "mla-tp-ep": "--gpus 4 --pp 1 --vp 1 --tp 2 --ep 2 --no-fsdp",
+    "mla-mtp-pp-ep": "--gpus 4 --pp 2 --vp 1 --tp 1 --ep 2 --mtp-layers 1",
+    "mla-mtp-tp-ep": "--gpus 4 --pp 1 --vp 1 --tp 2 --ep 2 --no-fsdp --mtp-layers 1",
 }
 # a DeepSeek-V2-shaped model at tiny size: 4 heads, q / kv latents 32 / 16, heads 8 + 8 (v 8)
 TINY_MLA = {
@@ -175,6 +177,28 @@ def test_mla_over_tp_keeps_its_down_projections_whole(plans):
         att = mo.build_trainer(ctx["spec"], 0, mo.torch.device("meta")).module.blocks[0].attn
         assert isinstance(att, MLAttention)
         assert sum(p.numel() for p in att.parameters()) == whole + split // 2
+
+
+@pytest.mark.parametrize("name", ["mla-mtp-pp-ep", "mla-mtp-tp-ep"])
+def test_mtp_modules_are_held_as_the_model_counts_them(plans, name):
+    # one MTP module on the last stage: enorm, hnorm and its final norm (3 D), eh_proj
+    # (2 D x D, split over tp), a layer like the last (MLA, 2 norms, router, shared expert 32
+    # wide, 4 of the 8 experts at ep = 2); with pp = 2 also the embedding copy (V x D)
+    states, ctx = check_every_rank(plans[name], mla=True)
+    spec = ctx["spec"]
+    assert spec.model.num_mtp_layers == 1
+    tp, last_rank = spec.tp, spec.world - 1
+    mla = D * 32 + 32 * 4 * 16 + D * (16 + 8) + 16 * 4 * (8 + 8) + 4 * 8 * D + 32 + 16
+    whole_mla = D * 32 + 32 + D * (16 + 8) + 16  # MLA's down-projections and latent norms
+    attention = whole_mla + (mla - whole_mla) // tp
+    layer = attention + 2 * D + E * D + 3 * D * 32 // tp + 4 * 3 * D * 32
+    want = 3 * D + 2 * D * D // tp + layer + (V * D if spec.pp > 1 else 0)
+    meta = mo.torch.device("meta")
+    with mo.fake_world(last_rank, spec.world), mo.meta_hooks(), meta:
+        module = mo.build_trainer(spec, last_rank, meta).module
+        held = sum(p.numel() for p in module.mtp.parameters())
+        held += module.mtp_embed.weight.numel() if module.mtp_embed is not None else 0
+    assert held == want
 
 
 def _first_rank_moes(spec) -> list:

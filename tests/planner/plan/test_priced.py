@@ -23,12 +23,18 @@ def test_piper_runs_its_own_plans_and_refuses_megatrons_at_full_size():
     run_spec_from_plan(mega, mega.model_spec(), scale=0.5)  # a rehearsal: not the priced run
 
 
+def test_piper_runs_mtp_layers():  # runtime/model/mtp.py
+    plan = make_plan()
+    plan = replace(plan, training={**plan.training, "mtp_layers": 1})
+    assert check_priced(plan, "piper").name == "piper"
+    assert run_spec_from_plan(plan, plan.model_spec()).model.num_mtp_layers == 1
+
+
 @pytest.mark.parametrize(
     ("training", "extra", "words"),
     [
         ({"zero": True}, {}, "priced with the distributed optimizer"),
         ({"a2a_overlap": True}, {}, "1F1B all-to-all overlap"),
-        ({"mtp_layers": 1}, {}, "trains 1 MTP layers"),
         ({"cuda_graphs": "partial"}, {}, r"CUDA graphs \(partial\)"),
         ({}, {"dispatcher": "deepep"}, "deepep dispatcher"),
     ],

@@ -205,10 +205,11 @@ def test_mtp_layers_follow_the_training_setting():
     on = estimate(model, cl, TrainingSpec(seq_len=16), par)
     off = estimate(model, cl, TrainingSpec(seq_len=16, mtp_layers=0), par)
     added = estimate(base, cl, TrainingSpec(seq_len=16, mtp_layers=1), par)
-    # one MTP module on the last stage: 2 norms + final norm (3 d), eh_proj 2 d^2, one layer
+    # one MTP module on the last stage: 2 norms + final norm (3 d), eh_proj 2 d^2, one layer;
+    # pp > 1 with an untied head: the embedding copy it reads (V d)
     mtp = 3 * D + 2 * D * D + (4 * D * D + D * E) + 3 * D * F * E / 2
     w_on, w_off = _mem(on.stages[1])["weights"], _mem(off.stages[1])["weights"]
-    assert w_on - w_off == pytest.approx(2 * mtp)
+    assert w_on - w_off == pytest.approx(2 * (mtp + V * D))
     assert _mem(added.stages[1])["weights"] == pytest.approx(w_on)
     assert _mem(on.stages[0]) == _mem(off.stages[0])
 

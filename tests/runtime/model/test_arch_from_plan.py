@@ -43,6 +43,7 @@ def _deepseek_theta(**extra):
         topk_group=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, routed_scaling_factor=2.5,
         max_position_embeddings=2560, rope_parameters=YARN, rms_norm_eps=1e-5,
+        num_nextn_predict_layers=0,  # MTP off: transformers has none
     )  # fmt: skip
 
 

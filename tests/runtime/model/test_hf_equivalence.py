@@ -53,7 +53,7 @@ def _deepseek_v3(**extra):
         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
         first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=2560,
-        rope_parameters=yarn,
+        rope_parameters=yarn, num_nextn_predict_layers=0,  # MTP off: transformers has none
     )  # fmt: skip
 
 
