@@ -71,20 +71,21 @@ def state_tensors(module, optimizer, mesh: Mesh, rank: int | None, copy: bool = 
     """This rank's checkpoint tensors (rank None: no RNG state): views of the live ones, or
     with `copy` copies of them; a slice of a weight as a DTensor of the whole weight's shape
     (runtime/weight_shards.py)."""
+
+    def kept(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if copy else t
+
     out = {}
     for piece in pieces(module, mesh):
-        local = piece.local(piece.param)
-        out[f"model.{piece.key}"] = piece.saved(local.clone() if copy else local)
+        out[f"model.{piece.key}"] = piece.saved(kept(piece.local(piece.param)))
         state = optimizer.state.get(piece.param, {})
         for name in ("exp_avg", "exp_avg_sq"):
             if name in state:
-                local = piece.local(state[name])
-                out[f"optim.{name}.{piece.key}"] = piece.saved(local.clone() if copy else local)
+                out[f"optim.{name}.{piece.key}"] = piece.saved(kept(piece.local(state[name])))
         if "step" in state:
-            out[f"optim.step.{piece.key}"] = state["step"].clone() if copy else state["step"]
+            out[f"optim.step.{piece.key}"] = kept(state["step"])
     for layer, moe in module.moe_layers().items():
-        bias = moe.router.bias_E
-        out[f"buffers.layers.{layer}.router.bias_E"] = bias.clone() if copy else bias
+        out[f"buffers.layers.{layer}.router.bias_E"] = kept(moe.router.bias_E)
     if rank is not None:
         out[f"rng.rank{rank}"] = torch.get_rng_state()
     return out
