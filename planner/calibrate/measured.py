@@ -122,8 +122,3 @@ def _calibration(
     reprice = repricing(plan, differences)
     note = differences_line(differences, reprice, bool(plan.training.get("a2a_overlap")))
     return calibrate(plan, metrics, skip_steps, cluster, reprice, note)
-
-
-def out_dir(comparison: Comparison, out: str | None) -> Path:
-    """Where a metrics comparison's calibration.{csv,md,png} go: `out`, else beside it."""
-    return Path(out) if out else Path(comparison.measured_path).parent
