@@ -79,7 +79,7 @@ def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -
     edp_mesh = DeviceMesh.from_group(mesh.edp_group, device)
     ignored = set(chunk.tp_partial_parameters())
     marks = {n: _tp_marks(p) for n, p in chunk.named_parameters()}
-    for block in chunk.blocks:
+    for _, block in chunk.indexed_blocks():  # the MTP modules' blocks too
         if block.moe is not None:
             experts = _shard(
                 block.moe.experts, edp_mesh, mesh.edp_ranks, counter, "grad_expert", set()

@@ -36,6 +36,7 @@ EXPERT = 3 * D * 64  # one gated routed expert (moe_intermediate_size 64)
 LAYOUTS = {  # name -> piper plan's ranks and layout flags on cpu-gloo
     "pp-vp-tp-ep": "--gpus 8 --pp 2 --vp 2 --tp 2 --ep 2",
     "ep-fsdp": "--gpus 4 --pp 1 --tp 1 --ep 2 --fsdp",
+    "ep-fsdp-mtp": "--gpus 4 --pp 1 --tp 1 --ep 2 --fsdp --mtp-layers 1",
     "pp-vp-ep-etp-slots": "--gpus 8 --pp 2 --vp 2 --tp 1 --ep 2 --etp 2 --redundant-slots 2",
     "mla-pp-ep": "--gpus 4 --pp 2 --vp 1 --tp 1 --ep 2",  # TINY_MLA, not tiny-moe-deep
     "mla-tp-ep": "--gpus 4 --pp 1 --vp 1 --tp 2 --ep 2 --no-fsdp",
@@ -177,6 +178,17 @@ def test_mla_over_tp_keeps_its_down_projections_whole(plans):
         att = mo.build_trainer(ctx["spec"], 0, mo.torch.device("meta")).module.blocks[0].attn
         assert isinstance(att, MLAttention)
         assert sum(p.numel() for p in att.parameters()) == whole + split // 2
+
+
+def test_fsdp_shards_the_mtp_modules_experts_over_edp_like_every_moe_layer(plans):
+    states, ctx = check_every_rank(plans["ep-fsdp-mtp"])
+    assert ctx["spec"].model.num_mtp_layers == 1 and ctx["spec"].fsdp
+    plain, _ = check_every_rank(plans["ep-fsdp"])
+    # one more MoE layer like the last (attention 3 D^2 + 2 norms, router, shared expert 64
+    # wide, 4 experts per EP rank) and 3 D + 2 D^2: dense over dp = 4, experts over edp = 2
+    dense = 3 * D * D + 2 * D + E * D + 3 * D * 64 + 3 * D + 2 * D * D
+    extra = [4 * (dense // 4 + 4 * EXPERT // 2)] * 4
+    assert [a.weights - b.weights for a, b in zip(states, plain, strict=True)] == extra
 
 
 @pytest.mark.parametrize("name", ["mla-mtp-pp-ep", "mla-mtp-tp-ep"])

@@ -20,9 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from planner.run.spec import run_spec_from_plan
 from runtime.data import load_corpus
 from runtime.model.transformer import StageModule
-from tests.runtime.tiny_plans import tiny_model, tiny_spec
+from tests.runtime.tiny_plans import hand_plan, tiny_model, tiny_spec
 
 LAMBDA = 0.1  # Megatron-Core's mtp_loss_scaling_factor default
 
@@ -100,8 +101,10 @@ def test_tied_embedding_feeds_the_head_and_the_mtp_input():
 
 
 def _named_grads(module) -> dict:
-    """Gradients by whole-model name: embedding (either copy), dense weights, experts by id."""
+    """Gradients by whole-model name: embedding (either copy), dense weights, experts by id
+    (FSDP shards gathered)."""
     from runtime.parallel.pipeline import chunks_of
+    from tests.runtime.parallel.grads import _whole
 
     out = {}
     for chunk in chunks_of(module):
@@ -114,11 +117,12 @@ def _named_grads(module) -> dict:
             if name.startswith("blocks."):
                 _, i, rest = name.split(".", 2)
                 name = f"layer{chunk.layer_ids[int(i)]}.{rest}"
-            out[name] = p.grad.detach().numpy().copy()
+            out[name] = _whole(p.grad)
         for layer, moe in chunk.moe_layers().items():
             for pname, p in moe.experts.named_parameters():
+                whole = _whole(p.grad)
                 for slot, e in enumerate(moe.experts.expert_ids):
-                    out[f"layer{layer}.expert{e}.{pname}"] = p.grad[slot].detach().numpy().copy()
+                    out[f"layer{layer}.expert{e}.{pname}"] = whole[slot]
     return out
 
 
@@ -156,10 +160,16 @@ def _corpus():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("_corpus")
-@pytest.mark.parametrize(("pp", "dp", "ep"), [(1, 2, 2), (2, 1, 1)], ids=["ep2", "pp2"])
-def test_two_ranks_give_the_single_device_gradients(run_distributed, pp, dp, ep):
-    spec = tiny_spec(pp, dp, ep, ranks_per_node=2, steps=1, seq_len=16)
-    spec = replace(spec, model=replace(spec.model, num_mtp_layers=1))
+@pytest.mark.parametrize(
+    ("pp", "dp", "ep", "fsdp"),
+    [(1, 2, 2, False), (2, 1, 1, False), (1, 2, 2, True)],
+    ids=["ep2", "pp2", "ep2-fsdp"],
+)
+def test_two_ranks_give_the_single_device_gradients(run_distributed, pp, dp, ep, fsdp):
+    model = _mtp_model(1)
+    plan = hand_plan(model, pp, dp, ep, 2, 2, seq_len=16, gpus_per_node=2, fsdp=fsdp)
+    spec = run_spec_from_plan(plan, model, 1.0, 2, steps=1)
+    assert spec.model.num_mtp_layers == 1 and spec.fsdp == fsdp
     model, ref = _single_device(spec)
     results = run_distributed(_step_body, spec.world, spec, timeout_s=120)
     seen = set()
