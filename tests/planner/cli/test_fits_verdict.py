@@ -22,6 +22,7 @@ from planner.outputs.tables import capacity_gib
 from planner.plan import plan_from_dict
 from planner.plan.schema import Interval, Intervals
 from planner.search.make_plan import make_plan
+from tests.hardening_cli import run_piper
 from tests.planner.search.plan_stubs import ToyEvaluator, toy_cluster, toy_model, toy_training
 
 MIXTRAL = ["estimate", "--model", "mixtral-8x7b", "--cluster", "h100", "--pp", "4", "--dp", "8",
@@ -128,3 +129,15 @@ def test_plan_summary_csv_and_json_carry_the_verdict(toy_result, spread):
         )
         assert row[fits] == want, b.title
         assert f"| {want} |" in md
+
+
+@pytest.mark.parametrize("flags", [[1], [True, False], "yes"])
+def test_a_malformed_may_not_fit_list_is_one_line(toy_result, tmp_path, flags):
+    plan = toy_result.plan
+    ivs = may_not_fit(hand_intervals(plan.predicted.memory_gib_per_stage, 1.5), 2.0)
+    d = json.loads(replace(plan, predicted=replace(plan.predicted, intervals=ivs)).to_json())
+    d["predicted"]["intervals"]["memory_may_not_fit_per_stage"] = flags
+    (tmp_path / "plan.json").write_text(json.dumps(d))
+    result = run_piper(["export", str(tmp_path / "plan.json"), "--to", "megatron"])
+    assert result.code == 2 and len(result.err_lines) == 1, result.stderr
+    assert "predicted.intervals.memory_may_not_fit_per_stage must list 1 booleans" in result.stderr
