@@ -137,7 +137,7 @@ def _step_body(rank: int, world: int, spec):
     tr.optimizer.zero_grad(set_to_none=False)
     loss = tr.runner.step(x, y)
     sync_gradients(tr.module, tr.mesh, spec.dp, tr.counter)
-    return loss, tr.runner.mtp_losses, _named_grads(tr.module)
+    return loss, tr.runner.mtp_losses, _named_grads(tr.module), tr.mesh.me.tp_idx
 
 
 def _single_device(spec):
@@ -161,21 +161,25 @@ def _corpus():
 @pytest.mark.slow
 @pytest.mark.usefixtures("_corpus")
 @pytest.mark.parametrize(
-    ("pp", "dp", "ep", "fsdp"),
-    [(1, 2, 2, False), (2, 1, 1, False), (1, 2, 2, True)],
-    ids=["ep2", "pp2", "ep2-fsdp"],
+    ("pp", "dp", "tp", "ep", "fsdp"),
+    [(1, 2, 1, 2, False), (2, 1, 1, 1, False), (1, 2, 1, 2, True), (1, 1, 2, 2, False)],
+    ids=["ep2", "pp2", "ep2-fsdp", "tp2-ep2"],
 )
-def test_two_ranks_give_the_single_device_gradients(run_distributed, pp, dp, ep, fsdp):
+def test_two_ranks_give_the_single_device_gradients(run_distributed, pp, dp, tp, ep, fsdp):
     model = _mtp_model(1)
-    plan = hand_plan(model, pp, dp, ep, 2, 2, seq_len=16, gpus_per_node=2, fsdp=fsdp)
+    plan = hand_plan(model, pp, dp, ep, 2, 2, seq_len=16, gpus_per_node=2, tp=tp, fsdp=fsdp)
     spec = run_spec_from_plan(plan, model, 1.0, 2, steps=1)
     assert spec.model.num_mtp_layers == 1 and spec.fsdp == fsdp
     model, ref = _single_device(spec)
     results = run_distributed(_step_body, spec.world, spec, timeout_s=120)
     seen = set()
-    for _, _, grads in results:
+    for _, _, grads, tp_idx in results:
         for name, got in grads.items():
-            np.testing.assert_allclose(got, ref[name], rtol=1e-4, atol=1e-6, err_msg=name)
+            want = ref[name]
+            if got.shape != want.shape:  # a TP shard: its slice of the differing axis
+                axis = [g != w for g, w in zip(got.shape, want.shape, strict=True)].index(True)
+                want = np.split(want, tp, axis=axis)[tp_idx]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=name)
             seen.add(name)
     assert seen == set(ref)
     assert any(n.startswith("mtp.0.block.moe") for n in seen)
@@ -183,7 +187,7 @@ def test_two_ranks_give_the_single_device_gradients(run_distributed, pp, dp, ep,
     main = float(torch.stack([p[0] for p in model.loss_parts]).mean())
     depth = float(torch.stack([p[1][0] for p in model.loss_parts]).mean())
     last = [r for r in results if r[0] is not None]
-    for loss, mtp, _ in last:
+    for loss, mtp, _, _ in last:
         assert loss == pytest.approx(main, rel=1e-5) if dp == 1 else loss is not None
         assert len(mtp) == 1 and (dp > 1 or mtp[0] == pytest.approx(depth, rel=1e-5))
 
