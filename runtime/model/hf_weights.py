@@ -12,6 +12,14 @@ weight and its vocabulary rows of the embedding and head (zero-padded, tensor_pa
 DeepSeek's `e_score_correction_bias` becomes the router's selection bias `bias_E`.
 Load before expert TP or FSDP reshape the parameters (the Trainer does both).
 
+MTP modules (runtime/model/mtp.py) read DeepSeek-V3's names for them,
+`model.layers.<num_hidden_layers + k>.`: `enorm`, `hnorm`, `eh_proj` ([D, 2D], embedding half
+first), the layer's own names, and `shared_head.norm` as the module's final norm;
+`shared_head.head` is not read (the runtime's MTP modules use the model's head, which the
+released checkpoints store a copy of). A checkpoint without them (transformers'
+`save_pretrained` drops them: its DeepSeek-V3 has no MTP) leaves the modules at their
+seeded initial weights, and says so in the log.
+
 Runtime weights are [out, in] for nn.Linear (as in HF) and [X, D, F] / [X, F, D] for the
 stacked experts (x @ W), so HF's per-expert [F, D] matrices are transposed.
 """
@@ -19,6 +27,7 @@ stacked experts (x @ W), so HF's per-expert [F, D] matrices are transposed.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +41,8 @@ from runtime.model.arch import ModelArch, arch_from_hf_config
 from runtime.model.attention import MLAttention
 from runtime.model.transformer import Block, StageModule
 from runtime.parallel.tensor_parallel import vocab_shard
+
+log = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -143,6 +154,21 @@ def load_hf_weights(module: StageModule, path: str | Path, family: str) -> None:
         load(module.head.weight, "model.embed_tokens.weight" if tied else "lm_head.weight", rows)
     for layer, block in zip(module.layer_ids, module.blocks, strict=True):
         _load_block(block, f"model.layers.{layer}.", family, load, tensors)
+    if module.mtp is None:
+        return
+    if module.mtp_embed is not None:  # the last stage's copy (a tied head's weight is it)
+        load(module.mtp_embed.weight, "model.embed_tokens.weight", rows)
+    for layer, mtp in zip(module.mtp_layer_ids, module.mtp, strict=True):
+        pre = f"model.layers.{layer}."
+        if f"{pre}eh_proj.weight" not in tensors:
+            log.warning("%s: no MTP weights %s*; MTP module %s keeps its initial weights",
+                        path, pre, layer)  # fmt: skip
+            continue
+        load(mtp.enorm.weight, f"{pre}enorm.weight")
+        load(mtp.hnorm.weight, f"{pre}hnorm.weight")
+        load(mtp.eh_proj.weight, f"{pre}eh_proj.weight")
+        load(mtp.final_norm.weight, f"{pre}shared_head.norm.weight")
+        _load_block(mtp.block, pre, family, load, tensors)
 
 
 def _linear(load, lin: nn.Module | None, key: str) -> None:

@@ -231,3 +231,63 @@ def test_piper_run_logs_the_mtp_loss_beside_the_main_loss(run_distributed):
         per_layer[(interval, layer)] = per_layer.get((interval, layer), 0) + tokens
     tokens = spec.tokens_per_step * spec.model.top_k
     assert per_layer == {(s, i): tokens for s in range(3) for i in (1, 2, 3, 4)}
+
+
+def _with_mtp_weights(path, n: int) -> dict:
+    """Rewrite checkpoint `path` (a tiny DeepSeek-V3 of n layers) with one MTP module:
+    config num_nextn_predict_layers 1, layer n = a copy of layer n - 1's tensors plus drawn
+    enorm, hnorm, eh_proj and shared_head norm / head. Returns the drawn tensors."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    last, pre = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    tensors |= {pre + k[len(last) :]: v.clone() for k, v in tensors.items() if k.startswith(last)}
+    gen = torch.Generator().manual_seed(11)
+    d = tensors["model.norm.weight"].shape[0]
+    drawn = {
+        f"{pre}enorm.weight": 1 + 0.2 * torch.randn(d, generator=gen),
+        f"{pre}hnorm.weight": 1 + 0.2 * torch.randn(d, generator=gen),
+        f"{pre}eh_proj.weight": torch.randn(d, 2 * d, generator=gen) / d,
+        f"{pre}shared_head.norm.weight": 1 + 0.2 * torch.randn(d, generator=gen),
+        f"{pre}shared_head.head.weight": tensors["lm_head.weight"].clone(),
+    }
+    save_file(tensors | drawn, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    return drawn
+
+
+def test_deepseek_mtp_weights_load_into_the_mtp_module(tmp_path, caplog):
+    from runtime.model.hf_weights import hf_model, load_hf_weights
+    from tests.runtime.model.test_hf_equivalence import hf_reference
+
+    hf = hf_reference("deepseek_v3")
+    hf.save_pretrained(tmp_path)
+    n = hf.config.num_hidden_layers
+    drawn = _with_mtp_weights(tmp_path, n)
+    spec, arch = hf_model(tmp_path)
+    assert spec.num_mtp_layers == 1
+    module = StageModule(spec, range(n), True, True, arch=arch)
+    load_hf_weights(module, tmp_path, spec.family)
+    mtp = module.mtp[0]
+    pre = f"model.layers.{n}."
+    assert torch.equal(mtp.enorm.weight, drawn[f"{pre}enorm.weight"])
+    assert torch.equal(mtp.hnorm.weight, drawn[f"{pre}hnorm.weight"])
+    assert torch.equal(mtp.eh_proj.weight, drawn[f"{pre}eh_proj.weight"])
+    assert torch.equal(mtp.final_norm.weight, drawn[f"{pre}shared_head.norm.weight"])
+    # the block holds layer n - 1's tensors, the copy the checkpoint was given
+    main = dict(module.blocks[-1].named_parameters())
+    for name, p in mtp.block.named_parameters():
+        assert torch.equal(p, main[name]), name
+    assert module.moe_layers()[n].router.bias_E.equal(module.moe_layers()[n - 1].router.bias_E)
+    # a checkpoint without them (transformers' save_pretrained): initial weights, one warning
+    hf.save_pretrained(tmp_path / "plain")
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
+    fresh = StageModule(spec, range(n), True, True, arch=arch)
+    initial = copy.deepcopy(fresh.mtp.state_dict())
+    with caplog.at_level("WARNING"):
+        load_hf_weights(fresh, tmp_path / "plain", spec.family)
+    assert all(torch.equal(v, initial[k]) for k, v in fresh.mtp.state_dict().items())
+    assert f"no MTP weights {pre}*" in caplog.text
