@@ -64,6 +64,7 @@ RUNTIME_RANKS = {
     "runtime.parallel.pipeline": 14,
     "runtime.migrate": 14,
     "runtime.checkpoint": 14.5,  # saves and loads the stages' modules and migration state
+    "runtime.weight_shards": 14.2,  # where each rank's tensors sit in the whole weights
     "runtime.train": 15,
     "runtime.bench": 15,
     "runtime.launch": 16,

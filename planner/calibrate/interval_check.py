@@ -15,7 +15,7 @@ repriced for another dispatcher, planner/calibrate/run_settings.py), the interva
 relative width around the prediction compared.
 
 A plan.json without `predicted.intervals` gets them recomputed from its own cluster profile
-(planner.outputs.error_bars.plan_intervals_of, as `piper plan` makes them); when that fails,
+(planner.calibrate.error_bars.plan_intervals_of, as `piper plan` makes them); when that fails,
 `PlanIntervals.intervals` is None and `origin` says why in one line.
 """
 
@@ -89,7 +89,7 @@ def plan_intervals(plan: Plan, where: str = "plan.json") -> PlanIntervals:
     gives (uncertainty.intervals on the plan's prediction); else None and why."""
     if plan.predicted.intervals is not None:
         return PlanIntervals(plan.predicted.intervals, f"from {where}")
-    from planner.outputs.error_bars import plan_intervals_of
+    from planner.calibrate.error_bars import plan_intervals_of
 
     try:
         cluster = plan.cluster_spec(where)

@@ -16,7 +16,7 @@ from planner.calibrate.interval_check import IntervalCheck, Tally
 from planner.calibrate.log_runs import ENGINE_NAMES
 from planner.calibrate.measured import Comparison
 from planner.numbers import number
-from planner.outputs.error_bars import bracket
+from planner.calibrate.error_bars import bracket
 from planner.plan.schema import Interval
 
 CSV_HEADER = "component,stage,unit,predicted,measured,error_pct"

@@ -177,7 +177,7 @@ def _recompute(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
 
 def run(args: argparse.Namespace) -> int:
     from planner.calibrate.uncertainty import intervals
-    from planner.outputs.error_bars import (
+    from planner.calibrate.error_bars import (
         interval_lines,
         intervals_csv,
         may_not_fit,

@@ -248,7 +248,7 @@ def _plan(args: argparse.Namespace, clock: Phases) -> tuple[Any, str]:
     """Plan, place the redundant slots and write the files (with --shortlist, the trials'
     folder too), each phase timed by `clock` into timings.json; (None, "") when interrupted
     before any candidate was solved."""
-    from planner.outputs.error_bars import with_intervals
+    from planner.calibrate.error_bars import with_intervals
     from planner.outputs.files import write_files
     from planner.outputs.reports import render_files, timings_json
 

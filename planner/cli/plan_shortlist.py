@@ -83,7 +83,7 @@ def shortlist_files(
 ) -> dict[str, str]:
     """The files of OUT/shortlist/ for the plan `result` (planner.outputs.trials)."""
     from planner.calibrate.shortlist import shortlist
-    from planner.outputs.error_bars import with_intervals
+    from planner.calibrate.error_bars import with_intervals
     from planner.outputs.trials import check_path, trial_files
 
     folder = Path(out, "shortlist").resolve()

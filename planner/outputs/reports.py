@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from planner.numbers import number, percent
-from planner.outputs.error_bars import bracket, interval_lines, may_not_fit_note, memory_spread
+from planner.calibrate.error_bars import bracket, interval_lines, may_not_fit_note, memory_spread
 from planner.outputs.tables import (
     CANDIDATE_DIGITS,
     COMM_DIGITS,

@@ -66,7 +66,7 @@ def to_csv(frame: pd.DataFrame, digits: Mapping[str, int]) -> str:
 def candidates_frame(rows: Sequence[CandidateRow], spread: float | None = None) -> pd.DataFrame:
     """One row per candidate, ranked (rows come ranked from the search); feasible is 1 only
     when the candidate is known to fit (a pruned family's unchecked members say 0).
-    `spread`: hi / mid of the chosen plan's tokens/s interval (planner.outputs.error_bars),
+    `spread`: hi / mid of the chosen plan's tokens/s interval (planner.calibrate.error_bars),
     which sets every candidate's tokens/s and step time lo / hi (empty when None)."""
     out = []
     for rank, r in enumerate(rows, start=1):
