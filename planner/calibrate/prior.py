@@ -32,12 +32,8 @@ down-weights it.
 **Covariance** (planner/calibrate/uncertainty.py reads it from the fitted profile): the
 Laplace approximation at the fit, H_S^-1 with J and kappa evaluated there.
 
-Memory (runs with a measured peak): framework_overhead_gib, the constant the resource model
-adds to every stage (planner/resources/cost.py), moves by the shrunk mean of measured minus
-predicted peak, sum_r d_r / (n + (MEMORY_SIGMA_GIB / MEMORY_WIDTH_GIB)^2), the least-squares
-optimum of the same data-plus-prior form in GiB, held within [MEMORY_FLOOR_GIB,
-MEMORY_CEILING_SHARE x the device's memory]; time constants do not change memory, so the two
-fits are separate.
+Memory (runs with a measured peak): framework_overhead_gib, separately
+(planner/calibrate/memory_fit.py); time constants do not change memory.
 
 Leave-one-out: for each run, the selection and the fit are redone on the others and the run is
 predicted; for memory, framework_overhead_gib is refitted without each run's peak.
@@ -54,6 +50,7 @@ from scipy.optimize import least_squares
 
 from planner.calibrate.fit import FitError, RunFit, fit_error, fit_params
 from planner.calibrate.likelihood import OFFSETS, Likelihood, likelihood_of, prior_sds
+from planner.calibrate.memory_fit import MemoryFit, fit_memory
 from planner.calibrate.runs import Run, estimate_run, predicted_value
 from planner.calibrate.uncertainty import quantile
 from planner.specs import ClusterSpec, Efficiency, SpecError
@@ -62,10 +59,6 @@ JACOBIAN_STEP = 0.05
 MIN_ELASTICITY = 0.01  # RMS d log p / d t below this: no run sees the constant
 SHRINK = 1 / math.sqrt(2)  # posterior sd / prior sd at most this: the runs identify it
 OUTLIER_LEVEL = 0.95  # a run outside this predictive interval at the start is reported
-MEMORY_SIGMA_GIB = 1.0
-MEMORY_WIDTH_GIB = 4.0
-MEMORY_FLOOR_GIB = 0.5  # the CUDA context alone takes about this much
-MEMORY_CEILING_SHARE = 0.5  # an overhead above half the device's memory is not an overhead
 MAX_EVALUATIONS = 80
 Progress = Callable[[int, int | None], None]
 
@@ -119,18 +112,6 @@ class Outlier:
     label: str
     z: float  # residual at the start / predictive sd
     weight: float  # nu / (nu + z^2) at the fit
-
-
-@dataclass(frozen=True)
-class MemoryFit:
-    """framework_overhead_gib from the runs' measured peaks."""
-
-    runs: int
-    prior_gib: float
-    fitted_gib: float
-    mean_error_before_gib: float  # mean of predicted - measured peak
-    mean_error_after_gib: float
-    loo_rms_log: float | None = None  # RMS log(predicted / measured) peak, each run left out
 
 
 @dataclass(frozen=True)
@@ -383,38 +364,6 @@ def covariance_at(
     problem = _Problem(runs, cluster, priors_of(cluster, names), likelihood_of(cluster))
     kept = tuple(p.name for p in problem.priors)
     return kept, problem.covariance(tuple(range(len(runs))), kept, problem.t0)
-
-
-def fit_memory(runs: Sequence[Run], cluster: ClusterSpec) -> MemoryFit | None:
-    """framework_overhead_gib moved by the shrunk mean peak error (module docstring); None
-    when no run has a measured peak."""
-    measured = [r for r in runs if r.measured_peak_gib]
-    if not measured:
-        return None
-    diffs = [
-        float(r.measured_peak_gib or 0.0) - max(estimate_run(r, cluster).memory_gib_per_stage)
-        for r in measured
-    ]
-    prior = cluster.framework_overhead_gib
-    fitted = _overhead(diffs, prior, cluster)
-    mean = sum(diffs) / len(diffs)
-    loo = None
-    if len(diffs) >= 2:
-        logs = []
-        for i, r in enumerate(measured):
-            moved = _overhead(diffs[:i] + diffs[i + 1 :], prior, cluster) - prior
-            peak = float(r.measured_peak_gib or 0.0)
-            logs.append(math.log(max(peak - diffs[i] + moved, 1e-9) / peak))
-        loo = math.sqrt(sum(x * x for x in logs) / len(logs))
-    return MemoryFit(len(diffs), prior, fitted, -mean, (fitted - prior) - mean, loo)
-
-
-def _overhead(diffs: Sequence[float], prior: float, cluster: ClusterSpec) -> float:
-    """framework_overhead_gib moved by the shrunk mean of `diffs` (measured - predicted GiB),
-    held within its floor and ceiling (module docstring)."""
-    shrink = len(diffs) + (MEMORY_SIGMA_GIB / MEMORY_WIDTH_GIB) ** 2
-    ceiling = MEMORY_CEILING_SHARE * cluster.device.memory_gib
-    return min(max(prior + sum(diffs) / shrink, MEMORY_FLOOR_GIB), ceiling)
 
 
 def warning_line(result: PriorFit) -> str:

@@ -10,13 +10,8 @@ from dataclasses import replace
 import pytest
 
 from planner.calibrate.fit import fit
-from planner.calibrate.prior import (
-    MEMORY_SIGMA_GIB,
-    MEMORY_WIDTH_GIB,
-    SHRINK,
-    fit_with_prior,
-    warning_line,
-)
+from planner.calibrate.memory_fit import MEMORY_SIGMA_GIB, MEMORY_WIDTH_GIB
+from planner.calibrate.prior import SHRINK, fit_with_prior, warning_line
 from planner.calibrate.prior_report import prior_profile_yaml, prior_tables
 from planner.calibrate.runs import estimate_run, parse_runs, predicted_value
 from planner.inputs.clusters import cluster_from_dict

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from planner.calibrate.likelihood import OFFSETS
-from planner.calibrate.prior import fit_memory, fit_with_prior
+from planner.calibrate.memory_fit import fit_memory
+from planner.calibrate.prior import fit_with_prior
 from planner.calibrate.prior_report import prior_profile_yaml
 from planner.calibrate.runs import estimate_run, parse_runs, predicted_value
 from planner.calibrate.uncertainty import (
