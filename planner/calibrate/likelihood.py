@@ -17,7 +17,7 @@ statistics below). Constants whose range starts at 0 carry the offset a_k of OFF
 
 DEFAULT_PRIOR_SD[k] is how far the same constant sits on one fitted stack from another: the
 sample sd (n - 1) of t_k over the presets that fitted it independently (h100, gb200-nvl72,
-frontier: profiles/clusters/*.yaml at commit 5da0ecf; h200 copies h100 and is not counted; a
+frontier: their profiles/clusters/*.yaml; h200 copies h100 and is not counted; a
 value at its bound is where a fit stopped, not an estimate, and is left out), capped at the sd
 of a uniform distribution over its bounds in t, (t_high - t_low) / sqrt(12) (what the bounds
 alone say); a constant with fewer than two such values takes that cap.
@@ -28,7 +28,7 @@ alone say); a constant with fewer than two such values takes that cap.
 | grouped_gemm_half_rows | 1528 (gb200's 8) | - | 1.801 | 1.801 |
 | attention_efficiency | 0.8793 (gb200's 0.9; frontier's is assumed) | - | 0.517 | 0.517 |
 | hbm_efficiency | (h100's 0.3) | - | 0.348 | 0.348 |
-| layer_overhead_us (a = 1000) | 1465, 5824 | 0.720 | 0.879 | 0.720 |
+| layer_overhead_us (a = 1000) | 1465, 5919 | 0.730 | 0.879 | 0.730 |
 | scale_up_efficiency | (measured, not fitted) | - | 0.348 | 0.348 |
 | scale_out_efficiency | (h100's 1.0) | - | 0.465 | 0.465 |
 | overlap_efficiency (a = 0.1) | (h100's 1.0) | - | 0.692 | 0.692 |
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec, SpecError
 
 # The pooled leave-one-out RMS log error of the fitted presets, sqrt((12 x 0.073^2 + 6 x
-# 0.209^2) / 18) (h100: 12 runs, gb200-nvl72: 6; their calibration blocks at commit 5da0ecf,
+# 0.192^2) / 18) (h100: 12 runs, gb200-nvl72: 6; their calibration blocks,
 # results/published_runs.md), with their 18 dof.
-DEFAULT_RUN_SIGMA = 0.135
+DEFAULT_RUN_SIGMA = 0.126
 DEFAULT_RUN_DOF = 18
 # a_k of t_k = log(c_k + a_k) for the constants whose range starts at 0: the scale below
 # which the constant barely moves a step (1 ms of host time per layer, a tenth of the overlap,
@@ -60,7 +60,7 @@ DEFAULT_PRIOR_SD: dict[str, float] = {  # module docstring's table
     "grouped_gemm_half_rows": 1.801,
     "attention_efficiency": 0.517,
     "hbm_efficiency": 0.348,
-    "layer_overhead_us": 0.720,
+    "layer_overhead_us": 0.730,
     "scale_up_efficiency": 0.348,
     "scale_out_efficiency": 0.465,
     "overlap_efficiency": 0.692,
