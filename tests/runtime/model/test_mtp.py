@@ -194,7 +194,7 @@ def test_two_ranks_give_the_single_device_gradients(run_distributed, pp, dp, tp,
 
 def _reference_training(spec) -> list[tuple[float, float]]:
     """(main CE, CE_1) per step of the single-device model trained with Adam on the global
-    batch, each the mean over the micro-batches (the oracle of the logged metrics)."""
+    batch (every dp rank's), each the mean over all micro-batches (the logged metrics)."""
     from runtime.data import sample_batch
 
     model = StageModule(spec.model, range(spec.model.num_layers), True, True, seed=spec.seed)
@@ -203,9 +203,10 @@ def _reference_training(spec) -> list[tuple[float, float]]:
     for step in range(spec.steps):
         opt.zero_grad()
         model.loss_parts.clear()
-        x, y = sample_batch(step, 0, 1, batch, spec.seq_len, spec.seed)
-        for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):
-            (model.loss(model(xc), yc) / m).backward()
+        for j in range(spec.dp):
+            x, y = sample_batch(step, j, spec.dp, batch, spec.seq_len, spec.seed)
+            for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):
+                (model.loss(model(xc), yc) / (spec.dp * m)).backward()
         opt.step()
         main, depth = zip(*model.loss_parts, strict=True)
         out.append((float(torch.stack(main).mean()), float(torch.stack(depth).mean())))
@@ -291,3 +292,20 @@ def test_deepseek_mtp_weights_load_into_the_mtp_module(tmp_path, caplog):
         load_hf_weights(fresh, tmp_path / "plain", spec.family)
     assert all(torch.equal(v, initial[k]) for k, v in fresh.mtp.state_dict().items())
     assert f"no MTP weights {pre}*" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_corpus")
+def test_migration_moves_the_mtp_layers_experts_and_trains_like_one_device(run_distributed):
+    from tests.runtime.tiny_plans import rotate_policy, train_body
+
+    spec = tiny_spec(1, 2, 2, ranks_per_node=2, steps=5, seq_len=16, migrate_every=2)
+    spec = replace(spec, model=replace(spec.model, num_mtp_layers=1))
+    results = run_distributed(train_body, spec.world, spec, -1, rotate_policy, timeout_s=120)
+    lines = [json.loads(x) for x in results[0][1]["metrics.jsonl"].splitlines()]
+    want = _reference_training(spec)
+    assert [d["loss"] for d in lines] == pytest.approx([w[0] for w in want], rel=1e-4)
+    assert [d["mtp_losses"][0] for d in lines] == pytest.approx([w[1] for w in want], rel=1e-4)
+    # every expert of the 3 MoE layers and of the MTP layer moves at steps 1 and 3
+    assert [d["migrated_experts"] for d in lines] == [0, 32, 0, 32, 0]
+    assert results[0][3][4] == results[0][3][3]  # placed and moved like the last layer
