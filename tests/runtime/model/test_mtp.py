@@ -309,3 +309,24 @@ def test_migration_moves_the_mtp_layers_experts_and_trains_like_one_device(run_d
     # every expert of the 3 MoE layers and of the MTP layer moves at steps 1 and 3
     assert [d["migrated_experts"] for d in lines] == [0, 32, 0, 32, 0]
     assert results[0][3][4] == results[0][3][3]  # placed and moved like the last layer
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_corpus")
+def test_a_resume_trains_the_mtp_modules_bitwise_like_a_straight_run(run_distributed, tmp_path):
+    from tests.runtime.test_checkpoint import _body
+
+    def spec_of(steps):
+        spec = tiny_spec(2, 1, 1, ranks_per_node=2, steps=steps, seq_len=16)
+        return replace(spec, model=replace(spec.model, num_mtp_layers=1))
+
+    straight = run_distributed(_body, 2, spec_of(6), None, timeout_s=120)
+    run_distributed(_body, 2, spec_of(3), (str(tmp_path), 0, False), timeout_s=120)
+    resumed = run_distributed(_body, 2, spec_of(6), (str(tmp_path), 0, True), timeout_s=120)
+
+    def metrics(results):
+        lines = [json.loads(x) for x in results[0][1]["metrics.jsonl"].splitlines()]
+        return [(d["loss"], d["mtp_losses"]) for d in lines]
+
+    assert len(metrics(straight)) == 6
+    assert metrics(resumed) == metrics(straight)  # the embedding copy and MTP layer restored
