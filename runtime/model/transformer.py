@@ -234,7 +234,7 @@ class StageModule(nn.Module):
         if model.tie_word_embeddings:
             self.mtp_embed.weight = self.head.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With TP, hidden states between layers and stages are this rank's token slice
         [T / n, D], and the logits are the whole micro-batch's over this rank's vocabulary
         rows [B, S, V / n] (runtime/parallel/tensor_parallel.py)."""

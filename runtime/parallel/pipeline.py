@@ -283,6 +283,7 @@ def sync_mtp_embedding(module: StageModule | RankChunks, mesh: Mesh, counter: By
     total = mine + theirs if chunk.first else theirs + mine  # first + last on both
     if isinstance(grad, DTensor):
         grad.to_local().copy_(total)
+        weight.grad = grad
     else:
         weight.grad = total
 
