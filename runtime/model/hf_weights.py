@@ -15,10 +15,10 @@ Load before expert TP or FSDP reshape the parameters (the Trainer does both).
 MTP modules (runtime/model/mtp.py) read DeepSeek-V3's names for them,
 `model.layers.<num_hidden_layers + k>.`: `enorm`, `hnorm`, `eh_proj` ([D, 2D], embedding half
 first), the layer's own names, and `shared_head.norm` as the module's final norm;
-`shared_head.head` is not read (the runtime's MTP modules use the model's head, which the
-released checkpoints store a copy of). A checkpoint without them (transformers'
-`save_pretrained` drops them: its DeepSeek-V3 has no MTP) leaves the modules at their
-seeded initial weights, and says so in the log.
+`shared_head.head` and the layer's `embed_tokens` are not read (the runtime's MTP modules use
+the model's head and embedding, of which the released checkpoints store copies there). A
+checkpoint without them (transformers' `save_pretrained` drops them: its DeepSeek-V3 has no
+MTP) leaves the modules at their seeded initial weights, and says so in the log.
 
 Runtime weights are [out, in] for nn.Linear (as in HF) and [X, D, F] / [X, F, D] for the
 stacked experts (x @ W), so HF's per-expert [F, D] matrices are transposed.

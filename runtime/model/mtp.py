@@ -14,10 +14,13 @@ main CE + (lambda / D) * sum_k CE_k. Numerics as Megatron-Core implements them
 megatron/core/transformer/multi_token_prediction.py, "mtp.py" below):
 - the concatenation puts the normed embedding first, the normed hidden second
   (mtp.py:1341 `torch.cat((decoder_input, hidden_states), -1)`; the paper writes the
-  hidden first; DeepSeek's released eh_proj weights follow the embedding-first order);
+  hidden first; vLLM reads DeepSeek-V3's released eh_proj weights in the embedding-first
+  order too, vllm-project/vllm 4f7c14402630b97c8c078523fca8edef287ed2cf
+  vllm/model_executor/models/deepseek_mtp.py:84-85);
 - each module has its own final norm before the shared head (mtp.py:1247, 1439) and hands
   that normed output to the next module; h^0 is the main model's output after its final
-  norm (gpt_model.py:628 runs the decoder with its final layernorm, then the MTP block);
+  norm (gpt_model.py:628 runs the decoder, whose final layernorm is transformer_block.py:755-756,
+  then the MTP block);
 - module k embeds the input ids rolled left k times with zeros rolled in (mtp.py:1279,
   roll_tensor mtp.py:252-253) and is scored on the labels rolled left k times, the last k
   positions of each sequence masked, averaged over the unmasked ones (mtp.py:1020-1029,
@@ -122,7 +125,7 @@ def mtp_depth_losses(
         embedding). head: hidden -> logits [B, S, V or V / n] (the shared head).
         cross_entropy: (logits [B, S', V'], targets [B, S']) -> mean loss (the main loss's).
     Returns: one scalar per depth; a depth with no target left (S <= k) gives 0, as
-    Megatron's clamped token count does (mtp.py:1064).
+    Megatron's clamped token count does (mtp.py:1063).
     """
     s, h, out = target_BS.shape[1], h0, []
     for k, module in enumerate(modules, start=1):
