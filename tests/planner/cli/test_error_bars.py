@@ -44,13 +44,18 @@ def spread(cluster: str, param_log_sd: float = 0.0) -> tuple[float, float]:
     return time, math.exp(norm.ppf(0.9) * DEFAULT_MEMORY_LOG_SD)
 
 
-@pytest.mark.parametrize("cluster", ["h100", "frontier"])
+@pytest.mark.parametrize("cluster", ["h100", "frontier", "h200"])
 def test_estimate_json_carries_each_figures_interval(cluster, capsys):
     assert main([*ESTIMATE, "--cluster", cluster, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     iv = d["intervals"]
     f_time, f_mem = spread(cluster, iv["param_log_sd"])
-    assert (iv["param_log_sd"] > 0) == (cluster == "h100")  # h100 records a covariance
+    cal = yaml.safe_load((ROOT / "profiles" / "clusters" / f"{cluster}.yaml").read_text()).get(
+        "calibration", {}
+    )
+    # h100 and frontier record a covariance; h200 carries h100's constants uncalibrated
+    assert (iv["param_log_sd"] > 0) == any(k.startswith("se_") for k in cal)
+    assert (cluster == "h200") == (cal == {})
     assert iv["level"] == 0.8
     for key in ("tokens_per_s", "step_time_s", "tflops_per_gpu"):
         lo, hi = iv[key]
