@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from planner.parallel import default_placement
 from planner.specs import LayerSpec, ModelSpec
 from runtime.model.arch import ModelArch
 from runtime.model.attention import make_attention
@@ -150,7 +151,8 @@ class StageModule(nn.Module):
     With `model.num_mtp_layers` = D > 0 the last stage also holds D MTPModules
     (runtime/model/mtp.py), run-model layer indices L .. L + D - 1 (L = len(model.layers),
     the checkpoint's `model.layers.<num_hidden_layers>` names), each a Block like the last
-    layer on the last layer's expert placement. They read the shared embedding: the first
+    layer, its experts in the default placement (planner.parallel.default_placement) over
+    the last layer's EP group. They read the shared embedding: the first
     stage's when this stage is also the first; else `mtp_embed`, a copy (Megatron's MTP
     stage holds one too, gpt_model.py:173) whose gradient the pipeline's gradient sync sums
     with the first stage's (runtime/parallel/pipeline.py), or with tied embeddings the
@@ -216,9 +218,14 @@ class StageModule(nn.Module):
         """The MTP modules and, on a stage without the embedding, its copy (class docstring)."""
         d, v, n = model.hidden_size, model.vocab_size, len(model.layers)
         last = placements.get(n - 1)
+        # E / ep experts a rank, as the planner prices an MTP layer (no redundant slots): the
+        # default placement over the last layer's EP group, not its (perhaps slotted) table
+        placement = None
+        if last is not None and model.layers[-1].moe is not None:
+            placement = default_placement(model.layers[-1].moe.num_experts, max(last) + 1)
         self.mtp_layer_ids = list(range(n, n + model.num_mtp_layers))
         blocks = [
-            Block(d, model.layers[-1], i, seed, last, ep_rank, self.tp, "none", arch)
+            Block(d, model.layers[-1], i, seed, placement, ep_rank, self.tp, "none", arch)
             for i in self.mtp_layer_ids
         ]
         self.mtp = nn.ModuleList(
