@@ -20,7 +20,8 @@ sample sd (n - 1) of t_k over the presets that fitted it independently (h100, gb
 frontier: their profiles/clusters/*.yaml; h200 copies h100 and is not counted; a
 value at its bound is where a fit stopped, not an estimate, and is left out), capped at the sd
 of a uniform distribution over its bounds in t, (t_high - t_low) / sqrt(12) (what the bounds
-alone say); a constant with fewer than two such values takes that cap.
+alone say); a constant with fewer than two such values takes that cap. It applies when the
+start profile was fitted; a start nobody fitted takes the cap for every constant (prior_sds).
 
 | constant | fitted values (at a bound: left out) | spread | cap | sd |
 |---|---|---|---|---|
@@ -107,12 +108,28 @@ def likelihood_of(cluster: ClusterSpec) -> Likelihood:
                       f"{cluster.name})")  # fmt: skip
 
 
+def uniform_sd(name: str) -> float:
+    """The sd in t of a uniform distribution over the constant's bounds: what the bounds alone
+    say about it."""
+    e = next(e for e in (*EFFICIENCIES, *TOPOLOGY_EFFICIENCIES) if e.name == name)
+    a = OFFSETS.get(name, 0.0)
+    return (math.log(e.high + a) - math.log(e.low + a)) / math.sqrt(12)
+
+
 def prior_sds(cluster: ClusterSpec) -> dict[str, float]:
-    """Each constant's prior sd in t: DEFAULT_PRIOR_SD with the profile's
-    `calibration.prior_sd_<name>`; raises SpecError (one line) for an unknown name or a value
-    that is not a finite number > 0."""
+    """Each constant's prior sd in t: DEFAULT_PRIOR_SD (how far one fitted stack sits from
+    another) when the start profile's constants were fitted (its calibration records a
+    leave-one-out error), uniform_sd when nobody fitted them (datasheet values and
+    assumptions carry no such evidence); then the profile's `calibration.prior_sd_<name>`.
+    Raises SpecError (one line) for an unknown name or a value that is not a finite
+    number > 0."""
+    from planner.calibrate.uncertainty import error_model
+
     known = {e.name for e in (*EFFICIENCIES, *TOPOLOGY_EFFICIENCIES)}
-    out = dict(DEFAULT_PRIOR_SD)
+    if error_model(cluster).calibrated:
+        out = dict(DEFAULT_PRIOR_SD)
+    else:
+        out = {name: uniform_sd(name) for name in DEFAULT_PRIOR_SD}
     for key, text in cluster.calibration:
         if not key.startswith(PRIOR_KEY):
             continue

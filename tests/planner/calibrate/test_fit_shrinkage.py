@@ -142,3 +142,24 @@ def test_the_default_priors_are_the_presets_spread_capped_by_the_bounds():
         values = FITTED_VALUES.get(e.name, ())
         spread = float(np.std([math.log(v + a) for v in values], ddof=1)) if values else cap
         assert DEFAULT_PRIOR_SD[e.name] == pytest.approx(min(spread, cap), abs=6e-4), e.name
+
+
+def test_priors_of_unfitted_constants_are_what_the_bounds_say():
+    """A start profile nobody fitted (no recorded leave-one-out error: datasheet values and
+    assumptions) takes each constant's uniform-over-bounds sd; a fitted one the presets'
+    spread; a recorded prior_sd_<name> overrides either."""
+    from planner.calibrate.likelihood import DEFAULT_PRIOR_SD, OFFSETS
+    from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES
+
+    bare = replace(truth_cluster(), calibration=())
+    fitted = with_calibration(bare, loo_rms_log=0.1, runs=12)
+    assert prior_sds(fitted) == DEFAULT_PRIOR_SD
+    sds = prior_sds(bare)
+    for e in (*EFFICIENCIES, *TOPOLOGY_EFFICIENCIES):
+        if e.name not in DEFAULT_PRIOR_SD:
+            continue
+        a = OFFSETS.get(e.name, 0.0)
+        cap = (math.log(e.high + a) - math.log(e.low + a)) / math.sqrt(12)
+        assert sds[e.name] == pytest.approx(cap, rel=1e-12), e.name
+    assert sds["gemm_efficiency"] > 3 * DEFAULT_PRIOR_SD["gemm_efficiency"]
+    assert prior_sds(with_calibration(bare, prior_sd_gemm_efficiency=0.2))["gemm_efficiency"] == 0.2
