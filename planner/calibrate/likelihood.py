@@ -43,10 +43,10 @@ from dataclasses import dataclass
 
 from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec, SpecError
 
-# The pooled leave-one-out RMS log error of the fitted presets, sqrt((12 x 0.073^2 + 6 x
-# 0.192^2) / 18) (h100: 12 runs, gb200-nvl72: 6; their calibration blocks,
-# results/published_runs.md), with their 18 dof.
-DEFAULT_RUN_SIGMA = 0.126
+# The pooled leave-one-out RMS log error of the fitted presets, sqrt((12 x 0.087^2 + 6 x
+# 0.208^2) / 18) (h100: 12 runs, gb200-nvl72: 6; their calibration blocks,
+# results/interval_coverage.md), with their 18 dof.
+DEFAULT_RUN_SIGMA = 0.140
 DEFAULT_RUN_DOF = 18
 # a_k of t_k = log(c_k + a_k) for the constants whose range starts at 0: the scale below
 # which the constant barely moves a step (1 ms of host time per layer, a tenth of the overlap,
