@@ -1,10 +1,4 @@
-"""Suite-wide test settings: the `gpu` and `root` markers skip where the machine lacks them, and
-`slow` tests run first.
-
-Why first: pytest-xdist hands tests out in collection order, and the slowest ones (the README
-loops, tests/test_readme_*.py) are collected last; started last, one of them runs alone on
-one worker while the other sits idle. Started first, they overlap each other and the many
-short tests fill the gaps."""
+"""Suite-wide test settings: the `gpu` and `root` markers skip where the machine lacks them."""
 
 from __future__ import annotations
 
@@ -24,7 +18,6 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow first
     no_gpu = pytest.mark.skip(reason="needs a CUDA device")
     no_root = pytest.mark.skip(reason="needs root (network namespaces)")
     cuda = None
