@@ -163,11 +163,24 @@ def _candidates(current_RS, load_E, cost_ER, opts, search):
         yield priced_local_search(start_RS, load_E, cost_ER, start_cost_s=start_cost, **search)
 
 
+def canonical_slots(slots_RS: np.ndarray) -> np.ndarray:
+    """The same table with each rank's experts in ascending order, in the slots that hold
+    experts (free and absent slots stay where they are)."""
+    out = np.array(slots_RS, dtype=np.int64, copy=True)
+    for row in out:
+        held = row >= 0
+        row[held] = np.sort(row[held])
+    return out
+
+
 def piper(
     current_RS: np.ndarray, history_TE: np.ndarray, costs: LayerCosts, opts: MigrationOptions
 ) -> np.ndarray:
     """Forecast, then priced search from several starts; keep the current placement unless
-    the best start's predicted gain over the interval exceeds its move cost and margins."""
+    the best start's predicted gain over the interval exceeds its move cost and margins.
+    The decision depends on which experts each rank holds, not on their slot order
+    (canonical_slots): a replay and a run whose tables list them differently decide alike."""
+    current_RS = canonical_slots(current_RS)
     load_E = forecast_interval(history_TE, opts.rows_per_interval, opts.forecast)
     ranks = current_RS.shape[0]
     num_e = len(load_E)

@@ -244,3 +244,28 @@ def test_plain_maximum_search_lowers_the_hottest_rank_not_another():
     assert rank_loads(start, load_E).max() == 277
     assert rank_loads(found.slots_RS, load_E).max() < 235
     assert found.steps >= 1
+
+
+def test_piper_decides_by_the_experts_a_rank_holds_not_their_slot_order():
+    """The runtime hands the policy each rank's experts ascending; a replay hands it the
+    previous decision's order: both must get the same decision (canonical_slots)."""
+    from planner.migration.policies import canonical_slots, piper
+
+    rng = np.random.default_rng(3)
+    ranks, per = 4, 2
+    num_e = ranks * per
+    costs = LayerCosts(np.full((ranks, ranks), 1e-4) - np.eye(ranks) * 1e-4, 0.01)
+    opts = MigrationOptions(rows_per_interval=5)
+    for _ in range(20):
+        perm = rng.permutation(num_e).reshape(ranks, per)
+        history = rng.integers(0, 1000, size=(10, num_e)).astype(float)
+        history[:, rng.integers(num_e)] *= 4  # a hot expert worth moving
+        sorted_RS = canonical_slots(perm)
+        assert (np.sort(perm, axis=1) == sorted_RS).all()
+        shuffled = np.array([rng.permutation(row) for row in perm])
+        a = piper(sorted_RS, history, costs, opts)
+        b = piper(shuffled, history, costs, opts)
+        assert [sorted(r) for r in a.tolist()] == [sorted(r) for r in b.tolist()]
+    # free and absent slots stay in place, the experts around them sort
+    table = np.array([[5, -1, 2], [4, 3, -2]])
+    assert canonical_slots(table).tolist() == [[2, -1, 5], [3, 4, -2]]
