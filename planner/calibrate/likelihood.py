@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from planner.calibrate.uncertainty import OFFSETS, error_model
 from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec, SpecError
 
 # The pooled leave-one-out RMS log error of the fitted presets, sqrt((12 x 0.087^2 + 6 x
@@ -48,14 +49,6 @@ from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec, Spec
 # results/interval_coverage.md), with their 18 dof.
 DEFAULT_RUN_SIGMA = 0.140
 DEFAULT_RUN_DOF = 18
-# a_k of t_k = log(c_k + a_k) for the constants whose range starts at 0: the scale below
-# which the constant barely moves a step (1 ms of host time per layer, a tenth of the overlap,
-# 100 us: a few switch traversals of delay).
-OFFSETS: dict[str, float] = {
-    "layer_overhead_us": 1000.0,
-    "overlap_efficiency": 0.1,
-    "network_jitter_us": 100.0,
-}
 DEFAULT_PRIOR_SD: dict[str, float] = {  # module docstring's table
     "gemm_efficiency": 0.0943,
     "grouped_gemm_half_rows": 1.801,
@@ -97,8 +90,6 @@ class Likelihood:
 
 def likelihood_of(cluster: ClusterSpec) -> Likelihood:
     """The noise of runs on `cluster` (module docstring)."""
-    from planner.calibrate.uncertainty import error_model
-
     model = error_model(cluster)
     if model.calibrated:
         source = f"{cluster.name}'s leave-one-out error over {model.runs} runs"
@@ -123,8 +114,6 @@ def prior_sds(cluster: ClusterSpec) -> dict[str, float]:
     assumptions carry no such evidence); then the profile's `calibration.prior_sd_<name>`.
     Raises SpecError (one line) for an unknown name or a value that is not a finite
     number > 0."""
-    from planner.calibrate.uncertainty import error_model
-
     known = {e.name for e in (*EFFICIENCIES, *TOPOLOGY_EFFICIENCIES)}
     if error_model(cluster).calibrated:
         out = dict(DEFAULT_PRIOR_SD)

@@ -52,10 +52,9 @@ from planner.calibrate.fit import FitError, RunFit, fit_error, fit_params
 from planner.calibrate.likelihood import OFFSETS, Likelihood, likelihood_of, prior_sds
 from planner.calibrate.memory_fit import MemoryFit, fit_memory
 from planner.calibrate.runs import Run, estimate_run, predicted_value
-from planner.calibrate.uncertainty import quantile
+from planner.calibrate.uncertainty import JACOBIAN_STEP, quantile
 from planner.specs import ClusterSpec, Efficiency, SpecError
 
-JACOBIAN_STEP = 0.05
 MIN_ELASTICITY = 0.01  # RMS d log p / d t below this: no run sees the constant
 SHRINK = 1 / math.sqrt(2)  # posterior sd / prior sd at most this: the runs identify it
 OUTLIER_LEVEL = 0.95  # a run outside this predictive interval at the start is reported

@@ -64,6 +64,16 @@ LEVEL = 0.8
 # constants (no fit) on the 12 H100 published runs, results/published_runs.md ("start ... RMS
 # log 0.412"); a preset whose constants nobody fitted is taken to be as wrong as that.
 DEFAULT_TIME_LOG_SD = 0.412
+# a_k of t_k = log(c_k + a_k) for the constants whose range starts at 0: the scale below
+# which the constant barely moves a step (1 ms of host time per layer, a tenth of the overlap,
+# 100 us: a few switch traversals of delay).
+OFFSETS: dict[str, float] = {
+    "layer_overhead_us": 1000.0,
+    "overlap_efficiency": 0.1,
+    "network_jitter_us": 100.0,
+}
+# forward-difference step in t of the sensitivities (the fit's Jacobian and the error bars' g)
+JACOBIAN_STEP = 0.05
 # RMS of log(measured / predicted) peak memory over the default set of
 # profiles/runs/memory_runs.csv (current engines, no named model gap: the rows the
 # --memory-margin default is set on), results/interval_coverage.md.
@@ -239,8 +249,6 @@ def parameter_log_sd(cluster: ClusterSpec, reprice: Reprice, model: ErrorModel) 
     if not model.names:
         return 0.0
     from planner.calibrate.fit import fit_params  # scipy.optimize: only a fitted profile's
-    from planner.calibrate.likelihood import OFFSETS
-    from planner.calibrate.prior import JACOBIAN_STEP
 
     base = math.log(reprice(cluster))
     grad = []
