@@ -128,8 +128,10 @@ def run(args: argparse.Namespace) -> int:
     if args.fit is not None and (args.json or args.format != "auto"):
         raise SpecError("--json and --format belong to the compare mode; drop them with --fit")
     if args.fit is None and args.log and not args.plan:  # --log PLAN:LOG ...: compare each
-        if args.run or args.params or args.no_loo:
-            raise SpecError("--run, --params and --no-loo belong to the fit mode; add --fit")
+        if args.run or args.params or args.no_loo or args.covariance_only:
+            raise SpecError(
+                "--run, --params, --no-loo and --covariance-only belong to the fit mode; add --fit"
+            )
         return run_compare(args)
     if args.fit is not None:
         return run_fit(args)
@@ -140,8 +142,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if not (args.plan and args.metrics):
         raise SpecError(
-            "give PLAN METRICS (compare a plan with its run) or --fit RUNS.csv --cluster C "
-            "--out FITTED.yaml (fit a profile)"
+            "give PLAN MEASURED (compare a plan with its run's metrics.jsonl or training log), "
+            "--log PLAN:LOG ... (compare several) or --fit RUNS.csv --cluster C --out "
+            "FITTED.yaml (fit a profile)"
         )
     return run_compare(args)
 

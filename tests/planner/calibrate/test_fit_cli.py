@@ -104,7 +104,10 @@ def _bad_cases(runs_file, tmp_path):
         ("out", fit[:3] + ["--cluster", "h100"], "--fit needs --out"),
         ("run", [*fit, "--cluster", "h100", "--run", "plan.json"], "--run plan.json"),
         ("mixed", ["calibrate", "a.json", "--fit", str(runs_file)], "--fit takes no PLAN"),
-        ("neither", ["calibrate"], "give PLAN METRICS"),
+        ("neither", ["calibrate"], "give PLAN MEASURED (compare a plan with its run's "
+         "metrics.jsonl or training log), --log PLAN:LOG"),
+        ("cov-compare", ["calibrate", "--log", "a.json:b.log", "--covariance-only"],
+         "--covariance-only belong to the fit mode"),
     ]  # fmt: skip
 
 
