@@ -116,3 +116,11 @@ def run_distributed(
 def _run_distributed_fixture() -> Callable[..., list[Any]]:
     """`run_distributed(fn, world_size, *args, timeout_s=60.0)` as a fixture."""
     return run_distributed
+
+
+@pytest.fixture(scope="module")
+def corpus() -> None:
+    """The stdlib corpus loaded once in the parent process; forked ranks inherit it."""
+    from runtime.data import load_corpus
+
+    load_corpus()

@@ -20,11 +20,12 @@ import pytest
 from planner.run.spec import run_spec_from_plan
 from planner.specs import SpecError
 from runtime.checkpoint import Checkpointer, CheckpointOptions
-from runtime.data import load_corpus
 from runtime.launch import build_trainer  # imported here, not in each forked rank: fast
 from runtime.train import train
 from tests.runtime.parallel.grads import assert_match_oracle, named_tensors
 from tests.runtime.tiny_plans import hand_plan, tiny_model
+
+pytestmark = pytest.mark.usefixtures("corpus")  # forked ranks inherit the loaded corpus
 
 STEPS = 4  # straight; the checkpoint is taken after STEPS // 2
 
@@ -71,11 +72,6 @@ def _load_body(rank, world, spec, directory):
     weights = (coord, named_tensors(trainer.module, weights=True))
     losses = [trainer.step(step)[0] for step in range(start, spec.steps)]
     return start, weights, losses
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _corpus():
-    load_corpus()  # loaded once in the parent; forked ranks inherit it
 
 
 _written: dict = {}

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from planner.run.spec import run_spec_from_plan
-from runtime.data import load_corpus
 from runtime.model.transformer import StageModule
 from tests.runtime.tiny_plans import hand_plan, tiny_model, tiny_spec
 
@@ -153,13 +152,8 @@ def _single_device(spec):
     return model, _named_grads(model)
 
 
-@pytest.fixture(scope="module")
-def _corpus():
-    load_corpus()  # loaded once in the parent; forked ranks inherit it
-
-
 @pytest.mark.slow
-@pytest.mark.usefixtures("_corpus")
+@pytest.mark.usefixtures("corpus")
 @pytest.mark.parametrize(
     ("pp", "dp", "tp", "ep", "fsdp"),
     [(1, 2, 1, 2, False), (2, 1, 1, 1, False), (1, 2, 1, 2, True), (1, 1, 2, 2, False)],
@@ -214,7 +208,7 @@ def _reference_training(spec) -> list[tuple[float, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("_corpus")
+@pytest.mark.usefixtures("corpus")
 def test_piper_run_logs_the_mtp_loss_beside_the_main_loss(run_distributed):
     from planner.migration.trace import trace_from_text, trace_rows
     from tests.runtime.tiny_plans import train_body
@@ -295,7 +289,7 @@ def test_deepseek_mtp_weights_load_into_the_mtp_module(tmp_path, caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("_corpus")
+@pytest.mark.usefixtures("corpus")
 def test_migration_moves_the_mtp_layers_experts_and_trains_like_one_device(run_distributed):
     from tests.runtime.tiny_plans import rotate_policy, train_body
 
@@ -312,7 +306,7 @@ def test_migration_moves_the_mtp_layers_experts_and_trains_like_one_device(run_d
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("_corpus")
+@pytest.mark.usefixtures("corpus")
 def test_a_resume_trains_the_mtp_modules_bitwise_like_a_straight_run(run_distributed, tmp_path):
     from tests.runtime.test_checkpoint import _body
 

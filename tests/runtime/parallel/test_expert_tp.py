@@ -16,7 +16,6 @@ import torch
 from planner.calibrate.metrics import parse_metrics
 from planner.run.spec import run_spec_from_plan
 from planner.specs import SpecError
-from runtime.data import load_corpus
 from runtime.model.moe import Experts
 from runtime.parallel.expert_tp import _slot_major, shard_experts
 from runtime.parallel.mesh import group_members, rank_coords
@@ -96,13 +95,8 @@ def test_etp_that_does_not_divide_the_scaled_expert_width_is_refused():
         run_spec_from_plan(plan, model, 0.5, 16)  # 24 does not
 
 
-@pytest.fixture(scope="module")
-def _corpus():
-    load_corpus()  # loaded once in the parent; forked ranks inherit it
-
-
 @pytest.mark.slow
-@pytest.mark.usefixtures("_corpus")
+@pytest.mark.usefixtures("corpus")
 @pytest.mark.parametrize(
     ("dp", "tp", "ep", "etp"),
     [(2, 1, 1, 2), (4, 1, 2, 2), (2, 2, 2, 2), (2, 2, 4, 1)],
@@ -120,7 +114,7 @@ def test_gradients_equal_the_single_device_gradients(run_distributed, dp, tp, ep
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("_corpus")
+@pytest.mark.usefixtures("corpus")
 def test_pp2_etp2_trains_like_the_oracle_and_counts_expert_tp_bytes(run_distributed):
     spec = _spec(dp=2, tp=1, ep=1, etp=2, pp=2, steps=6, model=tiny_model())
     results = run_distributed(train_body, spec.world, spec, timeout_s=240)
@@ -138,7 +132,7 @@ def test_pp2_etp2_trains_like_the_oracle_and_counts_expert_tp_bytes(run_distribu
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("_corpus")
+@pytest.mark.usefixtures("corpus")
 def test_etp2_with_live_migration_trains_like_the_oracle(run_distributed):
     """dp = 4, ep = 2, etp = 2: both expert-TP slices of a moved expert move along their own
     EP groups (ranks 0, 2 and 1, 3) with the stage's one decision."""

@@ -15,16 +15,10 @@ import pytest
 from planner.calibrate.metrics import parse_metrics
 from planner.run.spec import run_spec_from_plan
 from planner.specs import SpecError
-from runtime.data import load_corpus
 from tests.runtime.parallel.grads import assert_match_oracle, reference, step_body
 from tests.runtime.tiny_plans import hand_plan, reference_losses, tiny_model, train_body
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _corpus():
-    load_corpus()  # loaded once in the parent; forked ranks inherit it
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("corpus")]
 
 
 def _spec(pp=1, dp=2, ep=1, tp=1, vp=1, layers=4, m=2, steps=1, **options):

@@ -17,16 +17,10 @@ import pytest
 from planner.calibrate.metrics import parse_metrics
 from planner.plan.schema import RankPlan
 from planner.run.spec import run_spec_from_plan
-from runtime.data import load_corpus
 from tests.runtime.parallel.grads import assert_match_oracle, reference, step_body
 from tests.runtime.tiny_plans import hand_plan, reference_losses, tiny_model, train_body
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _corpus():
-    load_corpus()  # loaded once in the parent; forked ranks inherit it
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("corpus")]
 
 
 def _spec(pp=2, dp=1, ep=1, vp=2, layers=8, m=4, g=2, ranks=None, steps=1, **options):

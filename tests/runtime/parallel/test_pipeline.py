@@ -14,16 +14,10 @@ import pytest
 
 from planner.calibrate.metrics import parse_metrics
 from planner.migration.trace import trace_from_text, trace_rows
-from runtime.data import load_corpus
 from tests.runtime.tiny_plans import reference_losses, tiny_spec, train_body, with_options
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("corpus")]
 STEPS = 30
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _corpus():
-    load_corpus()  # loaded once in the parent; forked ranks inherit it
 
 
 def _launch(run_distributed, spec, **kw):

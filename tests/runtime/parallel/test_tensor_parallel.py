@@ -12,10 +12,11 @@ from planner.calibrate.metrics import parse_metrics
 from planner.migration.trace import trace_from_text, trace_rows
 from planner.run.spec import run_spec_from_plan
 from planner.specs import SpecError
-from runtime.data import load_corpus
 from runtime.parallel.mesh import rank_coords
 from runtime.parallel.tensor_parallel import chunk_sizes, shard_linear
 from tests.runtime.tiny_plans import hand_plan, reference_losses, tiny_model, train_body
+
+pytestmark = pytest.mark.usefixtures("corpus")  # forked ranks inherit the loaded corpus
 
 STEPS = 12
 
@@ -114,11 +115,6 @@ def test_widths_that_tp_does_not_divide_are_refused():
     spec = run_spec_from_plan(hand_plan(mixtral, 4, 2, 4, tp=2), mixtral, 0.125, 4)
     att = spec.model.layers[0].attention
     assert (att.num_kv_heads, att.num_heads) == (2, 8) and spec.tp == 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _corpus():
-    load_corpus()  # loaded once in the parent; forked ranks inherit it
 
 
 def _featureful_model():
