@@ -239,15 +239,19 @@ def tp_layout(p: torch.Tensor, size: int) -> tuple[int, int] | None:
     return dim, getattr(p, "tp_vocab", p.shape[dim] * size)
 
 
-class VocabParallelEmbedding(nn.Module):
-    """This rank's rows of the input embedding: token ids [B, S] -> this rank's token slice
-    [T / n, D] of the embeddings (ids outside its rows give zeros before the reduce-scatter)."""
+class _VocabSlice(nn.Module):
+    """This rank's rows start .. start + real of a [V, D] vocabulary weight (vocab_rows)."""
 
     def __init__(self, whole_VD: torch.Tensor, tp: TPGroup) -> None:
         super().__init__()
         self.tp, self.vocab = tp, whole_VD.shape[0]
         self.start, _, self.real = vocab_rows(self.vocab, tp)
         self.weight = _vocab_parameter(whole_VD, tp)
+
+
+class VocabParallelEmbedding(_VocabSlice):
+    """This rank's rows of the input embedding: token ids [B, S] -> this rank's token slice
+    [T / n, D] of the embeddings (ids outside its rows give zeros before the reduce-scatter)."""
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         ids = ids_BS.reshape(-1)
@@ -257,15 +261,9 @@ class VocabParallelEmbedding(nn.Module):
         return sp_reduce_scatter(x_TD, self.tp)
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(_VocabSlice):
     """The output head over this rank's vocabulary rows: the token slice [T / n, D] ->
     logits [B, S, real rows] of the whole micro-batch for ids start .. start + real."""
-
-    def __init__(self, whole_VD: torch.Tensor, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp, self.vocab = tp, whole_VD.shape[0]
-        self.start, _, self.real = vocab_rows(self.vocab, tp)
-        self.weight = _vocab_parameter(whole_VD, tp)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         tp = self.tp
