@@ -13,7 +13,11 @@ Printed:
 - geomean of predicted / measured, the share of rows within +-15%, the worst row (largest
   |ratio - 1|): over all rows, per hardware and per precision;
 - Spearman rank correlation of predicted vs measured per (model, hardware, GPUs) group of at
-  least 3 rows.
+  least 3 rows;
+- the same-stack groups (one model, hardware, GPU count and container release, two or more
+  layouts): the layout-ranking test proper, with its Spearman;
+- per layout measured under several releases: the spread of its measurements (max / min), the
+  part of a cross-release group's ordering that no layout model can price.
 
     OMP_NUM_THREADS=1 python3 benchmarks/holdout_runs.py [--no-results]
 """
@@ -49,6 +53,8 @@ class Point:
     precision: str
     predicted: float
     measured: float
+    release: str = "-"
+    layout: str = ""
 
     @property
     def ratio(self) -> float:
@@ -106,6 +112,29 @@ def group_spearman(
     ]  # fmt: skip
 
 
+def same_stack_groups(points: list[Point]) -> list[tuple[tuple[str, str, int, str], list[Point]]]:
+    """Groups of one (model, hardware, GPUs, release) holding two or more distinct layouts,
+    in first-seen order."""
+    groups: dict[tuple[str, str, int, str], list[Point]] = {}
+    for p in points:
+        groups.setdefault((p.model, p.hardware, p.gpus, p.release), []).append(p)
+    return [(k, m) for k, m in groups.items() if len({p.layout for p in m}) >= 2]
+
+
+def release_spread(points: list[Point]) -> list[tuple[tuple[str, str, int], list[Point], float]]:
+    """Per (model, hardware, GPUs, layout) measured under two or more releases: its points
+    and max / min of their measurements, in first-seen order."""
+    groups: dict[tuple[str, str, int, str], list[Point]] = {}
+    for p in points:
+        groups.setdefault((p.model, p.hardware, p.gpus, p.layout), []).append(p)
+    out = []
+    for (model, hw, gpus, _), members in groups.items():
+        if len({p.release for p in members}) >= 2:
+            values = [p.measured for p in members]
+            out.append(((model, hw, gpus), members, max(values) / min(values)))
+    return out
+
+
 def container(run: Run) -> str:
     """The container release named in the row's source ("26.04.01"), or "-"."""
     found = re.search(r"\[(\d\d\.\d\d(?:\.\d\d)?)", run.field("source"))
@@ -148,7 +177,7 @@ def report(runs: list[Run]) -> None:
         predicted = predicted_value(run, est)
         point = Point(run.label.removeprefix("id "), run.field("model"), run.hardware,
                       run.parallel.world, run.field("precision").upper(), predicted,
-                      run.measured)  # fmt: skip
+                      run.measured, container(run), layout(run))  # fmt: skip
         points.append(point)
         print(
             f"{point.label:>4} {point.model:<18} {run.hardware:<5} {point.gpus:>4} "
@@ -169,6 +198,18 @@ def report(runs: list[Run]) -> None:
     for (model, hw, gpus), labels, rho in group_spearman(points):
         shown = "n/a (predictions tie)" if math.isnan(rho) else f"{rho:+.2f}"
         print(f"  {model:<18} {hw:<5} {gpus:>4}  rows {','.join(labels):<28} {shown}")
+    stacks = same_stack_groups(points)
+    print("\nsame-stack groups (one model, hardware, GPU count and release; >= 2 layouts): "
+          f"{len(stacks) or 'none in this file'}")  # fmt: skip
+    for (model, hw, gpus, release), members in stacks:
+        rho = spearman([p.predicted for p in members], [p.measured for p in members])
+        shown = "n/a (ties)" if math.isnan(rho) else f"{rho:+.2f}"
+        print(f"  {model:<18} {hw:<5} {gpus:>4} {release:<8} rows "
+              f"{','.join(p.label for p in members):<20} {shown}")  # fmt: skip
+    print("\none layout under several releases (one prediction each): measured max / min")
+    for (model, hw, gpus), members, spread in release_spread(points):
+        releases = ",".join(f"{p.label}:{p.release}" for p in members)
+        print(f"  {model:<18} {hw:<5} {gpus:>4}  {spread:5.2f}x  {releases}")
     print(f"\n(benchmark time {time.perf_counter() - t0:.0f} s)")
 
 

@@ -79,3 +79,23 @@ def test_group_spearman_by_hand():
     assert groups[0][1] == ["1", "2", "3", "4"]
     assert groups[0][2] == pytest.approx(0.6)
     assert math.isnan(groups[1][2])
+
+
+def test_same_stack_groups_and_release_spread_by_hand():
+    def pt(label, release, layout, measured, model="x"):
+        return hr.Point(label, model, "H100", 16, "FP8", 1.0, measured, release, layout)
+
+    points = [
+        pt("1", "26.04", "tp1", 100),
+        pt("2", "26.04", "tp2", 80),  # 26.04 holds two layouts: a same-stack group
+        pt("3", "26.02", "tp1", 50),  # tp1 under 26.04 and 26.02: spread 100 / 50
+        pt("4", "26.02", "tp1", 60, model="y"),  # one layout, one release: neither
+    ]
+    stacks = hr.same_stack_groups(points)
+    assert [(k, [p.label for p in m]) for k, m in stacks] == [
+        (("x", "H100", 16, "26.04"), ["1", "2"])
+    ]
+    spread = hr.release_spread(points)
+    assert [(k, [p.label for p in m], s) for k, m, s in spread] == [
+        (("x", "H100", 16), ["1", "3"], pytest.approx(2.0))
+    ]
