@@ -35,7 +35,7 @@ from runtime.migrate import MigrationPolicy, migrate_stage, pack_views, slot_sta
 from runtime.model.hf_weights import load_hf_weights
 from runtime.model.transformer import StageModule
 from runtime.parallel.expert_tp import apply_expert_tp
-from runtime.parallel.fsdp import shard_chunk
+from runtime.parallel.fsdp import set_param_dtype, shard_chunk
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.pipeline import PipelineRunner, chunks_of, sync_gradients
 from runtime.parallel.replicas import install_slots
@@ -131,13 +131,19 @@ def _maybe_migrate(
     return migrate_stage(moes, mesh, migration, past, optimizer, counter, fail)
 
 
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # else fp32
+
+
 def autocast(device: torch.device, compute_dtype: str):
-    """Forward (and the backward it records) in bf16 / fp16 where torch.autocast casts:
-    GEMMs and attention take operands rounded from the fp32 weights, which stay the master
-    copy Adam updates; norms, softmax, the loss and gradient reductions stay fp32."""
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    enabled = compute_dtype in dtypes
-    return torch.autocast(device.type, dtype=dtypes.get(compute_dtype), enabled=enabled)
+    """Forward (and the backward it records) in bf16 / fp16 (runtime/RUNTIME.md,
+    "Precision"): GEMMs and attention take operands rounded from the fp32 weights, which stay
+    the master copy Adam updates (autocast caches the dense layers' casts for the region, the
+    experts keep their own, Experts.operands); the residual stream, and so every activation
+    sent between ranks, is in the compute dtype from the embedding on
+    (runtime.model.precision.to_compute_dtype); the router, the norms' statistics, softmax
+    and the loss compute in fp32; gradients and their reductions stay fp32."""
+    dtype = COMPUTE_DTYPES.get(compute_dtype)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
 def _gather(obj, rank: int) -> list | None:
@@ -183,7 +189,20 @@ class Trainer:
         self.history: list = []  # per step of the interval: tokens [L][E] of the MoE layers
         self.rows: list = []  # the leader's past interval rows (close_interval): (L, E) arrays
         self.sample = sample_batch  # batches of a step: a function of (seed, step, dp rank)
-        self.compute_dtype = "fp32"  # or bf16 / fp16: autocast over forward and backward
+        self._compute_dtype = "fp32"
+
+    @property
+    def compute_dtype(self) -> str:
+        """fp32, or bf16 / fp16: autocast over forward and backward (`autocast`); set it
+        before the first step (with FSDP it fixes the all-gather's dtype)."""
+        return self._compute_dtype
+
+    @compute_dtype.setter
+    def compute_dtype(self, value: str) -> None:
+        if self.spec.fsdp:
+            for chunk in chunks_of(self.module):
+                set_param_dtype(chunk, COMPUTE_DTYPES.get(value))
+        self._compute_dtype = value
 
     def step(self, step: int, fail_migration_at: int = -1) -> tuple[float | None, dict, list]:
         """One optimizer step (+ migration when due); returns (loss, record, trace rows)."""
@@ -196,6 +215,8 @@ class Trainer:
         x, y = self.sample(step, mesh.me.dp_idx, spec.dp, batch, spec.seq_len, spec.seed)
         with autocast(self.device, self.compute_dtype):
             loss = self.runner.step(x.to(self.device), y.to(self.device))
+        for moe in self.module.moe_layers().values():
+            moe.experts.drop_operands()  # the step's bf16 expert weights (Experts.operands)
         sync_gradients(self.module, mesh, spec.dp, self.counter)
         self.optimizer.step()
         tokens_LE = _stage_tokens(self.module, mesh)

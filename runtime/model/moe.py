@@ -22,6 +22,7 @@ from planner.run.spec import EMPTY, ExpertSlots
 from planner.specs import MoESpec
 from runtime.dispatch.local import LocalDispatcher
 from runtime.model.arch import ModelArch
+from runtime.model.precision import to_compute_dtype
 from runtime.model.replicas import SlotRouter
 
 
@@ -67,12 +68,14 @@ class Router(nn.Module):
         self.register_buffer("bias_E", torch.zeros(spec.num_experts), persistent=False)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert_TK int64, gate_TK float): chosen experts and their weights."""
+        """Returns (expert_TK int64, gate_TK in x's dtype): chosen experts and their weights,
+        scored in fp32."""
         arch = self.arch
-        if arch.router == "sigmoid":  # fp32 logits (modeling_deepseek_v3.py:135)
-            logits = F.linear(x_TD.float(), self.weight.float(), self.bias)
-        else:
-            logits = F.linear(x_TD, self.weight, self.bias)
+        # fp32 logits and scores whatever the compute dtype: Megatron-Core's
+        # moe_router_dtype="fp32" (router.py:106-111; DeepSeek-V3's, modeling_deepseek_v3.py:135)
+        with torch.autocast(x_TD.device.type, enabled=False):
+            bias = self.bias.float() if self.bias is not None else None
+            logits = F.linear(x_TD.float(), self.weight.float(), bias)
         if arch.router == "topk_softmax":
             _, expert_TK = torch.topk(logits.detach().float() + self.bias_E, self.top_k, dim=-1)
             gate_TK = logits.gather(1, expert_TK).softmax(dim=-1)
@@ -135,6 +138,7 @@ class Experts(nn.Module):
         self.b_out = nn.Parameter(torch.zeros(x, d)) if spec.expert_bias else None
         self.seed, self.layer = seed, layer
         self.gemm = "grouped"  # or "loop": the slots one by one (GEMMS)
+        self._casts: tuple | None = None  # operands(): (key, casts, their parameters)
         for slot, e in enumerate(expert_ids):
             self.init_slot(slot, e)
 
@@ -153,37 +157,60 @@ class Experts(nn.Module):
 
     def slot_params(self) -> list[nn.Parameter]:
         """Every parameter with the slot axis first (what migration moves)."""
-        names = ("w_in", "w_gate", "w_out", "b_in", "b_gate", "b_out")
-        return [p for p in (getattr(self, n) for n in names) if p is not None]
+        return [p for p in (getattr(self, n) for n in _SLOT_PARAMS) if p is not None]
 
     def forward(self, x_ND: torch.Tensor, counts_X: list[int]) -> torch.Tensor:
         """Apply slot i's expert to the i-th contiguous chunk of rows (counts_X rows each):
-        in grouped GEMMs when `gemm` is "grouped" and the shapes allow it, else slot by slot."""
-        if self.gemm != "grouped":
-            return self._loop(x_ND, counts_X)
-        kind = x_ND.device.type
-        if torch.is_autocast_enabled(kind):  # the grouped GEMM is not on autocast's list
-            x_ND = x_ND.to(torch.get_autocast_dtype(kind))
-        if grouped_mm_fits(x_ND, self.w_in, self.w_out):
-            return self._grouped(x_ND, counts_X)
-        return self._loop(x_ND, counts_X)
+        in grouped GEMMs when `gemm` is "grouped" and the shapes allow it, else slot by slot.
+        Under autocast the rows and the weights are in its dtype (`operands`), the output too."""
+        x_ND = to_compute_dtype(x_ND)  # the grouped GEMM is not on autocast's list
+        w = self.operands(x_ND.dtype)
+        if self.gemm == "grouped" and grouped_mm_fits(x_ND, w["w_in"], w["w_out"]):
+            return self._grouped(x_ND, counts_X, w)
+        return self._loop(x_ND, counts_X, w)
 
-    def _loop(self, x_ND: torch.Tensor, counts_X: list[int]) -> torch.Tensor:
+    def operands(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The slot parameters (name -> [X, ...]) in `dtype`, as the GEMMs take them. A cast
+        is made once and reused by every micro-batch until a parameter changes (its version
+        moves on Adam's step, a migration, a checkpoint load), as autocast's weight cache
+        does for the dense layers within the step: that cache keeps only the casts autocast
+        makes of whole leaf tensors, and the grouped GEMM is not on its list while the loop
+        would cast one slot's view at a time, so without this every micro-batch would round
+        the expert weights again. `drop_operands` frees the copies between steps."""
+        params = {n: getattr(self, n) for n in _SLOT_PARAMS if getattr(self, n) is not None}
+        if all(p.dtype == dtype for p in params.values()):  # fp32, or FSDP's bf16 gather
+            return params
+        key = (
+            dtype,
+            torch.is_grad_enabled(),
+            [(id(p), p._version, p.data_ptr()) for p in params.values()],
+        )
+        if self._casts is None or self._casts[0] != key:
+            # the parameters stay referenced with their casts, so their ids are not reused
+            self._casts = (key, {n: p.to(dtype) for n, p in params.items()}, list(params.values()))
+        return self._casts[1]
+
+    def drop_operands(self) -> None:
+        """Free the cast weights `operands` keeps (the step is over)."""
+        self._casts = None
+
+    def _loop(self, x_ND: torch.Tensor, counts_X: list[int], w: dict) -> torch.Tensor:
         outs = []
+        b_in, b_gate, b_out = w.get("b_in"), w.get("b_gate"), w.get("b_out")
         for slot, rows in enumerate(x_ND.split(counts_X, dim=0)):
-            h = rows @ self.w_in[slot]
-            if self.b_in is not None:
-                h = h + self.b_in[slot]
+            h = rows @ w["w_in"][slot]
+            if b_in is not None:
+                h = h + b_in[slot]
             if self.gated:
-                g = rows @ self.w_gate[slot]
-                if self.b_gate is not None:
-                    g = g + self.b_gate[slot]
+                g = rows @ w["w_gate"][slot]
+                if b_gate is not None:
+                    g = g + b_gate[slot]
                 h = self._glu(g, h)
             else:
                 h = F.gelu(h)
-            y = h @ self.w_out[slot]
-            if self.b_out is not None:
-                y = y + self.b_out[slot]
+            y = h @ w["w_out"][slot]
+            if b_out is not None:
+                y = y + b_out[slot]
             outs.append(y)
         if not outs:
             return x_ND[:0]
@@ -198,7 +225,7 @@ class Experts(nn.Module):
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def _grouped(self, x_ND: torch.Tensor, counts_X: list[int]) -> torch.Tensor:
+    def _grouped(self, x_ND: torch.Tensor, counts_X: list[int], w: dict) -> torch.Tensor:
         """The same as `_loop` in three grouped GEMMs (two without a gate) over all slots:
         torch._grouped_mm with offs = the cumulative row counts (rows of slot i between
         offs[i - 1] and offs[i]); biases added per row from the row's slot."""
@@ -209,15 +236,16 @@ class Experts(nn.Module):
             slot_N = torch.repeat_interleave(
                 torch.arange(len(counts_X), device=x_ND.device), counts
             )
-        h = _gmm(x_ND, self.w_in, offs, self.b_in, slot_N)
+        h = _gmm(x_ND, w["w_in"], offs, w.get("b_in"), slot_N)
         if self.gated:
-            h = self._glu(_gmm(x_ND, self.w_gate, offs, self.b_gate, slot_N), h)
+            h = self._glu(_gmm(x_ND, w["w_gate"], offs, w.get("b_gate"), slot_N), h)
         else:
             h = F.gelu(h)
-        return _gmm(h, self.w_out, offs, self.b_out, slot_N)
+        return _gmm(h, w["w_out"], offs, w.get("b_out"), slot_N)
 
 
 GEMMS = ("grouped", "loop")
+_SLOT_PARAMS = ("w_in", "w_gate", "w_out", "b_in", "b_gate", "b_out")
 
 
 def grouped_mm_fits(x_ND: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
@@ -242,8 +270,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _gmm(x_ND, w_XAB, offs, b_XB, slot_N) -> torch.Tensor:
-    y = _ContiguousGrad.apply(torch._grouped_mm(x_ND, w_XAB.to(x_ND.dtype), offs=offs))
-    return y if b_XB is None else y + b_XB[slot_N].to(y.dtype)
+    y = _ContiguousGrad.apply(torch._grouped_mm(x_ND, w_XAB, offs=offs))
+    return y if b_XB is None else y + b_XB[slot_N]
 
 
 class MoELayer(nn.Module):

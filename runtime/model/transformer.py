@@ -28,7 +28,7 @@ from planner.parallel import default_placement
 from planner.specs import LayerSpec, ModelSpec
 from runtime.model.arch import ModelArch
 from runtime.model.attention import make_attention
-from runtime.model.layers import RMSNorm, seeded_linear
+from runtime.model.layers import Embedding, RMSNorm, seeded_linear
 from runtime.model.moe import MoELayer, seeded_generator
 from runtime.model.mtp import MTPModule, mtp_depth_losses, mtp_objective
 from runtime.parallel.tensor_parallel import (
@@ -183,7 +183,7 @@ class StageModule(nn.Module):
         self.tp = tp
         self.embed = self.head = None
         if first:
-            self.embed = nn.Embedding(v, d)
+            self.embed = Embedding(v, d)
             with torch.no_grad():
                 self.embed.weight.copy_(_embedding_init(v, d, seed))
             if tp is not None:
@@ -234,7 +234,7 @@ class StageModule(nn.Module):
         )
         if self.embed is not None:
             return
-        embed = nn.Embedding(v, d)
+        embed = Embedding(v, d)
         with torch.no_grad():
             embed.weight.copy_(_embedding_init(v, d, seed))
         self.mtp_embed = VocabParallelEmbedding(embed.weight, self.tp) if self.tp else embed

@@ -19,6 +19,18 @@ row-parallel biases, gates: StageModule.tp_partial_parameters) stay replicated (
 ignored parameters) and are reduced by pipeline.sync_gradients as without FSDP; they are a
 few vectors per layer.
 
+Mixed precision (`set_param_dtype`, with bf16 / fp16 compute): FSDP2's
+MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32): the fp32 shards stay the
+master weights Adam updates; each all-gather casts the shards to the compute dtype first, so
+it sends half the bytes and the gathered (transient) weights are bf16; the gradients of
+those weights come out in bf16 and are cast to fp32 before the reduce-scatter, which sums
+and accumulates into the fp32 gradient shards (torch/distributed/fsdp/_fully_shard/
+_fsdp_api.py:14-54 in torch 2.13). This is Megatron-Core's distributed optimizer's
+arrangement: bf16 parameters all-gathered in bf16 (param_and_grad_buffer.py:1184-1187, the
+buffer in the parameters' dtype) and fp32 gradients reduce-scattered (arguments.py:1209-1217
+sets accumulate_allreduce_grads_in_fp32 for bf16; NVIDIA/Megatron-LM
+d98e8a64ddf34856e74b24714e3bedb2f5a39553).
+
 Bytes are counted by the collectives FSDP calls (set_custom_all_gather /
 set_custom_reduce_scatter), ring model: each all-gather sends (n - 1)/n of the gathered
 buffer (kind param_gather, planner.resources.traffic's name), each reduce-scatter
@@ -30,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from runtime.metrics import ByteCounter
 from runtime.model.transformer import StageModule
@@ -99,3 +111,21 @@ def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -
 def _tp_marks(p: torch.Tensor) -> dict:
     """The TP marks of a parameter (tensor_parallel.tp_layout reads them, checkpoints too)."""
     return {k: v for k, v in vars(p).items() if k.startswith("tp_")}
+
+
+def set_param_dtype(chunk: StageModule, dtype: torch.dtype | None) -> None:
+    """Give every FSDP unit of `chunk` the policy of the module docstring: parameters
+    gathered in `dtype` (None: in their fp32), gradients reduced in fp32. Before the first
+    forward: FSDP2 reads its policy once, at its lazy initialization; the policy is set on
+    the units' state here because the trainer learns its compute dtype after sharding
+    (runtime/launch.py sets Trainer.compute_dtype)."""
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    for module in chunk.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if state._is_root is not None:
+            raise RuntimeError("set_param_dtype: the FSDP units already ran; set it before")
+        state._mp_policy = policy
+        for group in state._fsdp_param_groups:
+            group.mp_policy = policy

@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.model.precision import to_compute_dtype
+
 
 @dataclass
 class TPGroup:
@@ -166,7 +168,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = nn.functional.linear(x, self.weight)
         y = sp_reduce_scatter(y.reshape(-1, y.shape[-1]), self.tp)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def shard_linear(lin: nn.Linear, tp: TPGroup | None, dim: int, groups: int = 0) -> nn.Module:
@@ -251,14 +253,15 @@ class _VocabSlice(nn.Module):
 
 class VocabParallelEmbedding(_VocabSlice):
     """This rank's rows of the input embedding: token ids [B, S] -> this rank's token slice
-    [T / n, D] of the embeddings (ids outside its rows give zeros before the reduce-scatter)."""
+    [T / n, D] of the embeddings (ids outside its rows give zeros before the reduce-scatter),
+    in the compute dtype (runtime.model.layers.Embedding), so the reduce-scatter carries it."""
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         ids = ids_BS.reshape(-1)
         outside = (ids < self.start) | (ids >= self.start + self.real)
         local = (ids - self.start).masked_fill(outside, 0)
         x_TD = nn.functional.embedding(local, self.weight).masked_fill(outside[:, None], 0.0)
-        return sp_reduce_scatter(x_TD, self.tp)
+        return sp_reduce_scatter(to_compute_dtype(x_TD), self.tp)
 
 
 class VocabParallelHead(_VocabSlice):
