@@ -330,6 +330,13 @@ class TrainingSpec:
     # 1F1B all-to-all overlap: one micro-batch's dispatch/combine behind another's compute
     # (Megatron's --overlap-moe-expert-parallel-comm)
     a2a_overlap: bool = False
+    # Data-parallel gradient reduction overlapped with the backward and, with the distributed
+    # optimizer, the parameter all-gather with the next forward (Megatron-LM's
+    # --overlap-grad-reduce --overlap-param-gather, both off by default in Megatron-LM; DeepSpeed
+    # ZeRO's overlap_comm, off by default below stage 3). False: the reduction runs after the
+    # last backward and the all-gather before the first forward, neither hidden. FSDP overlaps
+    # either way.
+    grad_overlap: bool = True
     # Router weights applied inside the expert activation, before fc2 (Megatron-Core's
     # experts.py `activation_func_with_probs`): the combine then keeps no expert outputs.
     # False: weighted at the combine (Piper's runtime), which keeps them for the gate gradient.

@@ -57,7 +57,7 @@ SIZES = ("gpus", "seq", "gbs", "mbs", "tp", "pp", "vp", "cp", "ep", "etp")
 REQUIRED = ("model", "hardware", "gpus", "precision", "seq", "gbs", "mbs", "tp", "pp", "vp",
             "cp", "ep", "etp", "recompute")  # fmt: skip
 OPTIONAL = ("id", "source", "note", "measured_peak_gib", "dispatcher", "a2a_overlap",
-            "cuda_graphs")  # fmt: skip
+            "cuda_graphs", "grad_overlap")  # fmt: skip
 FLAGS = {"1": True, "yes": True, "true": True, "0": False, "no": False, "false": False}
 DTYPES = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8"}
 SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}
@@ -214,6 +214,7 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
         "deepep" if "deepep" in lowered or "hybridep" in lowered else "flat"
     )
     overlap = _flag(fields, "a2a_overlap", where)
+    grad_overlap = _flag(fields, "grad_overlap", where)
     graphs = _choice(fields, "cuda_graphs", CUDA_GRAPHS, where)
     if graphs is None and "cuda graphs" in lowered:
         graphs = "partial"  # the notes name Megatron's per-module cuda_graph_scope
@@ -222,6 +223,7 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
         zero=not fsdp, fsdp=fsdp, recompute=recompute,
         a2a_overlap=("A2A overlap" in note) if overlap is None else overlap,
         cuda_graphs=graphs,  # type: ignore[arg-type]
+        grad_overlap=True if grad_overlap is None else grad_overlap,
     ), TARGETS["megatron"])  # fmt: skip
     try:
         check_layout(parallel, model, training)

@@ -257,7 +257,8 @@ def _grad_sync_all(
     the start of the next step (_gather_exposed_s). Without: one all-reduce of the stage
     after its backward (Piper's runtime, runtime/parallel/pipeline.py `sync_gradients`).
     Stage i ends its backward about i / vp chunk-slots before stage 0, so that much more
-    hides. A chunk-backward is 2/3 of a chunk-slot."""
+    hides. A chunk-backward is 2/3 of a chunk-slot. Without `grad_overlap` the distributed
+    optimizer's reduce-scatter is one collective after the backward too."""
     pp, vp = parallel.pp, parallel.vp
     passes = 1.0 if training.zero else 2.0
     chunk_bwd = slot / vp * 2 / TRAIN_FACTOR
@@ -267,9 +268,9 @@ def _grad_sync_all(
         sync = _grad_sync_s(st.layers, costs, extras, cluster, training, parallel, passes)
         total = sum(s for _, s in sync)
         params = sum(held_params(st.layers, costs, extras))
-        if training.zero:
+        if training.zero and training.grad_overlap:
             units = reduce_units(total, params, parallel, chunk_bwd, bucketed=st.stage == 0)
-        else:  # one all-reduce after the backward (Piper's runtime, `sync_gradients`)
+        else:  # one reduction after the backward (Piper's runtime `sync_gradients`, no overlap)
             units = [(total, 0.0)]
         queued = overlap.queued_reduce_exposed_s(units)
         behind = st.stage / vp * slot * 2 / TRAIN_FACTOR
@@ -298,7 +299,8 @@ def _gather_exposed_s(
     c is needed c pp chunk-forwards after the step starts, chunk 0's buckets (pipeline rank
     0) evenly through its first forward, the first at once; the forward waits for what the
     stream has not delivered (reduce_units with the times mirrored). Stage i starts i
-    chunk-forwards after stage 0. A chunk-forward is 1/3 of a chunk-slot. 0 without `zero`."""
+    chunk-forwards after stage 0. A chunk-forward is 1/3 of a chunk-slot. 0 without `zero`.
+    Without `grad_overlap` the stage's whole all-gather precedes its first forward."""
     if not training.zero or training.fsdp:
         return 0.0
     pp, vp = parallel.pp, parallel.vp
@@ -311,7 +313,10 @@ def _gather_exposed_s(
         )
         total = sum(s for _, s in sync)
         params = sum(held_params(st.layers, costs, extras))
-        units = reduce_units(total, params, parallel, chunk_fwd, bucketed=st.stage == 0)
+        if training.grad_overlap:
+            units = reduce_units(total, params, parallel, chunk_fwd, bucketed=st.stage == 0)
+        else:  # the whole stage gathered before its first forward
+            units = [(total, 0.0)]
         stall = overlap.queued_reduce_exposed_s(units) - st.stage * chunk_fwd
         worst = max(worst, overlap.imperfect_s(max(stall, 0.0), total, cluster.overlap_efficiency))
     return worst

@@ -154,7 +154,8 @@ def _parallel_args(plan: Plan) -> list[str]:
 
 
 def _optimizer_args(plan: Plan) -> list[str]:
-    """Distributed optimizer or Megatron-FSDP (ZeRO-3), the Adam moments' dtype, the
+    """Distributed optimizer or Megatron-FSDP (ZeRO-3) with the overlapped gradient reduction
+    and parameter all-gather the plan was priced with, the Adam moments' dtype, the
     precision-aware optimizer, optimizer offload to the host, the gradient buffer's dtype and
     fine-grained activation offloading."""
     t = plan.training
@@ -164,6 +165,9 @@ def _optimizer_args(plan: Plan) -> list[str]:
                  "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]  # fmt: skip
     elif t.get("zero"):
         args.append("--use-distributed-optimizer")
+    if (t.get("fsdp") or t.get("zero")) and t.get("grad_overlap", True):
+        # priced overlapped (resources/schedule.py); Megatron-LM's defaults are off
+        args += ["--overlap-grad-reduce", "--overlap-param-gather"]
     offload = t.get("optimizer_offload_fraction") or 0.0
     bf16_moments = t.get("optimizer_dtype") == "bf16"
     if bf16_moments or offload or t.get("precision_aware_optimizer"):

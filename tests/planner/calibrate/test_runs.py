@@ -51,14 +51,18 @@ def test_the_published_file_reads_as_its_layouts():
 
 
 def test_settings_columns_are_checked():
-    settings = "measured_peak_gib,dispatcher,a2a_overlap,cuda_graphs,note"
+    settings = "measured_peak_gib,dispatcher,a2a_overlap,cuda_graphs,grad_overlap,note"
     head = HEAD.replace("measured_peak_gib,note", settings)
-    row = GOOD.replace(",61.5,x", ",61.5,deepep,1,partial,x")
+    row = GOOD.replace(",61.5,x", ",61.5,deepep,1,partial,0,x")
     (run,) = parse_runs(head + row)
     assert run.dispatcher == "deepep" and run.training.a2a_overlap
-    assert run.training.cuda_graphs == "partial"
-    for bad, column in ((",61.5,nccl,1,partial,x", "dispatcher"), (",61.5,deepep,maybe,none,x",
-                         "a2a_overlap"), (",61.5,deepep,0,most,x", "cuda_graphs")):  # fmt: skip
+    assert run.training.cuda_graphs == "partial" and not run.training.grad_overlap
+    (default,) = parse_runs(head + GOOD.replace(",61.5,x", ",61.5,deepep,1,partial,,x"))
+    assert default.training.grad_overlap  # empty: overlapped, as Megatron's recipes run
+    for bad, column in ((",61.5,nccl,1,partial,1,x", "dispatcher"),
+                        (",61.5,deepep,maybe,none,1,x", "a2a_overlap"),
+                        (",61.5,deepep,0,most,1,x", "cuda_graphs"),
+                        (",61.5,deepep,0,none,often,x", "grad_overlap")):  # fmt: skip
         with pytest.raises(SpecError, match=column):
             parse_runs(head + GOOD.replace(",61.5,x", bad))
 

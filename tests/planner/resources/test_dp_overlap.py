@@ -141,3 +141,35 @@ def test_parameter_gather_is_the_mirror_of_the_reduction_queue():
     units = reduce_units(4.0, 160e6, par, chunk_bwd_s=1.0, bucketed=True)
     gathers = [(t, -r) for t, r in units]  # chunk 1 needed at 4, chunk 0's buckets at 0, 0.5
     assert _forward_stall_by_simulation(gathers) == pytest.approx(1.5)
+
+
+def test_without_grad_overlap_the_distributed_optimizer_exposes_whole_stages():
+    # grad_overlap False (Megatron-LM without --overlap-grad-reduce, DeepSpeed ZeRO-1/2's
+    # default): each stage reduce-scatters its fp32 gradients in one piece after its backward
+    # and all-gathers its bf16 weights in one piece before its first forward; stage i starts
+    # the reduction i / vp chunk-slots (2/3 backward) and its forward i chunk-forwards (1/3 of
+    # a chunk-slot) after stage 0, so that much hides.
+    model, cl = make_model(layers=8), make_cluster()
+    par = ParallelConfig(pp=2, dp=4, ep=2, num_microbatches=8, vp=2)
+    over = estimate(model, cl, TrainingSpec(seq_len=32, zero=True, bytes_per_param=18), par)
+    tr = TrainingSpec(seq_len=32, zero=True, bytes_per_param=18, grad_overlap=False)
+    est = estimate(model, cl, tr, par)
+    costs = layer_costs(model, cl, tr, par, "flat", "piper")
+    ends = [first_extras(model, cl, tr, par, "piper"), last_extras(model, cl, tr, par, "piper")]
+    reduce, gather = 0.0, 0.0
+    for st in est.stages:
+        roles = [ends[0]] if st.stage == 0 else [ends[1]]
+        dense, expert = held_params(st.layers, costs, roles)
+        t = {
+            nbytes: comm.ring_allreduce_s(cl, 4, 1, nbytes * dense, 1.0)[0]
+            + comm.ring_allreduce_s(cl, par.edp, 2, nbytes * expert, 1.0)[0]
+            for nbytes in (4, 2)
+        }
+        reduce = max(reduce, t[4] - st.stage / 2 * est.slot_s * 2 / 3)
+        gather = max(gather, t[2] - st.stage * est.slot_s / 2 / 3)
+    assert est.dp_exposed_s == pytest.approx(reduce + gather)
+    assert est.dp_exposed_s > over.dp_exposed_s > 0
+    # the slots are the same: the step differs by the exposed reduction alone
+    assert est.step_time_s - over.step_time_s == pytest.approx(
+        est.dp_exposed_s - over.dp_exposed_s
+    )

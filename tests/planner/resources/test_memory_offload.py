@@ -157,11 +157,18 @@ def test_megatron_export_names_what_was_priced():
     plan = SimpleNamespace(training={"zero": True, "optimizer_offload_fraction": 0.5,
                                      "grad_dtype": "bf16"})  # fmt: skip
     args = _optimizer_args(plan)
-    assert args == ["--use-distributed-optimizer", "--use-precision-aware-optimizer",
+    assert args == ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                    "--overlap-param-gather", "--use-precision-aware-optimizer",
                     "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
                     "--overlap-cpu-optimizer-d2h-h2d", "--grad-reduce-in-bf16"]  # fmt: skip
     plain = _optimizer_args(SimpleNamespace(training={"zero": True}))
-    assert plain == ["--use-distributed-optimizer"]
+    assert plain == ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                     "--overlap-param-gather"]  # fmt: skip
+    exposed = _optimizer_args(SimpleNamespace(training={"zero": True, "grad_overlap": False}))
+    assert exposed == ["--use-distributed-optimizer"]
+    fsdp = _optimizer_args(SimpleNamespace(training={"fsdp": True}))
+    assert fsdp[-2:] == ["--overlap-grad-reduce", "--overlap-param-gather"]
+    assert _optimizer_args(SimpleNamespace(training={})) == []  # plain DDP: nothing priced
     both = {"optimizer_dtype": "bf16", "precision_aware_optimizer": True}
     pao = _optimizer_args(SimpleNamespace(training=both))
     assert pao.count("--use-precision-aware-optimizer") == 1
