@@ -43,7 +43,8 @@ for _kind, _names in {
     "multi-latent-attention qk-layernorm qk-l2-norm add-qkv-bias "
     "moe-router-enable-expert-bias moe-router-pre-softmax moe-apply-probs-on-input "
     "moe-shared-expert-gate sequence-parallel use-megatron-fsdp use-precision-aware-optimizer "
-    "overlap-moe-expert-parallel-comm delay-wgrad-compute use-rope-scaling rotary-interleaved",
+    "overlap-moe-expert-parallel-comm delay-wgrad-compute use-rope-scaling rotary-interleaved "
+    "overlap-grad-reduce overlap-param-gather",
     "list": "recompute-modules moe-router-load-balancing-type cuda-graph-scope",
     "freq": "moe-layer-freq no-rope-freq window-attn-skip-freq",
     "tuple": "window-size",
