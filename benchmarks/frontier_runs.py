@@ -11,8 +11,8 @@ Side by side, per run, predicted / measured TFLOPS per GCD with
   prediction (fitted on the other six).
 
 Rows: profiles/runs/frontier_paper.csv (the paper's Piper table, ids 201-207: fitted on) and
-profiles/runs/frontier_checks.csv (X-MoE's runs in the paper's table, ids 301-304: never
-fitted on). Then the planner in the paper's space (tp 1, pp x ep = GCDs, no optimizer
+profiles/runs/frontier_checks.csv (X-MoE's runs, ids 301-304, layouts from its authors' scripts,
+TFLOPS converted to Megatron-Core's count: never fitted on). Then the planner in the paper's space (tp 1, pp x ep = GCDs, no optimizer
 sharding, HALO) on both presets; the issue's finding as it was measured (benchmarks/
 paper_check.py's tp = 1 search, global batch 1024) for the weak-scaling family; and the
 all-to-all bandwidth per node the presets give against the paper's "practical all-to-all
@@ -38,6 +38,7 @@ from planner.inputs.clusters import load_cluster
 from planner.inputs.models import load_model
 from planner.ip.solvers import SolverOptions
 from planner.resources import comm
+from planner.resources.flops import flops_per_token
 from planner.search.branch_bound import describe
 from planner.search.make_plan import make_plan
 from planner.specs import ClusterSpec, SpecError, TrainingSpec
@@ -59,8 +60,10 @@ Reading the tables:
   pp x ep = GCDs, no optimizer sharding, HALO); for the X-MoE family the layout Piper's
   search ranks first there on the datasheet preset, for the weak-scaling family pp 4 with one
   expert per EP rank and the work per GCD constant (gbs 16 x GCDs).
-- The X-MoE check rows' layouts are guesses too (X-MoE's SSMB and RBD are not modelled;
-  id 304's layout does not fit in memory in the model): weak evidence either way.
+- The X-MoE check rows are X-MoE's own runs: layouts from the authors' evaluation scripts
+  (no pipeline, ZeRO-1/2 without overlapped reduction, fp16), TFLOPS converted from X-MoE's
+  count to Megatron-Core's (factor printed). X-MoE's stack (DeepSpeed 0.15.5, ROCm 5.7.1,
+  PyTorch 2.2, RCCL) is not the paper's: the preset's efficiencies are the Piper paper's.
 - 'Planner in the paper's space' is Piper's own choice on each preset; for the weak family it
   picks pp 16 with node-local EP, a layout the weak-scaling runs did not use.
 - 'The finding as measured' is issue 25's configuration (benchmarks/paper_check.py's tp = 1
@@ -83,6 +86,22 @@ def ratio_cell(pred: float, measured: float) -> str:
     r = pred / measured
     mark = "" if abs(r - 1) <= TARGET else " !"
     return f"{pred:6.1f} {r:5.2f}{mark}"
+
+
+XMOE_COUNT = "TFLOPS in X-MoE's count"  # a check row's note: its measured TFLOPS count
+
+
+def in_megatron_count(run: Run) -> tuple[Run, float]:
+    """The run with its measured TFLOPS in Megatron-Core's count (planner/resources/flops.py)
+    and the factor applied. X-MoE's counter (Megatron-DeepSpeed-X-MoE megatron/utils.py
+    throughput_calculator @6cc4be6) takes the attention scores over the whole s x s square,
+    Megatron-Core's over the causal half; the projections, experts (two matrices) and logits
+    count the same: measured x total / (total + attention_core)."""
+    if XMOE_COUNT not in run.field("note"):
+        return run, 1.0
+    per_token = flops_per_token(run.model, run.training.seq_len)
+    factor = per_token.total / (per_token.total + per_token.attention_core)
+    return replace(run, measured=run.measured * factor), factor
 
 
 def predict(run: Run, cluster: ClusterSpec) -> float:
@@ -164,7 +183,9 @@ def main() -> None:
 
 def report() -> None:
     sheet, preset = datasheet_cluster(), load_cluster("frontier")
-    paper, checks = load_runs(PAPER_RUNS), load_runs(CHECK_RUNS)
+    paper = load_runs(PAPER_RUNS)
+    converted = [in_megatron_count(r) for r in load_runs(CHECK_RUNS)]
+    checks = [run for run, _ in converted]
     start = replace(sheet, network_jitter_us=JITTER_START_US)
     result = fit_with_prior(paper, start, PARAMS)
     print(f"datasheet preset: profiles/clusters/frontier.yaml @ {DATASHEET_COMMIT}")
@@ -189,6 +210,8 @@ def report() -> None:
         "datasheet": [predict(r, sheet) for r in checks],
         "preset": [predict(r, preset) for r in checks],
     }
+    print("\nX-MoE's TFLOPS in Megatron-Core's count (measured x factor): " + ", ".join(
+        f"{run.label} {factor:.3f}" for run, factor in converted))  # fmt: skip
     runs_table("X-MoE on Frontier (check only, never fitted on)", checks, check_cols)
     for name, values in check_cols.items():
         summary(name, checks, values)
