@@ -11,10 +11,10 @@ Side by side, per run, predicted / measured TFLOPS per GCD with
   prediction (fitted on the other six).
 
 Rows: profiles/runs/frontier_paper.csv (the paper's Piper table, ids 201-207: fitted on) and
-profiles/runs/frontier_checks.csv (X-MoE's runs, ids 301-304, layouts from its authors' scripts,
-TFLOPS converted to Megatron-Core's count: never fitted on). Then the planner in the paper's space (tp 1, pp x ep = GCDs, no optimizer
-sharding, HALO) on both presets; the issue's finding as it was measured (benchmarks/
-paper_check.py's tp = 1 search, global batch 1024) for the weak-scaling family; and the
+profiles/runs/frontier_checks.csv (X-MoE's runs, ids 301-304, layouts from its authors'
+scripts, TFLOPS converted to Megatron-Core's count: never fitted on). Then the planner in the
+paper's space (tp 1, pp x ep = GCDs, no optimizer sharding, HALO) on both presets; the
+issue's finding as it was measured (benchmarks/paper_check.py's tp = 1 search, global batch 1024) for the weak-scaling family; and the
 all-to-all bandwidth per node the presets give against the paper's "practical all-to-all
 ~30 GB/s per node". Target: every run within +-35%.
 

@@ -203,9 +203,10 @@ def folding() -> None:
               f"measured fastest: {rows[best][2]}")  # fmt: skip
         for _, gpus, label, tp, pp, vp, ep, etp, mfu in rows:
             if pp > 1 and vp == 1:  # the ModelZoo's later setting (runtime.conf @7f59386)
-                alt = folding_estimate(name, gpus, tp, pp, pp_layers(name, pp), ep, etp)
-                print(f"    {label} at vp {pp_layers(name, pp)} (one layer per chunk): "
-                      f"predicted {alt.mfu * 100:5.1f} ratio {alt.mfu * 100 / mfu:.2f}")  # fmt: skip
+                vp_all = pp_layers(name, pp)
+                alt = folding_estimate(name, gpus, tp, pp, vp_all, ep, etp).mfu * 100
+                print(f"    {label} at vp {vp_all} (one layer per chunk): predicted "
+                      f"{alt:5.1f} ratio {alt / mfu:.2f}")  # fmt: skip
     print("\n  Table 4 (strong scaling, gbs 1,024, dp grows): MFU % measured / predicted, and "
           "each size's MFU over the smallest's")  # fmt: skip
     layouts = {(r[0], r[2]): r[3:8] for r in FOLDING}

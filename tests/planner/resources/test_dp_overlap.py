@@ -170,6 +170,4 @@ def test_without_grad_overlap_the_distributed_optimizer_exposes_whole_stages():
     assert est.dp_exposed_s == pytest.approx(reduce + gather)
     assert est.dp_exposed_s > over.dp_exposed_s > 0
     # the slots are the same: the step differs by the exposed reduction alone
-    assert est.step_time_s - over.step_time_s == pytest.approx(
-        est.dp_exposed_s - over.dp_exposed_s
-    )
+    assert est.step_time_s - over.step_time_s == pytest.approx(est.dp_exposed_s - over.dp_exposed_s)

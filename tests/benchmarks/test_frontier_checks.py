@@ -1,0 +1,52 @@
+"""benchmarks/frontier_runs.py's X-MoE checks: the rows load at the layouts of X-MoE's scripts,
+and their TFLOPS are converted from X-MoE's count to Megatron-Core's as X-MoE's own formula
+(Megatron-DeepSpeed-X-MoE megatron/utils.py throughput_calculator) gives them by hand."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import frontier_runs as fr  # noqa: E402
+
+from planner.calibrate.runs import load_runs  # noqa: E402
+
+
+def _xmoe_count_per_token(run) -> float:
+    """X-MoE's training FLOPs per token: 6 x [L (4 h^2 + 2 h s + 2 h f k) + V h]
+    (MHA projections, the full s x s scores and context, two expert matrices, logits)."""
+    m, s = run.model, run.training.seq_len
+    h = m.hidden_size
+    moe = m.layers[0].moe
+    per_layer = 4 * h * h + 2 * h * s + 2 * h * moe.expert_ffn * moe.top_k
+    return 6 * (m.num_layers * per_layer + m.vocab_size * h)
+
+
+def test_checks_load_at_the_scripts_layouts_without_overlapped_reduction():
+    runs = {r.label: r for r in load_runs(fr.CHECK_RUNS)}
+    assert sorted(runs) == ["id 301", "id 302", "id 303", "id 304"]
+    small, large, super_ = runs["id 301"], runs["id 303"], runs["id 304"]
+    assert (small.parallel.ep, small.parallel.micro_batch) == (8, 4)
+    assert small.training.global_batch == 8192
+    assert (large.parallel.tp, large.parallel.ep, large.parallel.etp) == (2, 64, 1)
+    assert (super_.parallel.world, super_.parallel.tp, super_.parallel.ep) == (1024, 8, 256)
+    assert all(r.parallel.pp == 1 and not r.training.grad_overlap for r in runs.values())
+    assert all(fr.XMOE_COUNT in r.field("note") for r in runs.values())
+
+
+@pytest.mark.parametrize("label", ["id 301", "id 302", "id 303", "id 304"])
+def test_xmoe_tflops_converted_to_megatron_count(label):
+    (run,) = [r for r in load_runs(fr.CHECK_RUNS) if r.label == label]
+    assert all(not layer.moe.gated for layer in run.model.layers)  # two-matrix experts
+    converted, factor = fr.in_megatron_count(run)
+    ours = fr.flops_per_token(run.model, run.training.seq_len).total
+    assert factor == pytest.approx(ours / _xmoe_count_per_token(run), rel=1e-9)
+    assert converted.measured == pytest.approx(run.measured * factor)
+    assert 0.85 < factor < 1.0  # only the attention scores differ, and they count less here
+    plain, one = fr.in_megatron_count(load_runs(fr.PAPER_RUNS)[0])
+    assert one == 1.0 and plain.measured == load_runs(fr.PAPER_RUNS)[0].measured
