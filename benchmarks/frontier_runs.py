@@ -14,9 +14,9 @@ Rows: profiles/runs/frontier_paper.csv (the paper's Piper table, ids 201-207: fi
 profiles/runs/frontier_checks.csv (X-MoE's runs, ids 301-304, layouts from its authors'
 scripts, TFLOPS converted to Megatron-Core's count: never fitted on). Then the planner in the
 paper's space (tp 1, pp x ep = GCDs, no optimizer sharding, HALO) on both presets; the
-issue's finding as it was measured (benchmarks/paper_check.py's tp = 1 search, global batch 1024) for the weak-scaling family; and the
-all-to-all bandwidth per node the presets give against the paper's "practical all-to-all
-~30 GB/s per node". Target: every run within +-35%.
+issue's finding as it was measured (benchmarks/paper_check.py's tp = 1 search, global batch
+1024) for the weak-scaling family; and the all-to-all bandwidth per node the presets give
+against the paper's "practical all-to-all ~30 GB/s per node". Target: every run within +-35%.
 
     OMP_NUM_THREADS=1 python3 benchmarks/frontier_runs.py [--no-results]
 """
