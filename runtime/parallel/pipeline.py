@@ -13,6 +13,10 @@ plan position, and the library derives the stage -> rank map from those actions.
 first stage with zero gradients, which the single-device oracle test caught; without grads
 the static path refuses to run backward.) pp = 1 runs the same micro-batch loop by hand
 (forward, backward of loss / num_microbatches), which is what the schedule does.
+The activations sent and received are in the compute dtype (bf16 under the trainer's
+autocast, runtime/RUNTIME.md "Precision"): the library's shape inference, on the first
+step, takes each receive buffer's dtype from the sending stage's output, so the compute
+dtype must not change after it.
 
 Gradient sync after the schedule: dense parameters are averaged over the stage's
 data-parallel group; expert parameters are summed over the expert-DP group and divided by

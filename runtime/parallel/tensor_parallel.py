@@ -30,7 +30,9 @@ whole from the layer's seeded generator and then sliced (`shard_linear`, `vocab_
 a TP run starts from the same model as a single-device run. The replicated weights (norms,
 routers, the row-parallel biases, the shared expert's gate, MLA's down-projections) see only
 this rank's tokens or heads and get partial gradients, summed over the group by the
-gradient sync. Shape letters: T = tokens, D = hidden, V = vocabulary.
+gradient sync. With bf16 compute the token slices, and so the gathers and reduce-scatters,
+are bf16 (the embedding casts before its reduce-scatter); the cross entropy's all-reduces
+stay fp32. Shape letters: T = tokens, D = hidden, V = vocabulary.
 """
 
 from __future__ import annotations

@@ -45,10 +45,10 @@ def test_plan_precision_follows_the_plans_dtype():
 
 
 @pytest.mark.parametrize("gemm", ["grouped", "loop"])
-def test_bf16_gemms_with_fp32_master_weights_follow_the_fp32_curve(gemm):
+def test_bf16_and_fp16_gemms_with_fp32_master_weights_follow_the_fp32_curve(gemm):
     spec = tiny_spec(pp=1, dp=1, ep=1, ranks_per_node=1, steps=8, layers=3)
     curves, seen = {}, []
-    for dtype in ("fp32", "bf16"):
+    for dtype in ("fp32", "bf16", "fp16"):
         model = StageModule(spec.model, range(3), True, True, seed=spec.seed)
         for moe in model.moe_layers().values():
             moe.experts.gemm = gemm
@@ -64,12 +64,14 @@ def test_bf16_gemms_with_fp32_master_weights_follow_the_fp32_curve(gemm):
             opt.step()
             curves[dtype].append(float(loss.detach()))
         assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
         assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
-    assert set(seen) == {torch.float32, torch.bfloat16}  # the experts ran in both
-    diffs = [abs(a - b) for a, b in zip(curves["fp32"], curves["bf16"], strict=True)]
-    print("max |bf16 - fp32| loss", max(diffs))
-    assert 0 < max(diffs) < TOLERANCE, diffs
-    assert curves["bf16"][-1] < curves["bf16"][0] - 0.5  # and it trains
+    assert set(seen) == {torch.float32, torch.bfloat16, torch.float16}  # experts ran in each
+    for dtype in ("bf16", "fp16"):
+        diffs = [abs(a - b) for a, b in zip(curves["fp32"], curves[dtype], strict=True)]
+        print(f"max |{dtype} - fp32| loss", max(diffs))
+        assert 0 < max(diffs) < TOLERANCE, diffs
+        assert curves[dtype][-1] < curves[dtype][0] - 0.5  # and it trains
 
 
 def test_the_expert_weights_are_cast_once_per_step_and_recast_after_the_update():
