@@ -20,6 +20,9 @@ Printed:
 - geomean of predicted / measured and the shares within +-15% and +-20%: all rows, the FSDP2
   stacks' rows, each stack;
 - torchtitan's DeepEP / all-to-all speed-up, measured and predicted;
+- where each predicted step goes: the slowest stage's largest time components;
+- per FSDP2 row with pipelining, by hand from the model's stage times: the prediction with
+  FSDP2's gathers and gradient reductions once per pipeline flush (fsdp2_pp_tokens_per_gpu);
 - the stage memory of every row predicted not to fit, component by component;
 - per FSDP2 row, by hand from the model's stage components: the peak with the stack's own
   state bytes and, under pipelining, the parameters and gradients FSDP2 keeps unsharded
@@ -106,6 +109,29 @@ def flushed_tokens_per_gpu(run: Run, est: Estimate, flushes: int) -> float:
     return est.tokens_per_s * est.step_time_s / (est.step_time_s + extra_s) / p.world
 
 
+def fsdp2_pp_tokens_per_gpu(run: Run, est: Estimate, flushes: int) -> float:
+    """Tokens/s/GPU with FSDP2's communication as it runs under torch pipelining, by hand from
+    the model's stage times, and `flushes` pipeline flushes per step.
+
+    The model prices FSDP as Megatron-FSDP: a gather and a reduce-scatter per unit and micro-
+    batch (its `fsdp_*` stage-time components, the exposed part). Under pipelining FSDP2 keeps
+    parameters unsharded between micro-batches and reduces gradients after the last one
+    (fsdp2_held_gib), so the gathers and reductions happen once per flush. Here the slot loses
+    each stage's fsdp seconds (p2p kept: slot - slowest stage) and each flush pays the largest
+    stage's fsdp seconds once, fully exposed:
+        step' = step - (m + (pp - 1) / vp) slot + (m + F (pp - 1) / vp) slot' + F fsdp_max.
+    """
+    p = run.parallel
+    fsdp = [sum(v for k, v in s.time_s if k.startswith("fsdp_")) for s in est.stages]
+    p2p_s = est.slot_s - max(s.total_s for s in est.stages)
+    slot_s = max(s.total_s - f for s, f in zip(est.stages, fsdp, strict=True)) + p2p_s
+    fill = (p.pp - 1) / p.vp
+    m = p.num_microbatches
+    step_s = (est.step_time_s - (m + fill) * est.slot_s + (m + flushes * fill) * slot_s
+              + flushes * max(fsdp))  # fmt: skip
+    return est.tokens_per_s * est.step_time_s / step_s / p.world
+
+
 def speedup(points: dict[str, Point], faster: str, slower: str) -> tuple[float, float]:
     """(measured, predicted) ratio of row `faster` over row `slower`."""
     a, b = points[faster], points[slower]
@@ -176,6 +202,8 @@ def report(runs: list[Run]) -> None:
               f"{max(est.memory_gib_per_stage):>8.1f} {peak:>5}  {layout(run)}")  # fmt: skip
     _summaries(list(points.values()))
     _deepep(points)
+    _time(runs, estimates)
+    _fsdp2_pipeline(runs, estimates, points)
     _memory(runs, estimates)
     _held(runs, estimates, cluster)
     _conventions()
@@ -202,6 +230,36 @@ def _deepep(points: dict[str, Point]) -> None:
     measured, predicted = speedup(points, "406", "407")
     print(f"\ntorchtitan DeepSeek-V3 on 512 H100s, DeepEP (id 406) over the standard all-to-all "
           f"(id 407): measured {measured:.2f}x, predicted {predicted:.2f}x")  # fmt: skip
+
+
+def _time(runs: list[Run], estimates: dict[str, Estimate]) -> None:
+    print("\nwhere the predicted step goes: slowest stage, seconds per micro-batch (forward + "
+          "backward), the five largest components; bubble share; communication hidden per "
+          "micro-batch")  # fmt: skip
+    for run in runs:
+        est = estimates[run.label]
+        stage = max(est.stages, key=lambda s: s.total_s)
+        top = sorted(stage.time_s, key=lambda kv: -kv[1])[:5]
+        hidden = sum(v for _, v in stage.hidden_s)
+        print(f"  {run.label.removeprefix('id '):>4} step {est.step_time_s:6.2f} s, slot "
+              f"{est.slot_s:.3f}, bubble {est.bubble_fraction:4.1%}: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in top)
+              + f"; hidden {hidden:.3f}")  # fmt: skip
+
+
+def _fsdp2_pipeline(
+    runs: list[Run], estimates: dict[str, Estimate], points: dict[str, Point]
+) -> None:
+    print("\nFSDP2 under pipelining, by hand from the model's stage times (not a model output): "
+          "predicted / measured as priced, with the row's pipeline flushes, and with FSDP2's "
+          "gathers and reductions once per flush instead of per micro-batch")  # fmt: skip
+    for run in runs:
+        if run.field("stack") not in FSDP2_STACKS or run.parallel.pp == 1:
+            continue
+        point = points[run.label.removeprefix("id ")]
+        once = fsdp2_pp_tokens_per_gpu(run, estimates[run.label], _flushes(run))
+        print(f"  {point.label:>4} {point.ratio:.2f} -> flushes {point.ratio_flushed:.2f} -> "
+              f"FSDP2 once per flush {once / run.measured:.2f}")  # fmt: skip
 
 
 def _memory(runs: list[Run], estimates: dict[str, Estimate]) -> None:
@@ -276,8 +334,10 @@ conventions: what the model prices (runs.py, Megatron-Core's) against what these
   --debug.moe_force_load_balance), as the model assumes; ids 408, 409 are the forced-balance
   figures.
 - FLOPs: torchtitan counts attention non-causally and AutoModel uses its own calculators, so
-  the FSDP2 rows compare tokens/s; ids 408, 409 give only TFLOPS in Megatron's count, which
-  the model's count follows (planner/resources/flops.py).
+  the FSDP2 rows compare tokens/s. Ids 408, 409 give only TFLOPS, in the count of a Megatron
+  release the source does not name; the model counts causal attention (planner/resources/
+  flops.py). At 64k-128k attention is most of the count: a release that counted it
+  non-causally would report more TFLOPS for the same run, and the true gap would be larger.
 - kernels the model has no term for: torch.compile (torchtitan), TE attention/linear
   (AutoModel), torchtitan's host sync per MoE layer on its default all-to-all path."""
 

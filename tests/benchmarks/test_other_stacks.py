@@ -123,3 +123,20 @@ def test_stack_peak_by_hand():
     # 31 - 18 (model state) + 8 / 2 x 2 (stack state) = 21; held 6 replaces the 3 gathered
     assert os_.stack_peak_gib(memory, 8, 6.0) == pytest.approx(31.0 - 18.0 + 8.0 - 3.0 + 6.0)
     assert os_.stack_peak_gib(memory, 16, 0.0) == pytest.approx(31.0 - 18.0 + 16.0)
+
+
+def test_fsdp2_once_per_flush_by_hand():
+    def stage(total_s, fsdp_s):
+        return SimpleNamespace(total_s=total_s, time_s=(("experts", total_s - fsdp_s),
+                                                        ("fsdp_leaf", fsdp_s)))  # fmt: skip
+
+    run = SimpleNamespace(parallel=SimpleNamespace(pp=2, vp=1, world=4, num_microbatches=4))
+    # slot 1.1 = slowest stage 1.0 + p2p 0.1; step = (4 + 1) x 1.1 + 0.5 fixed = 6.0 s
+    est = SimpleNamespace(stages=(stage(1.0, 0.3), stage(0.9, 0.0)), slot_s=1.1,
+                          step_time_s=6.0, tokens_per_s=400.0)  # fmt: skip
+    # slot' = max(0.7, 0.9) + 0.1 = 1.0; step' = 6.0 - 5 x 1.1 + (4 + 2 x 1) x 1.0 + 2 x 0.3
+    step_s = 6.0 - 5 * 1.1 + 6 * 1.0 + 2 * 0.3
+    assert os_.fsdp2_pp_tokens_per_gpu(run, est, 2) == pytest.approx(400.0 * 6.0 / step_s / 4)
+    no_fsdp = SimpleNamespace(stages=(stage(1.0, 0.0),), slot_s=1.1, step_time_s=6.0,
+                              tokens_per_s=400.0)  # fmt: skip
+    assert os_.fsdp2_pp_tokens_per_gpu(run, no_fsdp, 1) == pytest.approx(100.0)
