@@ -1,26 +1,31 @@
-"""The resource model's communication volumes against the bytes a real run sends.
+"""The resource model's communication volumes against the bytes a real run sends, in fp32
+and in bf16.
 
 For a few layouts of tiny-moe on the cpu-gloo cluster (pipeline, data, tensor and expert
 parallel; interleaved 1F1B, expert TP, FSDP), plans with `piper plan` (every size and knob
-fixed, --dtype fp32 so the run computes in fp32, as piper run follows the plan's dtype),
-trains 2 steps with `piper run` (flat all-to-all) and prints, per kind, the bytes all
-ranks sent in the last step (metrics.jsonl) beside the bytes the planner's model moves for
-that step (planner.resources.cost.predicted_traffic, with the run's fp32 activations and
-gradients), and their ratio.
+fixed; --dtype fp32 and --dtype bf16), trains 2 steps of each plan with `piper run` (flat
+all-to-all; it computes in the plan's dtype) and prints, per kind, the bytes all ranks sent
+in the last step (metrics.jsonl) beside the bytes the planner's model moves for that step
+(planner.resources.cost.predicted_traffic of the plan with fp32 gradients, Megatron's 18-byte
+accounting: the runtime reduces fp32 gradients in either dtype, as Megatron-Core does for
+bf16; the piper target's own 16-byte accounting prices them in bf16, half the bytes sent),
+their ratio, and the bf16 run's bytes over the fp32 run's.
 
-Where they differ, by design: `tp` - the runtime also reduce-scatters the vocab-parallel
-embedding and all-gathers before the head (two ring passes per stage end, forward and
-backward) and all-reduces three fp32 numbers per token in the vocab-parallel cross entropy;
-`dispatch` and `etp` - the model's rows
-are the mean routing, the run's its actual routing (expert TP also pads each all-gather to
-the largest member's rows and gathers the per-slot row counts); with FSDP, `param_gather`
-- the model gathers bf16 weights twice per micro-batch, the run its fp32 weights, and
-FSDP2's root unit (embedding, final norm, head) only once (kept from forward to backward),
-and `grad_*` - FSDP pads each parameter's dim 0 to a multiple of the group size. Bytes
-are deterministic, so the ratios do not depend on the machine.
+bf16 / fp32: 0.5 for the activations (p2p, tp, etp, dispatch up to the routing and its
+int64 counts, which stay 8 B), 1.0 for the gradient reductions (grad_*), 0.5 for FSDP's
+param_gather. Where the run and the model differ, by design: `tp` - the runtime also
+reduce-scatters the vocab-parallel embedding and all-gathers before the head (two ring
+passes per stage end, forward and backward) and all-reduces three fp32 numbers per token in
+the vocab-parallel cross entropy; `dispatch` and `etp` - the model's rows are the mean
+routing, the run's its actual routing (expert TP also pads each all-gather to the largest
+member's rows and gathers the per-slot row counts); with FSDP, `param_gather` - the model
+gathers 2-byte weights whatever the plan's dtype (so the fp32 run sends twice that), twice
+per micro-batch, the run FSDP2's root unit (embedding, final norm, head) only once (kept
+from forward to backward), and `grad_*` - FSDP pads each parameter's dim 0 to a multiple of
+the group size. Bytes are deterministic, so the ratios do not depend on the machine.
 
-Usage: python benchmarks/runtime_bytes.py [--out DIR] [--results FILE]
-Runs go to DIR (default a temporary directory); what it prints goes to
+Usage: python benchmarks/runtime_bytes.py [--precision fp32|bf16|both] [--out DIR]
+[--results FILE]. Runs go to DIR (default a temporary directory); what it prints goes to
 results/runtime_bytes.md (--results FILE elsewhere, --no-results not).
 """
 
@@ -69,52 +74,75 @@ def measured(run_dir: Path) -> dict[str, int]:
 
 
 def predicted(plan_path: Path) -> dict[str, float]:
-    """The planner's bytes for one step of the plan, in the runtime's fp32 (4 B values)."""
+    """The planner's bytes for one step of the plan: its dtype's activations, fp32 gradients
+    (the runtime's; the piper target's accounting prices bf16 ones)."""
     plan = load_plan(plan_path)
     model, cluster, training, parallel = plan_inputs(plan)
-    training = replace(training, dtype="fp32", bytes_per_param=18)  # fp32 activations, grads
+    training = replace(training, bytes_per_param=18)  # 4-byte gradients
     return predicted_traffic(model, cluster, training, parallel, [s.layers for s in plan.stages])
 
 
-def run_layout(root: Path, gpus: int, pp: int, dp: int, tp: int, ep: int, vp=1, etp=1, fsdp=False):
+def layout_name(pp: int, dp: int, tp: int, ep: int, vp=1, etp=1, fsdp=False) -> str:
     name = f"pp{pp}-dp{dp}-tp{tp}-ep{ep}"
     name += (f"-vp{vp}" if vp > 1 else "") + (f"-etp{etp}" if etp > 1 else "")
-    name += "-fsdp" if fsdp else ""
+    return name + ("-fsdp" if fsdp else "")
+
+
+def run_layout(
+    root: Path, dtype: str, gpus: int, pp: int, dp: int, tp: int, ep: int, vp=1, etp=1, fsdp=False
+):
+    """Plan the layout in `dtype`, run it; (predicted, measured) bytes by kind."""
+    name = f"{layout_name(pp, dp, tp, ep, vp, etp, fsdp)}-{dtype}"
     plan_dir, run_dir = root / f"plan-{name}", root / f"run-{name}"
     _piper("plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", str(gpus),
            "--pp", str(pp), "--dp", str(dp), "--tp", str(tp), "--ep", str(ep),
            "--vp", str(vp), "--etp", str(etp), "--cp", "1",
            "--fsdp" if fsdp else "--no-fsdp",
            "--micro-batch", "2", "--seq-len", "128", "--global-batch", str(4 * dp),
-           "--dtype", "fp32", "--out", str(plan_dir))  # fmt: skip
+           "--dtype", dtype, "--out", str(plan_dir))  # fmt: skip
     _piper("run", str(plan_dir / "plan.json"), "--steps", "2", "--dispatcher", "flat",
            "--ranks-per-node", "2", "--out", str(run_dir))  # fmt: skip
-    return name, predicted(plan_dir / "plan.json"), measured(run_dir)
+    return predicted(plan_dir / "plan.json"), measured(run_dir)
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both",
+                   help="the plans' dtype (both: each layout in fp32 and in bf16)")  # fmt: skip
     p.add_argument("--out", default=None, help="directory for the plans and runs")
     p.add_argument("--results", default="results/runtime_bytes.md", help="markdown to write")
     p.add_argument("--no-results", action="store_true", help="print only")
     args = p.parse_args()
+    dtypes = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
     title = "Planner's bytes per step vs what piper run sends"
     with recorded(args.results, title, enabled=not args.no_results):
-        compare(Path(args.out or tempfile.mkdtemp(prefix="piper-bytes-")))
+        compare(Path(args.out or tempfile.mkdtemp(prefix="piper-bytes-")), dtypes)
     return 0
 
 
-def compare(root: Path) -> None:
-    """Plan and run every layout under `root`; print predicted and measured bytes by kind."""
+def compare(root: Path, dtypes: tuple[str, ...]) -> None:
+    """Plan and run every layout in each dtype under `root`; print predicted and measured
+    bytes by kind per dtype, and (both dtypes) the measured bf16 / fp32 ratio."""
     print(f"tiny-moe on cpu-gloo, micro-batch 2 x seq 128, 2 steps; runs in {root}")
-    print(f"{'layout':<23} {'kind':<12} {'predicted':>13} {'measured':>13} {'meas/pred':>9}")
+    print("pred: the planner's model with fp32 gradients (the piper target prices bf16 ones)")
+    header = f"{'layout':<21} {'kind':<12}"
+    for d in dtypes:
+        header += f" {'pred ' + d:>11} {'meas ' + d:>11} {'m/p':>6}"
+    print(header + (f" {'bf16/fp32':>9}" if len(dtypes) == 2 else ""))
     for layout in LAYOUTS:
-        name, pred, meas = run_layout(root, *layout)
+        name = layout_name(*layout[1:])
+        runs = [run_layout(root, d, *layout) for d in dtypes]
         for kind in KINDS:
-            if not pred[kind] and not meas[kind]:
+            if not any(pred[kind] or meas[kind] for pred, meas in runs):
                 continue
-            ratio = f"{meas[kind] / pred[kind]:9.3f}" if pred[kind] else f"{'-':>9}"
-            print(f"{name:<23} {kind:<12} {pred[kind]:>13,.0f} {meas[kind]:>13,} {ratio}")
+            row = f"{name:<21} {kind:<12}"
+            for pred, meas in runs:
+                ratio = f"{meas[kind] / pred[kind]:6.3f}" if pred[kind] else f"{'-':>6}"
+                row += f" {pred[kind]:>11,.0f} {meas[kind]:>11,} {ratio}"
+            if len(runs) == 2:
+                fp32, bf16 = runs[0][1][kind], runs[1][1][kind]
+                row += f" {bf16 / fp32:9.3f}" if fp32 else f" {'-':>9}"
+            print(row)
 
 
 if __name__ == "__main__":
