@@ -84,6 +84,8 @@ def test_readme_cpu_loop_runs_and_its_replay_matches_the_run(tmp_path):
             steps = int(_flag(argv, "--steps"))
             lines = (tmp_path / _run_dir(argv) / "metrics.jsonl").read_text().splitlines()
             assert len(lines) >= steps
+            # the EP group spans emulated nodes: HALO's inter-node exchange runs
+            assert any(json.loads(x)["bytes_by_kind"].get("dispatch_inter", 0) > 0 for x in lines)
         elif argv[0] == "migrate":
             trace_dir = Path(_flag(argv, "--trace")).parent  # the run that wrote the trace
             _check_migrate(tmp_path, argv, proc.stdout, runs[trace_dir])
