@@ -21,6 +21,7 @@ from planner.run.spec import run_spec_from_plan
 from runtime.checkpoint import CheckpointOptions
 from runtime.data import sample_batch
 from runtime.launch import build_trainer  # imported here, not in each forked rank: fast
+from runtime.model.layers import RMSNorm
 from runtime.model.transformer import StageModule, lm_loss
 from runtime.train import autocast, train
 from tests.runtime.tiny_plans import hand_plan, tiny_model, tiny_spec
@@ -95,6 +96,38 @@ def test_the_expert_weights_are_cast_once_per_step_and_recast_after_the_update()
         model(x[:2])
     assert copies[2] is not copies[0]
     assert torch.equal(copies[2], experts.w_in.detach().to(torch.bfloat16))  # the new weights
+
+
+def test_a_bf16_norm_keeps_bf16_x_and_fp32_statistics_and_its_gradients_follow_fp64():
+    """RMSNorm of bf16 activations saves x in bf16 and 1 / rms in fp32 (one per row), not fp32
+    copies of x; output and gradients against autograd through the fp64 formula."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 32).to(torch.bfloat16).requires_grad_()
+    norm = RMSNorm(32, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = norm(x)
+    assert y.dtype == torch.bfloat16
+    shapes = {(t.dtype, tuple(t.shape)) for t in saved}
+    assert shapes == {
+        (torch.bfloat16, (4, 6, 32)),
+        (torch.float32, (32,)),
+        (torch.float32, (4, 6, 1)),
+    }
+    grad_y = torch.randn(4, 6, 32).to(torch.bfloat16)
+    y.backward(grad_y)
+    x64 = x.detach().double().requires_grad_()
+    w64 = norm.weight.detach().double().requires_grad_()
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + 1e-6) * w64
+    y64.backward(grad_y.double())
+    # bf16 outputs: one rounding, relative 2^-9; grad_x subtracts, so an absolute term too
+    torch.testing.assert_close(y.double(), y64, rtol=2**-8, atol=0)
+    atol = 2**-8 * float(x64.grad.abs().max())
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2**-8, atol=atol)
+    assert norm.weight.grad.dtype == torch.float32  # fp32 sums of bf16 products
+    torch.testing.assert_close(norm.weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
 
 
 _COLLECTIVES = (
