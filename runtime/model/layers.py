@@ -12,8 +12,9 @@ from runtime.model.precision import to_compute_dtype
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype (the
-    statistics stay fp32 with bf16 activations). A bf16 or fp16 input runs `_LowPrecisionRMSNorm`, which keeps x and the fp32 1 / rms for
-    backward, not fp32 copies of x."""
+    statistics stay fp32 with bf16 activations). A bf16 or fp16 input runs
+    `_LowPrecisionRMSNorm`, which keeps x and the fp32 1 / rms for backward, not fp32 copies
+    of x."""
 
     def __init__(self, d: int, eps: float = 1e-6) -> None:
         super().__init__()
