@@ -3,7 +3,9 @@ layout knob, and the plans a new user makes first (made once per test session)."
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -139,13 +141,26 @@ def priced_for(plan: Plan, engine: str) -> Plan:
 
 
 def user_plans(folder: Path) -> dict[str, Plan]:
-    """`piper plan` for each of USER_PLANS into `folder`; name -> loaded plan."""
-    plans = {}
-    for name, argv in USER_PLANS.items():
-        out = folder / name
-        assert main(["plan", *argv, "--out", str(out)]) == 0, name
-        plans[name] = load_plan(out / "plan.json")
-    return plans
+    """`piper plan` for each of USER_PLANS into `folder`; name -> loaded plan.
+
+    Test processes that share `folder` (pytest-xdist workers) split the plans between them:
+    each plan is made by the first process to lock it and read by the others, so no plan is
+    searched twice and none is read half-written."""
+    plans: dict[str, Plan] = {}
+    while len(plans) < len(USER_PLANS):
+        for name in [n for n in USER_PLANS if n not in plans]:
+            with open(folder / f"{name}.lock", "w") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # another process is making it: make the next one meanwhile
+                out = folder / name
+                if not (out / "plan.json").is_file():
+                    assert main(["plan", *USER_PLANS[name], "--out", str(out)]) == 0, name
+                plans[name] = load_plan(out / "plan.json")
+        if len(plans) < len(USER_PLANS):
+            time.sleep(0.2)  # the rest are being made elsewhere
+    return {name: plans[name] for name in USER_PLANS}
 
 
 def with_model(plan: Plan, name: str) -> Plan:
