@@ -40,7 +40,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from planner.run.checkpoint_dir import (
     finish,
@@ -134,6 +133,8 @@ class Checkpointer:
         parts = [None] * dist.get_world_size() if t.rank == 0 else None
         dist.gather_object(_rank_state(t, trace), parts, dst=0)
         tensors = state_tensors(t.module, t.optimizer, t.mesh, t.rank, copy=True)
+        import torch.distributed.checkpoint as dcp  # here: a run without checkpoints skips it
+
         future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self.group)
         state = _assemble(done, t.spec, list(lines), parts) if t.rank == 0 else None
         self.pending = (future, tmp, step_dir(root, done), state)
@@ -234,6 +235,8 @@ def _load(trainer, path: str, rng: bool) -> None:
     _fresh_adam_state(trainer.optimizer)
     t = trainer
     want = state_tensors(t.module, t.optimizer, t.mesh, t.rank if rng else None)
+    import torch.distributed.checkpoint as dcp  # here: a run without checkpoints skips it
+
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = sorted(k for k in want if k not in saved and not k.startswith("rng."))
     if missing:
