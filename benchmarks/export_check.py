@@ -26,8 +26,9 @@ each (plan, target):
     starts processes;
 - every priced setting (plan.json: tp, pp, vp, cp, ep, etp, dp, micro-batch, global batch,
   micro-batches, sequence, the pipeline split per virtual stage, recompute policy, modules and
-  layers, sharding, all-to-all overlap, dispatcher, dtype / FP8 recipe, Adam moments, CUDA
-  graphs, MTP layers) is printed against the value the engine parsed, and mismatches counted;
+  layers, sharding, the overlapped data-parallel reduction, all-to-all overlap, dispatcher,
+  dtype / FP8 recipe, Adam moments, CUDA graphs, MTP layers) is printed against the value the
+  engine parsed, and mismatches counted;
 - the Slurm script for the target's trainer: `bash -n`, `shellcheck` when installed, its dry
   run outside an allocation.
 The export tests' every-knob plan (FP8 or bf16, FSDP, bf16 moments, the overlap, DeepEP, MTP,
@@ -89,7 +90,7 @@ CASES = {
 # The priced settings compared, in table order.
 SETTINGS = ("tp", "pp", "vp", "cp", "ep", "etp", "dp", "micro_batch", "global_batch",
             "num_microbatches", "seq_len", "pipeline_split", "recompute", "recompute_modules",
-            "recompute_layers", "sharding", "a2a_overlap", "dispatcher", "dtype",
+            "recompute_layers", "sharding", "grad_overlap", "a2a_overlap", "dispatcher", "dtype",
             "optimizer_dtype", "cuda_graphs", "mtp_layers")  # fmt: skip
 # What a user adds to the Megatron export: a tokenizer and data (mock data here).
 DATA_FLAGS = ["--tokenizer-type", "NullTokenizer", "--mock-data", "--train-iters", "10",
@@ -120,7 +121,8 @@ names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_
          "virtual_pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
          "seq_length", "num_layers", "recompute_granularity", "recompute_method",
          "recompute_num_layers", "recompute_modules", "use_distributed_optimizer",
-         "use_megatron_fsdp", "data_parallel_sharding_strategy",
+         "use_megatron_fsdp", "data_parallel_sharding_strategy", "overlap_grad_reduce",
+         "overlap_param_gather",
          "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "num_moe_experts",
          "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "bf16", "fp16", "fp8",
          "fp8_recipe", "fp4", "use_precision_aware_optimizer", "exp_avg_dtype",
@@ -292,6 +294,10 @@ def priced_settings(
         "recompute_modules": modules if p.recompute == "selective" else (),
         "recompute_layers": recomputed,
         "sharding": "fsdp" if t.get("fsdp") else "zero" if t.get("zero") else "none",
+        # the resource model: FSDP overlapped, the distributed optimizer as grad_overlap says,
+        # a plain all-reduce after the backward (resources/schedule.py _grad_sync_all)
+        "grad_overlap": bool(t.get("fsdp")
+                             or (t.get("zero") and t.get("grad_overlap", True))),
         "a2a_overlap": bool(t.get("a2a_overlap")),
         "dispatcher": str(plan.extra.get("dispatcher", "flat")),
         "dtype": str(t.get("dtype", "bf16")),
@@ -377,6 +383,10 @@ def megatron_parsed(out: dict, num_layers: int) -> Parsed:
         "recompute_layers": (layers, rc_field),
         "sharding": (sharding, f"use_distributed_optimizer={get('use_distributed_optimizer')} "
                                f"use_megatron_fsdp={get('use_megatron_fsdp')}"),
+        "grad_overlap": (bool(get("overlap_grad_reduce")) and (
+            sharding != "zero" or bool(get("overlap_param_gather"))),
+            f"overlap_grad_reduce={get('overlap_grad_reduce')} "
+            f"overlap_param_gather={get('overlap_param_gather')}"),
         "a2a_overlap": (bool(get("overlap_moe_expert_parallel_comm")),
                         "overlap_moe_expert_parallel_comm"),
         "dispatcher": (dispatcher, f"moe_token_dispatcher_type={kind}"
@@ -448,6 +458,7 @@ def titan_parsed(out: dict, num_layers: int) -> Parsed:
         "recompute_layers": (layers, f"{ac} on every block"),
         "sharding": ("fsdp" if rep == 1 else f"hsdp {rep}x{shard}",
                      f"FSDP2 over shard {shard}, replicate {rep}"),
+        "grad_overlap": (True, "FSDP2: prefetched all-gathers, reduce-scatter in backward"),
         "a2a_overlap": (False, "torchtitan has none"),
         "dispatcher": (dispatcher, ",".join(names or []) or "-"),
         "dtype": (precision, f"training.mixed_precision_param={tr['mixed_precision_param']}"),
@@ -481,6 +492,8 @@ def piper_parsed(spec, dispatcher: str, dtype: str) -> Parsed:
         "recompute_layers": (frozenset(spec.recompute_layers) if spec.recompute != "none"
                              else frozenset(), f"RunSpec.recompute_layers ({total} layers)"),
         "sharding": ("fsdp" if spec.fsdp else "none", "RunSpec.fsdp"),
+        "grad_overlap": (spec.fsdp, "FSDP2 fully_shard" if spec.fsdp
+                         else "sync_gradients: one all-reduce after the backward"),
         "a2a_overlap": (False, "runtime has none"),
         "dispatcher": (dispatcher, "--dispatcher (RunOptions)"),
         "dtype": (dtype, "--precision (RunOptions.compute_dtype)"),
