@@ -291,8 +291,9 @@ def stack_peak_gib(memory_gib: dict[str, float], state_bytes: int, held_gib: flo
 
 def _held(runs: list[Run], estimates: dict[str, Estimate], cluster: ClusterSpec) -> None:
     print("\nmemory as the FSDP2 stacks keep it, largest stage, GiB (by hand from the model's "
-          "components; not a model output):\n  model: the model's peak and its state (18 B/param "
-          "sharded); stack: the stack's state (AutoModel 8, torchtitan 16 B/param sharded);\n"
+          "components; not a model output):\n  model: the model's peak and its state (the "
+          "row's state columns: AutoModel 8 B/param, else Megatron's 18, sharded); stack: the "
+          "stack's state (AutoModel 8, torchtitan 16 B/param sharded);\n"
           "  held: with pipelining, the bf16 parameters FSDP2 keeps unsharded between "
           "micro-batches + their unsharded gradients, in place of the model's gathered "
           "units")  # fmt: skip
@@ -323,9 +324,11 @@ def _held(runs: list[Run], estimates: dict[str, Estimate], cluster: ClusterSpec)
 
 CONVENTIONS = """
 conventions: what the model prices (runs.py, Megatron-Core's) against what these stacks run
-- state: Megatron's 18 B/param sharded by FSDP. AutoModel keeps bf16 weights, gradients and
-  Adam moments (8 B/param); torchtitan fp32 weights, gradients and moments (16 B/param), both
-  sharded by FSDP2, plus the unsharded sets above under pipelining. Memory, not speed.
+- state: AutoModel's rows are priced as they run, bf16 weights, gradients and Adam moments
+  without fp32 master weights (8 B/param; the CSV's optimizer_dtype, grad_dtype bf16 and
+  master_weights 0); torchtitan keeps fp32 weights, gradients and moments (16 B/param), priced
+  at Megatron's 18; both sharded by FSDP2. The unsharded sets above under pipelining are not
+  priced. Memory, not speed.
 - pipeline: one flush of gbs / (mbs x dp) micro-batches per step; AutoModel drains the pipeline
   once per gradient-accumulation step (GA 4 for id 401, 2 for id 403): the 'flush' columns.
 - recompute: full activation checkpointing in ids 401-404, 406, 407 is priced as Megatron's

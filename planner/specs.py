@@ -363,6 +363,13 @@ class TrainingSpec:
     # Megatron's --use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the fp32
     # master weights of bf16 parameters as the 16 bits bf16 lacks (store_param_remainders).
     precision_aware_optimizer: bool = False
+    # An fp32 master copy of the weights beside the compute-dtype parameters (Megatron-Core,
+    # torchtitan's FSDP2 mixed precision, Piper's runtime). False: the parameters themselves
+    # are bf16 and the optimizer updates them in place (pure bf16 training, as NeMo AutoModel
+    # builds its MoE models): no master bytes; then the gradients and Adam moments take the
+    # parameters' dtype (grad_dtype and optimizer_dtype bf16). No engine target offers it:
+    # runs priced for a check (RUNS.csv column master_weights).
+    master_weights: bool = True
     # Megatron's --fine-grained-activation-offloading --offload-modules M1,M2: the inputs of
     # these submodules go to host memory in forward and come back before backward
     # (planner.resources.act_offload); comma-separated names of ACTIVATION_OFFLOAD_MODULES.
@@ -393,6 +400,15 @@ class TrainingSpec:
         if self.mtp_layers is not None and self.mtp_layers < 0:
             raise SpecError(f"training: mtp_layers must be >= 0, got {self.mtp_layers}")
         self._check_optimizer_state()
+        if not self.master_weights and (
+            self.dtype == "fp32" or self.precision_aware_optimizer or self.grad_dtype != "bf16"
+            or self.optimizer_dtype != "bf16"
+        ):
+            raise SpecError(
+                "training: master_weights false is pure bf16/fp16 training: it needs a bf16 or "
+                "fp16 dtype, grad_dtype bf16 and optimizer_dtype bf16, and no "
+                "precision-aware optimizer"
+            )
 
     def _check_optimizer_state(self) -> None:
         """Offload fraction in [0, 1], on the device optimizer (not FSDP); known grad dtype."""

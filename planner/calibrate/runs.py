@@ -57,7 +57,9 @@ SIZES = ("gpus", "seq", "gbs", "mbs", "tp", "pp", "vp", "cp", "ep", "etp")
 REQUIRED = ("model", "hardware", "gpus", "precision", "seq", "gbs", "mbs", "tp", "pp", "vp",
             "cp", "ep", "etp", "recompute")  # fmt: skip
 OPTIONAL = ("id", "source", "note", "measured_peak_gib", "dispatcher", "a2a_overlap",
-            "cuda_graphs", "grad_overlap")  # fmt: skip
+            "cuda_graphs", "grad_overlap", "optimizer_dtype", "grad_dtype",
+            "master_weights")  # fmt: skip
+STATE_DTYPES = ("fp32", "bf16")  # the optimizer_dtype and grad_dtype columns' values
 FLAGS = {"1": True, "yes": True, "true": True, "0": False, "no": False, "false": False}
 DTYPES = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8"}
 SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}
@@ -215,17 +217,22 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
     )
     overlap = _flag(fields, "a2a_overlap", where)
     grad_overlap = _flag(fields, "grad_overlap", where)
+    master = _flag(fields, "master_weights", where)
+    moments = _choice(fields, "optimizer_dtype", STATE_DTYPES, where) or "fp32"
+    grads = _choice(fields, "grad_dtype", STATE_DTYPES, where)
     graphs = _choice(fields, "cuda_graphs", CUDA_GRAPHS, where)
     if graphs is None and "cuda graphs" in lowered:
         graphs = "partial"  # the notes name Megatron's per-module cuda_graph_scope
-    training = with_conventions(TrainingSpec(
-        seq_len=size["seq"], global_batch=gbs, dtype=_dtype(fields["precision"], where),
-        zero=not fsdp, fsdp=fsdp, recompute=recompute,
-        a2a_overlap=("A2A overlap" in note) if overlap is None else overlap,
-        cuda_graphs=graphs,  # type: ignore[arg-type]
-        grad_overlap=True if grad_overlap is None else grad_overlap,
-    ), TARGETS["megatron"])  # fmt: skip
     try:
+        training = with_conventions(TrainingSpec(
+            seq_len=size["seq"], global_batch=gbs, dtype=_dtype(fields["precision"], where),
+            zero=not fsdp, fsdp=fsdp, recompute=recompute,
+            a2a_overlap=("A2A overlap" in note) if overlap is None else overlap,
+            cuda_graphs=graphs,  # type: ignore[arg-type]
+            grad_overlap=True if grad_overlap is None else grad_overlap,
+            master_weights=True if master is None else master,
+            optimizer_dtype=moments, grad_dtype=grads,  # type: ignore[arg-type]
+        ), TARGETS["megatron"])  # fmt: skip
         check_layout(parallel, model, training)
     except SpecError as err:
         raise SpecError(f"{where}: {err}") from None

@@ -71,6 +71,8 @@ def _knobs(plan: Plan, t: Target) -> Iterator[str]:
         yield f"it is priced in {tr.get('dtype')}"
     if tr.get("optimizer_dtype", "fp32") not in t.optimizer_dtypes:
         yield f"it is priced with {tr.get('optimizer_dtype')} Adam moments"
+    if not tr.get("master_weights", True):
+        yield "it is priced without fp32 master weights"
     if tr.get("mtp_layers") and not t.mtp:
         yield f"it trains {tr.get('mtp_layers')} MTP layers"
     if t.name != "megatron":

@@ -90,7 +90,10 @@ def master_bytes_per_param(training: TrainingSpec) -> int:
     """Master weights on the device: fp32 (4 B), or the 2 B remainders of bf16 parameters
     under the precision-aware optimizer. Under an FP8 or MXFP8 recipe Megatron-Core keeps fp32
     main params itself (`optimizer_config.py`: use_precision_aware_optimizer_no_fp8_or_ds_fp8
-    is false for current-scaling, blockwise and MX recipes), so remainders need bf16."""
+    is false for current-scaling, blockwise and MX recipes), so remainders need bf16. None
+    without master weights (pure bf16 training)."""
+    if not training.master_weights:
+        return 0
     if training.precision_aware_optimizer and training.dtype == "bf16":
         return MASTER_REMAINDER_BYTES_PER_PARAM
     return MASTER_BYTES_PER_PARAM

@@ -153,3 +153,27 @@ def test_a_piper_run_becomes_a_run(tmp_path):
     assert run.metric == "tokens/s/GPU" and run.parallel.world == 4
     assert run.stage_layers == ((0, 1), (2, 3))
     assert run.measured_peak_gib == pytest.approx(max(r[1] for r in RANKS) / GIB)
+
+
+def test_state_dtype_columns_price_pure_bf16_training():
+    settings = "measured_peak_gib,optimizer_dtype,grad_dtype,master_weights,note"
+    head = HEAD.replace("measured_peak_gib,note", settings)
+    (pure,) = parse_runs(head + GOOD.replace(",61.5,x", ",61.5,bf16,bf16,0,x"))
+    t = pure.training
+    assert (t.optimizer_dtype, t.grad_dtype, t.master_weights) == ("bf16", "bf16", False)
+    (plain,) = parse_runs(head + GOOD.replace(",61.5,x", ",61.5,,,,x"))
+    assert (plain.training.optimizer_dtype, plain.training.grad_dtype) == ("fp32", None)
+    assert plain.training.master_weights
+    # without master weights the optimizer holds the bf16 moments only: 4 B per parameter
+    # against Megatron's 12 (fp32 master + fp32 moments); gradients 2 B against 4
+    from planner.resources.memory import grad_bytes_per_param, optimizer_bytes_per_param
+
+    assert optimizer_bytes_per_param(t) == 4 and grad_bytes_per_param(t) == 2
+    assert optimizer_bytes_per_param(plain.training) == 12
+    assert grad_bytes_per_param(plain.training) == 4
+    for bad, column in ((",61.5,fp16,bf16,0,x", "optimizer_dtype"),
+                        (",61.5,bf16,fp8,0,x", "grad_dtype"),
+                        (",61.5,bf16,bf16,maybe,x", "master_weights"),
+                        (",61.5,fp32,bf16,0,x", "master_weights")):  # fmt: skip
+        with pytest.raises(SpecError, match=column):
+            parse_runs(head + GOOD.replace(",61.5,x", bad))

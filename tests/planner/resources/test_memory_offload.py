@@ -236,3 +236,22 @@ def test_activation_offload_workspace_is_one_layers_moved_bytes():
 def test_activation_offload_names_are_checked():
     with pytest.raises(SpecError, match="activation_offload_modules names 'fc2'"):
         TrainingSpec(activation_offload_modules="expert_fc1,fc2")
+
+
+def test_pure_bf16_state_without_master_weights():
+    # NeMo AutoModel's pure bf16 training: bf16 parameters updated in place, bf16 gradients
+    # and bf16 Adam moments: the optimizer component is 4 B per parameter against 12 (fp32
+    # master + fp32 m, v), the gradients 2 B against 4, the weights unchanged
+    model = make_model(layers=3, d=D, experts=E, ffn=F, vocab=V)
+    cluster = load_cluster("h100")
+    base = TrainingSpec(seq_len=8, zero=True, bytes_per_param=18)
+    pure = TrainingSpec(seq_len=8, zero=True, bytes_per_param=18, master_weights=False,
+                        grad_dtype="bf16", optimizer_dtype="bf16")  # fmt: skip
+    a, b = estimate(model, cluster, base, PAR), estimate(model, cluster, pure, PAR)
+    for sa, sb in zip(a.stages, b.stages, strict=True):
+        ma, mb = dict(sa.memory_gib), dict(sb.memory_gib)
+        assert mb["optimizer"] == pytest.approx(ma["optimizer"] * 4 / 12)
+        assert mb["grads"] == pytest.approx(ma["grads"] * 2 / 4)
+        assert mb["weights"] == pytest.approx(ma["weights"])
+    with pytest.raises(SpecError, match="master_weights"):
+        TrainingSpec(master_weights=False, grad_dtype="bf16")  # fp32 moments
