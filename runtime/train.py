@@ -140,7 +140,7 @@ def autocast(device: torch.device, compute_dtype: str):
     the master copy Adam updates (autocast caches the dense layers' casts for the region, the
     experts keep their own, Experts.operands); the residual stream, and so every activation
     sent between ranks, is in the compute dtype from the embedding on
-    (runtime.model.precision.to_compute_dtype); the router, the norms' statistics, softmax
+    (runtime.precision.to_compute_dtype); the router, the norms' statistics, softmax
     and the loss compute in fp32; gradients and their reductions stay fp32."""
     dtype = COMPUTE_DTYPES.get(compute_dtype)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from runtime.model.moe import init_uniform_
-from runtime.model.precision import to_compute_dtype
+from runtime.precision import to_compute_dtype
 
 
 class RMSNorm(nn.Module):

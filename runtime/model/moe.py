@@ -22,7 +22,7 @@ from planner.run.spec import EMPTY, ExpertSlots
 from planner.specs import MoESpec
 from runtime.dispatch.local import LocalDispatcher
 from runtime.model.arch import ModelArch
-from runtime.model.precision import to_compute_dtype
+from runtime.precision import to_compute_dtype
 from runtime.model.replicas import SlotRouter
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.model.precision import to_compute_dtype
+from runtime.precision import to_compute_dtype
 
 
 @dataclass
