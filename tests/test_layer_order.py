@@ -62,6 +62,7 @@ RUNTIME_RANKS = {
     "runtime.parallel.expert_tp": 13.5,  # expert TP: slices of the model's experts
     "runtime.parallel.fsdp": 13.5,  # FSDP units over the model's blocks
     "runtime.parallel.pipeline": 14,
+    "runtime.parallel.pp_schedule": 13.8,  # torch pipelining stages and schedules (pp > 1)
     "runtime.migrate": 14,
     "runtime.checkpoint": 14.5,  # saves and loads the stages' modules and migration state
     "runtime.weight_shards": 14.2,  # where each rank's tensors sit in the whole weights

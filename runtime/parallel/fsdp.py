@@ -12,7 +12,7 @@ them is sharded alike. A unit all-gathers its parameters before its forward and 
 before its backward (reshard after forward; the chunk's root unit keeps its parameters
 between the two, FSDP2's default), and reduce-scatters its gradients after every
 micro-batch's backward, accumulating into its gradient shards, so gradients stay sharded
-too (ZeRO-3; with pp > 1 pipeline.CountingStage keeps that, where torch's pipelining would
+too (ZeRO-3; with pp > 1 pp_schedule.CountingStage keeps that, where torch's pipelining would
 hold whole gradients until the step's last backward).
 With tp > 1, the weights whose gradients are partial over the TP group (norms, routers,
 row-parallel biases, gates: StageModule.tp_partial_parameters) stay replicated (FSDP's

@@ -8,7 +8,8 @@ Model Training on GPU Clusters Using Megatron-LM", section 2.2), both with the l
 runtime shape inference. The interleaved schedule assumes process-group rank g runs virtual
 stages g, g + pp, ...; when the plan's pipeline order is not the group's sorted order
 (a permuted rank table), `PlanOrderInterleaved1F1B` gives group rank g the actions of its
-plan position, and the library derives the stage -> rank map from those actions.
+plan position, and the library derives the stage -> rank map from those actions. These
+library pieces live in runtime/parallel/pp_schedule.py, imported only when pp > 1.
 (Declaring static shapes with input/output args and grads, in torch 2.13 on gloo, left the
 first stage with zero gradients, which the single-device oracle test caught; without grads
 the static path refuses to run backward.) pp = 1 runs the same micro-batch loop by hand
@@ -31,97 +32,15 @@ Shape letters: B = sequences, S = sequence length, D = hidden, V = vocabulary.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
-from torch.distributed.pipelining.stage import stage_backward
 from torch.distributed.tensor import DTensor
 
 from runtime.metrics import ByteCounter
 from runtime.model.transformer import StageModule
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.replicas import sum_replica_gradients
-
-
-class CountingStage(PipelineStage):
-    """A PipelineStage that records the bytes of every activation / gradient it sends.
-
-    With an FSDP stage module, every micro-batch's backward reduce-scatters its gradients
-    into the shards, as without pipelining (runtime/parallel/fsdp.py); the library's default
-    instead keeps whole gradients until the step's last backward."""
-
-    counter: ByteCounter | None = None
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
-        if not isinstance(self.submod, FSDPModule):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        if backward_type != "full":
-            raise NotImplementedError(f"FSDP stages run full backward, not {backward_type!r}")
-        grads = stage_backward(
-            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
-        )
-        return grads, None
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        """The step's end: FSDP reduced every backward already; only scale by 1 / m."""
-        if not isinstance(self.submod, FSDPModule):
-            return super().perform_reduce_grad(grad_scale_factor)
-        if grad_scale_factor != 1:
-            self.scale_grads(grad_scale_factor)
-
-    def _count(self, ops):
-        if self.counter is not None:
-            for op in ops:
-                self.counter.add("p2p", op.tensor.numel() * op.tensor.element_size(), op.peer)
-        return ops
-
-    def _forward_metadata_inference(self, *args, **kwargs):
-        """The library's one-time shape-inference forward: not training, so the MoE layers
-        do not count its tokens (its all-to-all bytes are counted: they were sent)."""
-        with self._not_training():
-            return super()._forward_metadata_inference(*args, **kwargs)
-
-    def _backward_metadata_inference(self, *args, **kwargs):
-        """The library's one-time backward shape inference, which on the last stage runs the
-        loss (with MTP, the MTP modules): neither their tokens nor that loss count."""
-        with self._not_training():
-            return super()._backward_metadata_inference(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def _not_training(self):
-        moes = self.submod.moe_layers().values()
-        parts = len(self.submod.loss_parts)
-        for moe in moes:
-            moe.counting = False
-        try:
-            yield
-        finally:
-            for moe in moes:
-                moe.counting = True
-            del self.submod.loss_parts[parts:]
-
-    def _to_tensor(self, arg):
-        """Materialize inferred inputs as zeros, not uninitialized memory (deterministic)."""
-        out = super()._to_tensor(arg)
-        if isinstance(out, torch.Tensor) and not isinstance(arg, torch.Tensor):
-            with torch.no_grad():
-                out.zero_()
-        return out
-
-    def get_fwd_send_ops(self, fwd_chunk_id):
-        return self._count(super().get_fwd_send_ops(fwd_chunk_id))
-
-    def get_bwd_send_ops(self, bwd_chunk_id):
-        return self._count(super().get_bwd_send_ops(bwd_chunk_id))
 
 
 class RankChunks(nn.Module):
@@ -151,18 +70,6 @@ def chunks_of(module: StageModule | RankChunks) -> list[StageModule]:
     return list(module.chunks) if isinstance(module, RankChunks) else [module]
 
 
-class PlanOrderInterleaved1F1B(ScheduleInterleaved1F1B):
-    """Interleaved 1F1B where process-group rank g sits at plan pipeline position
-    `position_of_group_rank[g]` (the library's schedule assumes position g)."""
-
-    def __init__(self, stages, n_microbatches, loss_fn, position_of_group_rank: dict[int, int]):
-        self._position = position_of_group_rank
-        super().__init__(stages, n_microbatches, loss_fn=loss_fn)
-
-    def _calculate_single_rank_operations(self, rank):
-        return super()._calculate_single_rank_operations(self._position[rank])
-
-
 class PipelineRunner:
     """Runs one optimizer step's forward/backward over the micro-batches of one replica.
 
@@ -187,6 +94,9 @@ class PipelineRunner:
         self.schedule = None
         if pp == 1:
             return
+        # torch.distributed.pipelining (and the torch._dynamo it imports) only when pp > 1
+        from runtime.parallel.pp_schedule import CountingStage, make_schedule
+
         order = sorted(mesh.pp_ranks)
         group_rank = [order.index(r) for r in mesh.pp_ranks]  # by plan position
         n = pp * len(virtual)
@@ -197,13 +107,8 @@ class PipelineRunner:
             stage.counter = counter
             stages.append(stage)
         loss_fn = chunks_of(module)[-1].loss  # with TP: the vocab-parallel cross entropy
-        if len(stages) > 1:
-            position = {g: s for s, g in enumerate(group_rank)}
-            self.schedule = PlanOrderInterleaved1F1B(stages, num_microbatches, loss_fn, position)
-            return
-        # 1F1B needs at least pp micro-batches; fewer run as GPipe (same math, more memory)
-        schedule = Schedule1F1B if num_microbatches >= pp else ScheduleGPipe
-        self.schedule = schedule(stages[0], num_microbatches, loss_fn=loss_fn)
+        position = {g: s for s, g in enumerate(group_rank)}
+        self.schedule = make_schedule(stages, num_microbatches, loss_fn, position)
 
     def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float | None:
         """Forward + backward of every micro-batch; returns the mean loss on the last stage.
