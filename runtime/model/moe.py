@@ -22,8 +22,8 @@ from planner.run.spec import EMPTY, ExpertSlots
 from planner.specs import MoESpec
 from runtime.dispatch.local import LocalDispatcher
 from runtime.model.arch import ModelArch
-from runtime.precision import to_compute_dtype
 from runtime.model.replicas import SlotRouter
+from runtime.precision import to_compute_dtype
 
 
 def seeded_generator(*key: int) -> torch.Generator:
