@@ -80,18 +80,21 @@ def build_trainer(
     device: torch.device | None = None,
     migration: MigrationPolicy | None = None,
     hf_weights: str | None = None,
+    compute_dtype: str = "fp32",
 ) -> Trainer:
     """This rank's groups, byte counter and stage (with its dispatcher), ready to train;
     `migration` decides the placements (default: the planner's policy at uniform prices). The
     model computes with spec.arch; `hf_weights` loads a checkpoint's weights (build the spec
-    with the same directory, run_spec_from_plan(..., hf_weights=DIR), for its numerics).
+    with the same directory, run_spec_from_plan(..., hf_weights=DIR), for its numerics);
+    `compute_dtype` (fp32, bf16, fp16): the autocast dtype of the steps and, with FSDP, the
+    dtype its units all-gather in.
 
     Every process calls it in the same order (it creates the process groups)."""
     device = device or torch.device("cpu")
     mesh = build_mesh(spec, rank)
     counter = ByteCounter([c.node for c in mesh.coords], rank)
     module = build_stage(spec, mesh, device, counter, spec.arch)
-    return Trainer(spec, mesh, module, counter, device, migration, hf_weights)
+    return Trainer(spec, mesh, module, counter, device, migration, hf_weights, compute_dtype)
 
 
 def parse_options(argv: list[str] | None = None) -> RunOptions:
@@ -194,10 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         every, resume = options.checkpoint_every, options.resume or restarted
         checkpoints = CheckpointOptions(options.checkpoint_dir, every, resume)
-    trainer = build_trainer(spec, rank, device, migration, options.hf_weights)
+    dtype = options.compute_dtype(load_plan(options.plan).training)
+    trainer = build_trainer(spec, rank, device, migration, options.hf_weights, dtype)
     if data is not None:
         trainer.sample = TokenSampler(data.array())
-    trainer.compute_dtype = options.compute_dtype(load_plan(options.plan).training)
     for moe in trainer.module.moe_layers().values():
         moe.experts.gemm = options.expert_gemm
     result = train(trainer, plot=True, checkpoints=checkpoints)

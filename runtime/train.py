@@ -35,7 +35,7 @@ from runtime.migrate import MigrationPolicy, migrate_stage, pack_views, slot_sta
 from runtime.model.hf_weights import load_hf_weights
 from runtime.model.transformer import StageModule
 from runtime.parallel.expert_tp import apply_expert_tp
-from runtime.parallel.fsdp import set_param_dtype, shard_chunk
+from runtime.parallel.fsdp import shard_chunk
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.pipeline import PipelineRunner, chunks_of, sync_gradients
 from runtime.parallel.replicas import install_slots
@@ -155,7 +155,8 @@ def _gather(obj, rank: int) -> list | None:
 class Trainer:
     """One rank's training state: the parts `runtime.launch` built, the pipeline, the
     optimizer and the routing history; `hf_weights`: a Hugging Face checkpoint directory whose
-    weights the stage starts from (runtime/model/hf_weights.py)."""
+    weights the stage starts from (runtime/model/hf_weights.py); `compute_dtype`: fp32, bf16
+    or fp16 (RUNTIME.md "Precision")."""
 
     def __init__(
         self,
@@ -166,7 +167,10 @@ class Trainer:
         device: torch.device,
         migration: MigrationPolicy | None = None,
         hf_weights: str | None = None,
+        compute_dtype: str = "fp32",
     ) -> None:
+        if compute_dtype not in ("fp32", *COMPUTE_DTYPES):
+            raise ValueError(f"compute_dtype {compute_dtype!r}: use fp32, bf16 or fp16")
         self.spec, self.mesh, self.module = spec, mesh, module
         self.counter, self.device = counter, device
         self.migration = with_rows(migration or MigrationPolicy(), spec.migrate_every)
@@ -179,7 +183,7 @@ class Trainer:
             apply_expert_tp(module, mesh, counter)
         if spec.fsdp:  # sharded parameters, before the optimizer holds them
             for chunk in chunks_of(module):
-                shard_chunk(chunk, mesh, spec.dp, counter)
+                shard_chunk(chunk, mesh, spec.dp, counter, COMPUTE_DTYPES.get(compute_dtype))
         virtual = [k for k, _ in spec.chunks(mesh.me.stage)]
         self.runner = PipelineRunner(module, mesh, virtual, spec.num_microbatches, counter, device)
         self.optimizer = torch.optim.Adam(module.parameters(), lr=spec.lr)
@@ -189,20 +193,9 @@ class Trainer:
         self.history: list = []  # per step of the interval: tokens [L][E] of the MoE layers
         self.rows: list = []  # the leader's past interval rows (close_interval): (L, E) arrays
         self.sample = sample_batch  # batches of a step: a function of (seed, step, dp rank)
-        self._compute_dtype = "fp32"
-
-    @property
-    def compute_dtype(self) -> str:
-        """fp32, or bf16 / fp16: autocast over forward and backward (`autocast`); set it
-        before the first step (with FSDP it fixes the all-gather's dtype)."""
-        return self._compute_dtype
-
-    @compute_dtype.setter
-    def compute_dtype(self, value: str) -> None:
-        if self.spec.fsdp:
-            for chunk in chunks_of(self.module):
-                set_param_dtype(chunk, COMPUTE_DTYPES.get(value))
-        self._compute_dtype = value
+        # fp32, or bf16 / fp16: autocast over forward and backward (`autocast`); with FSDP the
+        # units all-gather in it, fixed when they were built
+        self.compute_dtype = compute_dtype
 
     def step(self, step: int, fail_migration_at: int = -1) -> tuple[float | None, dict, list]:
         """One optimizer step (+ migration when due); returns (loss, record, trace rows)."""

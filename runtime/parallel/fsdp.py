@@ -19,7 +19,7 @@ row-parallel biases, gates: StageModule.tp_partial_parameters) stay replicated (
 ignored parameters) and are reduced by pipeline.sync_gradients as without FSDP; they are a
 few vectors per layer.
 
-Mixed precision (`set_param_dtype`, with bf16 / fp16 compute): FSDP2's
+Mixed precision (`mp_policy`, with bf16 / fp16 compute): FSDP2's
 MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32): the fp32 shards stay the
 master weights Adam updates; each all-gather casts the shards to the compute dtype first, so
 it sends half the bytes and the gathered (transient) weights are bf16; the gradients of
@@ -76,16 +76,31 @@ class _ReduceScatter(_CountingComm):
         )
 
 
-def _shard(module, mesh: DeviceMesh, members, counter, grad_kind, ignored) -> FSDPModule:
-    unit = fully_shard(module, mesh=mesh, ignored_params=ignored or None)
+def mp_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """The module docstring's policy: parameters gathered in `param_dtype` (None: in their
+    fp32), gradients reduced in fp32."""
+    reduce = torch.float32 if param_dtype is not None else None
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
+
+
+def _shard(module, mesh: DeviceMesh, members, counter, grad_kind, ignored, policy) -> FSDPModule:
+    unit = fully_shard(module, mesh=mesh, ignored_params=ignored or None, mp_policy=policy)
     unit.set_custom_all_gather(_AllGather(counter, "param_gather", members))
     unit.set_custom_reduce_scatter(_ReduceScatter(counter, grad_kind, members))
     return unit
 
 
-def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -> None:
+def shard_chunk(
+    chunk: StageModule,
+    mesh: Mesh,
+    dp: int,
+    counter: ByteCounter,
+    param_dtype: torch.dtype | None = None,
+) -> None:
     """Wrap one model chunk in FSDP units (module docstring), in place; before the optimizer
-    is built, since its parameters become DTensor shards."""
+    is built, since its parameters become DTensor shards. `param_dtype`: the compute dtype the
+    units all-gather in (None: fp32)."""
+    policy = mp_policy(param_dtype)
     device = next(chunk.parameters()).device.type
     dp_mesh = DeviceMesh.from_group(mesh.dp_group, device)
     edp_mesh = DeviceMesh.from_group(mesh.edp_group, device)
@@ -94,7 +109,7 @@ def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -
     for _, block in chunk.indexed_blocks():  # the MTP modules' blocks too
         if block.moe is not None:
             experts = _shard(
-                block.moe.experts, edp_mesh, mesh.edp_ranks, counter, "grad_expert", set()
+                block.moe.experts, edp_mesh, mesh.edp_ranks, counter, "grad_expert", set(), policy
             )
             experts.set_gradient_divide_factor(float(dp))
             wide = mesh.edp_group.size() not in (1, dp)  # 1: FSDP reduces nothing
@@ -102,8 +117,8 @@ def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -
                 # a divide factor other than the group's size is NCCL's PreMulSum, which gloo
                 # lacks: sum, then divide by dp after the reduce-scatter (the same gradients)
                 experts.set_force_sum_reduction_for_comms(True)
-        _shard(block, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored)
-    _shard(chunk, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored)
+        _shard(block, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored, policy)
+    _shard(chunk, dp_mesh, mesh.dp_ranks, counter, "grad_dense", ignored, policy)
     for name, p in chunk.named_parameters():  # fully_shard made new parameters
         vars(p).update(marks[name])
 
@@ -111,21 +126,3 @@ def shard_chunk(chunk: StageModule, mesh: Mesh, dp: int, counter: ByteCounter) -
 def _tp_marks(p: torch.Tensor) -> dict:
     """The TP marks of a parameter (tensor_parallel.tp_layout reads them, checkpoints too)."""
     return {k: v for k, v in vars(p).items() if k.startswith("tp_")}
-
-
-def set_param_dtype(chunk: StageModule, dtype: torch.dtype | None) -> None:
-    """Give every FSDP unit of `chunk` the policy of the module docstring: parameters
-    gathered in `dtype` (None: in their fp32), gradients reduced in fp32. Before the first
-    forward: FSDP2 reads its policy once, at its lazy initialization; the policy is set on
-    the units' state here because the trainer learns its compute dtype after sharding
-    (runtime/launch.py sets Trainer.compute_dtype)."""
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    for module in chunk.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        if state._is_root is not None:
-            raise RuntimeError("set_param_dtype: the FSDP units already ran; set it before")
-        state._mp_policy = policy
-        for group in state._fsdp_param_groups:
-            group.mp_policy = policy

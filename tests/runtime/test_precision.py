@@ -188,8 +188,7 @@ def _fp32_and_bf16_body(rank, world, spec):
     and this rank's wire dtypes, per dtype."""
     out = {}
     for dtype in ("fp32", "bf16"):
-        trainer = build_trainer(spec, rank)
-        trainer.compute_dtype = dtype
+        trainer = build_trainer(spec, rank, compute_dtype=dtype)
         with wire_dtypes() as seen:
             files = train(trainer).files
         lines = [json.loads(x) for x in files.get("metrics.jsonl", "").splitlines()]
@@ -296,8 +295,7 @@ def _resume_body(rank, world, spec, first, root):
     """bf16: `spec` straight; `first` saving a checkpoint at its end; `spec` resumed."""
 
     def run(s, options):
-        trainer = build_trainer(s, rank)
-        trainer.compute_dtype = "bf16"
+        trainer = build_trainer(s, rank, compute_dtype="bf16")
         return train(trainer, checkpoints=options).losses
 
     straight = run(spec, None)
