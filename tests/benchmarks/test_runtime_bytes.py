@@ -40,8 +40,7 @@ def test_step_traffic_by_hand():
 
 @pytest.mark.slow
 def test_planner_bytes_match_a_real_run(tmp_path):
-    name, pred, meas = rb.run_layout(tmp_path, 4, 2, 1, 2, 2)  # pp x tp x ep, 4 processes
-    assert name == "pp2-dp1-tp2-ep2"
+    pred, meas = rb.run_layout(tmp_path, "fp32", 4, 2, 1, 2, 2)  # pp x tp x ep, 4 processes
     assert meas["p2p"] == pred["p2p"] > 0  # exact: activation slices between the stages
     assert meas["dispatch"] == pytest.approx(pred["dispatch"], rel=0.05)  # routing varies
     # TP: the model's per-layer collectives, plus two passes per stage end in the runtime
@@ -56,8 +55,7 @@ def test_planner_bytes_match_a_real_run(tmp_path):
 
 @pytest.mark.slow
 def test_interleaved_pipeline_sends_the_models_p2p(tmp_path):
-    name, pred, meas = rb.run_layout(tmp_path, 4, 2, 2, 1, 2, vp=2)  # pp x dp, 2 chunks a rank
-    assert name == "pp2-dp2-tp1-ep2-vp2"
+    pred, meas = rb.run_layout(tmp_path, "fp32", 4, 2, 2, 1, 2, vp=2)  # pp x dp, 2 chunks a rank
     # by hand: fp32 [b s d] forward and backward over each of the pp * vp - 1 chunk
     # boundaries, m = 2 micro-batches, on each of the dp = 2 pipelines
     act = 4 * 2 * 128 * 64
@@ -68,8 +66,7 @@ def test_interleaved_pipeline_sends_the_models_p2p(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_collectives_against_the_model(tmp_path):
-    name, pred, meas = rb.run_layout(tmp_path, 4, 2, 2, 1, 1, fsdp=True)  # edp = dp = 2
-    assert name == "pp2-dp2-tp1-ep1-fsdp"
+    pred, meas = rb.run_layout(tmp_path, "fp32", 4, 2, 2, 1, 1, fsdp=True)  # edp = dp = 2
     # a reduce-scatter per micro-batch (one ring pass each), as the model counts
     assert meas["grad_dense"] == pred["grad_dense"] > 0
     assert meas["grad_expert"] == pred["grad_expert"] > 0
