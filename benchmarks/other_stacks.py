@@ -21,12 +21,10 @@ Printed:
   stacks' rows, each stack;
 - torchtitan's DeepEP / all-to-all speed-up, measured and predicted;
 - where each predicted step goes: the slowest stage's largest time components;
-- per FSDP2 row with pipelining, by hand from the model's stage times: the prediction with
-  FSDP2's gathers and gradient reductions once per pipeline flush (fsdp2_pp_tokens_per_gpu);
-- the stage memory of every row predicted not to fit, component by component;
-- per FSDP2 row, by hand from the model's stage components: the peak with the stack's own
-  state bytes and, under pipelining, the parameters and gradients FSDP2 keeps unsharded
-  between micro-batches (which the model does not price) in place of its gathered units.
+- the stage memory of every row predicted not to fit, component by component.
+The FSDP2 rows with pipelining are priced with `fsdp_hold_unsharded` (each unit gathered once
+per step and held unsharded with its fp32 gradients through the micro-batches, as torch
+pipelining runs FSDP2) and AutoModel's with its bf16 state (`master_weights` 0).
 
     OMP_NUM_THREADS=1 python3 benchmarks/other_stacks.py [--no-results]
 """
@@ -45,8 +43,6 @@ from results_md import ROOT, recorded
 from planner.calibrate.runs import Run, estimate_run, load_runs, predicted_value
 from planner.inputs.clusters import load_cluster
 from planner.resources.cost import Estimate
-from planner.resources.memory import layer_param_split
-from planner.specs import GIB, ClusterSpec
 
 RUNS = ROOT / "profiles" / "runs" / "other_stacks.csv"
 PRESET = "h100"
@@ -109,56 +105,10 @@ def flushed_tokens_per_gpu(run: Run, est: Estimate, flushes: int) -> float:
     return est.tokens_per_s * est.step_time_s / (est.step_time_s + extra_s) / p.world
 
 
-def fsdp2_pp_tokens_per_gpu(run: Run, est: Estimate, flushes: int) -> float:
-    """Tokens/s/GPU with FSDP2's communication as it runs under torch pipelining, by hand from
-    the model's stage times, and `flushes` pipeline flushes per step.
-
-    The model prices FSDP as Megatron-FSDP: a gather and a reduce-scatter per unit and micro-
-    batch (its `fsdp_*` stage-time components, the exposed part). Under pipelining FSDP2 keeps
-    parameters unsharded between micro-batches and reduces gradients after the last one
-    (fsdp2_held_gib), so the gathers and reductions happen once per flush. Here the slot loses
-    each stage's fsdp seconds (p2p kept: slot - slowest stage) and each flush pays the largest
-    stage's fsdp seconds once, fully exposed:
-        step' = step - (m + (pp - 1) / vp) slot + (m + F (pp - 1) / vp) slot' + F fsdp_max.
-    """
-    p = run.parallel
-    fsdp = [sum(v for k, v in s.time_s if k.startswith("fsdp_")) for s in est.stages]
-    p2p_s = est.slot_s - max(s.total_s for s in est.stages)
-    slot_s = max(s.total_s - f for s, f in zip(est.stages, fsdp, strict=True)) + p2p_s
-    fill = (p.pp - 1) / p.vp
-    m = p.num_microbatches
-    step_s = (est.step_time_s - (m + fill) * est.slot_s + (m + flushes * fill) * slot_s
-              + flushes * max(fsdp))  # fmt: skip
-    return est.tokens_per_s * est.step_time_s / step_s / p.world
-
-
 def speedup(points: dict[str, Point], faster: str, slower: str) -> tuple[float, float]:
     """(measured, predicted) ratio of row `faster` over row `slower`."""
     a, b = points[faster], points[slower]
     return a.measured / b.measured, a.predicted / b.predicted
-
-
-def fsdp2_held_gib(run: Run, stage_layers: Sequence[int], stack: str) -> tuple[float, float]:
-    """(bf16 parameters GiB, gradients GiB) that FSDP2 under torch pipelining keeps unsharded on
-    one rank of a stage for the whole step, which the model does not price.
-
-    With pipelining both stacks set reshard_after_forward off (AutoModel parallelizer.py:132
-    @89e3a9f, torchtitan models/llama4/infra/parallelize.py:351-359 @8783dba), and the pipeline
-    stage turns the gradient reduce-scatter off until the last micro-batch (torch 2.13
-    distributed/pipelining/stage.py:844-847, 1173-1177), accumulating unsharded gradients in the
-    fp32 reduce dtype (fsdp/_fully_shard/_fsdp_param.py:802-813). Counted: the stage's layers'
-    FSDP-managed parameters on this rank (embedding and head left out); routed experts only
-    where FSDP shards them (edp > 1); AutoModel shards its experts without a mixed-precision
-    policy (parallelizer.py:143-150), so their gradients stay bf16.
-    """
-    model, p = run.model, run.parallel
-    dense = expert = 0.0
-    for i in stage_layers:
-        d, e = layer_param_split(model, model.layers[i], p)
-        dense += d
-        expert += e if p.edp > 1 else 0.0
-    expert_grad_bytes = 2 if stack == "automodel" else 4
-    return 2 * (dense + expert) / GIB, (4 * dense + expert_grad_bytes * expert) / GIB
 
 
 def main() -> int:
@@ -203,9 +153,7 @@ def report(runs: list[Run]) -> None:
     _summaries(list(points.values()))
     _deepep(points)
     _time(runs, estimates)
-    _fsdp2_pipeline(runs, estimates, points)
     _memory(runs, estimates)
-    _held(runs, estimates, cluster)
     _conventions()
     print(f"\n(benchmark time {time.perf_counter() - t0:.0f} s)")
 
@@ -247,21 +195,6 @@ def _time(runs: list[Run], estimates: dict[str, Estimate]) -> None:
               + f"; hidden {hidden:.3f}")  # fmt: skip
 
 
-def _fsdp2_pipeline(
-    runs: list[Run], estimates: dict[str, Estimate], points: dict[str, Point]
-) -> None:
-    print("\nFSDP2 under pipelining, by hand from the model's stage times (not a model output): "
-          "predicted / measured as priced, with the row's pipeline flushes, and with FSDP2's "
-          "gathers and reductions once per flush instead of per micro-batch")  # fmt: skip
-    for run in runs:
-        if run.field("stack") not in FSDP2_STACKS or run.parallel.pp == 1:
-            continue
-        point = points[run.label.removeprefix("id ")]
-        once = fsdp2_pp_tokens_per_gpu(run, estimates[run.label], _flushes(run))
-        print(f"  {point.label:>4} {point.ratio:.2f} -> flushes {point.ratio_flushed:.2f} -> "
-              f"FSDP2 once per flush {once / run.measured:.2f}")  # fmt: skip
-
-
 def _memory(runs: list[Run], estimates: dict[str, Estimate]) -> None:
     print("\nstage memory (GiB) of the rows predicted not to fit, largest stage")
     for run in runs:
@@ -275,60 +208,15 @@ def _memory(runs: list[Run], estimates: dict[str, Estimate]) -> None:
               f"{stage.total_gib:.1f} of {est.usable_memory_gib:.1f}\n    {parts}")  # fmt: skip
 
 
-def stack_peak_gib(memory_gib: dict[str, float], state_bytes: int, held_gib: float) -> float:
-    """The model's stage peak with the stack's state and FSDP2's held set in place of its own.
-
-    memory_gib: the model's stage components (GiB); its `weights` are 2 B per parameter the rank
-    keeps after sharding, so the stack's state is state_bytes / 2 x weights. held_gib > 0 (the
-    unsharded set under pipelining, fsdp2_held_gib) replaces the model's transient gathered
-    units; 0 keeps them.
-    """
-    state = sum(memory_gib.get(k, 0.0) for k in STATE)
-    gathered = memory_gib.get("fsdp_gathered", 0.0) if held_gib > 0 else 0.0
-    stack_state = state_bytes / 2 * memory_gib.get("weights", 0.0)
-    return sum(memory_gib.values()) - state - gathered + stack_state + held_gib
-
-
-def _held(runs: list[Run], estimates: dict[str, Estimate], cluster: ClusterSpec) -> None:
-    print("\nmemory as the FSDP2 stacks keep it, largest stage, GiB (by hand from the model's "
-          "components; not a model output):\n  model: the model's peak and its state (the "
-          "row's state columns: AutoModel 8 B/param, else Megatron's 18, sharded); stack: the "
-          "stack's state (AutoModel 8, torchtitan 16 B/param sharded);\n"
-          "  held: with pipelining, the bf16 parameters FSDP2 keeps unsharded between "
-          "micro-batches + their unsharded gradients, in place of the model's gathered "
-          "units")  # fmt: skip
-    print(f"  {'id':>4} {'model':>6} {'state':>6} {'stack':>6} {'gathered':>8} {'held':>11} "
-          f"{'as run':>6} {'measured':>8} {'device':>6}")  # fmt: skip
-    for run in runs:
-        stack = run.field("stack")
-        if stack not in FSDP2_STACKS:
-            continue
-        est = estimates[run.label]
-        stage = max(est.stages, key=lambda s: s.total_gib)
-        memory = dict(stage.memory_gib)
-        params_gib = grads_gib = 0.0
-        if run.parallel.pp > 1:
-            params_gib, grads_gib = fsdp2_held_gib(run, stage.layers, stack)
-        state_bytes = STACK_STATE_BYTES[stack]
-        as_run = stack_peak_gib(memory, state_bytes, params_gib + grads_gib)
-        held = f"{params_gib:.1f}+{grads_gib:.1f}" if params_gib else "-"
-        measured = f"{run.measured_peak_gib:.2f}" if run.measured_peak_gib else "-"
-        print(f"  {run.label.removeprefix('id '):>4} {stage.total_gib:>6.1f} "
-              f"{sum(memory.get(k, 0.0) for k in STATE):>6.1f} "
-              f"{state_bytes / 2 * memory.get('weights', 0.0):>6.1f} "
-              f"{memory.get('fsdp_gathered', 0.0):>8.1f} {held:>11} {as_run:>6.1f} "
-              f"{measured:>8} {cluster.device.memory_gib:>6.1f}")  # fmt: skip
-    print("  (torchtitan's measured figure is its peak reserved memory; the PR's 56.75 GiB = "
-          "71.74% puts the device at 79.1 GiB as torch reports it)")  # fmt: skip
-
-
 CONVENTIONS = """
 conventions: what the model prices (runs.py, Megatron-Core's) against what these stacks run
 - state: AutoModel's rows are priced as they run, bf16 weights, gradients and Adam moments
   without fp32 master weights (8 B/param; the CSV's optimizer_dtype, grad_dtype bf16 and
   master_weights 0); torchtitan keeps fp32 weights, gradients and moments (16 B/param), priced
-  at Megatron's 18; both sharded by FSDP2. The unsharded sets above under pipelining are not
-  priced. Memory, not speed.
+  at Megatron's 18; both sharded by FSDP2. With pipelining both hold every unit unsharded, bf16
+  weights and fp32 gradients, through the step (fsdp_hold_unsharded 1: the torchtitan rows'
+  measured peaks 56.8 and 60.2 GiB against the model's above), and gather and reduce once per
+  step.
 - pipeline: one flush of gbs / (mbs x dp) micro-batches per step; AutoModel drains the pipeline
   once per gradient-accumulation step (GA 4 for id 401, 2 for id 403): the 'flush' columns.
 - recompute: full activation checkpointing in ids 401-404, 406, 407 is priced as Megatron's

@@ -363,6 +363,13 @@ class TrainingSpec:
     # Megatron's --use-precision-aware-optimizer: Transformer Engine's FusedAdam keeps the fp32
     # master weights of bf16 parameters as the 16 bits bf16 lacks (store_param_remainders).
     precision_aware_optimizer: bool = False
+    # FSDP under torch pipelining (torchtitan, pp > 1): each unit is gathered once per step and
+    # stays unsharded through the step's micro-batches, its gradients accumulating unsharded
+    # in the fp32 reduce dtype until the last backward reduce-scatters them (torch 2.13
+    # distributed/pipelining/stage.py:844-847 and 1173-1177, fully_shard/_fsdp_param.py:
+    # 802-813). False: gathered and reduce-scattered per unit and micro-batch (Megatron-FSDP,
+    # Piper's runtime). Set by the target's conventions; it matters only with pp > 1.
+    fsdp_hold_unsharded: bool = False
     # An fp32 master copy of the weights beside the compute-dtype parameters (Megatron-Core,
     # torchtitan's FSDP2 mixed precision, Piper's runtime). False: the parameters themselves
     # are bf16 and the optimizer updates them in place (pure bf16 training, as NeMo AutoModel

@@ -68,6 +68,9 @@ class Target:
     # families the engine builds from its own modules through the export's config module
     # (planner/outputs/export/torchtitan_model.py), when every layer is of a shape they have
     composed_families: tuple[str, ...] = ()
+    # FSDP under the engine's pipelining keeps units unsharded through a step's micro-batches
+    # (TrainingSpec.fsdp_hold_unsharded)
+    fsdp_pp_holds_unsharded: bool = False
 
     def offers(self, what: str, value: object) -> bool:
         """True when `value` is among the target's choices for `what` (a field name)."""
@@ -107,6 +110,10 @@ TARGETS: dict[TargetName, Target] = {
                        ("qwen3_moe", 48, 2048), ("gpt_oss", 24, 2880), ("gpt_oss", 36, 2880),
                        ("llama", 32, 4096)),
         composed_families=("mixtral", "llama4", "qwen3_moe", "moe"),
+        # torchtitan's default reshard policy with pp (torchtitan/distributed/fsdp.py
+        # get_fsdp_reshard_after_forward_policy: "For PP, by default do not reshard after
+        # forward to avoid per-microbatch all-gathers") on torch pipelining
+        fsdp_pp_holds_unsharded=True,
     ),
 }  # fmt: skip
 
@@ -131,6 +138,7 @@ def with_conventions(training: TrainingSpec, target: Target) -> TrainingSpec:
         uniform_recompute=not target.per_layer_recompute,
         mtp_layers=0 if mtp is None and not target.mtp else mtp,
         cuda_graphs="none" if graphs is None and target.cuda_graphs == ("none",) else graphs,
+        fsdp_hold_unsharded=target.fsdp_pp_holds_unsharded,
     )
 
 

@@ -41,7 +41,7 @@ import io
 import math
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -58,7 +58,7 @@ REQUIRED = ("model", "hardware", "gpus", "precision", "seq", "gbs", "mbs", "tp",
             "cp", "ep", "etp", "recompute")  # fmt: skip
 OPTIONAL = ("id", "source", "note", "measured_peak_gib", "dispatcher", "a2a_overlap",
             "cuda_graphs", "grad_overlap", "optimizer_dtype", "grad_dtype",
-            "master_weights")  # fmt: skip
+            "master_weights", "fsdp_hold_unsharded")  # fmt: skip
 STATE_DTYPES = ("fp32", "bf16")  # the optimizer_dtype and grad_dtype columns' values
 FLAGS = {"1": True, "yes": True, "true": True, "0": False, "no": False, "false": False}
 DTYPES = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8"}
@@ -218,6 +218,7 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
     overlap = _flag(fields, "a2a_overlap", where)
     grad_overlap = _flag(fields, "grad_overlap", where)
     master = _flag(fields, "master_weights", where)
+    hold = _flag(fields, "fsdp_hold_unsharded", where)
     moments = _choice(fields, "optimizer_dtype", STATE_DTYPES, where) or "fp32"
     grads = _choice(fields, "grad_dtype", STATE_DTYPES, where)
     graphs = _choice(fields, "cuda_graphs", CUDA_GRAPHS, where)
@@ -233,6 +234,8 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
             master_weights=True if master is None else master,
             optimizer_dtype=moments, grad_dtype=grads,  # type: ignore[arg-type]
         ), TARGETS["megatron"])  # fmt: skip
+        if hold:  # FSDP2 under torch pipelining (torchtitan, NeMo AutoModel)
+            training = replace(training, fsdp_hold_unsharded=True)
         check_layout(parallel, model, training)
     except SpecError as err:
         raise SpecError(f"{where}: {err}") from None

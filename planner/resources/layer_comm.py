@@ -13,7 +13,11 @@ from planner.parallel import ParallelConfig
 from planner.resources import comm, overlap, traffic
 from planner.resources.compute import Work
 from planner.resources.deepep import deepep_all_to_all_s
-from planner.resources.memory import WEIGHT_BYTES_PER_PARAM, layer_param_split
+from planner.resources.memory import (
+    WEIGHT_BYTES_PER_PARAM,
+    fsdp_holds_unsharded,
+    layer_param_split,
+)
 from planner.specs import ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
 
 DISPATCHERS: tuple[str, ...] = ("flat", "halo", "deepep")
@@ -214,14 +218,23 @@ def fsdp_exposed_s(
     params: tuple[float, float],
     backward_extra_s: float = 0.0,
 ) -> tuple[str, float, float]:
-    """(level, exposed s, total s) of one FSDP unit: the forward gather behind the forward,
-    the backward gather and the reduce-scatter behind the backward (with `backward_extra_s`
-    more compute in it: the layer's recompute); level "" when nothing crosses a link."""
+    """(level, exposed s, total s) of one FSDP unit per micro-batch: the forward gather behind
+    the forward, the backward gather and the reduce-scatter behind the backward (with
+    `backward_extra_s` more compute in it: the layer's recompute); held unsharded through the
+    step (memory.fsdp_holds_unsharded), one gather and one reduce-scatter per step, divided
+    over its micro-batches. Level "" when nothing crosses a link."""
     gather, reduce, level = fsdp_gather_s(cluster, training, parallel, params)
     if not level:
         return "", 0.0, 0.0
     fwd = sum(w.forward_s for w in work)
     bwd = sum(w.time_s for w in work) - fwd + backward_extra_s
+    if fsdp_holds_unsharded(training, parallel):
+        # one gather and one reduce-scatter per step, spread over its micro-batches: the
+        # gather behind the forward, the reduce-scatter behind the backward; no backward gather
+        m = parallel.num_microbatches
+        total = (gather + reduce) / m
+        shown = max(0.0, gather / m - fwd) + max(0.0, reduce / m - bwd)
+        return level, overlap.imperfect_s(shown, total, cluster.overlap_efficiency), total
     total = 2 * gather + reduce
     shown = overlap.prefetch_exposed_s(gather, reduce, fwd, bwd)
     return level, overlap.imperfect_s(shown, total, cluster.overlap_efficiency), total

@@ -31,6 +31,7 @@ from planner.resources.memory import (
     act_bytes_per_element,
     embedding_held,
     fsdp_gathered_bytes,
+    fsdp_holds_unsharded,
     head_held,
     layer_activations,
     layer_param_split,
@@ -277,7 +278,7 @@ def _workspace(
     with vp > 1 the receive buffers Megatron's interleaved schedule posts ahead for the next
     chunk's input and gradient (`--overlap-p2p-communication`, on with vp): 2 x a T d."""
     out = []
-    if training.fsdp:
+    if training.fsdp and not fsdp_holds_unsharded(training, parallel):  # else in its state
         out.append(("fsdp_gathered", fsdp_gathered_bytes(params_unit, training)))
     if parallel.cp > 1:
         out.append(("cp_kv_buffers", 4 * traffic.cp_kv_bytes(model, layer, training, parallel)))
@@ -336,7 +337,9 @@ def _role(
         level, shown, _ = fsdp_exposed_s(cluster, training, parallel, work, held)
         if level:
             comm_s = ((f"fsdp_{level}", shown),)
-        workspace = (("fsdp_gathered", fsdp_gathered_bytes(held_dense + held_expert, training)),)
+        if not fsdp_holds_unsharded(training, parallel):  # else in its state
+            gathered = fsdp_gathered_bytes(held_dense + held_expert, training)
+            workspace = (("fsdp_gathered", gathered),)
     return ExtrasCost(held_dense, held_expert, state, act_bytes, work, comm_s, workspace)
 
 

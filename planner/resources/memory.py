@@ -141,18 +141,33 @@ def state_bytes(
     optimizer (`zero`) shards the optimizer bytes over it: 6 + 12/d B per parameter with
     Megatron's 18 (`docs/user-guide/features/dist_optimizer.md`). FSDP (Megatron-FSDP
     optim_grads_params, `docs/user-guide/features/megatron_fsdp.md`) shards all three: 18/d.
+    FSDP held unsharded through the micro-batches (fsdp_holds_unsharded) adds the whole bf16
+    weights (2 B) and the fp32 unsharded gradients (4 B) per parameter it shards (the experts
+    only with edp > 1).
     """
     params = params_dense + params_expert
     dense_dp = parallel.dp * parallel.cp
     sharded = params_dense / dense_dp + params_expert / parallel.edp
     kept = sharded if training.fsdp else params
+    # FSDP leaves experts whole when edp = 1 (nothing to shard): already in `kept`
+    unsharded = params_dense + (params_expert if parallel.edp > 1 else 0.0)
+    held = unsharded if fsdp_holds_unsharded(training, parallel) else 0.0
     return StateBytes(
-        weights=WEIGHT_BYTES_PER_PARAM * kept,
-        grads=grad_bytes_per_param(training) * kept,
+        weights=WEIGHT_BYTES_PER_PARAM * (kept + held),
+        grads=grad_bytes_per_param(training) * kept + FSDP_HELD_GRAD_BYTES * held,
         optimizer=device_optimizer_bytes(
             sharded if training.zero or training.fsdp else params, training
         ),
     )
+
+
+FSDP_HELD_GRAD_BYTES = 4  # unsharded gradients accumulate in FSDP2's fp32 reduce dtype
+
+
+def fsdp_holds_unsharded(training: TrainingSpec, parallel: ParallelConfig) -> bool:
+    """FSDP units gathered once per step and held unsharded with their gradients through the
+    micro-batches (TrainingSpec.fsdp_hold_unsharded, with pp > 1)."""
+    return training.fsdp and training.fsdp_hold_unsharded and parallel.pp > 1
 
 
 def fsdp_gathered_bytes(params_unit: float, training: TrainingSpec) -> float:

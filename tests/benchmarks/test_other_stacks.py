@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import other_stacks as os_  # noqa: E402
 
-from planner.calibrate.runs import load_runs  # noqa: E402
+from planner.calibrate.runs import estimate_run, load_runs  # noqa: E402
+from planner.inputs.clusters import load_cluster  # noqa: E402
 from planner.specs import GIB  # noqa: E402
 
 RUNS_DIR = ROOT / "profiles" / "runs"
@@ -79,6 +81,17 @@ def test_speedup_by_hand():
     assert predicted == pytest.approx(1.25)
 
 
+def _held_by_the_model(run, stage: int) -> tuple[float, float]:
+    """(weights GiB, grads GiB) the model adds to `stage` for FSDP2 under pipelining: the
+    row priced with fsdp_hold_unsharded minus without."""
+    held = replace(run.training, fsdp_hold_unsharded=True)
+    plain = replace(run.training, fsdp_hold_unsharded=False)
+    cluster = load_cluster("h100")
+    a = dict(estimate_run(replace(run, training=held), cluster).stages[stage].memory_gib)
+    b = dict(estimate_run(replace(run, training=plain), cluster).stages[stage].memory_gib)
+    return a["weights"] - b["weights"], a["grads"] - b["grads"]
+
+
 def test_fsdp2_held_set_counts_deepseek_v3_from_its_config(runs):
     """id 406: pipeline rank 1 holds 8 MoE layers; 8 of 256 experts per layer (EP 32), FSDP2
     shards them over edp = 64 / 32 = 2, so they are part of the unsharded set."""
@@ -87,12 +100,9 @@ def test_fsdp2_held_set_counts_deepseek_v3_from_its_config(runs):
     assert len(layers) == 8 and run.parallel.edp == 2
     dense = _mla_moe_dense_params(heads=128, experts=256)
     experts = 8 * 3 * 7168 * 2048
-    params_gib, grads_gib = os_.fsdp2_held_gib(run, layers, "torchtitan")
+    params_gib, grads_gib = _held_by_the_model(run, 1)
     assert params_gib == pytest.approx(2 * 8 * (dense + experts) / GIB, rel=1e-12)
     assert grads_gib == pytest.approx(4 * 8 * (dense + experts) / GIB, rel=1e-12)
-    # AutoModel's experts (no mixed-precision policy) keep bf16 gradients
-    _, bf16_expert_grads = os_.fsdp2_held_gib(run, layers, "automodel")
-    assert bf16_expert_grads == pytest.approx(8 * (4 * dense + 2 * experts) / GIB, rel=1e-12)
 
 
 def _mla_moe_dense_params(heads: int, experts: int) -> int:
@@ -112,31 +122,8 @@ def test_experts_outside_fsdp_are_not_held(runs):
     layers = run.stage_layers[1]
     assert len(layers) == 8 and run.parallel.edp == 1
     dense = _mla_moe_dense_params(heads=64, experts=384)
-    params_gib, grads_gib = os_.fsdp2_held_gib(run, layers, "automodel")
+    params_gib, grads_gib = _held_by_the_model(run, 1)
     assert params_gib == pytest.approx(2 * 8 * dense / GIB, rel=1e-12)
     assert grads_gib == pytest.approx(4 * 8 * dense / GIB, rel=1e-12)
 
 
-def test_stack_peak_by_hand():
-    memory = {"weights": 2.0, "grads": 4.0, "optimizer": 12.0, "activations": 5.0,
-              "fsdp_gathered": 3.0, "framework": 5.0}  # fmt: skip
-    # 31 - 18 (model state) + 8 / 2 x 2 (stack state) = 21; held 6 replaces the 3 gathered
-    assert os_.stack_peak_gib(memory, 8, 6.0) == pytest.approx(31.0 - 18.0 + 8.0 - 3.0 + 6.0)
-    assert os_.stack_peak_gib(memory, 16, 0.0) == pytest.approx(31.0 - 18.0 + 16.0)
-
-
-def test_fsdp2_once_per_flush_by_hand():
-    def stage(total_s, fsdp_s):
-        return SimpleNamespace(total_s=total_s, time_s=(("experts", total_s - fsdp_s),
-                                                        ("fsdp_leaf", fsdp_s)))  # fmt: skip
-
-    run = SimpleNamespace(parallel=SimpleNamespace(pp=2, vp=1, world=4, num_microbatches=4))
-    # slot 1.1 = slowest stage 1.0 + p2p 0.1; step = (4 + 1) x 1.1 + 0.5 fixed = 6.0 s
-    est = SimpleNamespace(stages=(stage(1.0, 0.3), stage(0.9, 0.0)), slot_s=1.1,
-                          step_time_s=6.0, tokens_per_s=400.0)  # fmt: skip
-    # slot' = max(0.7, 0.9) + 0.1 = 1.0; step' = 6.0 - 5 x 1.1 + (4 + 2 x 1) x 1.0 + 2 x 0.3
-    step_s = 6.0 - 5 * 1.1 + 6 * 1.0 + 2 * 0.3
-    assert os_.fsdp2_pp_tokens_per_gpu(run, est, 2) == pytest.approx(400.0 * 6.0 / step_s / 4)
-    no_fsdp = SimpleNamespace(stages=(stage(1.0, 0.0),), slot_s=1.1, step_time_s=6.0,
-                              tokens_per_s=400.0)  # fmt: skip
-    assert os_.fsdp2_pp_tokens_per_gpu(run, no_fsdp, 1) == pytest.approx(100.0)
