@@ -86,6 +86,10 @@ CASES = {
     "gpt-oss-20b h100 16": ["--model", "gpt-oss-20b", "--cluster", "h100", "--gpus", "16"],
     "llama4-maverick gb200 256": ["--model", "llama4-maverick", "--cluster", "gb200-nvl72",
                                   "--gpus", "256"],
+    # pipelining held fixed: every target's pp x vp export is parsed (the search alone may
+    # choose pp 1 everywhere, as it does for torchtitan's FSDP held through the micro-batches)
+    "qwen3-30b-a3b h100 64 pp4 vp4": ["--model", "qwen3-30b-a3b", "--cluster", "h100",
+                                      "--gpus", "64", "--pp", "4", "--vp", "4"],
 }  # fmt: skip
 # The priced settings compared, in table order.
 SETTINGS = ("tp", "pp", "vp", "cp", "ep", "etp", "dp", "micro_batch", "global_batch",

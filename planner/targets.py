@@ -10,7 +10,8 @@ planner/EXPORT.md ("Targets") gives each row's source, file and line in the engi
 
 Shape of the vocabulary: `Sharding` "none" | "zero" (distributed optimizer) | "fsdp";
 dispatchers "flat" | "halo" | "deepep" (the search's names); recompute "none" | "selective"
-| "full"; etp rule "any" (etp divides the expert FFN) or "one_or_tp" (etp is 1 or tp).
+| "full"; etp rule "any" (etp divides the expert FFN) or "one_or_tp" (etp is tp without expert
+parallelism, 1 with it: `etp_allowed`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,17 @@ def get_target(name: str) -> Target:
     if name not in TARGETS:
         raise SpecError(f"--target {name} is unknown; use {'|'.join(TARGET_NAMES)}")
     return TARGETS[name]  # type: ignore[index]
+
+
+def etp_allowed(rule: str, etp: int, tp: int, ep: int) -> bool:
+    """Whether an engine with etp `rule` runs expert TP `etp` beside attention TP `tp` and EP
+    `ep`. "one_or_tp" (torchtitan 0.3, which has no expert-TP degree of its own): tp without
+    expert parallelism (the experts TP-sharded on the dense axis), 1 with it (sharded on the
+    expert dimension); torchtitan/models/common/moe_sharding.py:29-68, 194-219
+    (planner/EXPORT.md, "Targets")."""
+    if rule != "one_or_tp":
+        return True
+    return etp == (tp if ep == 1 else 1)
 
 
 def with_conventions(training: TrainingSpec, target: Target) -> TrainingSpec:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from planner.plan.schema import Plan
 from planner.specs import SpecError
-from planner.targets import Target, get_target
+from planner.targets import Target, etp_allowed, get_target
 
 
 def check_priced(plan: Plan, engine: str, where: str = "plan.json") -> Target:
@@ -47,8 +47,9 @@ def _differences(plan: Plan, t: Target) -> Iterator[str]:
         yield f"it interleaves vp={par.vp} chunks per pipeline rank"
     if par.cp > 1 and not t.cp:
         yield f"it uses context parallelism cp={par.cp}"
-    if t.etp_rule == "one_or_tp" and par.etp not in (1, par.tp):
-        yield f"it splits experts over etp={par.etp}, neither 1 nor tp={par.tp}"
+    if not etp_allowed(t.etp_rule, par.etp, par.tp, par.ep):
+        yield (f"it splits experts over etp={par.etp} with tp={par.tp} and ep={par.ep} (the "
+               "engine runs etp = tp without expert parallelism, 1 with it)")  # fmt: skip
     if not t.expert_placement:
         yield from _placement(plan)
 

@@ -30,6 +30,7 @@ from planner.parallel import ParallelConfig, divisors
 from planner.search import space as sp
 from planner.search.space import Candidate, Knobs, SearchSpace
 from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
+from planner.targets import etp_allowed
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _expert_meshes(model: ModelSpec, tp: int, cp: int, dp: int, space: SearchSpa
                 continue
             if fixed_ep is not None and ep != fixed_ep:
                 continue
-            if space.etp_rule == "one_or_tp" and etp not in (1, tp):
+            if not etp_allowed(space.etp_rule, etp, tp, ep):
                 continue
             if sp.etp_ok(etp, ep, model, searched=fixed_etp is None):
                 out.append((etp, ep))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from planner.parallel import ParallelConfig
 from planner.search.space import RECOMPUTE_CHOICES
 from planner.specs import SpecError, TrainingSpec
-from planner.targets import Target, check_training, refuse
+from planner.targets import Target, check_training, etp_allowed, refuse
 
 
 @dataclass(frozen=True)
@@ -116,10 +116,11 @@ def check_layout_for(
     )  # fmt: skip
     if sharding not in target.sharding:
         refuse(target, "--zero/--fsdp", sharding, "sharding")
-    if target.etp_rule == "one_or_tp" and par.etp not in (1, par.tp):
+    if not etp_allowed(target.etp_rule, par.etp, par.tp, par.ep):
         raise SpecError(
-            f"--etp {par.etp}: {target.engine} {target.version} runs expert TP of 1 or the "
-            f"attention TP ({par.tp}); change --etp or re-plan with --target megatron"
+            f"--etp {par.etp}: {target.engine} {target.version} runs expert TP equal to the "
+            f"attention TP ({par.tp}) without expert parallelism and 1 with it (ep={par.ep}); "
+            f"change --etp or re-plan with --target megatron"
         )
     if target.recompute_modules is not None and par.recompute == "selective" and not modules:
         raise SpecError(

@@ -131,3 +131,24 @@ def test_torchtitan_plans_only_the_models_it_builds(capsys):
     assert "cannot compose it" in err
     assert main([*args[:2], "qwen3-30b-a3b", *args[3:]]) == 0
     assert main([*args[:2], "mixtral-8x7b", *args[3:]]) == 0
+
+
+def test_torchtitan_expert_tp_follows_its_sharding_rule():
+    """torchtitan 0.3 has no expert-TP degree: its experts are TP-sharded on the dense axis
+    without expert parallelism (etp = tp) and sharded on the expert dimension with it
+    (etp = 1); Megatron takes any etp."""
+    from planner.search.enumerate import _expert_meshes
+    from planner.search.space import SearchSpace
+    from planner.targets import etp_allowed
+
+    table = {(1, 2, 1): False, (2, 2, 1): True, (1, 2, 4): True, (2, 2, 4): False,
+             (1, 1, 1): True, (1, 1, 8): True}  # (etp, tp, ep) -> runs  # fmt: skip
+    for (etp, tp, ep), runs in table.items():
+        assert etp_allowed("one_or_tp", etp, tp, ep) is runs, (etp, tp, ep)
+        assert etp_allowed("any", etp, tp, ep)
+    model = load_model("qwen3-30b-a3b")
+    titan = _expert_meshes(model, 2, 1, 16, SearchSpace(gpus=32, etp_rule="one_or_tp"))
+    assert titan and all(etp_allowed("one_or_tp", etp, 2, ep) for etp, ep in titan)
+    assert (1, 1) not in titan and (2, 2) not in titan  # the two torchtitan does not run
+    megatron = _expert_meshes(model, 2, 1, 16, SearchSpace(gpus=32))
+    assert {(1, 1), (2, 2)} <= set(megatron)
