@@ -151,4 +151,4 @@ def test_torchtitan_expert_tp_follows_its_sharding_rule():
     assert titan and all(etp_allowed("one_or_tp", etp, 2, ep) for etp, ep in titan)
     assert (1, 1) not in titan and (2, 2) not in titan  # the two torchtitan does not run
     megatron = _expert_meshes(model, 2, 1, 16, SearchSpace(gpus=32))
-    assert {(1, 1), (2, 2)} <= set(megatron)
+    assert (1, 1) in megatron  # Megatron runs etp 1 without expert parallelism
