@@ -48,13 +48,6 @@ RUNS = ROOT / "profiles" / "runs" / "other_stacks.csv"
 PRESET = "h100"
 TOLERANCES = (0.15, 0.20)
 FSDP2_STACKS = ("automodel", "torchtitan")
-# State bytes per parameter each stack keeps, sharded by FSDP2: AutoModel builds its MoE models
-# in bf16 (components/models/deepseek_v3/model.py:282-299 @89e3a9f: initialize_weights ends in
-# self.to(bfloat16)), so weights, gradients and torch.optim.Adam's moments are bf16 (2+2+4);
-# torchtitan keeps fp32 weights (bf16 only as FSDP2's gathered param_dtype), fp32 gradients
-# and fp32 moments (4+4+8).
-STACK_STATE_BYTES = {"automodel": 8, "torchtitan": 16}
-STATE = ("weights", "grads", "optimizer")
 
 
 @dataclass(frozen=True)
