@@ -12,7 +12,10 @@ Side by side, per run, predicted / measured TFLOPS per GCD with
 
 Rows: profiles/runs/frontier_paper.csv (the paper's Piper table, ids 201-207: fitted on) and
 profiles/runs/frontier_checks.csv (X-MoE's runs, ids 301-304, layouts from its authors'
-scripts, TFLOPS converted to Megatron-Core's count: never fitted on). Then the planner in the
+scripts, TFLOPS converted to Megatron-Core's count: never fitted on), priced on the preset and
+on the X-MoE stack: the preset with the host time per layer and micro-batch (layer_overhead_us)
+solved on X-MoE's one-node run (profiles/runs/frontier_xmoe_node.csv, id 300: the per-GCD work
+of id 301 without the network). Then the planner in the
 paper's space (tp 1, pp x ep = GCDs, no optimizer sharding, HALO) on both presets; the
 issue's finding as it was measured (benchmarks/paper_check.py's tp = 1 search, global batch
 1024) for the weak-scaling family; and the all-to-all bandwidth per node the presets give
@@ -47,6 +50,12 @@ from planner.targets import TARGETS
 DATASHEET_COMMIT = "a60abf8"  # frontier.yaml before issue 25's fit
 PAPER_RUNS = ROOT / "profiles/runs/frontier_paper.csv"
 CHECK_RUNS = ROOT / "profiles/runs/frontier_checks.csv"
+NODE_RUNS = ROOT / "profiles/runs/frontier_xmoe_node.csv"
+# The one constant of the X-MoE stack, solved on its one-node run; the alternatives show which
+# check rows move with which constant (bounds of the bisection).
+STACK_TERM = ("layer_overhead_us", 0.0, 1e5)
+NODE_RANGE = (50.0, 55.0)  # X-MoE README.md:147, "~50-55 TFLOPs" on one node
+STACK_ALTERNATIVES = (("gemm_efficiency", 0.05, 1.0), ("attention_efficiency", 0.02, 1.0))
 PARAMS = ("gemm_efficiency", "network_jitter_us")
 JITTER_START_US = 2000.0  # the fit's start (frontier.yaml's comment)
 TARGET = 0.35  # "within +-35% each"
@@ -64,6 +73,17 @@ Reading the tables:
   (no pipeline, ZeRO-1/2 without overlapped reduction, fp16), TFLOPS converted from X-MoE's
   count to Megatron-Core's (factor printed). X-MoE's stack (DeepSpeed 0.15.5, ROCm 5.7.1,
   PyTorch 2.2, RCCL) is not the paper's: the preset's efficiencies are the Piper paper's.
+- The 'X-MoE stack' column: X-MoE's MoE layer waits for the host four times per layer's
+  forward (the split sizes read back with .tolist() in deepspeed/moe/moe_v2.py:275-276 and
+  :313 and in deepspeed/moe/experts.py's split per local expert, .cpu().item() in
+  deepspeed/moe/v2opt/kernels.py:125, X-MoE @b0283d5) and runs the local experts one by one
+  in a Python loop, so the GPU idles while the host catches up: the resource model's host
+  time per layer and micro-batch (layer_overhead_us, 0 in the preset). It is solved on the
+  one node run (id 300: X-MoE's README expects ~50-55 TFLOPS/GCD; 52.5 taken), which has the
+  per-GCD work of id 301 and no network; ids 301-304 are checked with it, never fitted on.
+  The alternatives line puts the same one-node gap into the GEMM or attention efficiency
+  instead (a GEMM efficiency of ~0.39 disagrees with the ~60% of peak X-MoE's authors measured
+  for rocBLAS GEMMs on MI250X).
 - 'Planner in the paper's space' is Piper's own choice on each preset; for the weak family it
   picks pp 16 with node-local EP, a layout the weak-scaling runs did not use.
 - 'The finding as measured' is issue 25's configuration (benchmarks/paper_check.py's tp = 1
@@ -106,6 +126,31 @@ def in_megatron_count(run: Run) -> tuple[Run, float]:
 
 def predict(run: Run, cluster: ClusterSpec) -> float:
     return predicted_value(run, estimate_run(run, cluster))
+
+
+def solve_constant(run: Run, cluster: ClusterSpec, name: str, lo: float, hi: float) -> float:
+    """The value of the cluster's constant `name` in [lo, hi] at which the run is predicted as
+    measured (bisection; the prediction is monotone in each named efficiency). One run, one
+    constant: nothing is left to fit, so no error is printed for it."""
+    at = lambda x: predict(run, replace(cluster, **{name: x}))  # noqa: E731
+    rising = at(hi) > at(lo)
+    if (run.measured - at(lo)) * (run.measured - at(hi)) > 0:
+        raise ValueError(f"{run.label}: no {name} in [{lo:g}, {hi:g}] predicts it as measured")
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if (at(mid) < run.measured) == rising:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def xmoe_stack(preset: ClusterSpec) -> tuple[Run, ClusterSpec]:
+    """X-MoE's one-node run (in Megatron-Core's count) and the preset with STACK_TERM solved
+    on it."""
+    (node,) = [in_megatron_count(r)[0] for r in load_runs(NODE_RUNS)]
+    name, lo, hi = STACK_TERM
+    return node, replace(preset, **{name: solve_constant(node, preset, name, lo, hi)})
 
 
 def runs_table(title: str, runs: list[Run], columns: dict[str, list[float]]) -> list[float]:
@@ -206,15 +251,36 @@ def report() -> None:
     runs_table("Paper's table (fitted on)", paper, cols)
     for name, values in cols.items():
         summary(name, paper, values)
+    node, stack = xmoe_stack(preset)
+    name = STACK_TERM[0]
     check_cols = {
         "datasheet": [predict(r, sheet) for r in checks],
         "preset": [predict(r, preset) for r in checks],
+        "X-MoE stack": [predict(r, stack) for r in checks],
     }
     print("\nX-MoE's TFLOPS in Megatron-Core's count (measured x factor): " + ", ".join(
         f"{run.label} {factor:.3f}" for run, factor in converted))  # fmt: skip
+    print(f"\nX-MoE's stack, solved on its one-node run ({node.label}, {node.parallel.world} "
+          f"GCDs, {node.measured:.2f} TFLOPS/GCD in Megatron-Core's count): the preset predicts "
+          f"{predict(node, preset):.1f}; {name} {getattr(preset, name):g} -> "
+          f"{getattr(stack, name):.0f}")  # fmt: skip
     runs_table("X-MoE on Frontier (check only, never fitted on)", checks, check_cols)
-    for name, values in check_cols.items():
-        summary(name, checks, values)
+    for col, values in check_cols.items():
+        summary(col, checks, values)
+    print(f"  at the ends of the README's range (TFLOPS/GCD in X-MoE's count; {name}, then "
+          "predicted / measured):")  # fmt: skip
+    for end in NODE_RANGE:
+        scale = end / float(node.field("measured_tflops_per_gpu"))
+        at = replace(node, measured=node.measured * scale)
+        value = solve_constant(at, preset, name, STACK_TERM[1], STACK_TERM[2])
+        other = replace(preset, **{name: value})
+        ratios = " ".join(f"{r.label} {predict(r, other) / r.measured:.2f}" for r in checks)
+        print(f"    {end:4.1f}: {value:6.0f} us: {ratios}")
+    print("  the one-node gap put in another constant instead (predicted / measured):")
+    for alt, lo, hi in STACK_ALTERNATIVES:
+        other = replace(preset, **{alt: solve_constant(node, preset, alt, lo, hi)})
+        ratios = " ".join(f"{r.label} {predict(r, other) / r.measured:.2f}" for r in checks)
+        print(f"    {alt:22} {getattr(preset, alt):.4g} -> {getattr(other, alt):.4g}: {ratios}")
 
     print("\nPlanner in the paper's space (tp 1, pp x ep = GCDs, no sharding, HALO), best plan")
     print(
@@ -236,8 +302,9 @@ def report() -> None:
         print(f"  {model:10} {gcds:5d} GCDs  measured {measured:5.1f}  datasheet "
               f"{ratio_cell(a, measured)}  preset {ratio_cell(b, measured)}")  # fmt: skip
 
-    print("\nSources (profiles/runs/frontier_paper.csv and frontier_checks.csv, per row):")
-    for run in (*paper, *checks):
+    print("\nSources (profiles/runs/frontier_paper.csv, frontier_xmoe_node.csv and "
+          "frontier_checks.csv, per row):")  # fmt: skip
+    for run in (*paper, node, *checks):
         print(f"  {run.label}: {run.field('source')}; {run.field('note')}")
     print(NOTES)
 

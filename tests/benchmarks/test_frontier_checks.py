@@ -50,3 +50,38 @@ def test_xmoe_tflops_converted_to_megatron_count(label):
     assert 0.85 < factor < 1.0  # only the attention scores differ, and they count less here
     plain, one = fr.in_megatron_count(load_runs(fr.PAPER_RUNS)[0])
     assert one == 1.0 and plain.measured == load_runs(fr.PAPER_RUNS)[0].measured
+
+
+def test_node_run_has_id_301s_work_per_gcd_on_one_node():
+    (node,) = load_runs(fr.NODE_RUNS)
+    small = next(r for r in load_runs(fr.CHECK_RUNS) if r.label == "id 301")
+    assert node.label == "id 300" and node.parallel.world == 8 and node.parallel.ep == 8
+    same = ("micro_batch", "num_microbatches", "tp", "pp", "ep", "etp")
+    assert all(getattr(node.parallel, k) == getattr(small.parallel, k) for k in same)
+    assert node.training.seq_len == small.training.seq_len and not node.training.grad_overlap
+    assert fr.XMOE_COUNT in node.field("note")
+    assert node.label not in {r.label for r in load_runs(fr.CHECK_RUNS)}  # checks stay unfitted
+
+
+def test_stack_term_reproduces_the_node_run_as_host_time_per_layer_and_micro_batch():
+    preset = fr.load_cluster("frontier")
+    node, stack = fr.xmoe_stack(preset)
+    assert preset.layer_overhead_us == 0.0 < stack.layer_overhead_us
+    assert fr.predict(node, stack) == pytest.approx(node.measured, rel=1e-6)
+    assert stack == fr.replace(preset, layer_overhead_us=stack.layer_overhead_us)
+    # with no pipeline and no overlap, the host term adds layers x micro-batches x host time
+    before, after = fr.estimate_run(node, preset), fr.estimate_run(node, stack)
+    added = node.model.num_layers * node.parallel.num_microbatches * stack.layer_overhead_us
+    assert after.step_time_s - before.step_time_s == pytest.approx(added * 1e-6, rel=1e-9)
+
+
+def test_solve_constant_refuses_a_measurement_out_of_reach():
+    preset = fr.load_cluster("frontier")
+    node, _ = fr.xmoe_stack(preset)
+    fast = fr.replace(node, measured=10 * fr.predict(node, preset))
+    with pytest.raises(ValueError, match="no layer_overhead_us"):
+        fr.solve_constant(fast, preset, "layer_overhead_us", 0.0, 1e5)
+    slow = fr.solve_constant(node, preset, "gemm_efficiency", 0.05, 1.0)
+    assert fr.predict(node, fr.replace(preset, gemm_efficiency=slow)) == pytest.approx(
+        node.measured, rel=1e-6
+    )
