@@ -99,3 +99,10 @@ def test_same_stack_groups_and_release_spread_by_hand():
     assert [(k, [p.label for p in m], s) for k, m, s in spread] == [
         (("x", "H100", 16), ["1", "3"], pytest.approx(2.0))
     ]
+
+
+def test_target_share_counts_rows_within_twenty_percent():
+    ratios = (1.0, 1.18, 0.83, 0.79, 1.5)  # within 15%: 1 row; within 20%: 3 rows
+    s = hr.stats([_point(str(i), "H100", "BF16", 100 * r, 100) for i, r in enumerate(ratios)])
+    assert (s.within, s.within_target) == (pytest.approx(0.2), pytest.approx(0.6))
+    assert hr.TARGET_WITHIN == 0.20 and s.within_target >= hr.TARGET_SHARE
