@@ -17,12 +17,17 @@ and compares with the resource model's per-stage "weights", "grads" and "optimiz
 planner.search.assemble.slot_budget prices them (one routed expert's state per MoE layer
 of the stage per extra slot of the fullest rank).
 
-Conventions: both sides hold 16 B per parameter, split differently. The runtime keeps fp32
-weights (4), fp32 gradients (4) and fp32 Adam moments (8); the model's 16 are bf16 weights
-(2), bf16 gradients (2) and fp32 master + moments (12). So per parameter the component
-ratios runtime / model are 2, 2 and 2/3 by convention and the total's is 1; `per conv.`
-is the ratio divided by that factor: 1.000 when both hold the same parameters; `net` is
-the same after taking the known excess below (`known excess B`) off the runtime's bytes.
+Conventions: the runtime's parameters are fp32 (4 B: in a bf16 run they are the master
+weights), its gradients fp32 (4) and its Adam moments fp32 (8): 16 B per parameter. The
+piper target prices a bf16 plan at 18: bf16 weights (2), fp32 gradients (4), fp32 master +
+moments (12). The model's bf16 weights are the copies a bf16 step computes with, which the
+runtime casts once per step and holds until the step ends (runtime/RUNTIME.md "Precision";
+the embedding table, norms and routers stay uncast, so the model's 2 B on those are on the
+safe side); they are not parameter state, so this count does not see them. Per parameter
+the component ratios runtime / model are 2, 1 and 2/3 by convention and the total's 16/18;
+`per conv.` is the ratio divided by that factor: 1.000 when both hold the same parameters;
+`net` is the same after taking the known excess below (`known excess B`) off the runtime's
+bytes.
 
 Known differences: none in the plans below. With tp > 1 both sides split the same parameters:
 the embedding and the output head by vocabulary rows (ceil(V / tp) each), attention and the
@@ -70,15 +75,16 @@ import runtime.parallel.fsdp as runtime_fsdp  # noqa: E402
 from planner.calibrate.compare import estimate_plan, plan_inputs  # noqa: E402
 from planner.plan import Plan, load_plan  # noqa: E402
 from planner.resources.memory import (  # noqa: E402
-    WEIGHT_BYTES_PER_PARAM,
     StateBytes,
     grad_bytes_per_param,
     optimizer_bytes_per_param,
     state_bytes,
+    weight_bytes_per_param,
 )
 from planner.resources.params import attention_params, layer_params  # noqa: E402
 from planner.run.spec import RunSpec, run_spec_from_plan  # noqa: E402
-from planner.specs import GIB, ModelSpec  # noqa: E402
+from planner.specs import GIB, ModelSpec, TrainingSpec  # noqa: E402
+from planner.targets import TARGETS, with_conventions  # noqa: E402
 from runtime.launch import build_trainer  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -221,14 +227,19 @@ def model_state(plan: Plan) -> list[dict[str, float]]:
     return out
 
 
-def conventions(plan: Plan) -> dict[str, float]:
-    """Runtime / model bytes per parameter, by component (module docstring)."""
-    _, _, training, _ = plan_inputs(plan)
-    model = {
-        "weights": WEIGHT_BYTES_PER_PARAM,
+def model_bytes_per_param(training: TrainingSpec) -> dict[str, int]:
+    """The resource model's bytes per parameter of `training`, by component."""
+    return {
+        "weights": weight_bytes_per_param(training),
         "grads": grad_bytes_per_param(training),
         "optimizer": optimizer_bytes_per_param(training),
     }
+
+
+def conventions(plan: Plan) -> dict[str, float]:
+    """Runtime / model bytes per parameter, by component (module docstring)."""
+    _, _, training, _ = plan_inputs(plan)
+    model = model_bytes_per_param(training)
     out = {c: RUNTIME_BYTES_PER_PARAM[c] / model[c] for c in COMPONENTS}
     out["total"] = sum(RUNTIME_BYTES_PER_PARAM.values()) / sum(model.values())
     return out
@@ -356,7 +367,17 @@ def print_summary(summary: list) -> None:
 
 
 def conventions_line() -> str:
-    return "weights 4/2, grads 4/2, optimizer 8/12 (Adam m+v vs master+m+v), total 16/16"
+    """The runtime / model bytes per parameter of a bf16 plan for the piper target."""
+    model = model_bytes_per_param(
+        with_conventions(TrainingSpec(seq_len=4096, global_batch=1024), TARGETS["piper"])
+    )
+    run = RUNTIME_BYTES_PER_PARAM
+    return (
+        f"weights {run['weights']}/{model['weights']}, grads {run['grads']}/{model['grads']}, "
+        f"optimizer {run['optimizer']}/{model['optimizer']} (Adam m+v vs master+m+v), total "
+        f"{sum(run.values())}/{sum(model.values())} (the model's bf16 weights: the copies a "
+        "bf16 step computes with)"
+    )
 
 
 def main() -> int:

@@ -6,10 +6,9 @@ parallel; interleaved 1F1B, expert TP, FSDP), plans with `piper plan` (every siz
 fixed; --dtype fp32 and --dtype bf16), trains 2 steps of each plan with `piper run` (flat
 all-to-all; it computes in the plan's dtype) and prints, per kind, the bytes all ranks sent
 in the last step (metrics.jsonl) beside the bytes the planner's model moves for that step
-(planner.resources.cost.predicted_traffic of the plan with fp32 gradients, Megatron's 18-byte
-accounting: the runtime reduces fp32 gradients in either dtype, as Megatron-Core does for
-bf16; the piper target's own 16-byte accounting prices them in bf16, half the bytes sent),
-their ratio, and the bf16 run's bytes over the fp32 run's.
+(planner.resources.cost.predicted_traffic of the plan as priced: the piper target's 18-byte
+accounting has fp32 gradients, and the runtime reduces fp32 gradients in either dtype, as
+Megatron-Core does for bf16), their ratio, and the bf16 run's bytes over the fp32 run's.
 
 bf16 / fp32: 0.5 for the activations (p2p, tp, etp, dispatch up to the routing and its
 int64 counts, which stay 8 B), 1.0 for the gradient reductions (grad_*), 0.5 for FSDP's
@@ -19,10 +18,10 @@ passes per stage end, forward and backward) and all-reduces three fp32 numbers p
 the vocab-parallel cross entropy; `dispatch` and `etp` - the model's rows are the mean
 routing, the run's its actual routing (expert TP also pads each all-gather to the largest
 member's rows and gathers the per-slot row counts); with FSDP, `param_gather` - the model
-gathers 2-byte weights whatever the plan's dtype (so the fp32 run sends twice that), twice
-per micro-batch, the run FSDP2's root unit (embedding, final norm, head) only once (kept
-from forward to backward), and `grad_*` - FSDP pads each parameter's dim 0 to a multiple of
-the group size. Bytes are deterministic, so the ratios do not depend on the machine.
+gathers the weights in the plan's dtype twice per micro-batch, the run FSDP2's root unit
+(embedding, final norm, head) only once (kept from forward to backward), and `grad_*` - FSDP
+pads each parameter's dim 0 to a multiple of the group size. Bytes are deterministic, so the
+ratios do not depend on the machine.
 
 Usage: python benchmarks/runtime_bytes.py [--precision fp32|bf16|both] [--out DIR]
 [--results FILE]. Runs go to DIR (default a temporary directory); what it prints goes to
@@ -36,7 +35,6 @@ import json
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,11 +72,10 @@ def measured(run_dir: Path) -> dict[str, int]:
 
 
 def predicted(plan_path: Path) -> dict[str, float]:
-    """The planner's bytes for one step of the plan: its dtype's activations, fp32 gradients
-    (the runtime's; the piper target's accounting prices bf16 ones)."""
+    """The planner's bytes for one step of the plan as priced: its dtype's activations and
+    weights, fp32 gradients."""
     plan = load_plan(plan_path)
     model, cluster, training, parallel = plan_inputs(plan)
-    training = replace(training, bytes_per_param=18)  # 4-byte gradients
     return predicted_traffic(model, cluster, training, parallel, [s.layers for s in plan.stages])
 
 
@@ -124,7 +121,7 @@ def compare(root: Path, dtypes: tuple[str, ...]) -> None:
     """Plan and run every layout in each dtype under `root`; print predicted and measured
     bytes by kind per dtype, and (both dtypes) the measured bf16 / fp32 ratio."""
     print(f"tiny-moe on cpu-gloo, micro-batch 2 x seq 128, 2 steps; runs in {root}")
-    print("pred: the planner's model with fp32 gradients (the piper target prices bf16 ones)")
+    print("pred: the planner's model of the plan as priced (the piper target: fp32 gradients)")
     header = f"{'layout':<21} {'kind':<12}"
     for d in dtypes:
         header += f" {'pred ' + d:>11} {'meas ' + d:>11} {'m/p':>6}"

@@ -81,7 +81,9 @@ class Target:
 TARGETS: dict[TargetName, Target] = {
     "piper": Target(
         name="piper", engine="Piper's runtime (piper run)", version="(this checkout)",
-        bytes_per_param=16, gate_in_activation=False, per_layer_recompute=True,
+        # bf16: fp32 parameters (the master), fp32 gradients, fp32 Adam moments and the bf16
+        # copies a step computes with (runtime/RUNTIME.md "Precision"): Megatron's 18 B
+        bytes_per_param=18, gate_in_activation=False, per_layer_recompute=True,
         recompute=("none", "selective", "full"), recompute_modules=("core_attn",),
         sharding=("none", "fsdp"), a2a_overlap=False, dispatchers=("flat", "halo"),
         cuda_graphs=("none",), dtypes=("bf16", "fp32"), optimizer_dtypes=("fp32",),

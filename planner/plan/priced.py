@@ -33,7 +33,8 @@ def check_priced(plan: Plan, engine: str, where: str = "plan.json") -> Target:
 def _differences(plan: Plan, t: Target) -> Iterator[str]:
     """Each priced setting that `t` runs differently, as a phrase."""
     tr, par = plan.training, plan.parallel
-    if tr.get("bytes_per_param", 16) != t.bytes_per_param:
+    # fp32 training keeps 4 + 4 + 8 B whatever the accounting (resources.memory)
+    if tr.get("bytes_per_param", 16) != t.bytes_per_param and tr.get("dtype") != "fp32":
         yield (
             f"it is priced with {tr.get('bytes_per_param', 16)} B of training state per "
             f"parameter where the engine keeps {t.bytes_per_param}"

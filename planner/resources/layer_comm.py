@@ -14,9 +14,9 @@ from planner.resources import comm, overlap, traffic
 from planner.resources.compute import Work
 from planner.resources.deepep import deepep_all_to_all_s
 from planner.resources.memory import (
-    WEIGHT_BYTES_PER_PARAM,
     fsdp_holds_unsharded,
     layer_param_split,
+    weight_bytes_per_param,
 )
 from planner.specs import ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
 
@@ -183,8 +183,9 @@ def fsdp_gather_s(
     )
     gather = reduce = 0.0
     level, worst = "", -1.0
+    weight_b = weight_bytes_per_param(training)
     for size, stride, n in groups:
-        g, lv = comm.ring_allreduce_s(cluster, size, stride, WEIGHT_BYTES_PER_PARAM * n, 1)
+        g, lv = comm.ring_allreduce_s(cluster, size, stride, weight_b * n, 1)
         r, _ = comm.ring_allreduce_s(cluster, size, stride, FSDP_GRAD_COMM_BYTES * n, 1)
         gather, reduce = gather + g, reduce + r
         if lv and g > worst:

@@ -33,6 +33,7 @@ MASTER_BYTES_PER_PARAM = 4  # fp32 master weights
 # store_param_remainders = True, passed to FusedAdam in `optimizer/__init__.py`.
 MASTER_REMAINDER_BYTES_PER_PARAM = 2
 WEIGHT_BYTES_PER_PARAM = 2  # bf16 / fp16 weights
+FP32_BYTES = 4  # fp32 training's weights and gradients
 GRAD_BYTES_PER_PARAM = {"fp32": 4, "bf16": 2}  # the gradient buffer (TrainingSpec.grad_dtype)
 # Adam m + v: fp32 (4 + 4) or bf16 (2 + 2, Megatron's --exp-avg-dtype/--exp-avg-sq-dtype bf16
 # with --use-precision-aware-optimizer)
@@ -86,13 +87,20 @@ def rank_tokens(training: TrainingSpec, parallel: ParallelConfig) -> float:
     return parallel.micro_batch * training.seq_len / (parallel.tp * parallel.cp)
 
 
+def weight_bytes_per_param(training: TrainingSpec) -> int:
+    """The weights the GEMMs read, per parameter: 2 B (bf16 / fp16; the bf16 copies FP8
+    recipes keep), 4 B when the training runs in fp32."""
+    return FP32_BYTES if training.dtype == "fp32" else WEIGHT_BYTES_PER_PARAM
+
+
 def master_bytes_per_param(training: TrainingSpec) -> int:
     """Master weights on the device: fp32 (4 B), or the 2 B remainders of bf16 parameters
     under the precision-aware optimizer. Under an FP8 or MXFP8 recipe Megatron-Core keeps fp32
     main params itself (`optimizer_config.py`: use_precision_aware_optimizer_no_fp8_or_ds_fp8
     is false for current-scaling, blockwise and MX recipes), so remainders need bf16. None
-    without master weights (pure bf16 training)."""
-    if not training.master_weights:
+    without master weights (pure bf16 training) and in fp32 training, whose fp32 weights are
+    the ones Adam updates."""
+    if not training.master_weights or training.dtype == "fp32":
         return 0
     if training.precision_aware_optimizer and training.dtype == "bf16":
         return MASTER_REMAINDER_BYTES_PER_PARAM
@@ -117,10 +125,13 @@ def device_optimizer_bytes(params: float, training: TrainingSpec) -> float:
 
 
 def grad_bytes_per_param(training: TrainingSpec) -> int:
-    """The gradient buffer: training.grad_dtype's bytes when set, else the accounting's: 2 (the
-    paper's 16 B/param: bf16 gradients) or 4 (Megatron's 18: fp32 main grads)."""
+    """The gradient buffer: training.grad_dtype's bytes when set, fp32 in fp32 training, else
+    the accounting's: 2 (the paper's 16 B/param: bf16 gradients) or 4 (Megatron's 18: fp32
+    main grads)."""
     if training.grad_dtype is not None:
         return GRAD_BYTES_PER_PARAM[training.grad_dtype]
+    if training.dtype == "fp32":
+        return FP32_BYTES
     return training.bytes_per_param - WEIGHT_BYTES_PER_PARAM - 12
 
 
@@ -135,7 +146,8 @@ def state_bytes(
 
     Weights 2 B, gradients bytes_per_param - 14 B (2 bf16 in the paper's 16, 4 fp32 in
     Megatron's 18; grad_dtype overrides), optimizer 12 B (fp32 master + m + v; 8 B with bf16
-    moments; device_optimizer_bytes for master remainders and host offload). The dense
+    moments; device_optimizer_bytes for master remainders and host offload). fp32 training:
+    weights 4, gradients 4, optimizer 8 (no master). The dense
     parameters' data-parallel group is dp x cp (Megatron-Core reduces and shards them over
     its dp-cp group, `distributed_data_parallel.py`), the experts' is edp. The distributed
     optimizer (`zero`) shards the optimizer bytes over it: 6 + 12/d B per parameter with
@@ -153,7 +165,7 @@ def state_bytes(
     unsharded = params_dense + (params_expert if parallel.edp > 1 else 0.0)
     held = unsharded if fsdp_holds_unsharded(training, parallel) else 0.0
     return StateBytes(
-        weights=WEIGHT_BYTES_PER_PARAM * (kept + held),
+        weights=weight_bytes_per_param(training) * (kept + held),
         grads=grad_bytes_per_param(training) * kept + FSDP_HELD_GRAD_BYTES * held,
         optimizer=device_optimizer_bytes(
             sharded if training.zero or training.fsdp else params, training
@@ -177,7 +189,7 @@ def fsdp_gathered_bytes(params_unit: float, training: TrainingSpec) -> float:
     gradient memory"). `params_unit`: the unit's parameters on this rank before sharding."""
     if not training.fsdp:
         return 0.0
-    per_param = WEIGHT_BYTES_PER_PARAM + grad_bytes_per_param(training)
+    per_param = weight_bytes_per_param(training) + grad_bytes_per_param(training)
     return FSDP_GATHERED_UNITS * per_param * params_unit
 
 

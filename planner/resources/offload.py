@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.parallel import ParallelConfig
-from planner.resources.memory import WEIGHT_BYTES_PER_PARAM, grad_bytes_per_param
+from planner.resources.memory import grad_bytes_per_param, weight_bytes_per_param
 from planner.specs import ClusterSpec, TrainingSpec
 
 ADAM_HOST_BYTES = 4 * 4 + 3 * 4  # read p, g, m, v; write p, m, v (fp32)
@@ -82,7 +82,7 @@ def host_optimizer_s(
     per_param_s = max(
         grad_bytes_per_param(training) / (link.link_gbps * 1e9),
         ADAM_HOST_BYTES / (link.dram_gbps * 1e9),
-        WEIGHT_BYTES_PER_PARAM / (link.link_gbps * 1e9),
+        weight_bytes_per_param(training) / (link.link_gbps * 1e9),
     )
     worst = 0.0
     for dense, expert in held_per_stage:

@@ -21,7 +21,7 @@ from planner.resources import comm, interleave, offload, overlap, traffic
 from planner.resources.compute import TRAIN_FACTOR
 from planner.resources.layer_comm import fsdp_gather_s
 from planner.resources.layer_cost import ExtrasCost, LayerCost
-from planner.resources.memory import WEIGHT_BYTES_PER_PARAM, StateBytes, grad_bytes_per_param
+from planner.resources.memory import StateBytes, grad_bytes_per_param, weight_bytes_per_param
 from planner.specs import GIB, ClusterSpec, ModelSpec, TrainingSpec
 
 
@@ -139,7 +139,7 @@ def _grad_sync_s(
     apart), expert gradients over edp (ranks etp x ep apart), `passes` ring passes (2: an
     all-reduce; 1: the distributed optimizer's reduce-scatter, or its all-gather of updated
     weights). `bytes_per_param`: the gradient buffer's by default; the all-gather moves the
-    bf16 weights (WEIGHT_BYTES_PER_PARAM). FSDP reduce-scatters every micro-batch instead (in
+    bf16 weights (weight_bytes_per_param). FSDP reduce-scatters every micro-batch instead (in
     the layers' fsdp time)."""
     if training.fsdp:
         return []
@@ -309,7 +309,14 @@ def _gather_exposed_s(
     for st in stages:
         extras = stage_extras(st.stage, pp, ends)
         sync = _grad_sync_s(
-            st.layers, costs, extras, cluster, training, parallel, 1.0, WEIGHT_BYTES_PER_PARAM
+            st.layers,
+            costs,
+            extras,
+            cluster,
+            training,
+            parallel,
+            1.0,
+            weight_bytes_per_param(training),
         )
         total = sum(s for _, s in sync)
         params = sum(held_params(st.layers, costs, extras))

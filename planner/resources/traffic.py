@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 from planner.parallel import ParallelConfig
 from planner.resources.memory import (
-    WEIGHT_BYTES_PER_PARAM,
     act_bytes_per_element,
     grad_bytes_per_param,
     rank_tokens,
+    weight_bytes_per_param,
 )
 from planner.specs import LayerSpec, ModelSpec, TrainingSpec
 
@@ -144,7 +144,7 @@ def step_traffic(
             if training.fsdp:
                 out[kind] += block * m * _ring(size, g * held, passes=1)
                 out["param_gather"] += (
-                    block * m * 2 * _ring(size, WEIGHT_BYTES_PER_PARAM * held, passes=1)
+                    block * m * 2 * _ring(size, weight_bytes_per_param(training) * held, passes=1)
                 )
             else:
                 out[kind] += block * _ring(size, g * held)

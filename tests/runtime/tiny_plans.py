@@ -20,6 +20,7 @@ from planner.plan.schema import (
 )
 from planner.run.spec import RunSpec, run_spec_from_plan
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec
+from planner.targets import TARGETS
 
 
 def tiny_model(layers: int = 4, experts: int = 8, top_k: int = 2, d: int = 32) -> ModelSpec:
@@ -49,7 +50,7 @@ def hand_plan(
 ) -> Plan:
     """A plan written by hand (no solver): even stages, contiguous expert blocks, ranks in
     order. `model_entry` is plan.model (name, source, config). vp > 1: the runtime interleaves
-    the stages' chunks (planner/run/layout.py)."""
+    the stages' chunks (planner/run/layout.py). Priced with the piper target's state bytes."""
     n = model.num_layers
     bounds = [round(s * n / pp) for s in range(pp + 1)]
     stages = tuple(StagePlan(s, tuple(range(bounds[s], bounds[s + 1]))) for s in range(pp))
@@ -70,7 +71,11 @@ def hand_plan(
         cluster=ClusterEntry(
             "hand", gpus_per_node=gpus_per_node, nodes=-(-pp * block // gpus_per_node)
         ),
-        training={"seq_len": seq_len, "global_batch": dp * micro_batch * num_microbatches}
+        training={
+            "seq_len": seq_len,
+            "global_batch": dp * micro_batch * num_microbatches,
+            "bytes_per_param": TARGETS["piper"].bytes_per_param,
+        }
         | ({"fsdp": True} if fsdp else {}),
         parallel=ParallelPlan(
             pp,

@@ -92,8 +92,9 @@ def test_slot_budget_counts_one_expert_state_per_moe_layer(tiny_plan):
     from planner.search.assemble import slot_budget
 
     model = load_model("tiny-moe")
-    # one routed expert: gated 3 x 64 x 64 = 12288 params x 16 B, for each of 3 MoE layers
-    slot_gib = 3 * 12288 * 16 / 2**30
+    # one routed expert: gated 3 x 64 x 64 = 12288 params x 18 B (the piper target's state),
+    # for each of 3 MoE layers
+    slot_gib = 3 * 12288 * 18 / 2**30
     budget = slot_budget(tiny_plan, model, None)
     assert budget.slot_gib_per_stage == pytest.approx((slot_gib,))
     room = tiny_plan.predicted.usable_memory_gib - tiny_plan.predicted.memory_gib_per_stage[0]
@@ -110,7 +111,7 @@ def test_requested_slots_that_do_not_fit_are_one_line(tiny_plan):
 
     model = load_model("tiny-moe")
     used = tiny_plan.predicted.memory_gib_per_stage[0]
-    slot_gib = 3 * 12288 * 16 / 2**30
+    slot_gib = 3 * 12288 * 18 / 2**30
     tight = replace(
         tiny_plan, predicted=replace(tiny_plan.predicted, usable_memory_gib=used + 1.5 * slot_gib)
     )
@@ -129,7 +130,7 @@ def test_with_redundant_slots_places_replicas_and_counts_their_memory(tiny_plan)
 
     model = load_model("tiny-moe")
     plan = with_redundant_slots(tiny_plan, model, None, SolverOptions(), requested=4)
-    slot_gib = 3 * 12288 * 16 / 2**30
+    slot_gib = 3 * 12288 * 18 / 2**30
     assert plan.predicted.memory_gib_per_stage[0] == pytest.approx(
         tiny_plan.predicted.memory_gib_per_stage[0] + slot_gib
     )

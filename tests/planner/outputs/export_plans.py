@@ -42,7 +42,8 @@ USER_PLANS = {
 
 
 def make_plan(stages=STAGES, recompute=(), zero=False, cluster="cpu-gloo", experts=None) -> Plan:
-    """tiny-moe-deep on 8 ranks: pp 4, dp 2, tp 1, ep 2, by hand."""
+    """tiny-moe-deep on 8 ranks: pp 4, dp 2, tp 1, ep 2, by hand, priced for the piper
+    target."""
     model = load_model("tiny-moe-deep")
     ranks = tuple(
         RankPlan(rank=r, node=NODE_OF_RANK[r], local_rank=LOCAL_OF_RANK[r], stage=r // 2,
@@ -55,7 +56,13 @@ def make_plan(stages=STAGES, recompute=(), zero=False, cluster="cpu-gloo", exper
     return Plan(
         model=ModelEntry(model.name, model.source, model_config(model)),
         cluster=ClusterEntry(cluster, gpus_per_node=2, profile={"num_nodes": 4}),
-        training={"seq_len": 128, "global_batch": 32, "dtype": "bf16", "zero": zero},
+        training={
+            "seq_len": 128,
+            "global_batch": 32,
+            "dtype": "bf16",
+            "zero": zero,
+            "bytes_per_param": TARGETS["piper"].bytes_per_param,
+        },
         parallel=ParallelPlan(
             pp=4, dp=2, tp=1, ep=2, edp=1, micro_batch=2, num_microbatches=8, recompute="none"
         ),  # fmt: skip

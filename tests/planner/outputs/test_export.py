@@ -90,7 +90,7 @@ def test_exports_refuse_what_the_engine_runs_differently(engine):
             parallel=replace(make_plan().parallel, recompute="full"),
         ),
         "B of training state per parameter": priced_for(
-            make_plan(), "piper" if engine == "megatron" else "megatron"
+            make_plan(), "torchtitan" if engine == "megatron" else "megatron"
         ),
     }
     for phrase, plan in cases.items():

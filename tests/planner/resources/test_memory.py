@@ -140,3 +140,45 @@ def test_memory_lower_bound_holds_for_every_split(pp, m, recompute):
         for rc in options
     )
     assert 0 < bound <= best + 1e-9
+
+
+@pytest.mark.parametrize("target", ["piper", "megatron", "torchtitan"])
+def test_state_bytes_per_parameter_by_target_and_dtype(target):
+    """bf16: the target's accounting (Megatron's 18 for megatron and piper: bf16 weights, fp32
+    gradients, master and moments; 16 with bf16 gradients for torchtitan's); fp32: fp32
+    weights and gradients and no master, 16 whatever the accounting.
+    """
+    from planner.resources.memory import state_bytes
+    from planner.targets import TARGETS, with_conventions
+
+    par = ParallelConfig(pp=1, dp=4, tp=1, ep=1, micro_batch=1, num_microbatches=1)
+    for dtype, expect in (("bf16", None), ("fp32", (4, 4, 8))):
+        tr = with_conventions(TrainingSpec(seq_len=128, global_batch=4, dtype=dtype),
+                              TARGETS[target])  # fmt: skip
+        got = state_bytes(1000.0, 0.0, tr, par)
+        per_param = (got.weights / 1000, got.grads / 1000, got.optimizer / 1000)
+        if expect is None:
+            grads = TARGETS[target].bytes_per_param - 14
+            expect = (2, grads, 12)
+        assert per_param == expect
+    bpp = {"piper": 18, "megatron": 18, "torchtitan": 16}[target]
+    assert TARGETS[target].bytes_per_param == bpp
+
+
+def test_fsdp_gathers_the_weights_in_the_training_dtype():
+    import dataclasses
+
+    from planner.resources.cost import predicted_traffic
+
+    model, cluster = make_model(), make_cluster()
+    device = dataclasses.replace(cluster.device, peak_tflops=(("bf16", 100.0), ("fp32", 25.0)))
+    cluster = dataclasses.replace(cluster, device=device)
+    par = ParallelConfig(pp=1, dp=4, tp=1, ep=1, micro_batch=1, num_microbatches=2)
+    out = {}
+    for dtype in ("bf16", "fp32"):
+        tr = TrainingSpec(seq_len=128, global_batch=8, dtype=dtype, fsdp=True)
+        out[dtype] = predicted_traffic(model, cluster, tr, par, [tuple(range(model.num_layers))])
+    assert out["bf16"]["param_gather"] > 0 and out["bf16"]["grad_dense"] > 0
+    assert out["fp32"]["param_gather"] == pytest.approx(2 * out["bf16"]["param_gather"])
+    # the paper's 16 B accounting (TrainingSpec's default) reduces bf16 gradients in bf16
+    assert out["fp32"]["grad_dense"] == pytest.approx(2 * out["bf16"]["grad_dense"])
