@@ -84,8 +84,9 @@ Reading the tables:
   The alternatives line puts the same one-node gap into the GEMM or attention efficiency
   instead (a GEMM efficiency of ~0.39 disagrees with the ~60% of peak X-MoE's authors measured
   for rocBLAS GEMMs on MI250X).
-- 'Planner in the paper's space' is Piper's own choice on each preset; for the weak family it
-  picks pp 16 with node-local EP, a layout the weak-scaling runs did not use.
+- 'Planner in the paper's space' is Piper's own choice on each preset (the piper target: its
+  runtime's 18 B per parameter); for the weak family it picks layouts other than the
+  weak-scaling runs' pp 4 with one expert per EP rank.
 - 'The finding as measured' is issue 25's configuration (benchmarks/paper_check.py's tp = 1
   search with FSDP allowed, global batch 1024)."""
 
