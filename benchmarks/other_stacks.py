@@ -209,7 +209,9 @@ conventions: what the model prices (runs.py, Megatron-Core's) against what these
   at Megatron's 18; both sharded by FSDP2. With pipelining both hold every unit unsharded, bf16
   weights and fp32 gradients, through the step (fsdp_hold_unsharded 1: the torchtitan rows'
   measured peaks 56.8 and 60.2 GiB against the model's above), and gather and reduce once per
-  step.
+  step. Both reduce-scatter gradients in fp32 (FSDP2's MixedPrecisionPolicy reduce_dtype:
+  torchtitan configs.py:102, AutoModel components/distributed/config.py:306-313 @36044ad;
+  the CSV's fsdp_reduce_dtype fp32).
 - pipeline: one flush of gbs / (mbs x dp) micro-batches per step; AutoModel drains the pipeline
   once per gradient-accumulation step (GA 4 for id 401, 2 for id 403): the 'flush' columns.
 - recompute: full activation checkpointing in ids 401-404, 406, 407 is priced as Megatron's

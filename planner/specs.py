@@ -370,6 +370,12 @@ class TrainingSpec:
     # 802-813). False: gathered and reduce-scattered per unit and micro-batch (Megatron-FSDP,
     # Piper's runtime). Set by the target's conventions; it matters only with pp > 1.
     fsdp_hold_unsharded: bool = False
+    # The dtype FSDP reduce-scatters gradients in: "fp32" (FSDP2's MixedPrecisionPolicy
+    # reduce_dtype=float32: torchtitan's default mixed_precision_reduce, Piper's runtime) or
+    # "bf16"; None = Megatron-FSDP's default, the model's gradient dtype (bf16 for bf16 and
+    # FP8 models, fp32 for fp32 ones: --megatron-fsdp-grad-comm-dtype, megatron_fsdp.md). Set
+    # by the target's conventions.
+    fsdp_reduce_dtype: OptimizerDtype | None = None
     # An fp32 master copy of the weights beside the compute-dtype parameters (Megatron-Core,
     # torchtitan's FSDP2 mixed precision, Piper's runtime). False: the parameters themselves
     # are bf16 and the optimizer updates them in place (pure bf16 training, as NeMo AutoModel
@@ -408,7 +414,9 @@ class TrainingSpec:
             raise SpecError(f"training: mtp_layers must be >= 0, got {self.mtp_layers}")
         self._check_optimizer_state()
         if not self.master_weights and (
-            self.dtype == "fp32" or self.precision_aware_optimizer or self.grad_dtype != "bf16"
+            self.dtype == "fp32"
+            or self.precision_aware_optimizer
+            or self.grad_dtype != "bf16"
             or self.optimizer_dtype != "bf16"
         ):
             raise SpecError(

@@ -72,6 +72,9 @@ class Target:
     # FSDP under the engine's pipelining keeps units unsharded through a step's micro-batches
     # (TrainingSpec.fsdp_hold_unsharded)
     fsdp_pp_holds_unsharded: bool = False
+    # the dtype its FSDP reduce-scatters gradients in (TrainingSpec.fsdp_reduce_dtype; None:
+    # the model's gradient dtype, Megatron-FSDP's default)
+    fsdp_reduce_dtype: str | None = None
 
     def offers(self, what: str, value: object) -> bool:
         """True when `value` is among the target's choices for `what` (a field name)."""
@@ -89,6 +92,8 @@ TARGETS: dict[TargetName, Target] = {
         cuda_graphs=("none",), dtypes=("bf16", "fp32"), optimizer_dtypes=("fp32",),
         vp=True, cp=False, etp_rule="any", expert_placement=True, mtp=True,
         uneven_stages=True, default_sharding="none",
+        # FSDP2 with MixedPrecisionPolicy(reduce_dtype=float32) (runtime/parallel/fsdp.py)
+        fsdp_reduce_dtype="fp32",
     ),
     "megatron": Target(
         name="megatron", engine="Megatron-LM (Megatron-Core)", version="core 0.16",
@@ -117,6 +122,9 @@ TARGETS: dict[TargetName, Target] = {
         # get_fsdp_reshard_after_forward_policy: "For PP, by default do not reshard after
         # forward to avoid per-microbatch all-gathers") on torch pipelining
         fsdp_pp_holds_unsharded=True,
+        # FSDP2 MixedPrecisionPolicy(reduce_dtype=float32): torchtitan's only
+        # mixed_precision_reduce (torchtitan/config/configs.py:102 @b5bcd76)
+        fsdp_reduce_dtype="fp32",
     ),
 }  # fmt: skip
 
@@ -153,6 +161,7 @@ def with_conventions(training: TrainingSpec, target: Target) -> TrainingSpec:
         mtp_layers=0 if mtp is None and not target.mtp else mtp,
         cuda_graphs="none" if graphs is None and target.cuda_graphs == ("none",) else graphs,
         fsdp_hold_unsharded=target.fsdp_pp_holds_unsharded,
+        fsdp_reduce_dtype=target.fsdp_reduce_dtype,
     )
 
 

@@ -58,8 +58,9 @@ REQUIRED = ("model", "hardware", "gpus", "precision", "seq", "gbs", "mbs", "tp",
             "cp", "ep", "etp", "recompute")  # fmt: skip
 OPTIONAL = ("id", "source", "note", "measured_peak_gib", "dispatcher", "a2a_overlap",
             "cuda_graphs", "grad_overlap", "optimizer_dtype", "grad_dtype",
-            "master_weights", "fsdp_hold_unsharded")  # fmt: skip
-STATE_DTYPES = ("fp32", "bf16")  # the optimizer_dtype and grad_dtype columns' values
+            "master_weights", "fsdp_hold_unsharded", "fsdp_reduce_dtype")  # fmt: skip
+# the optimizer_dtype, grad_dtype and fsdp_reduce_dtype columns' values
+STATE_DTYPES = ("fp32", "bf16")
 FLAGS = {"1": True, "yes": True, "true": True, "0": False, "no": False, "false": False}
 DTYPES = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8"}
 SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}
@@ -221,6 +222,7 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
     hold = _flag(fields, "fsdp_hold_unsharded", where)
     moments = _choice(fields, "optimizer_dtype", STATE_DTYPES, where) or "fp32"
     grads = _choice(fields, "grad_dtype", STATE_DTYPES, where)
+    fsdp_reduce = _choice(fields, "fsdp_reduce_dtype", STATE_DTYPES, where)
     graphs = _choice(fields, "cuda_graphs", CUDA_GRAPHS, where)
     if graphs is None and "cuda graphs" in lowered:
         graphs = "partial"  # the notes name Megatron's per-module cuda_graph_scope
@@ -236,6 +238,8 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
         ), TARGETS["megatron"])  # fmt: skip
         if hold:  # FSDP2 under torch pipelining (torchtitan, NeMo AutoModel)
             training = replace(training, fsdp_hold_unsharded=True)
+        if fsdp_reduce:  # FSDP2's MixedPrecisionPolicy reduce_dtype
+            training = replace(training, fsdp_reduce_dtype=fsdp_reduce)
         check_layout(parallel, model, training)
     except SpecError as err:
         raise SpecError(f"{where}: {err}") from None

@@ -15,6 +15,7 @@ from planner.resources.compute import Work
 from planner.resources.deepep import deepep_all_to_all_s
 from planner.resources.memory import (
     fsdp_holds_unsharded,
+    fsdp_reduce_bytes_per_param,
     layer_param_split,
     weight_bytes_per_param,
 )
@@ -161,12 +162,6 @@ def _cp_ring(
     return fwd
 
 
-# Megatron-FSDP communicates gradients in the model's native gradient dtype by default
-# (`--megatron-fsdp-grad-comm-dtype` / MixedPrecisionPolicy "auto": bf16 for bf16 and FP8
-# models; docs/user-guide/features/megatron_fsdp.md), not in the distributed optimizer's fp32.
-FSDP_GRAD_COMM_BYTES = 2
-
-
 def fsdp_gather_s(
     cluster: ClusterSpec,
     training: TrainingSpec,
@@ -174,9 +169,9 @@ def fsdp_gather_s(
     params: tuple[float, float],
 ) -> tuple[float, float, str]:
     """(all-gather s, reduce-scatter s, level) of one FSDP unit holding `params` = (dense,
-    expert) parameters before sharding: bf16 weights gathered and bf16 gradients
-    (FSDP_GRAD_COMM_BYTES) reduce-scattered over dp x cp ranks tp apart (dense) and edp ranks
-    etp x ep apart (experts)."""
+    expert) parameters before sharding: the weights gathered in the compute dtype and the
+    gradients reduce-scattered in the FSDP reduce dtype (memory.fsdp_reduce_bytes_per_param),
+    over dp x cp ranks tp apart (dense) and edp ranks etp x ep apart (experts)."""
     groups = (
         (parallel.dp * parallel.cp, parallel.tp, params[0]),
         (parallel.edp, parallel.ep * parallel.etp, params[1]),
@@ -184,9 +179,10 @@ def fsdp_gather_s(
     gather = reduce = 0.0
     level, worst = "", -1.0
     weight_b = weight_bytes_per_param(training)
+    reduce_b = fsdp_reduce_bytes_per_param(training)
     for size, stride, n in groups:
         g, lv = comm.ring_allreduce_s(cluster, size, stride, weight_b * n, 1)
-        r, _ = comm.ring_allreduce_s(cluster, size, stride, FSDP_GRAD_COMM_BYTES * n, 1)
+        r, _ = comm.ring_allreduce_s(cluster, size, stride, reduce_b * n, 1)
         gather, reduce = gather + g, reduce + r
         if lv and g > worst:
             level, worst = lv, g

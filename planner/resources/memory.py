@@ -135,6 +135,14 @@ def grad_bytes_per_param(training: TrainingSpec) -> int:
     return training.bytes_per_param - WEIGHT_BYTES_PER_PARAM - 12
 
 
+def fsdp_reduce_bytes_per_param(training: TrainingSpec) -> int:
+    """Bytes per parameter FSDP's gradient reduce-scatter moves: training.fsdp_reduce_dtype's,
+    else Megatron-FSDP's default, the model's gradient dtype (the weights' bytes)."""
+    if training.fsdp_reduce_dtype is not None:
+        return GRAD_BYTES_PER_PARAM[training.fsdp_reduce_dtype]
+    return weight_bytes_per_param(training)
+
+
 def state_bytes(
     params_dense: float,
     params_expert: float,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from planner.parallel import ParallelConfig
 from planner.resources.memory import (
     act_bytes_per_element,
+    fsdp_reduce_bytes_per_param,
     grad_bytes_per_param,
     rank_tokens,
     weight_bytes_per_param,
@@ -112,8 +113,9 @@ def step_traffic(
 
     params_dense / params_expert: parameters one rank of each stage holds (the resource
     model's stage counts), whose gradients it reduces: once per step over dp x cp (dense) and
-    edp (experts), or with FSDP a reduce-scatter per micro-batch plus two all-gathers of the
-    bf16 weights (forward and backward, `param_gather`).
+    edp (experts), or with FSDP a reduce-scatter per micro-batch in the FSDP reduce dtype plus
+    two all-gathers of the weights in the compute dtype (forward and backward,
+    `param_gather`).
     """
     pp, tp, ep, etp, cp = parallel.pp, parallel.tp, parallel.ep, parallel.etp, parallel.cp
     m, block = parallel.num_microbatches, parallel.dp * tp * cp  # micro-batches; ranks per stage
@@ -134,7 +136,7 @@ def step_traffic(
             # forward: cp - 1 K/V sends; backward: cp - 1 sends of K/V with their gradients
             out["cp"] += block * m * 3 * (cp - 1) * cp_kv_bytes(model, layer, training, parallel)
     out["p2p"] = 2 * m * (pp * parallel.vp - 1) * block * p2p_bytes(model, training, parallel)
-    g = grad_bytes_per_param(training)
+    g, fsdp_g = grad_bytes_per_param(training), fsdp_reduce_bytes_per_param(training)
     groups = (
         (parallel.dp * cp, params_dense, "grad_dense"),
         (parallel.edp, params_expert, "grad_expert"),
@@ -142,7 +144,7 @@ def step_traffic(
     for size, params, kind in groups:
         for held in params:
             if training.fsdp:
-                out[kind] += block * m * _ring(size, g * held, passes=1)
+                out[kind] += block * m * _ring(size, fsdp_g * held, passes=1)
                 out["param_gather"] += (
                     block * m * 2 * _ring(size, weight_bytes_per_param(training) * held, passes=1)
                 )

@@ -177,3 +177,16 @@ def test_state_dtype_columns_price_pure_bf16_training():
                         (",61.5,fp32,bf16,0,x", "master_weights")):  # fmt: skip
         with pytest.raises(SpecError, match=column):
             parse_runs(head + GOOD.replace(",61.5,x", bad))
+
+
+def test_fsdp_reduce_dtype_column_prices_fsdp2s_fp32_reduce_scatter():
+    from planner.resources.memory import fsdp_reduce_bytes_per_param
+
+    head = HEAD.replace("measured_peak_gib,note", "measured_peak_gib,fsdp_reduce_dtype,note")
+    (fp32,) = parse_runs(head + GOOD.replace(",61.5,x", ",61.5,fp32,x"))
+    (plain,) = parse_runs(head + GOOD.replace(",61.5,x", ",61.5,,x"))
+    assert (fp32.training.fsdp_reduce_dtype, plain.training.fsdp_reduce_dtype) == ("fp32", None)
+    assert fsdp_reduce_bytes_per_param(fp32.training) == 4
+    assert fsdp_reduce_bytes_per_param(plain.training) == 2  # Megatron-FSDP: bf16 gradients
+    with pytest.raises(SpecError, match="fsdp_reduce_dtype"):
+        parse_runs(head + GOOD.replace(",61.5,x", ",61.5,fp16,x"))

@@ -182,3 +182,26 @@ def test_fsdp_gathers_the_weights_in_the_training_dtype():
     assert out["fp32"]["param_gather"] == pytest.approx(2 * out["bf16"]["param_gather"])
     # the paper's 16 B accounting (TrainingSpec's default) reduces bf16 gradients in bf16
     assert out["fp32"]["grad_dense"] == pytest.approx(2 * out["bf16"]["grad_dense"])
+
+
+def test_fsdp_reduces_gradients_in_each_targets_reduce_dtype():
+    """Megatron-FSDP reduce-scatters in the model's gradient dtype (bf16), FSDP2 under
+    torchtitan and Piper's runtime in fp32: the same plan's reduce-scatter moves twice the
+    bytes for them, and costs more time; the gathers move bf16 weights for all three."""
+    from planner.resources.cost import predicted_traffic
+    from planner.resources.layer_comm import fsdp_gather_s
+    from planner.targets import TARGETS, with_conventions
+
+    model, cluster = make_model(), make_cluster()
+    par = ParallelConfig(pp=1, dp=4, tp=1, ep=1, micro_batch=1, num_microbatches=2)
+    base = TrainingSpec(seq_len=128, global_batch=8, fsdp=True)
+    out, times = {}, {}
+    for name in ("megatron", "torchtitan", "piper"):
+        tr = with_conventions(base, TARGETS[name])
+        out[name] = predicted_traffic(model, cluster, tr, par, [tuple(range(model.num_layers))])
+        times[name] = fsdp_gather_s(cluster, tr, par, (1e9, 0.0))
+    for name in ("torchtitan", "piper"):
+        assert out[name]["grad_dense"] == pytest.approx(2 * out["megatron"]["grad_dense"])
+        assert out[name]["param_gather"] == pytest.approx(out["megatron"]["param_gather"])
+        assert times[name][0] == pytest.approx(times["megatron"][0])  # the gather
+        assert times[name][1] > 1.9 * times["megatron"][1]  # the reduce-scatter
