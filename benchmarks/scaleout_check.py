@@ -57,6 +57,9 @@ STRONG = (
     ("qwen2-57b-a14b", "MCore", {64: 36.2, 128: 36.0, 256: 34.8, 512: 32.5, 1024: 29.8}),
     ("qwen2-57b-a14b", "w/ Folding", {64: 39.9, 128: 39.7, 256: 38.1, 512: 36.6, 1024: 33.4}),
 )
+# calibration rows with the Folding Qwen2 layout's expert shapes (1,024 tokens per local
+# expert, 16 local experts, d and f near 3k): GPT-OSS-120B on 64 H100s
+SHAPE_IDS = ("1", "2")
 GROUPS = {
     "qwen3-235b-a22b H100 256, seq 4096 gbs 2048 (ids 3-7)": ("3", "4", "5", "6", "7"),
 }
@@ -265,6 +268,52 @@ def layout_groups(rows: dict[str, dict[str, str]]) -> None:
             )
 
 
+def expert_rows(model_name: str, par: ParallelConfig, seq: int) -> tuple[int, float]:
+    """(local experts, tokens per local expert) of a layout: E / ep experts, each receiving
+    ep T k / E rows with T = mbs seq / (tp cp) (balanced routing)."""
+    moe = load_model(model_name).first_moe
+    tokens = par.micro_batch * seq / (par.tp * par.cp)
+    return moe.num_experts // par.ep, par.ep * tokens * moe.top_k / moe.num_experts
+
+
+def same_expert_shapes(rows: dict[str, dict[str, str]]) -> None:
+    """Layouts whose routed experts run the same grouped GEMM shapes (width, tokens per local
+    expert, local experts) side by side: the grouped-GEMM efficiency depends on those alone,
+    so a gap between their ratios is not a grouped-GEMM term."""
+    h100 = load_cluster("h100")
+    print("\nsame expert GEMM shapes, different ratios (h100 preset, grouped_gemm_half_rows "
+          f"{h100.grouped_gemm_half_rows:g})")  # fmt: skip
+    print(f"  {'run':34} {'d':>5} {'f':>5} {'local':>5} {'rows':>6} {'rows/(rows+half)':>16} "
+          f"{'experts share':>13} {'ratio':>6}")  # fmt: skip
+    cases = []
+    for rid in SHAPE_IDS:
+        run = run_of(rows[rid], f"id {rid}")
+        est = estimate_run(run, h100)
+        ratio = predicted_value(run, est) / run.measured
+        cases.append((f"id {rid} {run.model.name}", run.model.name, run.parallel,
+                      run.training.seq_len, est, ratio))  # fmt: skip
+    for name, gpus, label, tp, pp, vp, ep, etp, mfu in FOLDING:
+        if name == "qwen2-57b-a14b" and label == "w/ Folding":
+            est = folding_estimate(name, gpus, tp, pp, vp, ep, etp)
+            par = ParallelConfig(pp=pp, dp=gpus // (tp * pp), tp=tp, ep=ep, etp=etp, vp=vp,
+                                 micro_batch=1, num_microbatches=pp)  # fmt: skip
+            cases.append((f"Folding {name} {label}", name, par, 4096, est, est.mfu * 100 / mfu))
+    for label, name, par, seq, est, ratio in cases:
+        model = load_model(name)
+        local, per_expert = expert_rows(name, par, seq)
+        st = max(est.stages, key=lambda x: x.total_s)
+        parts = dict(st.time_s)
+        share = parts.get("experts", 0.0) / sum(parts.values())
+        eff = per_expert / (per_expert + h100.grouped_gemm_half_rows)
+        print(f"  {label:34} {model.hidden_size:5d} {model.first_moe.expert_ffn:5d} "
+              f"{local:5d} {per_expert:6.0f} {eff:16.2f} {share:13.2f} {ratio:6.2f}")  # fmt: skip
+    ids = [c[5] for c in cases if c[0].startswith("id ")]
+    fold = [c[5] for c in cases if c[0].startswith("Folding")]
+    print(f"  (ratio: predicted / measured, tokens/s for the ids, MFU for Folding; one knee "
+          f"makes both expert GEMMs equally slow, yet the ids are priced {min(ids):.2f}-"
+          f"{max(ids):.2f} and Folding {min(fold):.2f})")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-results", action="store_true", help="print only")
@@ -276,6 +325,7 @@ def main() -> int:
         fixed_batch(rows)
         layout_groups(rows)
         folding()
+        same_expert_shapes(rows)
         print("\npublic runs of one layout at several data-parallel sizes (checks):")
         for line in SCALE_CHECKS:
             print(f"  - {line}")
