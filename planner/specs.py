@@ -442,6 +442,11 @@ class TrainingSpec:
             raise SpecError(
                 f"training: grad_dtype '{self.grad_dtype}' is unknown; use fp32 or bf16"
             )
+        if self.fsdp_reduce_dtype is not None and self.fsdp_reduce_dtype not in ("fp32", "bf16"):
+            raise SpecError(
+                f"training: fsdp_reduce_dtype '{self.fsdp_reduce_dtype}' is unknown; use fp32, "
+                "bf16 or leave it out (the model's gradient dtype)"
+            )
         names = [n for n in self.activation_offload_modules.split(",") if n]
         unknown = [n for n in names if n not in ACTIVATION_OFFLOAD_MODULES]
         if unknown:

@@ -75,6 +75,9 @@ def _knobs(plan: Plan, t: Target) -> Iterator[str]:
         yield f"it is priced with {tr.get('optimizer_dtype')} Adam moments"
     if not tr.get("master_weights", True):
         yield "it is priced without fp32 master weights"
+    if tr.get("fsdp") and tr.get("fsdp_reduce_dtype") != t.fsdp_reduce_dtype:
+        priced = tr.get("fsdp_reduce_dtype") or "the gradient dtype"
+        yield f"it is priced with FSDP reduce-scattering gradients in {priced}"
     if tr.get("mtp_layers") and not t.mtp:
         yield f"it trains {tr.get('mtp_layers')} MTP layers"
     if t.name != "megatron":

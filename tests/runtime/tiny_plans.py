@@ -76,7 +76,7 @@ def hand_plan(
             "global_batch": dp * micro_batch * num_microbatches,
             "bytes_per_param": TARGETS["piper"].bytes_per_param,
         }
-        | ({"fsdp": True} if fsdp else {}),
+        | ({"fsdp": True, "fsdp_reduce_dtype": TARGETS["piper"].fsdp_reduce_dtype} if fsdp else {}),
         parallel=ParallelPlan(
             pp,
             dp,

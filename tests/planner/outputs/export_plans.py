@@ -140,6 +140,7 @@ def priced_for(plan: Plan, engine: str) -> Plan:
         **plan.training,
         "bytes_per_param": t.bytes_per_param,
         "gate_in_activation": t.gate_in_activation,
+        "fsdp_reduce_dtype": t.fsdp_reduce_dtype,
     }
     stages = plan.stages
     if not t.per_layer_recompute and plan.parallel.recompute != "none":

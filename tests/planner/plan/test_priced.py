@@ -9,7 +9,7 @@ import pytest
 
 from planner.plan.priced import check_priced
 from planner.run.spec import run_spec_from_plan
-from planner.specs import SpecError
+from planner.specs import SpecError, TrainingSpec
 from tests.planner.outputs.export_plans import make_plan, priced_for
 
 
@@ -45,3 +45,21 @@ def test_piper_refuses_each_setting_its_runtime_does_not_run(training, extra, wo
     with pytest.raises(SpecError, match=words) as err:
         check_priced(plan, "piper")
     assert "\n" not in str(err.value) and "re-plan with --target piper" in str(err.value)
+
+
+def test_fsdp_reduce_dtype_must_be_the_engines():
+    """FSDP2 (torchtitan, Piper's runtime) reduce-scatters fp32 gradients, Megatron-FSDP the
+    model's bf16 ones: an FSDP plan priced with the other is refused in one line."""
+    fsdp = replace(make_plan(), training={**make_plan().training, "fsdp": True})
+    titan = priced_for(fsdp, "torchtitan")
+    assert check_priced(titan, "torchtitan").name == "torchtitan"
+    megatron_priced = priced_for(fsdp, "megatron")
+    bf16 = replace(titan, training={**titan.training, "fsdp_reduce_dtype": None})
+    with pytest.raises(SpecError, match="FSDP reduce-scattering gradients in the gradient dtype"):
+        check_priced(bf16, "torchtitan")
+    with pytest.raises(SpecError, match="reduce-scattering gradients in fp32.*--target megatron"):
+        check_priced(replace(megatron_priced, training={**megatron_priced.training,
+                                                        "fsdp_reduce_dtype": "fp32"}),
+                     "megatron")  # fmt: skip
+    with pytest.raises(SpecError, match="fsdp_reduce_dtype 'fp16' is unknown"):
+        TrainingSpec(seq_len=128, global_batch=8, fsdp=True, fsdp_reduce_dtype="fp16")
