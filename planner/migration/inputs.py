@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 PREFERRED_MODELS = ("mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3")
 DEFAULT_CLUSTER = "frontier"
+# What Piper's runtime sends per parameter when it moves an expert: its fp32 weights, fp32
+# gradients and the two fp32 Adam moments (runtime/migrate.py slot_views). The piper target's
+# 18 B also count the bf16 copies a bf16 step computes with, which a move does not carry.
+RUNTIME_MOVE_BYTES_PER_PARAM = 16
 DEFAULT_MICROBATCHES = 8  # without a plan: 8 sequences of seq_len tokens per EP rank and step
 
 
@@ -85,6 +89,15 @@ def _training(plan: Plan) -> TrainingSpec:
         raise SpecError(f"plan training: {exc}; regenerate the plan with 'piper plan'") from None
 
 
+def _move_training(plan: Plan) -> TrainingSpec:
+    """The plan's training as a move prices it: a plan made for Piper's runtime moves what the
+    runtime sends (RUNTIME_MOVE_BYTES_PER_PARAM per parameter)."""
+    training = _training(plan)
+    if plan.extra.get("target", "piper") == "piper":
+        training = replace(training, bytes_per_param=RUNTIME_MOVE_BYTES_PER_PARAM)
+    return training
+
+
 def _plan_devices(plan: Plan, cluster: ClusterSpec, layer: int, ranks: int) -> tuple[int, ...]:
     """Device of each EP rank for the stage that holds `layer` (lowest global rank wins)."""
     stage = next((s.stage for s in plan.stages if layer in s.layers), 0)
@@ -112,8 +125,10 @@ def plan_move_costs(
     """The prices `piper migrate --plan` uses, for the given layers of `model`.
 
     Links and rank devices come from the plan's cluster and ranks table, bytes per parameter
-    and dtype from its training section; expert sizes and compute from `model`, which may be
-    the plan's model or a scaled copy of it (`piper run --scale`).
+    (for a plan made for Piper's runtime, what the runtime sends:
+    RUNTIME_MOVE_BYTES_PER_PARAM) and dtype from its training section; expert sizes and
+    compute from `model`, which may be the plan's model or a scaled copy of it (`piper run
+    --scale`).
 
     Args:
         layer_ids: layer index in `model` of each priced row (length L, MoE layers).
@@ -124,7 +139,7 @@ def plan_move_costs(
     cluster = plan.cluster_spec(where)
     ranks = plan.parallel.ep
     devices = tuple(_plan_devices(plan, cluster, layer, ranks) for layer in plan_layer_ids)
-    training = _training(plan)
+    training = _move_training(plan)
     return build_move_costs(
         model, cluster, layer_ids, devices, steps_per_interval, tokens_per_rank_step, training
     )
@@ -248,7 +263,7 @@ def migrate_setup(
     model, cluster = _model_and_cluster(trace, plan, plan_path, model_name, cluster_name)
     if ranks > cluster.total_gpus:
         raise SpecError(f"--ep {ranks} exceeds the {cluster.total_gpus} devices of {cluster.name}")
-    training = _training(plan) if plan is not None else TrainingSpec()
+    training = _move_training(plan) if plan is not None else TrainingSpec()
     if plan is not None:
         devices = tuple(_plan_devices(plan, cluster, layer, ranks) for layer in trace.layer_ids)
         start_L = _plan_start(plan, trace, ranks, wanted)

@@ -38,7 +38,8 @@ FLOPS_PER_PARAM_TOKEN = 6  # forward 2 + backward 4 (weight and input gradients)
 class MoveCosts:
     """Everything a policy needs to price a placement change, per MoE layer.
 
-    expert_bytes_L: bytes moved per expert move (16 B x params of one routed expert).
+    expert_bytes_L: bytes moved per expert move (bytes per parameter x params of one routed
+        expert).
     move_s_LRR: seconds to move one expert of layer l from rank i to rank j (0 on the diagonal).
     level_LRR: topology level index each move crosses (-1 on the diagonal).
     balanced_s_L: expert compute seconds per rank over one interval at perfect balance.

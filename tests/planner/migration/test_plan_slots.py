@@ -180,3 +180,16 @@ def test_plan_with_redundant_slots_keeps_fsdp_off(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--redundant-slots 4 with FSDP" in err[0] and "--no-fsdp" in err[0]
     assert not out.exists()
+
+
+def test_moves_carry_what_the_runtime_sends_for_piper_plans():
+    """Piper's runtime moves an expert's fp32 weights, gradients and Adam moments (16 B per
+    parameter), not the target's 18 (which count the bf16 copies of a step); a plan priced for
+    another engine keeps its own accounting."""
+    from planner.migration.inputs import RUNTIME_MOVE_BYTES_PER_PARAM, _move_training
+    from tests.planner.outputs.export_plans import make_plan, priced_for
+
+    piper = make_plan()
+    assert piper.training["bytes_per_param"] == 18
+    assert _move_training(piper).bytes_per_param == RUNTIME_MOVE_BYTES_PER_PARAM == 16
+    assert _move_training(priced_for(make_plan(zero=True), "megatron")).bytes_per_param == 18
