@@ -22,7 +22,10 @@ Printed:
   `piper plan` picks (make_plan, as the CLI calls it with --gpus) and its
   predicted tokens/s/GPU beside the measured-fastest published layout's predicted and
   measured, on the presets and again on the fit (`--no-plans` skips this, the slow part:
-  about a minute each).
+  about a minute each);
+- for rows of one model and hardware without pipelining at two token counts per
+  micro-batch: the measured time per layer and micro-batch split into a fixed and a
+  per-token part, beside the preset's host term and time per token.
 
     OMP_NUM_THREADS=1 python3 benchmarks/published_runs.py [--no-results] [--no-plans]
 """
@@ -148,7 +151,61 @@ def report(runs: list[Run], plans: bool = True) -> None:
             fitted = {hw: result.fitted for hw, result in fits.items()}
             plan_lines["fit"] = _plans(rows, fitted, "fit")
     _targets(rows, differs, plan_lines)
+    _token_scaling(rows, presets)
     print(f"\n(benchmark time {time.perf_counter() - t0:.0f} s)")
+
+
+def per_layer_microbatch_s(run: Run, step_s: float) -> float:
+    """Seconds per layer and micro-batch of a run without pipelining: step / (m x layers)."""
+    return step_s / (run.parallel.num_microbatches * run.model.num_layers)
+
+
+def measured_step_s(run: Run) -> float:
+    """The step time a tokens/s/GPU row implies: gbs x seq / (GPUs x tokens/s/GPU)."""
+    tokens = run.training.global_batch * run.training.seq_len
+    return tokens / (run.parallel.world * run.measured)
+
+
+def _token_scaling(rows: list[Row], presets: dict[str, ClusterSpec]) -> None:
+    """Rows of one model and hardware without pipelining at two token counts per micro-batch:
+    the measured time per layer and micro-batch split into a fixed part and a part per token
+    (the line through the two rows), beside the model's host term and its time per token."""
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        if row.run.parallel.pp == 1 and row.run.metric == "tokens/s/GPU":
+            groups.setdefault((row.run.model.name, row.run.hardware), []).append(row)
+    lines = []
+    for (name, hw), members in groups.items():
+        by_tokens = {micro_batch_tokens(m.run): m for m in members}
+        if len(by_tokens) < 2:
+            continue
+        points = []
+        for tokens in sorted(by_tokens)[:2]:
+            m = by_tokens[tokens]
+            host = presets[hw].layer_overhead_s(m.run.training.cuda_graphs)
+            meas = per_layer_microbatch_s(m.run, measured_step_s(m.run))
+            priced = per_layer_microbatch_s(m.run, m.preset.step_time_s)
+            points.append((tokens, meas))
+            lines.append(
+                f"  id {m.id:>3} {name:18} {hw:5} {tokens:6d} tokens: measured "
+                f"{meas * 1e3:6.2f} ms, model {priced * 1e3:6.2f} ms (host {host * 1e3:.2f} ms "
+                f"+ {(priced - host) / tokens * 1e6:.2f} us per token)"
+            )
+        (t1, m1), (t2, m2) = points
+        per_token = (m2 - m1) / (t2 - t1)
+        lines.append(
+            f"  {name} {hw}: measured = {(m1 - per_token * t1) * 1e3:.2f} ms + "
+            f"{per_token * 1e6:.2f} us per token (the line through the two rows)"
+        )
+    if lines:
+        print("\ntime per layer and micro-batch against tokens per micro-batch (pp = 1, "
+              "preset): the measured split into fixed and per-token time")  # fmt: skip
+        print("\n".join(lines))
+
+
+def micro_batch_tokens(run: Run) -> int:
+    """Tokens in one micro-batch of a data-parallel rank: mbs x seq."""
+    return run.parallel.micro_batch * run.training.seq_len
 
 
 def _derived_start(preset: ClusterSpec) -> tuple[ClusterSpec, tuple[str, ...]]:

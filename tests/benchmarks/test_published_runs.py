@@ -58,3 +58,19 @@ def test_targets_pass_for_exact_predictions_and_fail_for_a_biased_model():
         "worst BF16 row within +-35%",
     }
     assert biased["BF16 geomean predicted / measured in [0.92, 1.08]"][0] == "1.400"
+
+
+def test_time_per_layer_and_micro_batch_by_hand():
+    """GPT-OSS-120B on 64 GB200s (ids 21, 22; 36 layers, pp 1): the step a tokens/s/GPU row
+    implies, per micro-batch and layer."""
+    runs = {r.field("id"): r for r in pr.load_runs(pr.RUNS)}
+    a, b = runs["21"], runs["22"]
+    # id 21: 1280 x 8192 tokens over 64 GPUs at 15,876 tokens/s/GPU, 20 micro-batches
+    step = 1280 * 8192 / (64 * 15876.0)
+    assert pr.measured_step_s(a) == pytest.approx(step)
+    assert pr.per_layer_microbatch_s(a, step) == pytest.approx(step / 20 / 36)
+    assert (pr.micro_batch_tokens(a), pr.micro_batch_tokens(b)) == (8192, 16384)
+    t1 = 1280 * 8192 / (64 * 15876.0) / 20 / 36
+    t2 = 1280 * 4096 / (64 * 16640.0) / 5 / 36
+    assert pr.per_layer_microbatch_s(b, pr.measured_step_s(b)) == pytest.approx(t2)
+    assert t2 > t1 * 1.8  # twice the tokens, nearly twice the time: little of it is fixed
