@@ -251,3 +251,26 @@ def test_the_runs_decisions_are_the_replay_of_its_trace(run_distributed):
     got = {t: lines[3 * t - 1]["migrated_experts"] for t in moved}
     assert got == moved
     assert sum(moved.values()) > 0
+
+
+def test_a_moved_expert_carries_the_bytes_its_move_is_priced_at():
+    """The wire format of one moved expert (weights, gradients, both Adam moments, fp32)
+    holds RUNTIME_MOVE_BYTES_PER_PARAM bytes per parameter of the expert (the runtime's
+    parameters are fp32 in a bf16 run too; the bf16 copies a step computes with are not sent)."""
+    import torch
+
+    from planner.migration.inputs import RUNTIME_MOVE_BYTES_PER_PARAM
+    from runtime.migrate import pack_views, slot_state_views
+    from runtime.model.moe import MoELayer
+    from tests.runtime.tiny_plans import tiny_model
+
+    model = tiny_model()
+    spec = model.layers[1].moe
+    layer = MoELayer(32, spec, [0] * spec.num_experts, 0, seed=3, layer=1)
+    opt = torch.optim.Adam(layer.parameters())
+    layer(torch.randn(2, 5, 32)).square().sum().backward()
+    opt.step()
+    wire = pack_views(slot_state_views(layer, opt, 0))
+    per_expert = layer_params(model, model.layers[1]).expert
+    assert wire.dtype == torch.float32
+    assert wire.numel() * wire.element_size() == RUNTIME_MOVE_BYTES_PER_PARAM * per_expert
