@@ -146,12 +146,21 @@ def solve_constant(run: Run, cluster: ClusterSpec, name: str, lo: float, hi: flo
     return (lo + hi) / 2
 
 
+def solved(run: Run, cluster: ClusterSpec, name: str, lo: float, hi: float) -> ClusterSpec:
+    """`cluster` with its constant `name` solved on `run` (solve_constant)."""
+    return replace(cluster, **{name: solve_constant(run, cluster, name, lo, hi)})
+
+
 def xmoe_stack(preset: ClusterSpec) -> tuple[Run, ClusterSpec]:
     """X-MoE's one-node run (in Megatron-Core's count) and the preset with STACK_TERM solved
     on it."""
     (node,) = [in_megatron_count(r)[0] for r in load_runs(NODE_RUNS)]
-    name, lo, hi = STACK_TERM
-    return node, replace(preset, **{name: solve_constant(node, preset, name, lo, hi)})
+    return node, solved(node, preset, *STACK_TERM)
+
+
+def ratio_line(runs: list[Run], cluster: ClusterSpec) -> str:
+    """'label ratio' of each run's prediction on `cluster` over its measurement."""
+    return " ".join(f"{r.label} {predict(r, cluster) / r.measured:.2f}" for r in runs)
 
 
 def runs_table(title: str, runs: list[Run], columns: dict[str, list[float]]) -> list[float]:
@@ -272,16 +281,13 @@ def report() -> None:
           "predicted / measured):")  # fmt: skip
     for end in NODE_RANGE:
         scale = end / float(node.field("measured_tflops_per_gpu"))
-        at = replace(node, measured=node.measured * scale)
-        value = solve_constant(at, preset, name, STACK_TERM[1], STACK_TERM[2])
-        other = replace(preset, **{name: value})
-        ratios = " ".join(f"{r.label} {predict(r, other) / r.measured:.2f}" for r in checks)
-        print(f"    {end:4.1f}: {value:6.0f} us: {ratios}")
+        other = solved(replace(node, measured=node.measured * scale), preset, *STACK_TERM)
+        print(f"    {end:4.1f}: {getattr(other, name):6.0f} us: {ratio_line(checks, other)}")
     print("  the one-node gap put in another constant instead (predicted / measured):")
     for alt, lo, hi in STACK_ALTERNATIVES:
-        other = replace(preset, **{alt: solve_constant(node, preset, alt, lo, hi)})
-        ratios = " ".join(f"{r.label} {predict(r, other) / r.measured:.2f}" for r in checks)
-        print(f"    {alt:22} {getattr(preset, alt):.4g} -> {getattr(other, alt):.4g}: {ratios}")
+        other = solved(node, preset, alt, lo, hi)
+        print(f"    {alt:22} {getattr(preset, alt):.4g} -> {getattr(other, alt):.4g}: "
+              f"{ratio_line(checks, other)}")  # fmt: skip
 
     print("\nPlanner in the paper's space (tp 1, pp x ep = GCDs, no sharding, HALO), best plan")
     print(

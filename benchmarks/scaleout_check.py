@@ -27,6 +27,7 @@ from planner.inputs.clusters import load_cluster
 from planner.inputs.models import load_model
 from planner.parallel import ParallelConfig
 from planner.resources.cost import estimate
+from planner.resources.memory import rank_tokens
 from planner.specs import SpecError, TrainingSpec
 from planner.targets import TARGETS, with_conventions
 
@@ -270,9 +271,9 @@ def layout_groups(rows: dict[str, dict[str, str]]) -> None:
 
 def expert_rows(model_name: str, par: ParallelConfig, seq: int) -> tuple[int, float]:
     """(local experts, tokens per local expert) of a layout: E / ep experts, each receiving
-    ep T k / E rows with T = mbs seq / (tp cp) (balanced routing)."""
+    ep T k / E rows with T = mbs seq / (tp cp) (memory.rank_tokens; balanced routing)."""
     moe = load_model(model_name).first_moe
-    tokens = par.micro_batch * seq / (par.tp * par.cp)
+    tokens = rank_tokens(TrainingSpec(seq_len=seq), par)
     return moe.num_experts // par.ep, par.ep * tokens * moe.top_k / moe.num_experts
 
 

@@ -139,8 +139,8 @@ def _grad_sync_s(
     apart), expert gradients over edp (ranks etp x ep apart), `passes` ring passes (2: an
     all-reduce; 1: the distributed optimizer's reduce-scatter, or its all-gather of updated
     weights). `bytes_per_param`: the gradient buffer's by default; the all-gather moves the
-    bf16 weights (weight_bytes_per_param). FSDP reduce-scatters every micro-batch instead (in
-    the layers' fsdp time)."""
+    weights in the compute dtype (weight_bytes_per_param). FSDP reduce-scatters every
+    micro-batch instead (in the layers' fsdp time)."""
     if training.fsdp:
         return []
     grad_b = grad_bytes_per_param(training) if bytes_per_param is None else bytes_per_param
@@ -305,19 +305,11 @@ def _gather_exposed_s(
         return 0.0
     pp, vp = parallel.pp, parallel.vp
     chunk_fwd = slot / vp / TRAIN_FACTOR
+    weight_b = weight_bytes_per_param(training)
     worst = 0.0
     for st in stages:
         extras = stage_extras(st.stage, pp, ends)
-        sync = _grad_sync_s(
-            st.layers,
-            costs,
-            extras,
-            cluster,
-            training,
-            parallel,
-            1.0,
-            weight_bytes_per_param(training),
-        )
+        sync = _grad_sync_s(st.layers, costs, extras, cluster, training, parallel, 1.0, weight_b)
         total = sum(s for _, s in sync)
         params = sum(held_params(st.layers, costs, extras))
         if training.grad_overlap:
