@@ -261,6 +261,10 @@ def report() -> None:
     runs_table("Paper's table (fitted on)", paper, cols)
     for name, values in cols.items():
         summary(name, paper, values)
+    dedup = [replace(r, dispatcher="halo-dedup") for r in paper]
+    print("  if the paper's HALO sent a token once per remote node (HALO-dedup; the paper does not "
+          "say), preset, not fitted:\n    " + ratio_line(dedup, preset))  # fmt: skip
+    summary("preset, HALO-dedup (not fitted)", dedup, [predict(r, preset) for r in dedup])
     node, stack = xmoe_stack(preset)
     name = STACK_TERM[0]
     check_cols = {

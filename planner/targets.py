@@ -88,7 +88,8 @@ TARGETS: dict[TargetName, Target] = {
         # copies a step computes with (runtime/RUNTIME.md "Precision"): Megatron's 18 B
         bytes_per_param=18, gate_in_activation=False, per_layer_recompute=True,
         recompute=("none", "selective", "full"), recompute_modules=("core_attn",),
-        sharding=("none", "fsdp"), a2a_overlap=False, dispatchers=("flat", "halo"),
+        sharding=("none", "fsdp"), a2a_overlap=False,
+        dispatchers=("flat", "halo", "halo-dedup"),
         cuda_graphs=("none",), dtypes=("bf16", "fp32"), optimizer_dtypes=("fp32",),
         vp=True, cp=False, etp_rule="any", expert_placement=True, mtp=True,
         uneven_stages=True, default_sharding="none",

@@ -175,7 +175,7 @@ def estimate_plan(plan: Plan, cluster: ClusterSpec | None = None, reprice: Repri
         parallel,
         stage_layers=[s.layers for s in plan.stages],
         recompute_layers=[s.recompute_layers for s in plan.stages],
-        dispatcher=dispatcher if dispatcher in ("flat", "halo") else "flat",
+        dispatcher=dispatcher if dispatcher in ("flat", "halo", "halo-dedup") else "flat",
     )
 
 

@@ -21,10 +21,8 @@ from planner.specs import SpecError
 
 RUN_FILE = "run.json"  # written by `piper run` beside metrics.jsonl
 # The runtime's dispatchers (planner/run/options.py) as the resource model prices them
-# (planner/resources/layer_cost.py: flat, halo, deepep). HALO-dedup is HALO's three phases
-# with one row per (token, remote node) on dispatch (runtime/HALO.md, "Dedup"); the model
-# has no deduplicated HALO, so it is priced as HALO, an upper bound on its bytes.
-MODEL_DISPATCHER = {"flat": "flat", "halo": "halo", "halo-dedup": "halo"}
+# (planner/resources/layer_cost.py): each under its own name.
+MODEL_DISPATCHER = {"flat": "flat", "halo": "halo", "halo-dedup": "halo-dedup"}
 LAYOUT_KEYS = ("pp", "dp", "tp", "ep", "vp", "etp", "micro_batch", "num_microbatches")
 
 
@@ -90,7 +88,7 @@ class Repricing:
     and whether the all-to-all overlap stays on (the model allows it only with some
     dispatchers, planner.search.space.a2a_overlap_allowed)."""
 
-    dispatcher: str  # "flat" | "halo" (planner.resources.layer_cost.Dispatcher)
+    dispatcher: str  # "flat" | "halo" | "halo-dedup" (planner.resources.layer_cost.Dispatcher)
     a2a_overlap: bool
     ran: str  # the run's dispatcher, as run.json names it
 
@@ -122,8 +120,6 @@ def differences_line(
     line = f"the run differs from what the plan priced: {listed}"
     if reprice is not None:
         line += f"; predictions repriced for the {reprice.dispatcher} dispatcher"
-        if reprice.dispatcher != reprice.ran:
-            line += " (the resource model's nearest: it has no deduplicated HALO)"
         if plan_overlap and not reprice.a2a_overlap:
             line += f", without the all-to-all overlap (not allowed with {reprice.dispatcher})"
     if any(d.setting != "dispatcher" for d in differences):

@@ -6,7 +6,7 @@ required `model` (a preset name or a config.json path), `hardware` (e.g. H100, G
 `ep`, `etp`, `recompute` (none, full, selective or selective(module,...)) and at least one of
 `measured_tokens_per_s_per_gpu` / `measured_tflops_per_gpu` (a row uses its tokens/s when
 given, else its TFLOPS); optional `id`, `source`, `note`, `measured_peak_gib`, and the
-software settings `dispatcher` (flat, halo, deepep; HybridEP is deepep), `a2a_overlap`
+software settings `dispatcher` (flat, halo, halo-dedup, deepep; HybridEP is deepep), `a2a_overlap`
 (1 / 0) and `cuda_graphs` (none, partial, full); where a settings column is absent or empty
 the note decides as below.
 
@@ -64,7 +64,7 @@ STATE_DTYPES = ("fp32", "bf16")
 FLAGS = {"1": True, "yes": True, "true": True, "0": False, "no": False, "false": False}
 DTYPES = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8"}
 SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}
-DISPATCHERS = ("flat", "halo", "deepep")
+DISPATCHERS = ("flat", "halo", "halo-dedup", "deepep")
 EXAMPLE = "profiles/runs/published_runs.csv"
 
 

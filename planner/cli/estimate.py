@@ -9,13 +9,13 @@ from planner.calibrate.runs import accounted_split
 from planner.cli.optimizer_args import add_optimizer_state_arguments, optimizer_state
 from planner.cli.target_args import add_target_arguments, resolve
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
+from planner.resources.layer_comm import DISPATCHERS
 from planner.search.target_space import check_layout_for
 from planner.specs import CUDA_GRAPHS, ClusterSpec, ModelSpec, SpecError, TrainingSpec
 from planner.targets import Target, check_model, with_conventions
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp8", "mxfp8", "fp32")
-DISPATCHERS = ("flat", "halo", "deepep")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -176,13 +176,13 @@ def _recompute(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.calibrate.uncertainty import intervals
     from planner.calibrate.error_bars import (
         interval_lines,
         intervals_csv,
         may_not_fit,
         may_not_fit_note,
     )
+    from planner.calibrate.uncertainty import intervals
     from planner.outputs.files import write_files
     from planner.resources.cost import estimate, estimate_to_dict
     from planner.resources.flops import FLOPS_CONVENTION

@@ -24,7 +24,9 @@ collectives; 0 when tau = 0 or the group stays inside the local domain.
 A group of n devices is laid out as n aligned devices `stride` apart (consecutive when
 stride = 1; an EP group is ep ranks etp apart, FORMULATION.md's rank convention); the rank IP
 may do better or worse on a real allocation; planner.topology gives the level it spans.
-DeepEP's node-deduplicated dispatch is in planner.resources.deepep.
+HALO-dedup is HALO whose Phase II carries one row per (token, remote domain) instead of one
+per (token, expert): its network bytes x dedup_ratio (distinct_groups). DeepEP's
+node-deduplicated dispatch is in planner.resources.deepep.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from planner.resources.tables import lookup
 from planner.specs import ClusterSpec, LevelSpec, SpecError
 from planner.topology import contiguous_span, span_level_index
 
-Algo = Literal["flat", "halo"]
-ALGOS: tuple[str, ...] = ("flat", "halo")
+Algo = Literal["flat", "halo", "halo-dedup"]
+ALGOS: tuple[str, ...] = ("flat", "halo", "halo-dedup")
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,43 @@ def flat_all_to_all_s(
     return phase_s(cluster, group_devices - 1, t_bw, latency_s(parts))
 
 
+def distinct_groups(groups: int, experts: int, top_k: int) -> float:
+    """Expected distinct groups (of experts / groups experts each) that a token's top_k
+    distinct experts fall in, uniform routing: R (1 - C(E - E/R, k) / C(E, k))."""
+    if groups <= 1:
+        return float(groups)
+    outside = experts - experts // groups
+    miss = 1.0
+    for i in range(top_k):
+        miss *= max(outside - i, 0) / (experts - i)
+    return groups * (1.0 - miss)
+
+
+def domains_spanned(cluster: ClusterSpec, group_devices: int, stride: int = 1) -> int:
+    """Local domains (HALO's nodes) a group of `group_devices` devices `stride` apart spans:
+    n / g with g = the group's members per domain."""
+    g = min(max(local_domain_devices(cluster) // stride, 1), group_devices)
+    return max(group_devices // g, 1)
+
+
+def dedup_ratio(
+    cluster: ClusterSpec, group_devices: int, experts: int, top_k: int, stride: int = 1
+) -> float:
+    """Remote bytes of HALO-dedup over HALO's for uniform routing of top_k of `experts` spread
+    evenly over the group: one row per (token, remote domain) hit, D(Q) (Q - 1) / Q, against
+    k (Q - 1) / Q, so D(Q) / k (1 inside one domain and for top-1 routing)."""
+    q = domains_spanned(cluster, group_devices, stride)
+    if q <= 1 or top_k <= 1 or experts < q:
+        return 1.0
+    return min(distinct_groups(q, experts, top_k) / top_k, 1.0)
+
+
 def halo_all_to_all_s(
-    cluster: ClusterSpec, group_devices: int, bytes_per_rank: float, stride: int = 1
+    cluster: ClusterSpec,
+    group_devices: int,
+    bytes_per_rank: float,
+    stride: int = 1,
+    remote_ratio: float = 1.0,
 ) -> float:
     """Analytic HALO over Q = n / g local domains of g devices. Phase II (remote rows packed
     per destination domain: Q - 1 messages to the rail peers, the network bytes of flat) is
@@ -177,7 +214,8 @@ def halo_all_to_all_s(
     messages), which runs beside it on the local links; Phase III (the rail peer forwards the
     received (1 - g / n) share to its g - 1 local peers) starts at max(end of II, time all
     I + II messages are posted). t = max(t_I, t_III). Equal to flat inside one domain; g
-    counts the group's members in a domain (its devices // stride)."""
+    counts the group's members in a domain (its devices // stride). `remote_ratio` scales
+    Phase II's bytes (HALO-dedup: dedup_ratio); Phase III forwards every row, as without it."""
     n = group_devices
     g = max(local_domain_devices(cluster) // stride, 1)
     if n <= g:
@@ -188,7 +226,9 @@ def halo_all_to_all_s(
     remote = [c for c in crossings(cluster, n, stride) if c.level.devices > g * stride]
     m_1, m_2 = g - 1, n / g - 1
     lat_1 = latency_s(inner)
-    t_2 = phase_s(cluster, m_2, bandwidth_s(cluster, bytes_per_rank, remote), latency_s(remote))
+    t_2 = phase_s(
+        cluster, m_2, bandwidth_s(cluster, bytes_per_rank * remote_ratio, remote), latency_s(remote)
+    )
     t_1 = phase_s(
         cluster, m_1, bandwidth_s(cluster, bytes_per_rank * local_share, inner), lat_1, m_2
     )
@@ -199,19 +239,26 @@ def halo_all_to_all_s(
 
 
 def all_to_all_time_s(
-    cluster: ClusterSpec, group_devices: int, bytes_per_rank: float, algo: str, stride: int = 1
+    cluster: ClusterSpec,
+    group_devices: int,
+    bytes_per_rank: float,
+    algo: str,
+    stride: int = 1,
+    remote_ratio: float = 1.0,
 ) -> float:
     """Seconds for one all-to-all in which each of `group_devices` ranks sends
     `bytes_per_rank` bytes in total (including its own share), by the analytic model.
 
-    algo: "flat" (direct sends) or "halo" (hierarchical, see halo_all_to_all_s).
+    algo: "flat" (direct sends), "halo" (hierarchical, see halo_all_to_all_s) or "halo-dedup"
+    (HALO with Phase II's bytes x `remote_ratio`, dedup_ratio; 1 for the others).
     """
     if algo not in ALGOS:
         raise SpecError(f"all-to-all algo '{algo}' is unknown; use one of {', '.join(ALGOS)}")
     if group_devices <= 1 or bytes_per_rank <= 0:
         return 0.0
-    if algo == "halo":
-        return halo_all_to_all_s(cluster, group_devices, bytes_per_rank, stride)
+    if algo != "flat":
+        ratio = remote_ratio if algo == "halo-dedup" else 1.0
+        return halo_all_to_all_s(cluster, group_devices, bytes_per_rank, stride, ratio)
     return flat_all_to_all_s(cluster, group_devices, bytes_per_rank, stride)
 
 
@@ -223,7 +270,12 @@ def group_span(cluster: ClusterSpec, group_devices: int, stride: int = 1) -> Lev
 
 
 def a2a_time_s(
-    cluster: ClusterSpec, group_devices: int, bytes_per_rank: float, algo: str, stride: int = 1
+    cluster: ClusterSpec,
+    group_devices: int,
+    bytes_per_rank: float,
+    algo: str,
+    stride: int = 1,
+    remote_ratio: float = 1.0,
 ) -> tuple[float, str, tuple[str, ...]]:
     """One all-to-all for the resource model: the measured `a2a_<level>` table of the level the
     group spans when present (flat only: the profiler measures the flat collective), else the
@@ -236,7 +288,7 @@ def a2a_time_s(
     measured = lookup(cluster, name, bytes_per_rank) if algo == "flat" else None
     if measured is not None:
         return bytes_per_rank / (measured * 1e9), span.name, (name,)
-    t = all_to_all_time_s(cluster, group_devices, bytes_per_rank, algo, stride)
+    t = all_to_all_time_s(cluster, group_devices, bytes_per_rank, algo, stride, remote_ratio)
     return t + straggler_s(cluster, group_devices, stride), span.name, ()
 
 

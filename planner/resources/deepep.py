@@ -27,18 +27,6 @@ from planner.resources import comm
 from planner.specs import ClusterSpec
 
 
-def distinct_groups(groups: int, experts: int, top_k: int) -> float:
-    """Expected distinct groups (of experts / groups experts each) that a token's top_k
-    distinct experts fall in, uniform routing: R (1 - C(E - E/R, k) / C(E, k))."""
-    if groups <= 1:
-        return float(groups)
-    outside = experts - experts // groups
-    miss = 1.0
-    for i in range(top_k):
-        miss *= max(outside - i, 0) / (experts - i)
-    return groups * (1.0 - miss)
-
-
 def _normalized(parts: list[comm.Crossing]) -> list[comm.Crossing]:
     total = sum(c.fraction for c in parts)
     return [comm.Crossing(c.level, c.fraction / total, c.peers) for c in parts] if total else []
@@ -59,7 +47,7 @@ def deepep_all_to_all_s(
     if n <= 1 or token_bytes <= 0:
         return 0.0
     g = min(max(comm.local_domain_devices(cluster) // stride, 1), n)
-    nvl_bytes = token_bytes * distinct_groups(n, experts, top_k) * (g - 1) / g
+    nvl_bytes = token_bytes * comm.distinct_groups(n, experts, top_k) * (g - 1) / g
     inner = _normalized(comm.crossings(cluster, g, stride))
     t_nvl = 0.0
     if inner:
@@ -68,7 +56,7 @@ def deepep_all_to_all_s(
     if n <= g:
         return t_nvl
     q = n // g
-    rdma_bytes = token_bytes * distinct_groups(q, experts, top_k) * (q - 1) / q
+    rdma_bytes = token_bytes * comm.distinct_groups(q, experts, top_k) * (q - 1) / q
     remote = [c for c in comm.crossings(cluster, n, stride) if c.level.devices > g * stride]
     remote = _normalized(remote)
     bw = comm.bandwidth_s(cluster, rdma_bytes, remote)

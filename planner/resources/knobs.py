@@ -25,8 +25,11 @@ def knob_conflict(
     if training.a2a_overlap:
         if parallel.ep < 2:
             return "a2a_overlap hides expert-parallel all-to-alls; it needs ep > 1"
-        if dispatcher == "halo":
-            return "a2a_overlap runs with the flat (alltoall) or deepep (flex) dispatcher, not halo"
+        if dispatcher in ("halo", "halo-dedup"):
+            return (
+                "a2a_overlap runs with the flat (alltoall) or deepep (flex) dispatcher, "
+                f"not {dispatcher}"
+            )
         if recompute == "full":
             return "a2a_overlap does not run with full recompute; use selective recompute"
         if "moe" in parallel.recompute_modules:

@@ -1,6 +1,6 @@
 """Communication of one layer on one rank per micro-batch: what is exposed and what hides.
 
-The layer's four all-to-alls (flat or HALO from comm.py, DeepEP from deepep.py), its TP
+The layer's four all-to-alls (flat, HALO or HALO-dedup from comm.py, DeepEP from deepep.py), its TP
 collectives, the expert-TP all-gather / reduce-scatter, the context-parallel K/V ring and
 FSDP's gathers; volumes from traffic.py, overlap with the layer's compute from overlap.py.
 """
@@ -21,13 +21,13 @@ from planner.resources.memory import (
 )
 from planner.specs import ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
 
-DISPATCHERS: tuple[str, ...] = ("flat", "halo", "deepep")
+DISPATCHERS: tuple[str, ...] = ("flat", "halo", "halo-dedup", "deepep")
 MLP_SIDE = ("experts", "shared")  # the all-to-all overlap's "mlp" node; the rest is pre-dispatch
 # SMs the dispatch/combine kernels hold while they run beside compute: DeepEP's normal
 # (training) kernels use 24 SMs (DeepEP README: "for V3-like legacy training, SM usage
 # reduced from 24 to 4-6" in V2); NCCL's all-to-all one SM per channel, 16 channels
 # (ASSUMPTION).
-COMM_SMS = {"deepep": 24, "flat": 16, "halo": 16}
+COMM_SMS = {"deepep": 24, "flat": 16, "halo": 16, "halo-dedup": 16}
 
 
 def sm_contention_s(cluster: ClusterSpec, dispatcher: str, hidden_s: float) -> float:
@@ -48,21 +48,29 @@ def _a2a_s(
     training: TrainingSpec,
     parallel: ParallelConfig,
     dispatcher: str,
-) -> tuple[float, str, tuple[str, ...]]:
-    """One of the layer's four all-to-alls (dispatch or combine, forward or backward) over the
-    ep ranks etp apart: (seconds, level, measured tables)."""
+) -> tuple[float, float, str, tuple[str, ...]]:
+    """The layer's all-to-alls over the ep ranks etp apart: (seconds of the forward pair,
+    dispatch + combine; seconds of the backward pair; level; measured tables). HALO-dedup
+    sends one row per (token, remote node) in the dispatch, the gate-weighted combine and the
+    combine's backward; the dispatch's backward returns a row per (token, choice)
+    (runtime/HALO.md), priced as HALO."""
     nbytes = traffic.a2a_bytes(model, layer, training, parallel)
     if nbytes <= 0:
-        return 0.0, "", ()
-    if dispatcher != "deepep":
-        return comm.a2a_time_s(cluster, parallel.ep, nbytes, dispatcher, parallel.etp)
+        return 0.0, 0.0, "", ()
     moe = layer.moe
     assert moe is not None  # a2a_bytes is 0 without experts
-    span = comm.group_span(cluster, parallel.ep, parallel.etp)
-    t = deepep_all_to_all_s(
-        cluster, parallel.ep, nbytes / moe.top_k, moe.top_k, moe.num_experts, parallel.etp
-    )
-    return t, span.name if span else "", ()
+    ep, etp = parallel.ep, parallel.etp
+    if dispatcher == "halo-dedup":
+        ratio = comm.dedup_ratio(cluster, ep, moe.num_experts, moe.top_k, etp)
+        dedup, level, tables = comm.a2a_time_s(cluster, ep, nbytes, dispatcher, etp, ratio)
+        plain, _, _ = comm.a2a_time_s(cluster, ep, nbytes, "halo", etp)
+        return 2 * dedup, dedup + plain, level, tables
+    if dispatcher != "deepep":
+        t, level, tables = comm.a2a_time_s(cluster, ep, nbytes, dispatcher, etp)
+        return 2 * t, 2 * t, level, tables
+    span = comm.group_span(cluster, ep, etp)
+    t = deepep_all_to_all_s(cluster, ep, nbytes / moe.top_k, moe.top_k, moe.num_experts, etp)
+    return 2 * t, 2 * t, span.name if span else "", ()
 
 
 def _sides(work: tuple[Work, ...]) -> tuple[float, float, float, float]:
@@ -103,34 +111,34 @@ def layer_comm(
     gathers; volumes from planner.resources.traffic, overlap from planner.resources.overlap."""
     exposed: list[tuple[str, float]] = []
     hidden: list[tuple[str, float]] = []
-    t, level, tables = _a2a_s(model, layer, cluster, training, parallel, dispatcher)
-    a2a_full = 4 * t
+    a2a_fwd, a2a_bwd, level, tables = _a2a_s(model, layer, cluster, training, parallel, dispatcher)
+    a2a_full = a2a_fwd + a2a_bwd
     if level:
         shown = a2a_full
         if training.a2a_overlap:
-            shown = overlap.paired_a2a_exposed_s(*_sides(work), t)
+            shown = overlap.paired_a2a_exposed_s(*_sides(work), a2a_full / 4)
             shown = overlap.imperfect_s(shown, a2a_full, cluster.overlap_efficiency)
             hidden.append((f"a2a_{level}", a2a_full - shown))
             shown += sm_contention_s(cluster, dispatcher, a2a_full - shown)
         exposed.append((f"a2a_{level}", shown))
-    repeat = [a2a_full]
+    repeat = [a2a_fwd]  # the forward collectives, which recompute repeats
     if parallel.tp > 1:
         buf = traffic.tp_buffer_bytes(model, training, parallel)
         t, level = comm.ring_allreduce_s(cluster, parallel.tp, 1, buf)
         exposed.append((f"tp_{level}", traffic.tp_allreduces(layer) * t))
-        repeat.append(traffic.tp_allreduces(layer) * t)
+        repeat.append(traffic.tp_allreduces(layer) * t / 2)
     etp_buf = traffic.etp_buffer_bytes(model, layer, training, parallel)
     etp_s = 0.0
     if etp_buf > 0:
         t, level = comm.ring_allreduce_s(cluster, parallel.etp, 1, etp_buf, passes=1)
         etp_s = 4 * t
         exposed.append((f"etp_{level}", etp_s))
-        repeat.append(etp_s)
+        repeat.append(etp_s / 2)
     cp_fwd = _cp_ring(model, layer, cluster, training, parallel, work, exposed, hidden)
     params = layer_param_split(model, layer, parallel)
     _fsdp(cluster, training, parallel, work, params, exposed, hidden)
-    moe_s = (a2a_full + etp_s) / 2
-    return LayerComm(tuple(exposed), tuple(hidden), sum(repeat) / 2, moe_s, cp_fwd, tables)
+    moe_s = a2a_fwd + etp_s / 2
+    return LayerComm(tuple(exposed), tuple(hidden), sum(repeat), moe_s, cp_fwd, tables)
 
 
 def _cp_ring(

@@ -40,7 +40,7 @@ from planner.resources.memory import (
 )
 from planner.specs import ClusterSpec, LayerSpec, ModelSpec, Recompute, SpecError, TrainingSpec
 
-Dispatcher = Literal["flat", "halo", "deepep"]
+Dispatcher = Literal["flat", "halo", "halo-dedup", "deepep"]
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from planner.ip.rank_ip import solve_ranks
 from planner.ip.solvers import SolverOptions
 from planner.parallel import ParallelConfig
 from planner.plan.schema import Plan, RankPlan, SolveReport
+from planner.resources.layer_comm import DISPATCHERS
 from planner.run.place_layout import (
     greedy_by_switch,
     node_array,
@@ -229,5 +230,5 @@ class _Pricer:
             model, cl, training, parallel,
             stage_layers=[s.layers for s in stages],
             recompute_layers=[s.recompute_layers for s in stages],
-            dispatcher=dispatcher if dispatcher in ("flat", "halo", "deepep") else "flat",
+            dispatcher=dispatcher if dispatcher in DISPATCHERS else "flat",
         )  # fmt: skip

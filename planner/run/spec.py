@@ -390,23 +390,24 @@ def spec_from_options(options: RunOptions) -> RunSpec:
 
 def priced_dispatcher(plan: Plan) -> Dispatcher:
     """The runtime's dispatcher for the one the plan was priced with (plan.json
-    extra.dispatcher): flat or halo; a plan priced with DeepEP (made for another engine, which
-    `piper run` refuses at full size) rehearses with flat, the exchange DeepEP also makes."""
-    return "halo" if plan.extra.get("dispatcher", "flat") == "halo" else "flat"
+    extra.dispatcher): flat, halo or halo-dedup; a plan priced with DeepEP (made for another
+    engine, which `piper run` refuses at full size) rehearses with flat, the exchange DeepEP
+    also makes."""
+    priced = plan.extra.get("dispatcher", "flat")
+    return priced if priced in ("halo", "halo-dedup") else "flat"
 
 
 def check_run_flags(plan: Plan, options: RunOptions) -> None:
     """Refuse (one SpecError line naming the flag and the fix) a --dispatcher or --precision
-    given explicitly that runs other than the plan was priced: another dispatcher (halo-dedup
-    is HALO, only without the copies the priced bytes include, so it runs a halo plan), or
-    another compute dtype than `--precision plan` gives."""
+    given explicitly that runs other than the plan was priced: another dispatcher, or another
+    compute dtype than `--precision plan` gives."""
     priced = priced_dispatcher(plan)
     chosen = options.dispatcher
-    if chosen is not None and chosen != priced and (chosen, priced) != ("halo-dedup", "halo"):
+    if chosen is not None and chosen != priced:
         raise SpecError(
             f"--dispatcher {chosen}: the plan was priced with the {priced} dispatcher; leave "
-            f"the flag out to run {priced}, re-plan with --dispatcher "
-            f"{chosen.removesuffix('-dedup')}, or rehearse with --scale < 1"
+            f"the flag out to run {priced}, re-plan with --dispatcher {chosen}, or rehearse "
+            "with --scale < 1"
         )
     want = replace(options, precision="plan").compute_dtype(plan.training)
     if options.precision != "plan" and options.precision != want:

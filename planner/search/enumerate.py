@@ -147,6 +147,7 @@ def enumerate_families(
     _check_fixed_ep(model, space)
     g, out, order = cluster.gpus_per_node, [], 0
     policies, mtp = sp.policies(space, model, training), sp.mtp_layers(model, training)
+    top_k = max((ly.moe.top_k for ly in model.layers if ly.moe is not None), default=1)
     for pp in _pp_choices(model, space):
         for tp in _tp_choices(model, cluster, space):
             for cp in sp.cp_choices(space, model, training, tp, g):
@@ -162,7 +163,7 @@ def enumerate_families(
                         m = per_dp // mb
                         for vp in sp.vp_choices(space, pp, m, model.num_layers):
                             base = ParallelConfig(pp, dp, tp, ep, mb, m, "none", vp, cp, etp)
-                            for d in sp.dispatcher_choices(space, ep, etp, g):
+                            for d in sp.dispatcher_choices(space, ep, etp, g, top_k):
                                 members = _members(base, d, space, policies, mtp)
                                 if members:
                                     out.append(Family(tuple(members), order))

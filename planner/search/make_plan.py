@@ -55,12 +55,13 @@ NO_DEEPEP_KINDS = frozenset(
 
 
 def default_dispatchers(cluster: ClusterSpec) -> tuple[str, ...]:
-    """The dispatchers searched when the user names none: flat and HALO everywhere, DeepEP
-    unless a level of the cluster is a fabric it does not run on (Frontier's Infinity
-    Fabric, the CPU emulation). `--dispatcher deepep` still prices it on any cluster."""
+    """The dispatchers searched when the user names none: flat and HALO-dedup everywhere
+    (plain HALO never moves fewer bytes: `--dispatcher halo` prices it), DeepEP unless a level
+    of the cluster is a fabric it does not run on (Frontier's Infinity Fabric, the CPU
+    emulation). `--dispatcher deepep` still prices it on any cluster."""
     if any(lv.kind in NO_DEEPEP_KINDS for lv in cluster.levels):
-        return ("flat", "halo")
-    return ("flat", "halo", "deepep")
+        return ("flat", "halo-dedup")
+    return ("flat", "halo-dedup", "deepep")
 
 
 def make_plan(
@@ -105,8 +106,9 @@ def make_plan(
             and fsdp without pipelining).
         a2a_overlap: fix the 1F1B all-to-all overlap on or off; None = search it where
             Megatron-LM allows it.
-        dispatchers: the MoE dispatchers to try among "flat", "halo", "deepep" (default:
-            default_dispatchers(cluster): deepep only on clusters with NVLink).
+        dispatchers: the MoE dispatchers to try among "flat", "halo", "halo-dedup",
+            "deepep" (default: default_dispatchers(cluster): flat, halo-dedup, and deepep
+            only on clusters with NVLink).
         max_ep: largest EP group allowed (keep EP inside a fast domain); None = no limit.
         evaluator: the resource model and IPs (default: the real ones; tests pass stubs).
         score: "dp" finds each candidate's split with the exact DP (the stage IP where the DP

@@ -30,7 +30,7 @@ from planner.parallel import RECOMPUTE_MODULES, ParallelConfig, RecomputeModule
 from planner.specs import ModelSpec, Recompute, SpecError, TrainingSpec
 
 Sharding = Literal["none", "zero", "fsdp"]
-DispatcherName = Literal["flat", "halo", "deepep"]
+DispatcherName = Literal["flat", "halo", "halo-dedup", "deepep"]
 DISPATCHERS: tuple[DispatcherName, ...] = get_args(DispatcherName)
 SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
 
@@ -207,7 +207,7 @@ def a2a_overlap_allowed(
     broken)."""
     if par.ep == 1:
         return False, "needs ep > 1"
-    if dispatcher == "halo":
+    if dispatcher in ("halo", "halo-dedup"):
         return False, "runs with the flat (alltoall) or deepep (flex) dispatcher"
     if par.recompute == "full":
         return False, "is not allowed with full recompute"
@@ -278,14 +278,20 @@ def etp_ok(etp: int, ep: int, model: ModelSpec, searched: bool) -> bool:
     return not searched or etp == 1 or ep == max(model.num_experts, 1)
 
 
-def dispatcher_choices(space: SearchSpace, ep: int, etp: int, g: int) -> list[DispatcherName]:
-    """Dispatchers for an EP group: one (the first) without expert parallelism, no HALO for a
-    group inside one node (its Phase I is the whole exchange)."""
+def dispatcher_choices(
+    space: SearchSpace, ep: int, etp: int, g: int, top_k: int = 2
+) -> list[DispatcherName]:
+    """Dispatchers for an EP group: one (the first) without expert parallelism; no HALO for a
+    group inside one node (its Phase I is the whole exchange); HALO-dedup is plain HALO under
+    top-1 routing (nothing to deduplicate), so one of the two is searched there."""
     if ep == 1:
         return [space.dispatchers[0]]
     out = list(space.dispatchers)
-    if ep * etp <= g and len(out) > 1 and "halo" in out:
-        out.remove("halo")
+    for name in ("halo", "halo-dedup"):
+        if ep * etp <= g and len(out) > 1 and name in out:
+            out.remove(name)
+    if top_k <= 1 and "halo" in out and "halo-dedup" in out:
+        out.remove("halo-dedup")
     return out
 
 

@@ -197,6 +197,7 @@ def _priced(tmp_path, dispatcher: str, dtype: str):
 @pytest.mark.parametrize(
     "dispatcher, dtype, ran",
     [("halo", "bf16", ("halo", "bf16")), ("flat", "fp32", ("flat", "fp32")),
+     ("halo-dedup", "bf16", ("halo-dedup", "bf16")),
      ("deepep", "bf16", ("flat", "bf16"))],  # DeepEP: only a --scale'd rehearsal runs it
 )  # fmt: skip
 def test_without_flags_piper_run_runs_the_priced_dispatcher_and_precision(
@@ -222,7 +223,12 @@ def test_without_flags_piper_run_runs_the_priced_dispatcher_and_precision(
          "--dispatcher halo: the plan was priced with the flat dispatcher; leave the flag out "
          "to run flat, re-plan with --dispatcher halo, or rehearse with --scale < 1"),
         (("halo", "bf16"), ["--dispatcher", "flat"], "priced with the halo dispatcher"),
-        (("flat", "bf16"), ["--dispatcher", "halo-dedup"], "re-plan with --dispatcher halo,"),
+        (("flat", "bf16"), ["--dispatcher", "halo-dedup"],
+         "re-plan with --dispatcher halo-dedup,"),
+        # priced apart: a deduplicated run moves other bytes than the plan priced
+        (("halo", "bf16"), ["--dispatcher", "halo-dedup"], "priced with the halo dispatcher"),
+        (("halo-dedup", "bf16"), ["--dispatcher", "halo"],
+         "priced with the halo-dedup dispatcher"),
         (("flat", "bf16"), ["--precision", "fp32"],
          "--precision fp32: the plan was priced in bf16, which runs in bf16 here; leave the "
          "flag out (or --precision plan), re-plan with --dtype fp32, or rehearse with --scale"),
@@ -246,7 +252,7 @@ def test_a_flag_that_changes_a_priced_setting_is_refused_at_full_size(
 @pytest.mark.parametrize(
     "priced, flags, ran",
     [
-        (("halo", "bf16"), ["--dispatcher", "halo-dedup"], ("halo-dedup", 1.0)),
+        (("halo-dedup", "bf16"), ["--dispatcher", "halo-dedup"], ("halo-dedup", 1.0)),
         (("halo", "bf16"), ["--dispatcher", "halo", "--precision", "bf16"], ("halo", 1.0)),
         (("flat", "bf16"), ["--precision", "plan"], ("flat", 1.0)),
         # a --scale'd rehearsal may change them

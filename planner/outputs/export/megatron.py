@@ -195,9 +195,9 @@ def _moe_comm_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
         args = ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
     else:
         args = ["--moe-token-dispatcher-type", "alltoall"]
-        if dispatcher == "halo":
+        if dispatcher in ("halo", "halo-dedup"):
             notes.append(
-                "Piper's HALO dispatch is not in Megatron: alltoall is exported; the "
+                f"Piper's {dispatcher} dispatch is not in Megatron: alltoall is exported; the "
                 "flex dispatcher with DeepEP is its node-deduplicated counterpart"
             )
     if plan.training.get("a2a_overlap"):

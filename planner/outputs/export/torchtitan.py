@@ -164,7 +164,7 @@ def _knob_notes(plan: Plan, model: ModelSpec, shard: int) -> list[str]:
                      f"etp={p.etp} is not exported")  # fmt: skip
     if t.get("a2a_overlap"):
         notes.append("torchtitan has no 1F1B all-to-all overlap; the all-to-all is exposed")
-    if plan.extra.get("dispatcher") in ("deepep", "halo"):
+    if plan.extra.get("dispatcher") in ("deepep", "halo", "halo-dedup"):
         notes.append(f"the '{plan.extra['dispatcher']}' dispatcher is chosen in torchtitan's "
                      "model definition (config functions such as qwen3_moe_deepep), not by a "
                      "flag: the config's own dispatcher is used")  # fmt: skip

@@ -28,8 +28,7 @@ RUN = {"pp": 2, "dp": 2, "tp": 1, "ep": 2, "vp": 1, "etp": 1, "micro_batch": 1,
        "hidden_size": 64, "layers": 4, "dispatcher": "flat", "steps": 2}  # fmt: skip
 HALO_DEDUP = (
     "the run differs from what the plan priced: dispatcher halo-dedup (plan: flat); "
-    "predictions repriced for the halo dispatcher (the resource model's nearest: it has no "
-    "deduplicated HALO)"
+    "predictions repriced for the halo-dedup dispatcher"
 )
 
 
@@ -52,8 +51,8 @@ def test_a_halo_dedup_run_of_a_flat_plan_is_said_and_repriced(tmp_path, capsys):
     out, predicted = _calibrate_cli(tmp_path, capsys, {**RUN, "dispatcher": "halo-dedup"})
     assert HALO_DEDUP + "\n" in out
     assert HALO_DEDUP + "\n" in (tmp_path / "cal" / "calibration.md").read_text()
-    halo = estimate_plan(tiny_plan(), reprice=Repricing("halo", False, "halo-dedup"))
-    # the whole step is the resource model's for halo, not plan.json's hand-made 2.0 s
+    halo = estimate_plan(tiny_plan(), reprice=Repricing("halo-dedup", False, "halo-dedup"))
+    # the whole step is the resource model's for halo-dedup, not plan.json's hand-made 2.0 s
     assert predicted["step_time_s", "all"] == pytest.approx(halo.step_time_s, rel=1e-5)
     assert predicted["step_time_s", "all"] != pytest.approx(2.0)
     a2a = sum(s for n, s in halo.comm_s if n.startswith("a2a"))
@@ -81,9 +80,9 @@ def test_overlap_is_dropped_where_the_runs_dispatcher_does_not_allow_it():
     diffs = run_differences(plan, {"dispatcher": "halo-dedup"})
     assert diffs == (Difference("dispatcher", "flat", "halo-dedup"),)
     reprice = repricing(plan, diffs)
-    assert reprice == Repricing("halo", False, "halo-dedup")
+    assert reprice == Repricing("halo-dedup", False, "halo-dedup")
     assert differences_line(diffs, reprice, True).endswith(
-        ", without the all-to-all overlap (not allowed with halo)"
+        ", without the all-to-all overlap (not allowed with halo-dedup)"
     )
     assert repricing(plan, run_differences(plan, {"dispatcher": "flat"})) is None
 

@@ -166,8 +166,10 @@ def test_every_knob_is_fixed_by_its_flag(tmp_path):
         # no DeepEP on the CPU emulation's fabric; Megatron runs no HALO
         ("megatron", {"sharding": {"zero", "fsdp"}, "a2a_overlap": {"0", "1"},
                       "dispatcher": {"flat"}}, {"dispatcher": {"halo", "deepep"}}),
+        # plain HALO never moves fewer bytes than HALO-dedup: searched only when named
         ("piper", {"sharding": {"none", "fsdp"}, "a2a_overlap": {"0"},
-                   "dispatcher": {"flat", "halo"}}, {"sharding": {"zero"}, "a2a_overlap": {"1"}}),
+                   "dispatcher": {"flat", "halo-dedup"}},
+         {"sharding": {"zero"}, "a2a_overlap": {"1"}, "dispatcher": {"halo", "deepep"}}),
     ],
 )  # fmt: skip
 def test_the_search_varies_the_knobs_when_nothing_is_fixed(tmp_path, target, varied, never):

@@ -14,8 +14,9 @@ from planner.ip.solvers import SolverOptions
 from planner.ip.stage_ip import solve_stages, stage_memory_bytes, stage_time_s
 from planner.parallel import ParallelConfig
 from planner.resources import comm
+from planner.resources.comm import distinct_groups
 from planner.resources.cost import estimate, stage_cost_inputs
-from planner.resources.deepep import deepep_all_to_all_s, distinct_groups
+from planner.resources.deepep import deepep_all_to_all_s
 from planner.resources.layer_cost import layer_cost
 from planner.resources.overlap import paired_a2a_exposed_s
 from planner.specs import GIB, DeviceSpec, EfficiencyTable, SpecError, TrainingSpec

@@ -109,8 +109,8 @@ class ToyEvaluator:
     @staticmethod
     def _a2a_s(tokens, d, par, cluster, training, dispatcher) -> float:
         t = tokens * d * 2 * 4 * (par.ep - 1) / par.ep / 1e10 * (1 + par.ep // 4)
-        if dispatcher == "halo" and par.ep * par.etp > cluster.gpus_per_node:
-            t *= 0.8
+        if dispatcher in ("halo", "halo-dedup") and par.ep * par.etp > cluster.gpus_per_node:
+            t *= 0.8 if dispatcher == "halo" else 0.7
         if dispatcher == "deepep":
             t *= 0.9
         return t / 2 if training.a2a_overlap else t

@@ -164,18 +164,26 @@ def test_branch_and_bound_finds_the_exhaustive_optimum_with_fewer_solves(memory_
 
 
 def test_dominated_dispatchers_are_rows_with_the_reason():
-    """HALO is the toy's 0.8x all-to-all for EP groups beyond a node (same memory as flat):
-    flat and DeepEP (0.9x, a dispatch buffer) are dominated there; inside a node HALO is not
-    enumerated and DeepEP trades memory for time against flat, so both stay."""
+    """HALO-dedup is the toy's 0.7x all-to-all for EP groups beyond a node (same memory as
+    flat): flat and DeepEP (0.9x, a dispatch buffer) are dominated there; inside a node HALO
+    is not enumerated and DeepEP trades memory for time against flat, so both stay. Plain
+    HALO (0.8x) is searched only when named."""
     result = make_plan(
         toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, evaluator=ToyEvaluator()
     )
     dominated = [r for r in result.rows if r.status == "dominated"]
     assert {r.knobs.dispatcher for r in dominated} == {"flat", "deepep"}
     assert all(r.parallel.ep * r.parallel.etp > 4 for r in dominated)
-    assert all("dispatcher halo is no slower" in r.reason for r in dominated)
+    assert all("dispatcher halo-dedup is no slower" in r.reason for r in dominated)
     inside = [r for r in result.rows if r.parallel.ep * r.parallel.etp <= 4]
-    assert not any(r.knobs.dispatcher == "halo" for r in inside)
+    assert not any(r.knobs.dispatcher.startswith("halo") for r in inside)
+    assert not any(r.knobs.dispatcher == "halo" for r in result.rows)
+    named = make_plan(
+        toy_model(), toy_cluster(8.0), toy_training(), 16, None, OPTS, evaluator=ToyEvaluator(),
+        dispatchers=("halo", "halo-dedup"),
+    )  # fmt: skip
+    beaten = [r for r in named.rows if r.status == "dominated"]
+    assert {r.knobs.dispatcher for r in beaten} == {"halo"}
 
 
 def test_small_memory_forces_recompute_or_deeper_pipeline():
@@ -192,7 +200,7 @@ def test_nothing_fits_without_cp_so_a_second_pass_tries_it():
     """Sequence 12288 (cp is not searched below 16384): no layout fits 1.15 GiB until cp
     splits the activations; the second pass's rows follow the first's."""
     model, training, cluster = toy_model(), toy_training(seq_len=12288), toy_cluster(1.15)
-    space = make_space(16, {"cp": 1})
+    space = make_space(16, {"cp": 1}, dispatchers=default_dispatchers(cluster))
     fixed = make_plan(model, cluster, training, 16, {"cp": 1}, OPTS, evaluator=ToyEvaluator())
     assert fixed.plan is None and "closest is" in fixed.message
     result = make_plan(model, cluster, training, 16, None, OPTS, evaluator=ToyEvaluator())
@@ -376,8 +384,8 @@ def test_a_layout_the_resource_model_rejects_becomes_an_infeasible_row():
 def test_deepep_is_searched_only_where_it_runs():
     # DeepEP / HybridEP need NVLink: not searched on Frontier's Infinity Fabric or the CPU
     # emulation unless asked for; searched on the NVIDIA presets
-    assert default_dispatchers(load_cluster("frontier")) == ("flat", "halo")
-    assert default_dispatchers(load_cluster("cpu-gloo")) == ("flat", "halo")
+    assert default_dispatchers(load_cluster("frontier")) == ("flat", "halo-dedup")
+    assert default_dispatchers(load_cluster("cpu-gloo")) == ("flat", "halo-dedup")
     for name in ("h100", "h200", "gb200-nvl72"):
         assert "deepep" in default_dispatchers(load_cluster(name))
 

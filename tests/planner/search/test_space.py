@@ -44,11 +44,12 @@ def _brute(gpus: int, g: int, layers: int, experts: int, heads: int, batch: int)
                 continue
             m = batch // dp // mb
             vps = [1] + [v for v in (2, 4) if pp > 1 and m % pp == 0 and pp * v <= layers]
-            dispatchers = ["flat"] if ep == 1 else ["flat", "halo", "deepep"]
+            dispatchers = ["flat"] if ep == 1 else ["flat", "halo", "halo-dedup", "deepep"]
             if ep * etp <= g and ep > 1:
-                dispatchers.remove("halo")
+                dispatchers = ["flat", "deepep"]
             for vp, d, (rc, mods) in itertools.product(vps, dispatchers, policies):
-                overlap_ok = ep > 1 and d != "halo" and rc != "full" and (pp == 1 or vp > 1)
+                halo = d.startswith("halo")
+                overlap_ok = ep > 1 and not halo and rc != "full" and (pp == 1 or vp > 1)
                 for sharding in ("zero", "fsdp") if pp == 1 else ("zero",):
                     for overlap in (False, True) if overlap_ok else (False,):
                         want.add((pp, dp, tp, 1, ep, etp, vp, mb, m, rc, mods, sharding,
