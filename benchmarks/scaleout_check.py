@@ -38,14 +38,19 @@ GPUS = (128, 256, 512, 1024)
 # MoE Parallel Folding (Liu et al. 2025, arXiv 2504.14960), Table 3 (appendix 6.4): one model
 # on the same H100s (DGX H100, Eos), software and batch (global batch 256, seq 4096, BF16, token
 # dropping at capacity factor 1), each method at its best layout, measured MFU. Rows: (model,
-# GPUs, method, tp, pp, vp, ep, etp, MFU %). vp, mbs 1 and no recompute are the authors' configs
-# of the time (yanring/Megatron-MoE-ModelZoo @78fd4d6 runtime_configs/benchmarking/runtime.conf
-# lines 5-13: Mixtral-8x22B TP2 PP8 EP8 VPP1 MBS1, Qwen2-57B-A14B TP2 PP4 EP4 VPP7 MBS1), the
-# same for the method's other PP row; "TP+EP+DP" has no PP, expert TP = TP (Megatron's default).
+# GPUs, method, tp, pp, vp, ep, etp, MFU %). mbs 1 and no recompute are the authors' configs
+# (yanring/Megatron-MoE-ModelZoo runtime_configs/benchmarking/runtime.conf lines 5-13:
+# Mixtral-8x22B TP2 PP8 EP8, Qwen2-57B-A14B TP2 PP4 EP4 VPP7), the same for the method's other
+# PP row; "TP+EP+DP" has no PP, expert TP = TP (Megatron's default). Mixtral's vp: VPP1 in that
+# file @78fd4d6 (2025-04-03), VPP7 (one layer per chunk, the only other split of 7 layers per
+# rank) @7f59386; the paper's own tables decide (identify_vp): the same layout measured at
+# global batch 256 (Table 3) and 1,024 (Table 4) gains 6-7%, which the model prices at vp 7
+# (+3%) and not at vp 1 (+16%: a 7 / 39 bubble shrinking to 7 / 135); Qwen2, whose vp 7 is
+# known, is the control (+2-3% measured and priced).
 FOLDING = (
     ("mixtral-8x22b", 128, "TP+EP+DP", 4, 1, 1, 8, 4, 36.6),
-    ("mixtral-8x22b", 128, "MCore", 2, 8, 1, 4, 2, 46.3),
-    ("mixtral-8x22b", 128, "w/ Folding", 2, 8, 1, 8, 1, 49.3),
+    ("mixtral-8x22b", 128, "MCore", 2, 8, 7, 4, 2, 46.3),
+    ("mixtral-8x22b", 128, "w/ Folding", 2, 8, 7, 8, 1, 49.3),
     ("qwen2-57b-a14b", 64, "TP+EP+DP", 4, 1, 1, 4, 4, 23.1),
     ("qwen2-57b-a14b", 64, "MCore", 2, 4, 7, 4, 2, 35.3),
     ("qwen2-57b-a14b", 64, "w/ Folding", 2, 4, 7, 4, 1, 39.0),
@@ -109,7 +114,7 @@ SOURCES = (
     "significant activation communication overhead'), Table 3 (appendix 6.4) and Table 4, "
     "read in a PDF-to-text copy",
     "yanring/Megatron-MoE-ModelZoo @78fd4d6 runtime_configs/benchmarking/runtime.conf:5-13 "
-    "(vp, mbs), model_configs/benchmarking/Mixtral-8x22B.yaml and Qwen2-57B-A14B.yaml "
+    "(vp, mbs; Mixtral-8x22B VPP1 there, VPP7 @7f59386), model_configs/benchmarking/Mixtral-8x22B.yaml and Qwen2-57B-A14B.yaml "
     "(ETP 1, distributed optimizer with --overlap-grad-reduce --overlap-param-gather; "
     "--tp-comm-overlap for Mixtral's dense blocks only, README.md:167-173)",
     "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @067f987",
@@ -177,6 +182,25 @@ def folding_estimate(name: str, gpus: int, tp: int, pp: int, vp: int, ep: int, e
     return estimate(model, load_cluster("h100"), tr, par, stage_layers=split)
 
 
+def identify_vp() -> None:
+    """Each pipelined Table 3 layout's MFU at global batch 1,024 (Table 4, same GPUs) over
+    its MFU at 256, measured and priced at vp 1 and at one layer per chunk: the bubble the
+    step holds at 32 micro-batches shows in this gain, so it tells the two splits apart."""
+    print("\n  vp from the paper's tables: MFU at global batch 1,024 (Table 4) / 256 (Table 3), "
+          "same layout and GPUs")  # fmt: skip
+    for name, label, measured in STRONG:
+        _, gpus, _, tp, pp, vp, ep, etp, mfu = next(
+            r for r in FOLDING if r[0] == name and r[2] == label
+        )
+        cells = []
+        for v in (1, pp_layers(name, pp)):
+            small = folding_estimate(name, gpus, tp, pp, v, ep, etp).mfu
+            big = folding_estimate(name, gpus, tp, pp, v, ep, etp, gbs=1024).mfu
+            cells.append(f"vp {v}: {big / small:.3f}")
+        print(f"    {name:15s} {label:10s} measured {measured[gpus] / mfu:.3f}  priced "
+              f"{'  '.join(cells)}  (row's vp {vp})")  # fmt: skip
+
+
 def pp_layers(name: str, pp: int) -> int:
     """Layers per pipeline rank of `name` split over pp ranks."""
     return load_model(name).num_layers // pp
@@ -206,11 +230,11 @@ def folding() -> None:
         print(f"    Spearman {spearman(pred, meas):+.2f}; ranked first: {rows[first][2]}, "
               f"measured fastest: {rows[best][2]}")  # fmt: skip
         for _, gpus, label, tp, pp, vp, ep, etp, mfu in rows:
-            if pp > 1 and vp == 1:  # the ModelZoo's later setting (runtime.conf @7f59386)
-                vp_all = pp_layers(name, pp)
-                alt = folding_estimate(name, gpus, tp, pp, vp_all, ep, etp).mfu * 100
-                print(f"    {label} at vp {vp_all} (one layer per chunk): predicted "
+            if pp > 1 and vp > 1 and name == "mixtral-8x22b":  # runtime.conf @78fd4d6's VPP1
+                alt = folding_estimate(name, gpus, tp, pp, 1, ep, etp).mfu * 100
+                print(f"    {label} at vp 1 (runtime.conf @78fd4d6): predicted "
                       f"{alt:5.1f} ratio {alt / mfu:.2f}")  # fmt: skip
+    identify_vp()
     print("\n  Table 4 (strong scaling, gbs 1,024, dp grows): MFU % measured / predicted, and "
           "each size's MFU over the smallest's")  # fmt: skip
     layouts = {(r[0], r[2]): r[3:8] for r in FOLDING}
