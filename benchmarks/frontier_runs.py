@@ -84,6 +84,12 @@ Reading the tables:
   The alternatives line puts the same one-node gap into the GEMM or attention efficiency
   instead (a GEMM efficiency of ~0.39 disagrees with the ~60% of peak X-MoE's authors measured
   for rocBLAS GEMMs on MI250X).
+- Super (id 204) is the row the fit leaves outside +-35%: its all-to-all is two thirds of the
+  priced step. Two things the paper may do and the model does not price for its rows: send a
+  token once per remote node (the HALO-dedup line above) and overlap the all-to-all with
+  compute (its abstract, arXiv 2605.05049: it names 'insufficient compute-communication
+  overlap' a bottleneck and applies 'pipeline parallelism with optimized schedules'; how it
+  overlaps is not known).
 - 'Planner in the paper's space' is Piper's own choice on each preset (the piper target: its
   runtime's 18 B per parameter); for the weak family it picks layouts other than the
   weak-scaling runs' pp 4 with one expert per EP rank.
