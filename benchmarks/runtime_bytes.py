@@ -96,7 +96,7 @@ def run_layout(
            "--vp", str(vp), "--etp", str(etp), "--cp", "1",
            "--fsdp" if fsdp else "--no-fsdp",
            "--micro-batch", "2", "--seq-len", "128", "--global-batch", str(4 * dp),
-           "--dtype", dtype, "--out", str(plan_dir))  # fmt: skip
+           "--dtype", dtype, "--dispatcher", "flat", "--out", str(plan_dir))  # fmt: skip
     _piper("run", str(plan_dir / "plan.json"), "--steps", "2", "--dispatcher", "flat",
            "--ranks-per-node", "2", "--out", str(run_dir))  # fmt: skip
     return predicted(plan_dir / "plan.json"), measured(run_dir)

@@ -49,47 +49,30 @@ def main() -> int:
 
 
 def compare(root: Path, args: argparse.Namespace) -> None:
-    """Plan once under `root`, train with each dispatcher, print them side by side."""
-    plan_dir = root / "plan"
-    _piper(
-        "plan",
-        "--model",
-        "tiny-moe",
-        "--cluster",
-        "cpu-gloo",
-        "--gpus",
-        str(args.gpus),
-        "--pp",
-        "1",
-        "--tp",
-        "1",
-        "--ep",
-        str(args.gpus),
-        "--seq-len",
-        "128",
-        "--global-batch",
-        str(2 * args.gpus),
-        "--out",
-        str(plan_dir),
-    )
-    results = {}
+    """Plan the same layout once per dispatcher under `root` (a full-size run runs the
+    dispatcher its plan priced), train each, print them side by side."""
+    results, layouts = {}, {}
     for kind in ("flat", "halo", "halo-dedup"):
+        plan_dir = root / f"plan-{kind}"
+        _piper(
+            "plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", str(args.gpus),
+            "--pp", "1", "--tp", "1", "--dp", str(args.gpus), "--ep", str(args.gpus),
+            "--vp", "1", "--micro-batch", "2", "--recompute", "none", "--no-fsdp",
+            "--seq-len", "128", "--global-batch", str(2 * args.gpus), "--dispatcher", kind,
+            "--out", str(plan_dir),
+        )  # fmt: skip
+        plan = json.loads((plan_dir / "plan.json").read_text())
+        layouts[kind] = (plan["parallel"], plan["stages"], plan["experts"])
         out = root / kind
         _piper(
-            "run",
-            str(plan_dir / "plan.json"),
-            "--steps",
-            str(args.steps),
-            "--dispatcher",
-            kind,
-            "--out",
-            str(out),
-            "--ranks-per-node",
-            "2",
-            "--halo-direct-below-bytes",
-            "0",  # the three-phase path even for these small messages
-        )
+            "run", str(plan_dir / "plan.json"), "--steps", str(args.steps), "--out", str(out),
+            "--ranks-per-node", "2",
+            "--halo-direct-below-bytes", "0",  # the three-phase path even for these small messages
+        )  # fmt: skip
         results[kind] = _lines(out)
+    if any(layout != layouts["flat"] for layout in layouts.values()):
+        raise SystemExit("runtime_dispatch: the three plans differ beyond the dispatcher")
+    plan_dir = root / "plan-flat"
     base = results["flat"]
     print(f"plan: {plan_dir / 'plan.json'}  ({args.gpus} ranks, 2 per node, {args.steps} steps)")
     print(

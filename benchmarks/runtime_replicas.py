@@ -96,7 +96,8 @@ def compare(root: Path, steps: int) -> None:
         plan_dir = root / f"plan-ep{ep}"
         _piper("plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", "4",
                "--pp", "1", "--tp", "1", "--ep", str(ep), "--micro-batch", "2",
-               "--seq-len", "64", "--global-batch", "16", "--out", str(plan_dir))  # fmt: skip
+               "--seq-len", "64", "--global-batch", "16", "--dispatcher", "flat",
+               "--out", str(plan_dir))  # fmt: skip
         plans = {"plain": plan_dir / "plan.json"}
         plans["replicas"] = with_slots(plans["plain"], slots, root / f"plan-ep{ep}-slots")
         runs = {}

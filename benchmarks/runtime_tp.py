@@ -64,7 +64,8 @@ def compare(root: Path, steps: int) -> None:
         plan_dir, out = root / f"plan-tp{tp}", root / f"run-tp{tp}"
         _piper("plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", str(4 * tp),
                "--pp", "2", "--dp", "2", "--tp", str(tp), "--ep", "2", "--micro-batch", "2",
-               "--seq-len", "128", "--global-batch", "16", "--out", str(plan_dir))  # fmt: skip
+               "--seq-len", "128", "--global-batch", "16", "--dispatcher", "flat",
+               "--out", str(plan_dir))  # fmt: skip
         _piper("run", str(plan_dir / "plan.json"), "--steps", str(steps),
                "--ranks-per-node", "2", "--dispatcher", "flat", "--out", str(out))  # fmt: skip
         results[tp] = _lines(out)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 
 from published_runs import spearman
 from results_md import ROOT, recorded
@@ -114,7 +115,8 @@ SOURCES = (
     "significant activation communication overhead'), Table 3 (appendix 6.4) and Table 4, "
     "read in a PDF-to-text copy",
     "yanring/Megatron-MoE-ModelZoo @78fd4d6 runtime_configs/benchmarking/runtime.conf:5-13 "
-    "(vp, mbs; Mixtral-8x22B VPP1 there, VPP7 @7f59386), model_configs/benchmarking/Mixtral-8x22B.yaml and Qwen2-57B-A14B.yaml "
+    "(vp, mbs; Mixtral-8x22B VPP1 there, VPP7 @7f59386), "
+    "model_configs/benchmarking/Mixtral-8x22B.yaml and Qwen2-57B-A14B.yaml "
     "(ETP 1, distributed optimizer with --overlap-grad-reduce --overlap-param-gather; "
     "--tp-comm-overlap for Mixtral's dense blocks only, README.md:167-173)",
     "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @067f987",
@@ -182,23 +184,32 @@ def folding_estimate(name: str, gpus: int, tp: int, pp: int, vp: int, ep: int, e
     return estimate(model, load_cluster("h100"), tr, par, stage_layers=split)
 
 
-def identify_vp() -> None:
+def identify_vp() -> dict[tuple[str, str], int]:
     """Each pipelined Table 3 layout's MFU at global batch 1,024 (Table 4, same GPUs) over
-    its MFU at 256, measured and priced at vp 1 and at one layer per chunk: the bubble the
-    step holds at 32 micro-batches shows in this gain, so it tells the two splits apart."""
+    its MFU at 256, measured and priced at vp 1 and at one layer per chunk (the two splits of
+    7 layers per rank): the bubble the step holds at 32 micro-batches shows in this gain. The
+    vp whose priced gain is nearest the measured one (in log) is the identified vp; FOLDING's
+    rows must carry it (marked '!' where they do not)."""
     print("\n  vp from the paper's tables: MFU at global batch 1,024 (Table 4) / 256 (Table 3), "
           "same layout and GPUs")  # fmt: skip
+    found = {}
     for name, label, measured in STRONG:
         _, gpus, _, tp, pp, vp, ep, etp, mfu = next(
             r for r in FOLDING if r[0] == name and r[2] == label
         )
-        cells = []
+        gain = measured[gpus] / mfu
+        priced = {}
         for v in (1, pp_layers(name, pp)):
             small = folding_estimate(name, gpus, tp, pp, v, ep, etp).mfu
             big = folding_estimate(name, gpus, tp, pp, v, ep, etp, gbs=1024).mfu
-            cells.append(f"vp {v}: {big / small:.3f}")
-        print(f"    {name:15s} {label:10s} measured {measured[gpus] / mfu:.3f}  priced "
-              f"{'  '.join(cells)}  (row's vp {vp})")  # fmt: skip
+            priced[v] = big / small
+        best = min(priced, key=lambda v: abs(math.log(priced[v] / gain)))
+        found[(name, label)] = best
+        cells = "  ".join(f"vp {v}: {g:.3f}" for v, g in priced.items())
+        mark = "" if best == vp else " !"
+        print(f"    {name:15s} {label:10s} measured {gain:.3f}  priced {cells}  identified "
+              f"vp {best}, row's vp {vp}{mark}")  # fmt: skip
+    return found
 
 
 def pp_layers(name: str, pp: int) -> int:

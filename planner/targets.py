@@ -9,9 +9,9 @@ it; an export of a plan made for another target refuses the settings it cannot c
 planner/EXPORT.md ("Targets") gives each row's source, file and line in the engines' code.
 
 Shape of the vocabulary: `Sharding` "none" | "zero" (distributed optimizer) | "fsdp";
-dispatchers "flat" | "halo" | "deepep" (the search's names); recompute "none" | "selective"
-| "full"; etp rule "any" (etp divides the expert FFN) or "one_or_tp" (etp is tp without expert
-parallelism, 1 with it: `etp_allowed`).
+dispatchers "flat" | "halo" | "halo-dedup" | "deepep" (the search's names); recompute "none" |
+"selective" | "full"; etp rule "any" (etp divides the expert FFN) or "one_or_tp" (etp is tp
+without expert parallelism, 1 with it: `etp_allowed`).
 """
 
 from __future__ import annotations

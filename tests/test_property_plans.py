@@ -154,7 +154,9 @@ def test_random_valid_inputs_plan_or_explain(cfg, cdict, data):
     knobs = {  # a random subset of the searched knobs fixed, as the flags do
         "sharding": data.draw(st.sampled_from([None, ("zero",), ("fsdp",), ("none",)])),
         "a2a_overlap": data.draw(st.sampled_from([None, True, False]), label="a2a_overlap"),
-        "dispatchers": data.draw(st.sampled_from([None, ["flat"], ["halo"], ["deepep"]])),
+        "dispatchers": data.draw(
+            st.sampled_from([None, ["flat"], ["halo"], ["halo-dedup"], ["deepep"]])
+        ),
     }
     loads = None
     if data.draw(st.booleans(), label="trace"):  # unequal loads: the expert IP places experts

@@ -16,13 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from planner.plan.schema import Plan
+from planner.resources.layer_comm import RUNTIME_DISPATCHERS
 from planner.search.space import a2a_overlap_allowed
 from planner.specs import SpecError
 
 RUN_FILE = "run.json"  # written by `piper run` beside metrics.jsonl
-# The runtime's dispatchers (planner/run/options.py) as the resource model prices them
-# (planner/resources/layer_cost.py): each under its own name.
-MODEL_DISPATCHER = {"flat": "flat", "halo": "halo", "halo-dedup": "halo-dedup"}
 LAYOUT_KEYS = ("pp", "dp", "tp", "ep", "vp", "etp", "micro_batch", "num_microbatches")
 
 
@@ -84,21 +82,19 @@ def run_differences(plan: Plan, info: Mapping[str, Any] | None) -> tuple[Differe
 
 @dataclass(frozen=True)
 class Repricing:
-    """How to price the run instead of the plan: the model's dispatcher for the run's one,
-    and whether the all-to-all overlap stays on (the model allows it only with some
-    dispatchers, planner.search.space.a2a_overlap_allowed)."""
+    """How to price the run instead of the plan: the run's dispatcher, and whether the
+    all-to-all overlap stays on (the model allows it only with some dispatchers,
+    planner.search.space.a2a_overlap_allowed)."""
 
-    dispatcher: str  # "flat" | "halo" | "halo-dedup" (planner.resources.layer_cost.Dispatcher)
+    dispatcher: str  # one of planner.resources.layer_comm.RUNTIME_DISPATCHERS
     a2a_overlap: bool
-    ran: str  # the run's dispatcher, as run.json names it
 
 
 def repricing(plan: Plan, differences: tuple[Difference, ...]) -> Repricing | None:
     """The Repricing for a run whose dispatcher differs from the plan's; None when it does
     not, or when the model prices no dispatcher like the run's."""
-    ran = next((d.ran for d in differences if d.setting == "dispatcher"), None)
-    dispatcher = MODEL_DISPATCHER.get(ran or "")
-    if ran is None or dispatcher is None:
+    dispatcher = next((d.ran for d in differences if d.setting == "dispatcher"), None)
+    if dispatcher not in RUNTIME_DISPATCHERS:
         return None
     overlap = bool(plan.training.get("a2a_overlap", False))
     if overlap:
@@ -106,7 +102,7 @@ def repricing(plan: Plan, differences: tuple[Difference, ...]) -> Repricing | No
         mtp = plan.training.get("mtp_layers")
         mtp = model.num_mtp_layers if mtp is None else int(mtp)
         overlap = a2a_overlap_allowed(plan.parallel.config(), dispatcher, mtp)[0]
-    return Repricing(dispatcher, overlap, ran)
+    return Repricing(dispatcher, overlap)
 
 
 def differences_line(

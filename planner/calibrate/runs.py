@@ -379,10 +379,12 @@ def _layout(where: str, **knobs) -> ParallelConfig:
 
 
 def run_of_metrics(plan_path: str | Path, metrics_path: str | Path, skip_steps: int = 1) -> Run:
-    """A `piper run` as a run: the plan's layout, the measured median tokens/s per GPU and
-    peak memory over the steps after `skip_steps` warm-up steps (all kept when fewer)."""
+    """A `piper run` as a run: the plan's layout (and the dispatcher the run's run.json
+    records, when it differs), the measured median tokens/s per GPU and peak memory over the
+    steps after `skip_steps` warm-up steps (all kept when fewer)."""
     from planner.calibrate.compare import plan_inputs
     from planner.calibrate.metrics import load_metrics
+    from planner.calibrate.run_settings import load_run_info, repricing, run_differences
     from planner.plan import load_plan
 
     plan = load_plan(plan_path)
@@ -394,6 +396,11 @@ def run_of_metrics(plan_path: str | Path, metrics_path: str | Path, skip_steps: 
         raise SpecError(f"{metrics_path}: tokens_per_s is 0 in every step; re-run 'piper run'")
     extra = plan.extra if isinstance(plan.extra, dict) else {}
     dispatcher = extra.get("dispatcher", "flat")
+    # a run whose run.json records another dispatcher is priced as it ran (run_settings)
+    reprice = repricing(plan, run_differences(plan, load_run_info(metrics_path)))
+    if reprice is not None:
+        dispatcher = reprice.dispatcher
+        training = replace(training, a2a_overlap=reprice.a2a_overlap)
     return Run(
         label=str(metrics_path),
         where=f"{plan_path}:{metrics_path}", model=model, hardware=cluster.name,

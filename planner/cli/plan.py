@@ -113,7 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--dispatcher",
         choices=DISPATCHERS,
         default=None,
-        help="fix the MoE dispatcher priced (default: search them)",
+        help="fix the MoE dispatcher priced (default: search flat, halo-dedup and, where "
+        "the fabric runs it, deepep)",
     )
     p.add_argument(
         "--mtp-layers", type=int, default=None, help="MTP layers trained (default: the config's)"

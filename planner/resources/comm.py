@@ -182,23 +182,34 @@ def distinct_groups(groups: int, experts: int, top_k: int) -> float:
     return groups * (1.0 - miss)
 
 
-def domains_spanned(cluster: ClusterSpec, group_devices: int, stride: int = 1) -> int:
-    """Local domains (HALO's nodes) a group of `group_devices` devices `stride` apart spans:
-    n / g with g = the group's members per domain."""
-    g = min(max(local_domain_devices(cluster) // stride, 1), group_devices)
-    return max(group_devices // g, 1)
+def hit_probability(experts: float, held: float, top_k: int) -> float:
+    """Probability that a token's top_k distinct experts, drawn uniformly from `experts`,
+    include one of `held` of them: 1 - C(E - e, k) / C(E, k), as a product."""
+    miss = 1.0
+    for i in range(top_k):
+        miss *= max(experts - held - i, 0.0) / (experts - i)
+    return 1.0 - miss
 
 
 def dedup_ratio(
     cluster: ClusterSpec, group_devices: int, experts: int, top_k: int, stride: int = 1
 ) -> float:
     """Remote bytes of HALO-dedup over HALO's for uniform routing of top_k of `experts` spread
-    evenly over the group: one row per (token, remote domain) hit, D(Q) (Q - 1) / Q, against
-    k (Q - 1) / Q, so D(Q) / k (1 inside one domain and for top-1 routing)."""
-    q = domains_spanned(cluster, group_devices, stride)
-    if q <= 1 or top_k <= 1 or experts < q:
+    evenly over the group's n members, g of them per local domain (the last domain holds
+    n mod g when g does not divide n). A token of a source in domain s sends one row to each
+    remote domain q it hits, probability p_q (hit_probability of q's experts), against
+    k (E - e_s) / E copies without dedup; the ratio of the two sums over the sources (D(Q) / k
+    for Q equal domains; 1 inside one domain and for top-1 routing)."""
+    n = group_devices
+    g = min(max(local_domain_devices(cluster) // stride, 1), n)
+    if g >= n or top_k <= 1:
         return 1.0
-    return min(distinct_groups(q, experts, top_k) / top_k, 1.0)
+    sizes = [g] * (n // g) + ([n % g] if n % g else [])
+    held = [experts * size / n for size in sizes]
+    hits = [hit_probability(experts, e, top_k) for e in held]
+    unique = sum(size * (sum(hits) - hit) for size, hit in zip(sizes, hits, strict=True))
+    copies = sum(size * top_k * (1.0 - e / experts) for size, e in zip(sizes, held, strict=True))
+    return min(unique / copies, 1.0) if copies > 0 else 1.0
 
 
 def halo_all_to_all_s(

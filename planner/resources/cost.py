@@ -217,7 +217,8 @@ def estimate(
             get the extra layer.
         recompute_layers: layers whose activations are recomputed (flat, or one tuple per
             stage); None = every layer when the recompute policy is not "none".
-        dispatcher: "flat", "halo" or "deepep" all-to-all for the MoE dispatch/combine.
+        dispatcher: "flat", "halo", "halo-dedup" or "deepep" all-to-all for the MoE
+            dispatch/combine.
         accounting: "piper" (full model) or "paper" (the paper's equations, for checks).
     """
     model = with_mtp(model, training)

@@ -22,6 +22,7 @@ from planner.resources.memory import (
 from planner.specs import ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
 
 DISPATCHERS: tuple[str, ...] = ("flat", "halo", "halo-dedup", "deepep")
+RUNTIME_DISPATCHERS: tuple[str, ...] = ("flat", "halo", "halo-dedup")  # what `piper run` runs
 MLP_SIDE = ("experts", "shared")  # the all-to-all overlap's "mlp" node; the rest is pre-dispatch
 # SMs the dispatch/combine kernels hold while they run beside compute: DeepEP's normal
 # (training) kernels use 24 SMs (DeepEP README: "for V3-like legacy training, SM usage

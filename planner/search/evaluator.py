@@ -64,7 +64,7 @@ class RankChoice:
 
 class Evaluator(Protocol):
     """`dispatcher` names the all-to-all priced for the MoE dispatch/combine:
-    "flat" | "halo" | "deepep" (planner.search.space.DISPATCHERS)."""
+    "flat" | "halo" | "halo-dedup" | "deepep" (planner.search.space.DISPATCHERS)."""
 
     def cost_inputs(
         self,

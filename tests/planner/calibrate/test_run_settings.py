@@ -51,7 +51,7 @@ def test_a_halo_dedup_run_of_a_flat_plan_is_said_and_repriced(tmp_path, capsys):
     out, predicted = _calibrate_cli(tmp_path, capsys, {**RUN, "dispatcher": "halo-dedup"})
     assert HALO_DEDUP + "\n" in out
     assert HALO_DEDUP + "\n" in (tmp_path / "cal" / "calibration.md").read_text()
-    halo = estimate_plan(tiny_plan(), reprice=Repricing("halo-dedup", False, "halo-dedup"))
+    halo = estimate_plan(tiny_plan(), reprice=Repricing("halo-dedup", False))
     # the whole step is the resource model's for halo-dedup, not plan.json's hand-made 2.0 s
     assert predicted["step_time_s", "all"] == pytest.approx(halo.step_time_s, rel=1e-5)
     assert predicted["step_time_s", "all"] != pytest.approx(2.0)
@@ -80,7 +80,7 @@ def test_overlap_is_dropped_where_the_runs_dispatcher_does_not_allow_it():
     diffs = run_differences(plan, {"dispatcher": "halo-dedup"})
     assert diffs == (Difference("dispatcher", "flat", "halo-dedup"),)
     reprice = repricing(plan, diffs)
-    assert reprice == Repricing("halo-dedup", False, "halo-dedup")
+    assert reprice == Repricing("halo-dedup", False)
     assert differences_line(diffs, reprice, True).endswith(
         ", without the all-to-all overlap (not allowed with halo-dedup)"
     )
@@ -125,3 +125,19 @@ def test_calibration_plot_has_one_bar_and_label_per_table_row():
     notes = [t.get_text() for t in ax.texts]
     assert notes[2] == "predicted 0" and notes[3] == "measured 0" and notes[0] == "-20.0%"
     assert ax.get_yscale() == "log" and "predicted / measured" in ax.get_ylabel()
+
+
+def test_a_fit_prices_a_logged_run_with_the_dispatcher_it_ran(tmp_path):
+    """`piper calibrate --fit --log PLAN:metrics.jsonl` and plain `piper calibrate` price a
+    run whose run.json records another dispatcher alike: as it ran."""
+    from planner.calibrate.runs import run_of_metrics
+
+    (tmp_path / "plan.json").write_text(tiny_plan().to_json())
+    rows = metrics_lines([(2.4, 0.2, 0.2, RANKS), (2.5, 0.2, 0.2, RANKS)])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plain = run_of_metrics(tmp_path / "plan.json", tmp_path / "metrics.jsonl")
+    assert plain.dispatcher == "flat"
+    (tmp_path / "run.json").write_text(json.dumps({**RUN, "dispatcher": "halo-dedup"}))
+    ran = run_of_metrics(tmp_path / "plan.json", tmp_path / "metrics.jsonl")
+    assert ran.dispatcher == "halo-dedup" and ran.measured == plain.measured
+    assert ran.training == plain.training  # no overlap to drop here
