@@ -61,7 +61,8 @@ class Case:
 
 
 CASES = [
-    Case("frontier-8-interleaved", "weak-16e", "frontier", 64, {"tp": 1, "ep": 16}, 1024, 64),
+    Case("frontier-8-interleaved", "weak-16e", "frontier", 64, {"tp": 1, "pp": 4, "ep": 16}, 1024,
+         64),
     Case("frontier-128", "deepseek-v2", "frontier", 1024, {"tp": 1, "pp": 1, "ep": 32}, 4096, 1024),
     Case("h100-64", "qwen3-30b-a3b", "h100", 512, {"tp": 1, "pp": 1, "ep": 32}, 4096, 1024),
     Case("speed-1024", "deepseek-v3", "frontier", 8192, {"tp": 8, "pp": 8, "ep": 256}, 4096,
