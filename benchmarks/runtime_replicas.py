@@ -3,8 +3,8 @@
 Plans tiny-moe on the cpu-gloo cluster (4 processes, 2 per emulated node) in two layouts,
 dp=ep=4 (edp 1) and dp=4 ep=2 (edp 2), and trains each twice for the same steps: as
 planned, and with replicas written into plan.json's `experts[].slots` for every MoE layer
-(planner/migration/MIGRATION.md). Prints side by side the loss agreement (replicas change
-nothing in the math, so the losses agree to float rounding), bytes per step by kind, and
+(planner/migration/MIGRATION.md). Prints side by side the loss agreement (fp32 plans: replicas
+change nothing in the math, so the losses agree to fp32 rounding), bytes per step by kind, and
 the replica gradient sums against their count by hand: per EP group, MoE layer and step,
 each replicated expert with c copies of P gradient bytes (fp32, 4 B/param) moves 2 (c - 1) P
 between its lowest holder and the others (runtime/parallel/replicas.py), intra- or
@@ -97,6 +97,8 @@ def compare(root: Path, steps: int) -> None:
         _piper("plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", "4",
                "--pp", "1", "--tp", "1", "--ep", str(ep), "--micro-batch", "2",
                "--seq-len", "64", "--global-batch", "16", "--dispatcher", "flat",
+               "--no-fsdp",  # replicas sum whole experts' gradients; FSDP would shard them
+               "--dtype", "fp32",  # fp32 compute: the losses agree to fp32 rounding
                "--out", str(plan_dir))  # fmt: skip
         plans = {"plain": plan_dir / "plan.json"}
         plans["replicas"] = with_slots(plans["plain"], slots, root / f"plan-ep{ep}-slots")

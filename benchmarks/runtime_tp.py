@@ -1,9 +1,9 @@
 """Tensor parallelism inside real training runs (`piper run`, CPU gloo emulation).
 
 Plans tiny-moe on the cpu-gloo cluster twice with the same pp, dp, ep, micro-batch and
-global batch, once with tp = 1 and once with tp = 2 (twice the processes), trains both for
-the same steps and prints side by side: the loss agreement (the same data and model, so
-the loss sequences must agree to float rounding), bytes per step by kind (pipeline sends,
+global batch, once with tp = 1 and once with tp = 2 (twice the processes), both fp32, trains
+both for the same steps and prints side by side: the loss agreement (the same data and model,
+so the loss sequences must agree to fp32 rounding), bytes per step by kind (pipeline sends,
 TP collectives, dispatch, gradients), peak memory per rank and step time, with tp=2 / tp=1
 ratios. With sequence parallelism the pipeline sends of a TP rank are 1/tp of the tp = 1
 rank's, so the stages exchange the same bytes in total. CPU step times only say how the
@@ -65,7 +65,7 @@ def compare(root: Path, steps: int) -> None:
         _piper("plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", str(4 * tp),
                "--pp", "2", "--dp", "2", "--tp", str(tp), "--ep", "2", "--micro-batch", "2",
                "--seq-len", "128", "--global-batch", "16", "--dispatcher", "flat",
-               "--out", str(plan_dir))  # fmt: skip
+               "--dtype", "fp32", "--out", str(plan_dir))  # fmt: skip
         _piper("run", str(plan_dir / "plan.json"), "--steps", str(steps),
                "--ranks-per-node", "2", "--dispatcher", "flat", "--out", str(out))  # fmt: skip
         results[tp] = _lines(out)
