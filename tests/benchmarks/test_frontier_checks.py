@@ -52,6 +52,21 @@ def test_xmoe_tflops_converted_to_megatron_count(label):
     assert one == 1.0 and plain.measured == load_runs(fr.PAPER_RUNS)[0].measured
 
 
+def test_the_paper_rows_other_counts_bracket_megatron_cores():
+    """The paper gives no FLOP formula: X-MoE's count (the full attention square) counts more
+    than Megatron-Core's causal half, the 6 x parameters rule (no scores) less, by exactly
+    the causal attention FLOPs per token."""
+    for run in load_runs(fr.PAPER_RUNS):
+        per_token = fr.flops_per_token(run.model, run.training.seq_len)
+        full, f_full = fr.counted_as(run, "full-square attention")
+        none, f_none = fr.counted_as(run, "no attention scores")
+        core = per_token.attention_core
+        assert f_full == pytest.approx(per_token.total / (per_token.total + core), rel=1e-12)
+        assert f_none == pytest.approx(per_token.total / (per_token.total - core), rel=1e-12)
+        assert f_full < 1.0 < f_none
+        assert (full.measured, none.measured) == (run.measured * f_full, run.measured * f_none)
+
+
 def test_node_run_has_id_301s_work_per_gcd_on_one_node():
     (node,) = load_runs(fr.NODE_RUNS)
     small = next(r for r in load_runs(fr.CHECK_RUNS) if r.label == "id 301")
