@@ -230,6 +230,9 @@ def run(args: argparse.Namespace) -> int:
             "gate_in_activation": training.gate_in_activation,
         },  # fmt: skip
         "dispatcher": args.dispatcher,
+        "dedup_ratio": (
+            _dedup_ratio(model, cluster, parallel) if args.dispatcher == "halo-dedup" else None
+        ),
         "accounting": args.accounting,
         "target": target.name,
         **estimate_to_dict(est),
@@ -298,7 +301,7 @@ def _table(d: dict, interval_note: str = "") -> str:
         f"tp={par['tp']} cp={par['cp']} ep={par['ep']} etp={par['etp']} edp={par['edp']} "
         f"micro-batch={par['micro_batch']} micro-batches={par['num_microbatches']} "
         f"recompute={rc} ({par['world']} GPUs, {d['dispatcher']} all-to-all"
-        f"{', overlapped' if tr['a2a_overlap'] else ''})",
+        f"{_dedup_note(d.get('dedup_ratio'))}{', overlapped' if tr['a2a_overlap'] else ''})",
         f"  {tr['dtype']}, {sharding}, Adam moments {tr['optimizer_dtype']}, "
         f"MTP layers {tr['mtp_layers']}",
         "",
@@ -369,3 +372,17 @@ def _verdict(d: dict, interval_note: str = "") -> str:
 def _headroom(d: dict) -> str:
     """Free device memory per stage (GiB)."""
     return ", ".join(f"stage {st['stage']} {st['headroom_gib']:.1f} GiB" for st in d["stages"])
+
+
+def _dedup_ratio(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelConfig) -> float:
+    """HALO-dedup's network bytes over plain HALO's for the first MoE layer's routing."""
+    from planner.resources.comm import dedup_ratio
+
+    moe = model.first_moe
+    if moe is None:
+        return 1.0
+    return dedup_ratio(cluster, parallel.ep, moe.num_experts, moe.top_k, parallel.etp)
+
+
+def _dedup_note(ratio: float | None) -> str:
+    return "" if ratio is None else f", {ratio:.2f}x HALO's network bytes"

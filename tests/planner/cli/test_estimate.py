@@ -33,6 +33,22 @@ def test_json_matches_the_api(capsys):
     assert set(data["comm_s"]) == {"a2a_node", "dp_node", "p2p_switch"}
 
 
+def test_halo_dedup_says_its_share_of_halos_network_bytes(capsys):
+    """DeepSeek-V2-Lite (64 experts, top-6) with ep 32 on 8-GPU H100 nodes: 4 nodes."""
+    from planner.sim.routing import dedup_ratio
+
+    args = ["estimate", "--model", "deepseek-v2-lite", "--cluster", "h100", "--pp", "1",
+            "--dp", "32", "--ep", "32", "--global-batch", "64", "--target", "piper"]  # fmt: skip
+    assert main([*args, "--dispatcher", "halo-dedup", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["dedup_ratio"] == pytest.approx(dedup_ratio(64, 4, 6), rel=1e-8)  # JSON rounds
+    assert main([*args, "--dispatcher", "halo-dedup"]) == 0
+    want = f"32 GPUs, halo-dedup all-to-all, {dedup_ratio(64, 4, 6):.2f}x HALO's network bytes"
+    assert want in capsys.readouterr().out
+    assert main([*args, "--dispatcher", "halo", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dedup_ratio"] is None
+
+
 def test_table_and_files_are_deterministic(tmp_path, capsys):
     assert main([*ARGS, "--out", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
