@@ -138,8 +138,11 @@ COUNTS = ("full-square attention", "no attention scores")
 def counted_as(run: Run, count: str) -> tuple[Run, float]:
     """The run with its measured TFLOPS converted to Megatron-Core's count from `count`:
     "full-square attention" (X-MoE's counter: measured x total / (total + attention_core)) or
-    "no attention scores" (the dense 6 x parameters rule: total / (total - attention_core));
+    "no attention scores" (the dense rule, 6 x the active non-embedding parameters, near
+    total - attention_core: total / (total - attention_core));
     and the factor."""
+    if count not in COUNTS:
+        raise ValueError(f"count {count!r}: one of {', '.join(COUNTS)}")
     per_token = flops_per_token(run.model, run.training.seq_len)
     extra = per_token.attention_core if count == COUNTS[0] else -per_token.attention_core
     factor = per_token.total / (per_token.total + extra)

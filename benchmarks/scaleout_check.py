@@ -189,7 +189,7 @@ def identify_vp() -> dict[tuple[str, str], int]:
     its MFU at 256, measured and priced at vp 1 and at one layer per chunk (the two splits of
     7 layers per rank): the bubble the step holds at 32 micro-batches shows in this gain. The
     vp whose priced gain is nearest the measured one (in log) is the identified vp; FOLDING's
-    rows must carry it (marked '!' where they do not)."""
+    rows must carry it (marked '!' where they do not, and folding() stops)."""
     print("\n  vp from the paper's tables: MFU at global batch 1,024 (Table 4) / 256 (Table 3), "
           "same layout and GPUs")  # fmt: skip
     found = {}
@@ -245,7 +245,10 @@ def folding() -> None:
                 alt = folding_estimate(name, gpus, tp, pp, 1, ep, etp).mfu * 100
                 print(f"    {label} at vp 1 (runtime.conf @78fd4d6): predicted "
                       f"{alt:5.1f} ratio {alt / mfu:.2f}")  # fmt: skip
-    identify_vp()
+    found = identify_vp()
+    wrong = [f"{n} {lab}" for n, _, lab, _, _, vp, *_ in FOLDING if found.get((n, lab), vp) != vp]
+    if wrong:  # FOLDING's vp is the identified one; a model change that moves it says so
+        raise SystemExit(f"scaleout_check: FOLDING rows at another vp than identified: {wrong}")
     print("\n  Table 4 (strong scaling, gbs 1,024, dp grows): MFU % measured / predicted, and "
           "each size's MFU over the smallest's")  # fmt: skip
     layouts = {(r[0], r[2]): r[3:8] for r in FOLDING}

@@ -386,6 +386,7 @@ def run_of_metrics(plan_path: str | Path, metrics_path: str | Path, skip_steps: 
     from planner.calibrate.metrics import load_metrics
     from planner.calibrate.run_settings import load_run_info, repricing, run_differences
     from planner.plan import load_plan
+    from planner.resources.layer_comm import RUNTIME_DISPATCHERS
 
     plan = load_plan(plan_path)
     steps = load_metrics(metrics_path)
@@ -396,6 +397,8 @@ def run_of_metrics(plan_path: str | Path, metrics_path: str | Path, skip_steps: 
         raise SpecError(f"{metrics_path}: tokens_per_s is 0 in every step; re-run 'piper run'")
     extra = plan.extra if isinstance(plan.extra, dict) else {}
     dispatcher = extra.get("dispatcher", "flat")
+    if dispatcher not in RUNTIME_DISPATCHERS:  # a DeepEP plan rehearses with flat
+        dispatcher = "flat"
     # a run whose run.json records another dispatcher is priced as it ran (run_settings)
     reprice = repricing(plan, run_differences(plan, load_run_info(metrics_path)))
     if reprice is not None:

@@ -199,7 +199,9 @@ def dedup_ratio(
     n mod g when g does not divide n). A token of a source in domain s sends one row to each
     remote domain q it hits, probability p_q (hit_probability of q's experts), against
     k (E - e_s) / E copies without dedup; the ratio of the two sums over the sources (D(Q) / k
-    for Q equal domains; 1 inside one domain and for top-1 routing)."""
+    for Q equal domains; 1 inside one domain and for top-1 routing). The group starts on a
+    domain boundary, as every group of this module does (the first EP group of a mesh; a
+    later one whose ep does not divide the domain may straddle it otherwise)."""
     n = group_devices
     g = min(max(local_domain_devices(cluster) // stride, 1), n)
     if g >= n or top_k <= 1:

@@ -141,3 +141,14 @@ def test_a_fit_prices_a_logged_run_with_the_dispatcher_it_ran(tmp_path):
     ran = run_of_metrics(tmp_path / "plan.json", tmp_path / "metrics.jsonl")
     assert ran.dispatcher == "halo-dedup" and ran.measured == plain.measured
     assert ran.training == plain.training  # no overlap to drop here
+    # an overlapped plan run with halo-dedup: the overlap does not run with it, so it goes
+    plan = _overlapped_plan()
+    one_stage = replace(
+        plan.predicted, memory_gib_per_stage=plan.predicted.memory_gib_per_stage[:1]
+    )
+    (tmp_path / "plan.json").write_text(replace(plan, predicted=one_stage).to_json())
+    overlapped = run_of_metrics(tmp_path / "plan.json", tmp_path / "metrics.jsonl")
+    assert overlapped.dispatcher == "halo-dedup" and not overlapped.training.a2a_overlap
+    (tmp_path / "run.json").unlink()
+    as_planned = run_of_metrics(tmp_path / "plan.json", tmp_path / "metrics.jsonl")
+    assert as_planned.dispatcher == "flat" and as_planned.training.a2a_overlap
