@@ -29,7 +29,7 @@ from typing import Any
 
 from planner.calibrate.run_settings import Repricing
 from planner.plan.schema import Plan
-from planner.resources.layer_comm import RUNTIME_DISPATCHERS
+from planner.resources.layer_comm import runtime_dispatcher
 from planner.specs import GIB, ClusterSpec, SpecError, TrainingSpec
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ def estimate_plan(plan: Plan, cluster: ClusterSpec | None = None, reprice: Repri
         parallel,
         stage_layers=[s.layers for s in plan.stages],
         recompute_layers=[s.recompute_layers for s in plan.stages],
-        dispatcher=dispatcher if dispatcher in RUNTIME_DISPATCHERS else "flat",
+        dispatcher=runtime_dispatcher(dispatcher),
     )
 
 

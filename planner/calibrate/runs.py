@@ -48,6 +48,7 @@ from typing import Literal
 from planner.inputs.models import load_model
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig, check_layout
 from planner.resources.cost import Estimate, estimate
+from planner.resources.layer_comm import DISPATCHERS
 from planner.specs import CUDA_GRAPHS, GIB, ClusterSpec, ModelSpec, SpecError, TrainingSpec
 from planner.targets import TARGETS, with_conventions
 
@@ -64,7 +65,6 @@ STATE_DTYPES = ("fp32", "bf16")
 FLAGS = {"1": True, "yes": True, "true": True, "0": False, "no": False, "false": False}
 DTYPES = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8"}
 SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}
-DISPATCHERS = ("flat", "halo", "halo-dedup", "deepep")
 EXAMPLE = "profiles/runs/published_runs.csv"
 
 
@@ -386,7 +386,7 @@ def run_of_metrics(plan_path: str | Path, metrics_path: str | Path, skip_steps: 
     from planner.calibrate.metrics import load_metrics
     from planner.calibrate.run_settings import load_run_info, repricing, run_differences
     from planner.plan import load_plan
-    from planner.resources.layer_comm import RUNTIME_DISPATCHERS
+    from planner.resources.layer_comm import runtime_dispatcher
 
     plan = load_plan(plan_path)
     steps = load_metrics(metrics_path)
@@ -396,9 +396,7 @@ def run_of_metrics(plan_path: str | Path, metrics_path: str | Path, skip_steps: 
     if tokens <= 0:
         raise SpecError(f"{metrics_path}: tokens_per_s is 0 in every step; re-run 'piper run'")
     extra = plan.extra if isinstance(plan.extra, dict) else {}
-    dispatcher = extra.get("dispatcher", "flat")
-    if dispatcher not in RUNTIME_DISPATCHERS:  # a DeepEP plan rehearses with flat
-        dispatcher = "flat"
+    dispatcher = runtime_dispatcher(extra.get("dispatcher", "flat"))
     # a run whose run.json records another dispatcher is priced as it ran (run_settings)
     reprice = repricing(plan, run_differences(plan, load_run_info(metrics_path)))
     if reprice is not None:

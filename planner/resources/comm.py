@@ -25,7 +25,7 @@ A group of n devices is laid out as n aligned devices `stride` apart (consecutiv
 stride = 1; an EP group is ep ranks etp apart, FORMULATION.md's rank convention); the rank IP
 may do better or worse on a real allocation; planner.topology gives the level it spans.
 HALO-dedup is HALO whose Phase II carries one row per (token, remote domain) instead of one
-per (token, expert): its network bytes x dedup_ratio (distinct_groups). DeepEP's
+per (token, expert): its network bytes x dedup_ratio. DeepEP's
 node-deduplicated dispatch is in planner.resources.deepep.
 """
 
@@ -175,11 +175,7 @@ def distinct_groups(groups: int, experts: int, top_k: int) -> float:
     distinct experts fall in, uniform routing: R (1 - C(E - E/R, k) / C(E, k))."""
     if groups <= 1:
         return float(groups)
-    outside = experts - experts // groups
-    miss = 1.0
-    for i in range(top_k):
-        miss *= max(outside - i, 0) / (experts - i)
-    return groups * (1.0 - miss)
+    return groups * hit_probability(experts, experts // groups, top_k)
 
 
 def hit_probability(experts: float, held: float, top_k: int) -> float:

@@ -23,6 +23,14 @@ from planner.specs import ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
 
 DISPATCHERS: tuple[str, ...] = ("flat", "halo", "halo-dedup", "deepep")
 RUNTIME_DISPATCHERS: tuple[str, ...] = ("flat", "halo", "halo-dedup")  # what `piper run` runs
+
+
+def runtime_dispatcher(priced: str) -> str:
+    """The dispatcher `piper run` runs for a plan priced with `priced`: the same one, or
+    flat for another engine's (DeepEP's plans rehearse with the exchange it also makes)."""
+    return priced if priced in RUNTIME_DISPATCHERS else "flat"
+
+
 MLP_SIDE = ("experts", "shared")  # the all-to-all overlap's "mlp" node; the rest is pre-dispatch
 # SMs the dispatch/combine kernels hold while they run beside compute: DeepEP's normal
 # (training) kernels use 24 SMs (DeepEP README: "for V3-like legacy training, SM usage

@@ -17,7 +17,7 @@ from planner.migration.placement import EMPTY
 from planner.parallel import default_placement
 from planner.plan import ClusterEntry, Plan, load_plan
 from planner.plan.priced import check_priced
-from planner.resources.layer_comm import RUNTIME_DISPATCHERS
+from planner.resources.layer_comm import runtime_dispatcher
 from planner.run.hf_checkpoint import check_hf_checkpoint
 from planner.run.layout import (
     check_expert_tp,
@@ -394,8 +394,7 @@ def priced_dispatcher(plan: Plan) -> Dispatcher:
     extra.dispatcher): flat, halo or halo-dedup; a plan priced with DeepEP (made for another
     engine, which `piper run` refuses at full size) rehearses with flat, the exchange DeepEP
     also makes."""
-    priced = plan.extra.get("dispatcher", "flat")
-    return priced if priced in RUNTIME_DISPATCHERS else "flat"
+    return runtime_dispatcher(plan.extra.get("dispatcher", "flat"))  # type: ignore[return-value]
 
 
 def check_run_flags(plan: Plan, options: RunOptions) -> None:
