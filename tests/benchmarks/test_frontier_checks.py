@@ -100,3 +100,23 @@ def test_solve_constant_refuses_a_measurement_out_of_reach():
     assert fr.predict(node, fr.replace(preset, gemm_efficiency=slow)) == pytest.approx(
         node.measured, rel=1e-6
     )
+
+
+def test_comm_budget_is_the_step_less_the_step_with_free_communication():
+    """The Super row's communication budget: a row measured at the free-communication step
+    leaves nothing; one measured at the line-rate step (no stragglers) leaves exactly the
+    priced communication; HALO-dedup moves fewer bytes than HALO, so it needs less."""
+    preset = fr.load_cluster("frontier")
+    super_ = next(r for r in load_runs(fr.PAPER_RUNS) if r.label == "id 204")
+    free = fr.network_free(preset)
+    assert free.network_jitter_us == 0.0 and free.msg_overhead_us == 0.0
+    assert fr.predict(super_, free) > fr.predict(super_, preset)
+    at_free = fr.replace(super_, measured=fr.predict(super_, free))
+    assert fr.comm_budget(at_free, preset)[0] == pytest.approx(0.0, abs=1e-12)
+    calm = fr.replace(preset, network_jitter_us=0.0)
+    at_line = fr.replace(super_, measured=fr.predict(super_, calm))
+    left, halo, dedup = fr.comm_budget(at_line, preset)
+    assert left == pytest.approx(halo, rel=1e-12)
+    assert 0.0 < dedup < halo < 1.0
+    # the step with free communication is unchanged by the stragglers' constant
+    assert fr.predict(super_, fr.network_free(calm)) == fr.predict(super_, free)
