@@ -2,7 +2,13 @@
 
 A family (planner.search.enumerate.Family) is bounded by its first, fastest member: the
 others recompute more, shard more or overlap less, so each is at least as slow per
-micro-batch and their step-time lower bound is at least the first member's. Before that,
+micro-batch and their step-time lower bound is at least the first member's. Where the
+recompute policy is chosen per layer, a member's layer times without recompute are its
+knobs group's, so any member of the fastest knobs group bounds the family (the leanest is
+costed anyway); where the engine applies one policy to every layer
+(TrainingSpec.uniform_recompute), a member's layer times include its policy's recompute, so
+only the member without recompute bounds its group, and a group without one is screened
+member by member. Before that,
 its leanest members (full recompute, or the heaviest module set, with each sharding and no
 overlap) are screened: when none of them fits any split, no member can (the others keep
 more activations or state), and the family is infeasible as a whole without costing the
@@ -151,14 +157,29 @@ def bound_families(
     return bounded, single, rows
 
 
+def _uniform_source(fam: Family, idx: list[int]) -> Candidate | None:
+    """Under a uniform recompute policy, the member of `idx` (one knobs group) whose bound
+    holds for the group: the one without recompute (recomputing only adds time); None when
+    the group has none."""
+    return next((fam.members[i] for i in idx if fam.members[i].parallel.recompute == "none"), None)
+
+
 def _bound_one(costing: Costing, fam: Family) -> Bounded | list[CandidateRow | Screened]:
     """Bound a family, or find it cannot fit. When a leanest member has the fastest member's
     knobs (only the recompute policy differs, which leaves a layer's time without recompute
     as it is), it is screened first and bounds the family; otherwise the fastest member is
     screened first, and the leanest only when it does not fit."""
     rep, lean = fam.members[0], leanest(fam)
-    same = [i for i in lean if fam.members[i].knobs == rep.knobs]
-    source = fam.members[same[0]] if same else rep
+    if costing.training.uniform_recompute:
+        source = _uniform_source(
+            fam, [i for i, c in enumerate(fam.members) if c.knobs == rep.knobs]
+        )
+        if source is None:
+            return [costing.screen(fam.first_order + i, c) for i, c in enumerate(fam.members)]
+        same = []
+    else:
+        same = [i for i in lean if fam.members[i].knobs == rep.knobs]
+        source = fam.members[same[0]] if same else rep
     if not same and isinstance(costing.screen(fam.first_order, rep), Screened):
         lean = []
     lean_rows = {}
@@ -190,13 +211,20 @@ def expand(costing: Costing, b: Bounded) -> tuple[list[Screened | Bounded], list
         for i, c in enumerate(fam.members):
             groups.setdefault(c.knobs, []).append(i)
         first = fam.members[0].knobs
+        uniform = costing.training.uniform_recompute
         for knobs, idx in groups.items():
             if knobs == first:
                 continue
-            source = next(
-                (fam.members[i] for i in idx if fam.members[i] in costing.inputs),
-                fam.members[idx[0]],
-            )
+            if uniform:
+                source = _uniform_source(fam, idx)
+                if source is None:  # no member bounds the others: screen each
+                    _screen_members(costing, b, idx, out, rows)
+                    continue
+            else:
+                source = next(
+                    (fam.members[i] for i in idx if fam.members[i] in costing.inputs),
+                    fam.members[idx[0]],
+                )
             try:
                 quick = bounds.quick_step_time_bound_s(costing.cost_inputs(source))
             except SpecError:
@@ -205,14 +233,22 @@ def expand(costing: Costing, b: Bounded) -> tuple[list[Screened | Bounded], list
         members = groups[first]
     else:
         members = list(b.indices)
-    for i in members:
+    _screen_members(costing, b, members, out, rows)
+    return out, rows
+
+
+def _screen_members(
+    costing: Costing, b: Bounded, idx: Iterable[int], out: list, rows: list[CandidateRow]
+) -> None:
+    """Screen members `idx` of b's family one by one: Screened ones (their quick bound raised
+    to b's) to `out`, infeasible ones to `rows`."""
+    fam = b.family
+    for i in idx:
         got = costing.screen(fam.first_order + i, fam.members[i])
         if isinstance(got, Screened):
-            floor = max(got.bound_s, b.bound_s)
-            out.append(replace(got, bound_s=floor, family_bound_s=b.bound_s))
+            out.append(replace(got, bound_s=max(got.bound_s, b.bound_s), family_bound_s=b.bound_s))
         else:
             rows.append(got)
-    return out, rows
 
 
 def unexpanded_rows(b: Bounded, status: str, reason: str) -> list[CandidateRow]:

@@ -125,11 +125,11 @@ def test_even_split_sizes():
 # ----------------------------------------------------------------------------- search
 
 
-def exhaustive_best(model, cluster, training, gpus, backend, **space_kw):
+def exhaustive_best(model, cluster, training, gpus, backend, fixed=None, **space_kw):
     """Every candidate costed, screened and solved: (best row, candidates screened, all),
     over the dispatchers make_plan searches on `cluster` by default."""
     space_kw.setdefault("dispatchers", default_dispatchers(cluster))
-    space = make_space(gpus, None, **space_kw)
+    space = make_space(gpus, fixed, **space_kw)
     ctx = new_context(model, cluster, training, space, OPTS, backend)
     costing = Costing(model, cluster, training, backend)
     layouts = enumerate_layouts(model, cluster, training, space)

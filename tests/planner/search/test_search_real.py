@@ -101,3 +101,54 @@ def test_pruning_is_safe_with_the_real_resource_model():
     got = make_plan(model, cluster, training, 8, None, OPTS)
     assert got.best.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
     assert (got.best.parallel, got.best.knobs) == (want.parallel, want.knobs)
+
+
+def _uniform_family_cases():
+    """mixtral-8x7b on 24 H100s, pp 3, as the megatron target prices it (one recompute
+    policy for every layer): the families whose full-recompute member was the bound's source
+    when a planned mb=1 layout was pruned behind a mb=2 one."""
+    from planner.inputs.clusters import with_nodes
+    from planner.search.make_plan import with_conventions
+    from planner.targets import TARGETS
+
+    model, cluster = load_model("mixtral-8x7b"), with_nodes(load_cluster("h100"), 3)
+    training = with_conventions(TrainingSpec(4096, 1024), TARGETS["megatron"])
+    assert training.uniform_recompute
+    return model, cluster, training
+
+
+def test_a_uniform_policy_bounds_each_family_by_its_member_without_recompute():
+    """Under a uniform recompute policy a member's layer times include its recompute: the
+    bound a family is queued with never exceeds any member's own step bound, and the members
+    with full recompute bound above the member without (what made the old source unsafe)."""
+    from planner.search.families import Bounded, _bound_one
+
+    model, cluster, training = _uniform_family_cases()
+    costing = Costing(model, cluster, training, ModelEvaluator())
+    space = make_space(24, {"pp": 3, "tp": 1, "ep": 8})
+    checked = above = 0
+    for fam in enumerate_families(model, cluster, training, space):
+        got = _bound_one(costing, fam)
+        if not isinstance(got, Bounded):
+            continue
+        own = {c: bounds.step_time_lower_bound_s(costing.cost_inputs(c)) for c in fam.members}
+        assert got.bound_s <= min(own.values()) * (1 + 1e-9), fam.members[0]
+        assert got.source.parallel.recompute == "none"
+        full = [b for c, b in own.items() if c.parallel.recompute == "full"]
+        above += any(b > own[got.source] * 1.1 for b in full)
+        checked += 1
+    assert checked >= 4 and above >= 1
+
+
+def test_branch_and_bound_finds_the_exhaustive_optimum_under_a_uniform_policy():
+    """The megatron target's uniform recompute, mixtral-8x7b on 24 H100s (pp 3, tp 1, ep 8:
+    micro-batch, recompute policy and sharding searched): branch and bound = every candidate
+    solved."""
+    model, cluster, training = _uniform_family_cases()
+    fixed = {"pp": 3, "tp": 1, "ep": 8}
+    want, _, _, _ = exhaustive_best(
+        model, cluster, training, 24, ModelEvaluator(), fixed=fixed, sharding=("none", "zero")
+    )
+    got = make_plan(model, cluster, training, 24, fixed, OPTS, sharding=("none", "zero"))
+    assert got.best.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
+    assert got.best.parallel.micro_batch == want.parallel.micro_batch
