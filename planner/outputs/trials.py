@@ -11,7 +11,8 @@ collects their logs, refits the profile and re-plans.
     exactly what was priced), `trial.sbatch` (`piper export --to slurm --trainer ENGINE` with
     the trainer's command plus a short run: Megatron-LM `--train-iters N --log-interval 1
     --eval-iters 0`, torchtitan `--training.steps N --metrics.log_freq 1`; Megatron's
-    tokenizer and data flags from $DATA_ARGS), and `trial.sh`, which submits it with
+    tokenizer and data flags from $DATA_ARGS; torchtitan's flags go before the exported
+    arguments, which end with a subcommand), and `trial.sh`, which submits it with
     `sbatch --output <n>-<layout>/train.log` (the log);
 - `run_all.sh`: every trial.sh in order;
 - `collect.sh`: `piper calibrate --fit --log PLAN:LOG ... --out fitted.yaml`, then the same
@@ -154,9 +155,7 @@ def _job(plan: Plan, trial: Path, steps: int) -> tuple[dict[str, str], Path]:
     args_file = trial / exported.filename
     files[exported.filename] = exported.text
     files.update(exported.files)  # beside it, as `piper export` writes them (torchtitan's module)
-    short = " ".join(a.format(steps=steps) for a in SHORT_RUN[engine])
-    data = " ${DATA_ARGS:-}" if engine == "megatron" else ""  # word-split on purpose
-    command = f"{TRAINER_COMMANDS[engine]} {short}{data}"
+    command = trainer_command(engine, steps)
     sbatch = export_plan(plan, "slurm", str(plan_path), command, engine, str(args_file))  # type: ignore[arg-type]
     files["trial.sbatch"] = sbatch.text
     log = trial / "train.log"
@@ -167,6 +166,20 @@ def _job(plan: Plan, trial: Path, steps: int) -> tuple[dict[str, str], Path]:
     submit = f"sbatch --output {shlex.quote(str(log))} {shlex.quote(str(trial / 'trial.sbatch'))}"
     files["trial.sh"] = _script([*head, submit])
     return files, log
+
+
+def trainer_command(engine: str, steps: int) -> str:
+    """The trial's per-rank command: the trainer's, with the short-run flags. torchtitan's
+    export ends with a subcommand (`activation_checkpoint:none|full|selective`) and its
+    ConfigManager parses with tyro, which refuses a top-level option after a subcommand, so
+    there they go before the exported arguments; Megatron-LM takes them after, then
+    $DATA_ARGS (word-split on purpose)."""
+    short = " ".join(a.format(steps=steps) for a in SHORT_RUN[engine])
+    trainer = TRAINER_COMMANDS[engine]
+    if engine == "torchtitan":
+        head, exported = trainer.rsplit(" ", 1)
+        return f"{head} {short} {exported}"
+    return f"{trainer} {short} ${{DATA_ARGS:-}}"
 
 
 def _collect(jobs: Sequence[TrialJob], folder: Path, replan: Sequence[str]) -> str:
