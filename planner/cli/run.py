@@ -43,7 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, default=str)
+    """JSON of `obj` with its floats as plan.json stores them (9 significant digits), so a
+    file read afresh compares equal to the copy a plan recorded."""
+    from planner.plan.schema import round_floats
+
+    return json.dumps(round_floats(obj), sort_keys=True, default=str)
 
 
 def changed_inputs(plan: Plan) -> list[str]:

@@ -354,7 +354,7 @@ class Plan:
             "schema_version": self.schema_version,
             "extra": self.extra,
         }
-        return _round_floats(d)
+        return round_floats(d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -387,11 +387,13 @@ class Plan:
         raise SpecError(f"{where}: 'cluster' has neither 'levels' nor 'name'; regenerate the plan")
 
 
-def _round_floats(obj: Any, digits: int = 9) -> Any:
+def round_floats(obj: Any, digits: int = 9) -> Any:
+    """Every float in `obj` (dicts, lists, tuples) to `digits` significant digits, as plan.json
+    stores them."""
     if isinstance(obj, float):
         return float(f"{obj:.{digits}g}")
     if isinstance(obj, dict):
-        return {k: _round_floats(v, digits) for k, v in obj.items()}
+        return {k: round_floats(v, digits) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_round_floats(v, digits) for v in obj]
+        return [round_floats(v, digits) for v in obj]
     return obj

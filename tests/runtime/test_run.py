@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,8 @@ from planner.run.scale import keep_layers
 from planner.run.spec import run_spec_from_plan
 from planner.specs import SpecError
 from tests.runtime.tiny_plans import hand_plan
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _write_plan(tmp_path, pp=2, dp=1, ep=1, **changes):
@@ -64,6 +67,30 @@ def test_changed_cluster_is_refused_and_force_passes_the_check(tmp_path, capsys)
     # --force skips this check; the launch then fails on the bad --nproc instead
     assert main(["run", str(path), "--force", "--nproc", "5"]) == 2
     assert "use --nproc 2" in capsys.readouterr().err
+
+
+def test_a_measured_profile_with_full_precision_floats_is_unchanged_after_planning(tmp_path):
+    """`piper profile` writes floats to 16-17 digits and plan.json stores 9: the check compares
+    them as plan.json stores them, so a profile planned with is not 'changed'."""
+    from planner.cli.run import changed_inputs
+    from planner.inputs.clusters import cluster_to_dict, load_cluster
+    from planner.plan import load_plan
+
+    text = (ROOT / "profiles/clusters/cpu-gloo.yaml").read_text()
+    assert "attention_efficiency: 0.3\n" in text
+    profile = tmp_path / "my-cpu.yaml"
+    profile.write_text(
+        text.replace("attention_efficiency: 0.3\n", "attention_efficiency: 0.31234567890123456\n")
+    )
+    recorded = {**cluster_to_dict(load_cluster(str(profile))), "gpus": 2, "source": str(profile)}
+    path, _ = _write_plan(tmp_path, cluster=ClusterEntry.from_dict(recorded))
+    plan = load_plan(path)
+    assert plan.cluster.profile["attention_efficiency"] == 0.312345679  # as stored
+    assert changed_inputs(plan) == []
+    profile.write_text(
+        text.replace("attention_efficiency: 0.3\n", "attention_efficiency: 0.3123457\n")
+    )
+    assert changed_inputs(plan) == [f"cluster '{profile}' (attention_efficiency)"]
 
 
 def test_migration_priced_from_a_cluster_that_cannot_load_is_one_line(tmp_path, capsys):
