@@ -24,7 +24,7 @@ from planner.plan import Plan, load_plan
 from planner.run.checkpoint_dir import check_checkpointable, checkpoints, resume_point
 from planner.run.migration import run_move_costs
 from planner.run.options import RunOptions, add_run_arguments
-from planner.run.spec import checked_spec
+from planner.run.spec import RunSpec, checked_spec
 from planner.run.token_data import check_windows, open_token_file, spec_for_data
 from planner.specs import SpecError
 
@@ -80,9 +80,15 @@ def changed_inputs(plan: Plan) -> list[str]:
     return changed
 
 
-# Host memory of one runtime process with a small (scaled) model: the torch import, gloo
-# buffers and the model; measured 0.33 GiB peak RSS per rank for tiny-moe on CPU.
-PROCESS_GIB = 0.35
+# Host memory of one runtime process besides its model's state: the torch import and gloo
+# buffers; measured 0.35-0.38 GiB peak RSS per rank for tiny-moe on CPU at 2-8 ranks (its
+# state is ~1 MB).
+PROCESS_GIB = 0.38
+LAUNCHER_GIB = 0.3  # torchrun's own process
+MEMORY_SHARE = 0.9  # of MemAvailable the run may take; the rest stays for the machine
+# Bytes per parameter a rank holds on CPU: fp32 weights (the master) 4, fp32 gradients 4,
+# Adam's two fp32 moments 8, the bf16 copies a step computes with 2 (runtime/RUNTIME.md).
+RUN_BYTES_PER_PARAM = 18
 
 
 def _available_gib() -> float | None:
@@ -96,16 +102,49 @@ def _available_gib() -> float | None:
     return None
 
 
-def _check_memory(world: int) -> None:
-    """Refuse to start more processes on this machine than its memory holds."""
+def rank_state_gib(spec: RunSpec) -> list[float]:
+    """Each pipeline rank's model state (GiB) in the run as launched (the scaled model):
+    its layers' non-expert parameters (over tp, and over dp with FSDP) and its share of the
+    routed experts (over ep x etp), the embedding on the first rank and the head on the
+    last, at RUN_BYTES_PER_PARAM."""
+    from planner.parallel import ParallelConfig
+    from planner.resources.memory import layer_param_split
+
+    model = spec.model
+    par = ParallelConfig(
+        spec.pp, spec.dp, spec.tp, spec.ep, spec.micro_batch, spec.num_microbatches,
+        vp=spec.vp, etp=spec.etp,
+    )  # fmt: skip
+    vocab_rows = -(-model.vocab_size // spec.tp) * model.hidden_size
+    out = []
+    for stage, layers in enumerate(spec.stage_layers):
+        dense = expert = 0.0
+        for i in layers:
+            d, e = layer_param_split(model, model.layers[i], par)
+            dense, expert = dense + d, expert + e
+        dense += vocab_rows * ((stage == 0) + (stage == spec.pp - 1))
+        if spec.fsdp:
+            dense /= spec.dp
+        out.append(RUN_BYTES_PER_PARAM * (dense + expert) / 2**30)
+    return out
+
+
+def _check_memory(spec: RunSpec) -> None:
+    """Refuse to start more processes on this machine than its memory holds: torchrun, then
+    each process PROCESS_GIB plus its rank's model state (rank_state_gib), within
+    MEMORY_SHARE of the memory available."""
     available = _available_gib()
-    need = world * PROCESS_GIB
-    if available is not None and need > available:
+    states = rank_state_gib(spec)
+    per_stage = spec.world // spec.pp
+    need = LAUNCHER_GIB + spec.world * PROCESS_GIB + per_stage * sum(states)
+    if available is not None and need > MEMORY_SHARE * available:
         raise SpecError(
-            f"{world} processes need about {need:.1f} GiB on this machine ({PROCESS_GIB} GiB "
-            f"each, mostly torch) but {available:.1f} GiB is available; run them on several "
-            "machines (torchrun or srun with python -m runtime.launch, see RUNTIME.md), plan "
-            "for fewer GPUs, or pass --force to try anyway"
+            f"{spec.world} processes need about {need:.1f} GiB on this machine "
+            f"({PROCESS_GIB} GiB each for torch, plus up to {max(states):.2f} GiB of model "
+            f"state) but {available:.1f} GiB is available (a run takes at most "
+            f"{MEMORY_SHARE:.0%} of it); run them on several machines "
+            "(torchrun or srun with python -m runtime.launch, see RUNTIME.md), plan for fewer "
+            "GPUs, use a smaller --scale, or pass --force to try anyway"
         )
 
 
@@ -210,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     if options.checkpoint_dir:
         _check_checkpoints(options, spec)
     if not options.force:
-        _check_memory(spec.world)
+        _check_memory(spec)
     print(
         f"piper run: {spec.world} processes (pp={spec.pp} dp={spec.dp} "
         f"tp={spec.tp} ep={spec.ep} edp={spec.edp}, {spec.ranks_per_node} per node), "

@@ -3,6 +3,7 @@ of a plan written as `piper plan` writes it (scaled down)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -91,6 +92,33 @@ def test_a_measured_profile_with_full_precision_floats_is_unchanged_after_planni
         text.replace("attention_efficiency: 0.3\n", "attention_efficiency: 0.3123457\n")
     )
     assert changed_inputs(plan) == [f"cluster '{profile}' (attention_efficiency)"]
+
+
+def test_memory_check_counts_torch_and_each_ranks_model_state(tmp_path, capsys, monkeypatch):
+    """Each process: PROCESS_GIB plus its stage's parameters at 18 B (the embedding on the
+    first stage, the head on the last); the run is refused, one line and exit 2, when
+    torchrun plus the processes exceed MEMORY_SHARE of the memory available."""
+    import planner.cli.run as run_cli
+    from planner.resources.params import layer_params
+    from planner.run.options import RunOptions, add_run_arguments
+    from planner.run.spec import checked_spec
+
+    path, _ = _write_plan(tmp_path, pp=2, dp=1, ep=1)
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    spec = checked_spec(RunOptions.from_args(parser.parse_args([str(path), "--steps", "1"])))
+    model = spec.model
+    states = run_cli.rank_state_gib(spec)
+    params = sum(layer_params(model, ly).total for ly in model.layers)
+    params += 2 * model.vocab_size * model.hidden_size  # embedding, head
+    assert len(states) == 2 and sum(states) * 2**30 == pytest.approx(18 * params, rel=1e-12)
+    need = run_cli.LAUNCHER_GIB + 2 * run_cli.PROCESS_GIB + sum(states)
+    monkeypatch.setattr(run_cli, "_available_gib", lambda: need / run_cli.MEMORY_SHARE * 1.001)
+    run_cli._check_memory(spec)  # fits, just
+    monkeypatch.setattr(run_cli, "_available_gib", lambda: need / run_cli.MEMORY_SHARE * 0.999)
+    assert main(["run", str(path), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "2 processes need about" in err and "--force" in err and "\n" not in err
 
 
 def test_migration_priced_from_a_cluster_that_cannot_load_is_one_line(tmp_path, capsys):
