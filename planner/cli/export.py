@@ -27,9 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--trainer",
         choices=TRAINERS,
-        default="piper",
-        help="slurm only: what each rank runs: Piper's runtime (default), Megatron-LM or "
-        "torchtitan (the script sources that export, see --args-file)",
+        default=None,
+        help="slurm only: what each rank runs: Piper's runtime, Megatron-LM or torchtitan (the "
+        "script sources that export, see --args-file); default: the engine the plan was made "
+        "for (its --target)",
     )
     p.add_argument(
         "--args-file",
@@ -64,10 +65,14 @@ def _args_file(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
+    if args.trainer is None:
+        extra = plan.extra if isinstance(plan.extra, dict) else {}
+        made_for = str(extra.get("target") or "piper")
+        args.trainer = made_for if args.to == "slurm" and made_for in TRAINERS else "piper"
+        if args.to == "slurm" and args.target is not None:
+            args.trainer = args.target
     if args.target is not None:
         engine = args.trainer if args.to == "slurm" else args.to
-        if args.to == "slurm" and args.trainer == "piper" and args.target != "piper":
-            args.trainer = engine = args.target
         if args.target != engine:
             fix = f"--trainer {args.target}" if args.to == "slurm" else f"--to {args.target}"
             raise SpecError(

@@ -142,6 +142,13 @@ def test_slurm_default_megatron_command_and_plan_path_resolved(tmp_path, monkeyp
     text = script.read_text()
     assert f"ARGS_FILE={tmp_path / 'out' / 'megatron_args.sh'}" in text
     assert 'CMD=(python "${MEGATRON_LM:-.}/pretrain_gpt.py" "${MEGATRON_ARGS[@]}")' in text
+    # without --trainer, the script runs the engine the plan was made for
+    script.unlink()
+    assert main(["export", "plan.json", "--to", "slurm", "--out", str(script)]) == 0
+    assert script.read_text() == text
+    plan_path.write_text(_priced(make_plan(), "torchtitan").to_json())
+    assert main(["export", "plan.json", "--to", "slurm", "--out", str(script)]) == 0
+    assert "python -m torchtitan.train" in script.read_text()
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
