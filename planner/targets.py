@@ -227,8 +227,9 @@ def default_target(cluster: ClusterSpec) -> TargetName:
     return "piper" if cluster.topology == "emulated" else "megatron"
 
 
-def memory_margin_gib(text: str, memory_gib: float) -> float:
-    """`--memory-margin` as GiB: "4" or "4GiB" is GiB, "5%" a share of device memory."""
+def memory_margin_gib(text: str, memory_gib: float, overhead_gib: float = 0.0) -> float:
+    """`--memory-margin` as GiB: "4" or "4GiB" is GiB, "5%" a share of device memory. It must
+    leave something of the device's memory after the framework overhead (`overhead_gib`)."""
     raw = text.strip()
     try:
         if raw.endswith("%"):
@@ -241,6 +242,13 @@ def memory_margin_gib(text: str, memory_gib: float) -> float:
         raise SpecError(
             f"--memory-margin {text}: give GiB (e.g. 4) or a share of device memory (e.g. "
             f"5%), at least 0 and below the device's {memory_gib:.1f} GiB"
+        )
+    if value >= memory_gib - overhead_gib:
+        raise SpecError(
+            f"--memory-margin {text}: {value:.1f} GiB kept free and the cluster's "
+            f"{overhead_gib:.1f} GiB framework overhead leave nothing of the device's "
+            f"{memory_gib:.1f} GiB; give less than {memory_gib - overhead_gib:.1f} GiB "
+            f"({(memory_gib - overhead_gib) / memory_gib:.0%})"
         )
     return value
 

@@ -36,4 +36,6 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Target, float]:
     """(the target, the margin in GiB) from the flags and the cluster."""
     target = get_target(args.target or default_target(cluster))
-    return target, memory_margin_gib(args.memory_margin, cluster.device.memory_gib)
+    return target, memory_margin_gib(
+        args.memory_margin, cluster.device.memory_gib, cluster.framework_overhead_gib
+    )

@@ -17,6 +17,7 @@ from planner.inputs.clusters import with_nodes
 from planner.search.branch_bound import SearchContext, search_layouts
 from planner.search.rows import CandidateRow, describe
 from planner.search.space import SearchSpace
+from planner.specs import TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Fix:
     text: str
     space: SearchSpace | None = None
     gpus_per_node: int = 0  # > 0: the fix needs the cluster resized to this many GPUs
+    training: TrainingSpec | None = None  # the training the fix gives (None: unchanged)
 
 
 def shortfall(row: CandidateRow) -> tuple[float, float, int]:
@@ -63,6 +65,10 @@ def _fixes(
     """The candidate fixes, cheapest first, each with the space its flags give."""
     space = ctx.space
     out = []
+    margin = ctx.training.memory_margin_gib
+    if margin > 0:
+        out.append(Fix(f"a smaller --memory-margin (now {margin:.1f} GiB kept free)", space,
+                       training=replace(ctx.training, memory_margin_gib=0.0)))  # fmt: skip
     if "full" not in space.recompute:
         out.append(Fix("--recompute full", replace(space, recompute=("full",),
                                                     recompute_modules=None)))  # fmt: skip
@@ -89,7 +95,8 @@ def _fits(ctx: SearchContext, fix: Fix) -> bool:
     cluster = ctx.cluster
     if fix.space.gpus > cluster.total_gpus:
         cluster = with_nodes(cluster, -(-fix.space.gpus // cluster.gpus_per_node))
-    found = search_layouts(replace(ctx, space=fix.space, cluster=cluster))
+    training = fix.training or ctx.training
+    found = search_layouts(replace(ctx, space=fix.space, cluster=cluster, training=training))
     if found.interrupted:
         raise KeyboardInterrupt
     return found.best is not None

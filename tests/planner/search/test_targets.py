@@ -84,8 +84,11 @@ def test_searched_choices_are_cut_to_the_target():
     ("margin", "verdict"),
     [
         # 67 GiB fits 74.5 at the estimate, but the 80% interval's upper end (x1.34) does not
-        ("0", "fits             at the estimate, with the 0.0 GiB memory margin kept free; "
-              "the 80% interval's upper end 89.3 GiB on stage 0 exceeds 74.5 GiB: may not fit"),
+        (
+            "0",
+            "fits             at the estimate, with the 0.0 GiB memory margin kept free; "
+            "the 80% interval's upper end 89.3 GiB on stage 0 exceeds 74.5 GiB: may not fit",
+        ),
         ("12", "ONLY INSIDE THE MARGIN"),
         ("30%", "ONLY INSIDE"),
     ],
@@ -152,3 +155,23 @@ def test_torchtitan_expert_tp_follows_its_sharding_rule():
     assert (1, 1) not in titan and (2, 2) not in titan  # the two torchtitan does not run
     megatron = _expert_meshes(model, 2, 1, 16, SearchSpace(gpus=32))
     assert (1, 1) in megatron  # Megatron runs etp 1 without expert parallelism
+
+
+def test_a_margin_that_leaves_nothing_after_the_overhead_is_refused(capsys, tmp_path):
+    """h100: 74.5 GiB, 5.0 GiB framework overhead. A margin of 74 GiB would leave a negative
+    usable memory: refused up front, one line naming the most it may be."""
+    assert memory_margin_gib("69", 74.5, 5.0) == 69.0
+    with pytest.raises(SpecError, match=r"--memory-margin 74: .* give less than 69\.5 GiB"):
+        memory_margin_gib("74", 74.5, 5.0)
+    with pytest.raises(SpecError, match="give less than 69.5 GiB"):
+        memory_margin_gib("95%", 74.5, 5.0)
+    out = tmp_path / "never"
+    args = ["plan", "--model", "mixtral-8x7b", "--cluster", "h100", "--gpus", "32", "--out",
+            str(out)]  # fmt: skip
+    assert main([*args, "--memory-margin", "74"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "leave nothing" in err and not out.exists()
+    # a margin that only crowds the layouts out is named among the fixes (checked by a search)
+    assert main([*args, "--memory-margin", "60"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "try a smaller --memory-margin (now 60.0 GiB kept free)" in err and not out.exists()
