@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -100,10 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     name = args.subcommand
     hold_interrupts()  # a Ctrl-C swallowed by a finalizer stops the command before it writes
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader gone before the last line is handled here
+        return code
     except SpecError as exc:
         print(f"piper {name}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout stopped early (`| head`): nothing is wrong
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the exit's own flush would fail again
+        return 0
     except OSError as exc:  # an input path that is a directory, unreadable, ...
         print(f"piper {name}: error: {_os_error_line(exc)}", file=sys.stderr)
         return 2

@@ -171,3 +171,19 @@ def test_bad_knob_combinations_are_one_line_exit_2(extra, match, capsys):
     rc = main([*base, *extra])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and match in err, err
+
+
+def test_a_reader_that_stops_early_is_not_an_error():
+    """`piper estimate ... | head -1`: the reader closes the pipe before the output is written;
+    the command stops quietly with exit 0, no 'Broken pipe' line."""
+    import subprocess
+    import sys
+
+    entry = "import sys; from planner.cli import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", entry, "estimate", "--model", "tiny-moe", "--cluster",
+           "cpu-gloo", "--dp", "2", "--ep", "2", "--target", "piper"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the child has imported anything: its first write fails
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err
