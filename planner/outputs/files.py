@@ -62,16 +62,30 @@ def signals_deferred() -> Iterator[None]:
             os.kill(os.getpid(), caught[0])  # the restored handler acts (SIGINT: KeyboardInterrupt)
 
 
+def _as_target(exc: OSError, path: Path) -> OSError:
+    """The same error naming the file the user asked for, not its temporary sibling."""
+    return type(exc)(exc.errno, exc.strerror, str(path))
+
+
 def _write_tmp(path: Path, data: str | bytes, mode: int) -> str:
-    """Write `data` to a new temporary sibling of `path`; returns the temporary's path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write `data` to a new temporary sibling of `path`; returns the temporary's path. An
+    OSError names `path` (or the folder that could not be made)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _as_target(exc, path.parent) from None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _as_target(exc, path) from None
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as fh:
             fh.write(data)
         os.chmod(tmp, mode)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _as_target(exc, path) from None
         raise
     return tmp
 
@@ -80,12 +94,16 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Write one file through a temporary sibling and os.replace (atomic on POSIX)."""
     p = Path(path)
     raise_pending()  # a Ctrl-C swallowed earlier stops the command before it writes
+    if p.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(p))
     with signals_deferred():
         tmp = _write_tmp(p, data, 0o666 & ~_umask())
         try:
             os.replace(tmp, p)
-        except BaseException:
+        except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise _as_target(exc, p) from None
             raise
 
 
