@@ -126,14 +126,39 @@ def _dispatcher(ctx: SearchContext) -> str:
     return d[0] if len(d) == 1 else "flat"
 
 
+UNIFORM_FINALISTS = 16  # even splits within UNIFORM_WITHIN of the best score, re-ranked
+UNIFORM_WITHIN = 1.05
+
+
 def uniform(ctx: SearchContext, inputs: Mapping[Candidate, StageCostInputs]) -> Baseline:
-    """The best even-split candidate among the search's memory-screened candidates."""
-    best = None
+    """The best even-split candidate among the search's memory-screened candidates: ranked by
+    the pipelined stage time (pipeline slots x the slowest stage), then the closest
+    (up to UNIFORM_FINALISTS within UNIFORM_WITHIN of the best) by the whole step, which adds
+    what the stage time leaves out and sets sharding variants apart (gradient reductions,
+    FSDP gathers, the optimizer step)."""
+    scored = []
     for order, (cand, inp) in enumerate(inputs.items()):
         step = _even_score(inp, cand.parallel)
-        if step is not None and (best is None or (step, order) < (best.step_s, best.order)):
-            best = _Scored(step, order, cand)
+        if step is not None:
+            scored.append(_Scored(step, order, cand))
+    if not scored:
+        return _finish(ctx, "uniform", None, "no layout fits with an even split")
+    scored.sort(key=lambda s: (s.step_s, s.order))
+    finalists = [s for s in scored if s.step_s <= scored[0].step_s * UNIFORM_WITHIN]
+    best = min(finalists[:UNIFORM_FINALISTS], key=lambda s: (_even_step(ctx, s.cand), s.order))
     return _finish(ctx, "uniform", best, "no layout fits with an even split")
+
+
+def _even_step(ctx: SearchContext, cand: Candidate) -> float:
+    """The resource model's whole step for `cand` with an even split (_finish's estimate)."""
+    par = cand.parallel
+    layers = even_split(len(ctx.model.layers), par.pp)
+    rc = layers if par.recompute != "none" else tuple(() for _ in layers)
+    est = ctx.evaluator.estimate(
+        ctx.model, ctx.cluster, training_for(ctx.training, cand), par, layers, rc,
+        cand.knobs.dispatcher,
+    )  # fmt: skip
+    return est.step_time_s
 
 
 def _best_of(ctx: SearchContext, layouts: Iterable[tuple[ParallelConfig, bool]]) -> _Scored | None:

@@ -152,3 +152,18 @@ def test_branch_and_bound_finds_the_exhaustive_optimum_under_a_uniform_policy():
     got = make_plan(model, cluster, training, 24, fixed, OPTS, sharding=("none", "zero"))
     assert got.best.step_time_s == pytest.approx(want.step_time_s, rel=1e-9)
     assert got.best.parallel.micro_batch == want.parallel.micro_batch
+
+
+def test_the_uniform_baseline_ranks_sharding_variants_by_the_whole_step():
+    """tiny-moe on 2 CPU ranks, the piper target: the plan is pp 1 (itself an even split) with
+    FSDP; the unsharded variant ties with it on the pipelined stage time but its whole step
+    is longer. The best uniform split is the plan's layout, not the unsharded tie."""
+    from planner.targets import TARGETS
+
+    model, cluster = load_model("tiny-moe"), load_cluster("cpu-gloo")
+    training = TrainingSpec(seq_len=64, global_batch=8)
+    got = make_plan(model, cluster, training, 2, None, OPTS, target=TARGETS["piper"])
+    uniform = next(b for b in got.baselines if b.name == "uniform")
+    assert got.best.parallel.pp == 1 and got.best.knobs.sharding == "fsdp"
+    assert uniform.parallel == got.best.parallel and uniform.knobs == got.best.knobs
+    assert uniform.estimate.step_time_s == pytest.approx(got.best.step_time_s, rel=1e-9)
