@@ -256,21 +256,18 @@ def grouped_mm_fits(x_ND: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor)
     return plain and all((n * size) % 16 == 0 for n in w_in.shape[1:])
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (torch._grouped_mm's
-    backward refuses an expanded one, e.g. from a sum)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
 
 
 def _gmm(x_ND, w_XAB, offs, b_XB, slot_N) -> torch.Tensor:
-    y = _ContiguousGrad.apply(torch._grouped_mm(x_ND, w_XAB, offs=offs))
+    """Grouped GEMM; the gradient reaching its output is made contiguous first
+    (torch._grouped_mm's backward refuses an expanded one, e.g. from a sum). A tensor hook,
+    not an identity Function: the output stays a plain tensor, no view (FSDP2 warns about
+    views returned by the modules it wraps)."""
+    y = torch._grouped_mm(x_ND, w_XAB, offs=offs)
+    if y.requires_grad:
+        y.register_hook(_contiguous)
     return y if b_XB is None else y + b_XB[slot_N]
 
 

@@ -61,3 +61,24 @@ def test_shapes_grouped_mm_cannot_take_run_the_loop():
     y = odd(x, [2, 0, 4, 0])  # falls back to the loop
     odd.gemm = "loop"
     assert torch.equal(y, odd(x, [2, 0, 4, 0]))
+
+
+def test_grouped_gemm_output_is_no_view_and_takes_an_expanded_gradient():
+    """A sum's gradient is expanded (stride 0), which torch._grouped_mm's backward refuses:
+    _gmm makes it contiguous through a hook on a plain (non-view) output, the kind FSDP2
+    accepts from the modules it wraps without a warning."""
+    from runtime.model.moe import _gmm
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(2, 16, 16, requires_grad=True)
+    offs = torch.tensor([4, 8], dtype=torch.int32)
+    with pytest.raises(RuntimeError):
+        torch._grouped_mm(x, w, offs=offs).sum().backward()
+    x.grad = w.grad = None
+    y = _gmm(x, w, offs, None, None)
+    assert not y._is_view()
+    y.sum().backward()
+    ones = torch.ones(8, 16)
+    assert torch.allclose(x.grad[:4], ones[:4] @ w[0].detach().T)
+    assert torch.allclose(w.grad[1], x[4:].detach().T @ ones[4:])
