@@ -14,6 +14,7 @@ Model, per MoE layer (shape letters: I intervals, L layers, E experts, N tokens)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,12 @@ class SynthOptions:
                 f"trace synth: --topk {self.top_k} exceeds --experts {self.experts}; "
                 f"a token picks distinct experts"
             )
+        for name in ("skew", "drift", "revert", "shift_prob"):
+            if not math.isfinite(getattr(self, name)):
+                flag = name.replace("_", "-")
+                raise SpecError(
+                    f"trace synth: --{flag} {getattr(self, name)}: give a finite number"
+                )
         if self.skew < 0 or self.drift < 0:
             raise SpecError("trace synth: --skew and --drift must be >= 0")
         if not (0 <= self.shift_prob <= 1 and 0 <= self.revert <= 1):

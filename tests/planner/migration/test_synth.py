@@ -63,6 +63,11 @@ def test_bad_options():
         SynthOptions(experts=8, top_k=9)
     with pytest.raises(SpecError, match="positive"):
         SynthOptions(tokens=0)
+    for name, flag in (("skew", "skew"), ("drift", "drift"), ("revert", "revert"),
+                       ("shift_prob", "shift-prob")):  # fmt: skip
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(SpecError, match=f"--{flag} {bad}: give a finite number"):
+                SynthOptions(**{name: bad})
 
 
 def test_cli_writes_a_valid_trace(tmp_path):
