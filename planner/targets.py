@@ -170,7 +170,7 @@ def refuse(target: Target, flag: str, value: object, what: str) -> None:
     """Raise one SpecError line when `value` (given as `flag`) is not among `what`."""
     if not target.offers(what, value):
         others = [n for n in TARGET_NAMES if TARGETS[n].offers(what, value)]
-        fix = f"re-plan with --target {others[0]}" if others else "choose another value"
+        fix = f"use --target {others[0]}" if others else "choose another value"
         raise SpecError(
             f"{flag} {value}: {target.engine} {target.version} does not run it (it offers "
             f"{', '.join(map(str, getattr(target, what)))}); drop it or {fix}"
@@ -187,7 +187,7 @@ def check_training(training: TrainingSpec, target: Target) -> None:
     if training.mtp_layers and not target.mtp:
         raise SpecError(
             f"--mtp-layers {training.mtp_layers}: {target.engine} {target.version} trains no "
-            "MTP layers; give --mtp-layers 0 or re-plan with --target megatron"
+            "MTP layers; give --mtp-layers 0 or use --target megatron"
         )
     _check_optimizer_state(training, target)
 
@@ -211,7 +211,7 @@ def _check_optimizer_state(training: TrainingSpec, target: Target) -> None:
         if value != default:
             raise SpecError(
                 f"{flag} {value}: {target.engine} {target.version} does not run it (Megatron-Core "
-                "does); drop it or re-plan with --target megatron"
+                "does); drop it or use --target megatron"
             )
 
 

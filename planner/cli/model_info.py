@@ -29,6 +29,14 @@ def _b(n: float) -> str:
     return f"{n / 1e9:,.2f} B" if n >= 1e8 else f"{n:,.0f}"
 
 
+def _embedding_head(info: dict[str, Any]) -> str:
+    """Both counts; a tied head reuses the embedding, and only its final norm counts apart."""
+    emb, head = _b(info["embedding_params"]), _b(info["head_params"])
+    if info["tie_word_embeddings"]:
+        return f"{emb} / tied to the embedding (its final norm: {head})"
+    return f"{emb} / {head}"
+
+
 def print_report(info: dict[str, Any]) -> None:
     """The human-readable report: a table of counts, one of layer kinds, the bases."""
     rows = [
@@ -38,8 +46,7 @@ def print_report(info: dict[str, Any]) -> None:
         ("total_params", _b(info["total_params"])),
         ("active_params", _b(info["active_params"])),
         ("mtp_params", _b(info["mtp_params"])),
-        ("embedding / head", f"{_b(info['embedding_params'])} / {_b(info['head_params'])}"
-                             f"{' (tied)' if info['tie_word_embeddings'] else ''}"),
+        ("embedding / head", _embedding_head(info)),
         ("flops_per_token", f"{info['flops_per_token'] / 1e9:.4g} GFLOP at seq_len "
                             f"{info['flops_seq_len']} ({info['flops_convention']} convention"
                             + (f", MTP {info['mtp_flops_per_token'] / 1e9:.4g} included"
@@ -61,7 +68,8 @@ def print_report(info: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        print("\n".join(list_model_presets()))
+        names = list_model_presets()
+        print(json.dumps(names, indent=2) if args.json else "\n".join(names))
         return 0
     if not args.model:
         raise SpecError("model-info: give a preset name or a config path (see --list)")

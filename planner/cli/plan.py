@@ -307,7 +307,7 @@ def _search(args: argparse.Namespace, clock: Phases) -> tuple[Any, PlanInputs] |
         if args.redundant_slots:
             raise SpecError(
                 f"--redundant-slots {args.redundant_slots}: {target.engine} loads experts in its "
-                "own placement, with no replicas; drop it or re-plan with --target piper"
+                "own placement, with no replicas; drop it or use --target piper"
             )
         args.redundant_slots = 0
     check_slots_without_fsdp(args.redundant_slots, args.fsdp)

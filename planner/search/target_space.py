@@ -57,7 +57,7 @@ def target_choices(
         if not able and value not in (None, 1):
             raise SpecError(
                 f"--{name} {value}: {target.engine} {target.version} does not run {name} > 1; "
-                f"drop --{name} or re-plan with --target megatron"
+                f"drop --{name} or use --target megatron"
             )
         if not able:
             out[name] = 1
@@ -75,7 +75,7 @@ def target_choices(
     if a2a_overlap and not target.a2a_overlap:
         raise SpecError(
             f"--a2a-overlap: {target.engine} {target.version} does not overlap the MoE "
-            "all-to-all; drop --a2a-overlap or re-plan with --target megatron"
+            "all-to-all; drop --a2a-overlap or use --target megatron"
         )
     overlap = a2a_overlap if target.a2a_overlap else False
     if user_dispatchers:
@@ -96,7 +96,7 @@ def _modules(target: Target, given: Sequence[str] | None) -> tuple[str, ...] | N
         raise SpecError(
             f"--recompute-modules {','.join(extra)}: {target.engine} reruns only "
             f"{','.join(target.recompute_modules)} under selective recompute; drop "
-            "them or re-plan with --target megatron"
+            "them or use --target megatron"
         )
     return tuple(given)
 
@@ -120,7 +120,7 @@ def check_layout_for(
         raise SpecError(
             f"--etp {par.etp}: {target.engine} {target.version} runs expert TP equal to the "
             f"attention TP ({par.tp}) without expert parallelism and 1 with it (ep={par.ep}); "
-            f"change --etp or re-plan with --target megatron"
+            f"change --etp or use --target megatron"
         )
     if target.recompute_modules is not None and par.recompute == "selective" and not modules:
         raise SpecError(

@@ -131,6 +131,8 @@ def simulate_all_to_all(
         overhead_us = cluster.msg_overhead_us
     if overhead_us < 0:
         raise SpecError(f"--overhead-us {overhead_us}: must be >= 0")
+    if topk < 1:
+        raise SpecError(f"--topk {topk}: a token goes to at least 1 expert; give >= 1")
     net = build_network(cluster, nodes)
     # default: one expert per rank, or the fewest experts per rank that top-k can route to
     n_experts = experts if experts is not None else net.ranks * -(-topk // net.ranks)

@@ -148,7 +148,7 @@ def test_table_shows_the_new_terms(capsys):
         (["--a2a-overlap"], "needs ep > 1"),
         (["--cp", "3", "--gpus", "12", "--dp", "4"], "seq_len=4096 must be a multiple of 6"),
         (["--dtype", "mxfp8", "--cluster", "h100"], "mxfp8"),
-        (["--dispatcher", "halo", "--ep", "2", "--dp", "2"], "re-plan with --target piper"),
+        (["--dispatcher", "halo", "--ep", "2", "--dp", "2"], "use --target piper"),
         (
             [
                 "--dispatcher",

@@ -220,6 +220,17 @@ def test_preset_names_are_case_insensitive(capsys):
     assert load_model("Mixtral-8x7B") == load_model("mixtral-8x7b")
     assert main(["model-info", "--list"]) == 0
     assert capsys.readouterr().out.split() == PRESETS
+    assert main(["model-info", "--list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == PRESETS
+
+
+def test_a_tied_head_is_shown_as_the_embedding_plus_its_final_norm(capsys):
+    assert main(["model-info", "grok-1"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("embedding"))
+    assert "/ tied to the embedding (its final norm: 6,144)" in line
+    assert main(["model-info", "deepseek-v3"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("embedding"))
+    assert "0.93 B / 0.93 B" in line and "tied" not in line
 
 
 def test_unknown_preset_suggests_closest():

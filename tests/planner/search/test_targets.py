@@ -61,7 +61,7 @@ def test_a_fixed_choice_the_target_cannot_run_is_one_line(target, kwargs, words)
     user = "dispatchers" in kwargs
     with pytest.raises(SpecError, match=words) as err:
         target_choices(TARGETS[target], user_dispatchers=user, **args)
-    assert "re-plan with --target" in str(err.value) or "choose another" in str(err.value)
+    assert "use --target" in str(err.value) or "choose another" in str(err.value)
     assert "\n" not in str(err.value)
 
 

@@ -262,6 +262,8 @@ def test_bad_inputs_raise_spec_error():
         simulate_all_to_all(c, 2, 1e6, "ring")
     with pytest.raises(SpecError, match="--topk"):
         simulate_all_to_all(c, 2, 1e6, "halo-dedup", topk=100, experts=16)
+    with pytest.raises(SpecError, match="--topk 0: a token goes to at least 1 expert"):
+        simulate_all_to_all(c, 2, 1e6, "halo-dedup", topk=0)
     with pytest.raises(SpecError, match="--experts"):
         simulate_all_to_all(c, 2, 1e6, "halo-dedup", topk=2, experts=7)
 
