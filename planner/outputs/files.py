@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from planner.outputs.interrupts import raise_pending
+from planner.specs import SpecError
 
 _DEFERRED = (signal.SIGINT, signal.SIGTERM)
 
@@ -94,8 +95,7 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Write one file through a temporary sibling and os.replace (atomic on POSIX)."""
     p = Path(path)
     raise_pending()  # a Ctrl-C swallowed earlier stops the command before it writes
-    if p.is_dir():
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(p))
+    _refuse_folder(p)
     with signals_deferred():
         tmp = _write_tmp(p, data, 0o666 & ~_umask())
         try:
@@ -120,13 +120,27 @@ def _write_new_dir(out: Path, files: dict[str, str | bytes], umask: int) -> None
         raise
 
 
+def _refuse_folder(target: Path) -> None:
+    """A folder where a file is to be written: one line, before anything is written."""
+    if target.is_dir():
+        raise SpecError(
+            f"{target}: a folder is in the way of the file this command writes; move it or "
+            "choose another output path"
+        )
+
+
 def _replace_in_place(out: Path, files: dict[str, str | bytes], umask: int) -> None:
+    """Every file written beside its target first, then each moved over it: a failure before
+    the moves leaves the folder as it was."""
+    for name in sorted(files):
+        _refuse_folder(out / name)
     tmps: dict[str, str] = {}
     try:
         for name in sorted(files):
             tmps[name] = _write_tmp(out / name, files[name], 0o666 & ~umask)
         for name in sorted(files):
-            os.replace(tmps.pop(name), out / name)
+            os.replace(tmps[name], out / name)
+            del tmps[name]
     finally:
         for tmp in tmps.values():
             Path(tmp).unlink(missing_ok=True)
