@@ -83,12 +83,20 @@ def folder_name(n: int, plan: Plan) -> str:
 
 
 def check_path(path: Path, what: str) -> None:
-    """A path that reaches a shell script must be printable (no control characters)."""
+    """A path that reaches the trial scripts must be printable (no control characters) and
+    free of ':' (`piper calibrate --log PLAN:LOG` splits there) and '%' (`sbatch --output`
+    expands its patterns)."""
     if CONTROL.search(str(path)):
         raise SpecError(
             f"{what} {str(path)!r} holds a control character (newline, tab, ...); choose a "
             "plain folder name"
         )
+    for char, why in ((":", "piper calibrate --log PLAN:LOG splits at it"),
+                      ("%", "sbatch --output expands it")):  # fmt: skip
+        if char in str(path):
+            raise SpecError(
+                f"{what} {str(path)!r} holds '{char}' ({why}); choose a folder name without it"
+            )
 
 
 def engine_of(plan: Plan) -> str:

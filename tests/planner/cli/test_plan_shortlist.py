@@ -129,3 +129,18 @@ def test_shellcheck_is_quiet(piper_shortlist):
     scripts = [str(p) for p in folder.rglob("*.sh")]
     proc = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("a:b", "holds ':' (piper calibrate --log PLAN:LOG splits at it)"),
+        ("run%j", "holds '%' (sbatch --output expands it)"),
+        ("new\nline", "holds a control character"),
+    ],
+)
+def test_a_shortlist_folder_the_scripts_cannot_name_is_refused(tmp_path, capsys, name, message):
+    out = tmp_path / name
+    assert main(["plan", *TINY, "--shortlist", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and not out.exists()
