@@ -35,13 +35,20 @@ COMMANDS = (
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors (an unknown flag, a value of the wrong type, a missing
+    argument) are one line and exit code 2, like every other bad input; subcommand parsers
+    inherit the class."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The `piper` parser. With `argv`, only the subcommand it names is imported and
     registered (importing every subcommand's dependencies costs a plan about a second of
     start-up); without one, or when argv names none or asks for the top-level help, all are."""
-    parser = argparse.ArgumentParser(
-        prog="piper", description="Plan and run Mixture-of-Experts training."
-    )
+    parser = OneLineParser(prog="piper", description="Plan and run Mixture-of-Experts training.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     # dest "subcommand", not "command": a subcommand may have its own --command option.
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
