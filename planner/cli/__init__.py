@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -42,6 +43,26 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse, then every number given: floats finite, integers within
+        [-MAX_INT_FLAG, MAX_INT_FLAG] (sizes, counts and seeds all fit; beyond, a divisor
+        search or a solver's int32 seed would hang or fail)."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None) if action.option_strings else None
+            for item in value if isinstance(value, list | tuple) else (value,):
+                if isinstance(item, bool) or not isinstance(item, int | float):
+                    continue
+                flag = action.option_strings[-1]
+                if isinstance(item, float) and not math.isfinite(item):
+                    self.error(f"argument {flag}: {item} is not a finite number")
+                if isinstance(item, int) and abs(item) > MAX_INT_FLAG:
+                    self.error(f"argument {flag}: {item} is out of range (at most {MAX_INT_FLAG})")
+        return parsed, extras
+
+
+MAX_INT_FLAG = 2**31 - 1
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:

@@ -21,9 +21,15 @@ def parse_bytes(text: str) -> float:
     if not m or unit not in _UNITS:
         raise SpecError(f"--bytes-per-rank {text!r}: write a number with an optional KiB/MiB/GiB")
     try:
-        return float(m.group(1)) * _UNITS[unit]
+        value = float(m.group(1)) * _UNITS[unit]
     except ValueError:
         raise SpecError(f"--bytes-per-rank {text!r}: not a number") from None
+    if not value < MAX_BYTES:
+        raise SpecError(f"--bytes-per-rank {text!r}: give less than 1 PiB per rank")
+    return value
+
+
+MAX_BYTES = 2.0**50  # 1 PiB
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -125,6 +125,8 @@ def _options(args: argparse.Namespace, trace: Trace, initial_LRS) -> MigrationOp
         if args.move_margin < 0:
             raise SpecError(f"--move-margin must be >= 0, got {args.move_margin}")
         opts = replace(opts, move_margin=args.move_margin)
+    if args.time_limit_s <= 0:
+        raise SpecError(f"--time-limit-s must be > 0, got {args.time_limit_s}")
     if args.solver != "local":
         if any(capacity(slots_RS).sum() > trace.num_experts for slots_RS in initial_LRS):
             raise SpecError(

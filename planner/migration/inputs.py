@@ -253,6 +253,12 @@ def migrate_setup(
     check_divisible(trace, ranks)
     if redundant_slots is not None and redundant_slots < 0:
         raise SpecError(f"--redundant-slots must be >= 0, got {redundant_slots}")
+    most = (ranks - 1) * trace.num_experts  # beyond, some rank has a slot for every expert
+    if redundant_slots is not None and redundant_slots > most:
+        raise SpecError(
+            f"--redundant-slots {redundant_slots}: at most {most} for {trace.num_experts} "
+            f"experts on {ranks} ranks (then every rank holds a copy of every expert)"
+        )
     wanted = -1 if redundant_slots is None else redundant_slots
     if plan is None and plan_path:
         plan = load_plan(plan_path)

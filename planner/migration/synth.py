@@ -25,6 +25,11 @@ from planner.specs import SpecError
 _CHUNK_TOKENS = 4096  # tokens sampled per Gumbel block; bounds memory to CHUNK x E floats
 
 
+# Largest intervals x layers x tokens (the sampling's work, ~1 us each) and intervals x
+# layers x experts (the trace's cells) a synthetic trace may have.
+MAX_SYNTH_CELLS = 2**26
+
+
 @dataclass(frozen=True)
 class SynthOptions:
     """Knobs of the generator; all counts are per interval and layer."""
@@ -44,6 +49,16 @@ class SynthOptions:
         for name in ("layers", "experts", "intervals", "tokens", "top_k"):
             if getattr(self, name) <= 0:
                 raise SpecError(f"trace synth: --{name.replace('_', '')} must be positive")
+        if self.seed < 0:
+            raise SpecError(f"trace synth: --seed {self.seed}: give a seed >= 0")
+        cells = self.intervals * self.layers
+        for what, n in (("tokens", self.tokens), ("experts", self.experts)):
+            if cells * n > MAX_SYNTH_CELLS:
+                raise SpecError(
+                    f"trace synth: --intervals {self.intervals} x --layers {self.layers} x "
+                    f"--{what} {n} = {cells * n:,} exceeds {MAX_SYNTH_CELLS:,} (about a minute "
+                    f"and a GiB); give fewer"
+                )
         if self.top_k > self.experts:
             raise SpecError(
                 f"trace synth: --topk {self.top_k} exceeds --experts {self.experts}; "
