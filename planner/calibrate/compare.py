@@ -127,7 +127,12 @@ def calibrate(
 
 
 def _re_estimate(plan: Plan, cluster: ClusterSpec | None, reprice: Repricing | None):
-    """The resource model's Estimate of the plan (None when it fails), and the source line."""
+    """The resource model's Estimate of the plan (None when it fails: a cluster preset the
+    plan names is gone, the model cannot price a hand-written layout), and the source line. A
+    model config embedded in plan.json that does not load is bad input: its SpecError goes
+    up (an embedded cluster profile is checked when the plan loads)."""
+    if plan.model.config:
+        plan.model_spec()
     try:
         est = estimate_plan(plan, cluster, reprice)
     except (SpecError, KeyError, TypeError, ValueError, ImportError) as exc:

@@ -5,7 +5,9 @@ the layout the log prints about itself, one `LogStep` per logged line (the last 
 covers and how many iterations it averages over) and the peak memory. A log that cannot be
 trusted is one SpecError line naming the file, the line and the fix: an out-of-memory error
 or any Python traceback (the run failed), a NaN loss or a non-zero NaN-iteration count, an
-iteration line cut short (the log is truncated), or no iteration line at all.
+iteration line cut short (the log is truncated), no iteration line at all, or a number no run
+prints (an iteration or step above MAX_ITERATION, a parallel size above MAX_PARALLEL, a time,
+throughput or memory that is infinite or above MAX_MEASURE: the log was edited or corrupted).
 
 Megatron-LM, github:NVIDIA/Megatron-LM at d98e8a64ddf34856e74b24714e3bedb2f5a39553:
 - megatron/training/arguments.py:1990-2001 `_print_args`: between
@@ -82,6 +84,9 @@ TITAN_MESH = re.compile(
 TITAN_OOMS = re.compile(r"(\d+) \w+ OOM errors thrown")
 OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
 MIB_PER_GIB = 1024.0
+MAX_ITERATION = 10**18 - 1  # 18 digits: fits int64; no run logs that many iterations
+MAX_PARALLEL = 1 << 24  # a parallel size or world; plan.json holds none above it
+MAX_MEASURE = 1e30  # times, throughputs, memory: far above any run, keeps their sums finite
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,7 @@ def _check_failure(lines: list[str], source: str) -> None:
                 "larger --memory-margin)"
             )
         oom = TITAN_OOMS.search(line)
-        if oom and int(oom.group(1)) > 0:
+        if oom and oom.group(1).strip("0"):  # a count above 0, read without int()
             raise SpecError(
                 f"{source} line {n}: the run reports {oom.group(1)} out-of-memory errors; "
                 "fit on runs that completed without them"
@@ -198,7 +203,7 @@ def parse_megatron(text: str, source: str) -> ParsedLog:
     for n, line in enumerate(lines, start=1):
         mem = MEGATRON_MEMORY.search(line)
         if mem:
-            peak = max(peak or 0.0, float(mem.group(3)) / MIB_PER_GIB)
+            peak = max(peak or 0.0, _measure(mem.group(3), source, n) / MIB_PER_GIB)
             continue
         head = MEGATRON_ITER.search(line)
         if not head:
@@ -214,14 +219,14 @@ def parse_megatron(text: str, source: str) -> ParsedLog:
         for key, value in fields.items():
             if key.endswith("loss") and not math.isfinite(_float(value, source, n)):
                 raise _nan_loss(source, n, f"{key} is {value}")
-        iteration = int(head.group(1))
+        iteration = _count(head.group(1), source, n, "iteration")
         previous = steps[-1].iteration if steps else 0
         window = interval or max(iteration - previous, 1)
         tflops = fields.get("throughput per GPU (TFLOP/s/GPU)")
         steps.append(LogStep(
             iteration, min(window, iteration), n,
-            _float(fields["elapsed time per iteration (ms)"], source, n) / 1e3, None,
-            None if tflops is None else _float(tflops, source, n), None,
+            _measure(fields["elapsed time per iteration (ms)"], source, n) / 1e3, None,
+            None if tflops is None else _measure(tflops, source, n), None,
         ))  # fmt: skip
     if not steps:
         raise SpecError(
@@ -233,6 +238,12 @@ def parse_megatron(text: str, source: str) -> ParsedLog:
         if arg in args:
             value = _int_or_none(args[arg])
             value = default if value is None else value
+            if value is not None and not 0 <= value <= MAX_ITERATION:
+                raise SpecError(
+                    f"{source}: argument {arg} is {str(value)[:24]}, outside [0, "
+                    f"{MAX_ITERATION}]; the arguments block is not as Megatron-LM prints it "
+                    "(edited or corrupt): fix it"
+                )
             if value is not None:
                 layout.append((name, value))
     return ParsedLog("megatron", source, tuple(layout), tuple(steps), peak)
@@ -261,7 +272,18 @@ def parse_torchtitan(text: str, source: str) -> ParsedLog:
     for n, line in enumerate(lines, start=1):
         mesh = TITAN_MESH.search(line)
         if mesh:
-            pp, rep, shard, cp, tp, ep = (int(x) for x in mesh.groups())
+            names = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+            sizes = [
+                _count(x, source, n, name, MAX_PARALLEL)
+                for name, x in zip(names, mesh.groups(), strict=True)
+            ]
+            pp, rep, shard, cp, tp, ep = sizes
+            if pp * rep * shard * cp * tp > MAX_PARALLEL:
+                raise SpecError(
+                    f"{source} line {n}: the device mesh holds {pp * rep * shard * cp * tp} "
+                    f"ranks, above {MAX_PARALLEL}; the line is not as torchtitan prints it "
+                    "(edited or corrupt): fix or cut it"
+                )
             layout = (("pp", pp), ("dp", rep * shard), ("cp", cp), ("tp", tp), ("ep", ep),
                       ("world", pp * rep * shard * cp * tp))  # fmt: skip
             continue
@@ -273,12 +295,11 @@ def parse_torchtitan(text: str, source: str) -> ParsedLog:
         step, loss, _, mem_gib, _, tps, tflops, _ = m.groups()
         if not math.isfinite(_float(loss, source, n)):
             raise _nan_loss(source, n, f"loss is {loss}")
-        iteration = int(step)
+        iteration = _count(step, source, n, "step")
         previous = steps[-1].iteration if steps else 0
         steps.append(LogStep(
             iteration, max(iteration - previous, 1), n, None,
-            _float(tps.replace(",", ""), source, n), _float(tflops.replace(",", ""), source, n),
-            _float(mem_gib, source, n),
+            _measure(tps, source, n), _measure(tflops, source, n), _measure(mem_gib, source, n),
         ))  # fmt: skip
     if not steps:
         raise SpecError(
@@ -310,6 +331,30 @@ def _float(text: str, source: str, line: int) -> float:
             f"{source} line {line}: {text.strip()[:30]!r} is not a number; the line is not "
             "as the engine prints it (truncated or edited)"
         ) from None
+
+
+def _measure(text: str, source: str, line: int) -> float:
+    """A time, throughput or memory figure: finite, >= 0 and at most MAX_MEASURE."""
+    value = _float(text, source, line)
+    if not 0 <= value <= MAX_MEASURE:  # NaN fails too
+        raise SpecError(
+            f"{source} line {line}: {text.strip()[:30]!r} is not a number in [0, "
+            f"{MAX_MEASURE:g}]; the line is not as the engine prints it (edited or corrupt): "
+            "fix or cut it"
+        )
+    return value
+
+
+def _count(text: str, source: str, line: int, what: str, maximum: int = MAX_ITERATION) -> int:
+    """An iteration, step or parallel size printed as digits: at most `maximum`, refused
+    before int() meets a number of thousands of digits."""
+    if len(text) > len(str(maximum)) or int(text) > maximum:
+        shown = text if len(text) <= 24 else f"{text[:20]}... ({len(text)} digits)"
+        raise SpecError(
+            f"{source} line {line}: {what} {shown} is above {maximum}; no run counts that "
+            "far, the line is not as the engine prints it (edited or corrupt): fix or cut it"
+        )
+    return int(text)
 
 
 def _int_or_none(text: str | None) -> int | None:

@@ -5,10 +5,15 @@ required `model` (a preset name or a config.json path), `hardware` (e.g. H100, G
 `gpus`, `precision` (BF16, FP16, FP8, MXFP8), `seq`, `gbs`, `mbs`, `tp`, `pp`, `vp`, `cp`,
 `ep`, `etp`, `recompute` (none, full, selective or selective(module,...)) and at least one of
 `measured_tokens_per_s_per_gpu` / `measured_tflops_per_gpu` (a row uses its tokens/s when
-given, else its TFLOPS); optional `id`, `source`, `note`, `measured_peak_gib`, and the
-software settings `dispatcher` (flat, halo, halo-dedup, deepep; HybridEP is deepep), `a2a_overlap`
-(1 / 0) and `cuda_graphs` (none, partial, full); where a settings column is absent or empty
-the note decides as below.
+given, else its TFLOPS; a value given in either must be a positive finite number); optional
+`id` (distinct across rows), `source`, `note`, `measured_peak_gib`, and the software settings
+`dispatcher` (flat, halo, halo-dedup, deepep; HybridEP is deepep), `a2a_overlap` (1 / 0),
+`cuda_graphs` (none, partial, full), `grad_overlap`, `optimizer_dtype`, `grad_dtype`,
+`master_weights`, `fsdp_hold_unsharded` and `fsdp_reduce_dtype`; where a settings column is
+absent or empty the note decides as below. `stack` and `pipeline_flushes` are read by the
+benchmarks only (profiles/runs/other_stacks.csv). Any other column is refused, with the
+closest known name; so is a column given twice, and a control character (a newline, ...) in
+any field but `note` and `source`.
 
 How a row becomes a layout (decisions where a source is silent are marked "assumed"):
 - dp = gpus / (tp pp cp); num_microbatches = gbs / (mbs dp); etp, ep, vp, cp as given;
@@ -37,6 +42,7 @@ the steps after the warm-up, per GPU).
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import math
 import statistics
@@ -60,6 +66,10 @@ REQUIRED = ("model", "hardware", "gpus", "precision", "seq", "gbs", "mbs", "tp",
 OPTIONAL = ("id", "source", "note", "measured_peak_gib", "dispatcher", "a2a_overlap",
             "cuda_graphs", "grad_overlap", "optimizer_dtype", "grad_dtype",
             "master_weights", "fsdp_hold_unsharded", "fsdp_reduce_dtype")  # fmt: skip
+# columns only the benchmarks read (Run.field)
+INFO = ("stack", "pipeline_flushes")
+COLUMNS = (*REQUIRED, TOKENS, TFLOPS, *OPTIONAL, *INFO)
+FREE_TEXT = ("note", "source")  # the columns that may hold several lines
 # the optimizer_dtype, grad_dtype and fsdp_reduce_dtype columns' values
 STATE_DTYPES = ("fp32", "bf16")
 FLAGS = {"1": True, "yes": True, "true": True, "0": False, "no": False, "false": False}
@@ -167,11 +177,18 @@ def parse_runs(text: str, source: str = "RUNS.csv", allow_empty: bool = False) -
             raise SpecError(f"{source}: empty; add the header of {EXAMPLE} and one row per run")
         _check_header(header, source)
         runs = []
+        id_lines: dict[str, int] = {}  # id -> the line that gave it first
         for row in reader:
             where = f"{source} line {reader.line_num}"
-            if row.get("id"):
-                where += f" (id {row['id']})"
-            runs.append(run_of(row, where))
+            run_id = (row.get("id") or "").strip()
+            if run_id:
+                where += f" (id {_shown(run_id)})"
+            runs.append(run_of(row, where))  # the row's own faults first
+            first = id_lines.setdefault(run_id, reader.line_num) if run_id else reader.line_num
+            if first != reader.line_num:
+                raise SpecError(
+                    f"{where}: column 'id' repeats the id of line {first}; give each run its own id"
+                )
     except csv.Error as err:
         raise SpecError(f"{source}: not valid CSV ({err}); fix the quoting") from None
     if not runs and not allow_empty:
@@ -180,6 +197,15 @@ def parse_runs(text: str, source: str = "RUNS.csv", allow_empty: bool = False) -
 
 
 def _check_header(header: list[str], source: str) -> None:
+    """Every required column, a measured one, no column twice and no unknown column."""
+    twice = next((c for i, c in enumerate(header) if c in header[:i]), None)
+    if twice is not None:
+        raise SpecError(f"{source}: column {_shown(twice, True)} is given twice; keep one")
+    unknown = next((c for c in header if c not in COLUMNS), None)
+    if unknown is not None:
+        close = difflib.get_close_matches(unknown.strip(), COLUMNS, n=1, cutoff=0.6)
+        fix = f"did you mean '{close[0]}'?" if close else f"use the columns of {EXAMPLE}"
+        raise SpecError(f"{source}: unknown column {_shown(unknown, True)}; {fix}")
     missing = [c for c in REQUIRED if c not in header]
     if missing:
         raise SpecError(
@@ -202,6 +228,12 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
     if blank:
         raise SpecError(f"{where}: fewer fields than the header (no '{blank}'); fill the row")
     fields = {k: (v or "").strip() for k, v in row.items()}
+    for column, text in fields.items():
+        if column not in FREE_TEXT and not text.isprintable():
+            raise SpecError(
+                f"{where}: column {_shown(column, True)} holds a control character "
+                f"({text[:40]!r}); write the field on one line"
+            )
     size = {c: _positive_int(fields, c, where) for c in SIZES}
     model = _model(fields["model"], where)
     dp, mbs, gbs = _data_parallel(size, where), size["mbs"], size["gbs"]
@@ -268,7 +300,7 @@ def _choice(
     if not text:
         return None
     if text not in choices:
-        raise SpecError(f"{where}: column '{column}'='{text}' is not one of {', '.join(choices)}")
+        raise SpecError(f"{where}: column '{column}'={text!r} is not one of {', '.join(choices)}")
     return text
 
 
@@ -278,7 +310,7 @@ def _flag(fields: Mapping[str, str], column: str, where: str) -> bool | None:
     if not text:
         return None
     if text not in FLAGS:
-        raise SpecError(f"{where}: column '{column}'='{text}' must be 1 or 0 (yes or no)")
+        raise SpecError(f"{where}: column '{column}'={text!r} must be 1 or 0 (yes or no)")
     return FLAGS[text]
 
 
@@ -309,12 +341,23 @@ def _optional_positive(fields: Mapping[str, str], column: str, where: str) -> fl
 
 
 def _measured(fields: Mapping[str, str], where: str) -> tuple[Metric, float]:
-    """The row's tokens/s/GPU when given, else its TFLOPS/GPU."""
-    if fields.get(TOKENS):
-        return "tokens/s/GPU", _number(fields, TOKENS, where)
-    if fields.get(TFLOPS):
-        return "TFLOPS/GPU", _number(fields, TFLOPS, where)
+    """The row's tokens/s/GPU when given, else its TFLOPS/GPU; each one given must be a
+    positive finite number, the one not used too."""
+    tokens = _optional_positive(fields, TOKENS, where)
+    tflops = _optional_positive(fields, TFLOPS, where)
+    if tokens is not None:
+        return "tokens/s/GPU", tokens
+    if tflops is not None:
+        return "TFLOPS/GPU", tflops
     raise SpecError(f"{where}: columns '{TOKENS}' and '{TFLOPS}' are both empty; give one")
+
+
+def _shown(text: str, quoted: bool = False) -> str:
+    """`text` for an error line: as is (in quotes when `quoted`) when printable, else its
+    repr, so the line stays one line."""
+    if not text.isprintable():
+        return repr(text)
+    return f"'{text}'" if quoted else text
 
 
 def _model(name: str, where: str) -> ModelSpec:
@@ -362,7 +405,7 @@ def _recompute(text: str, where: str) -> tuple[str, tuple[str, ...]]:
     unknown = [n for n in names if n not in RECOMPUTE_MODULES]
     if unknown:
         raise SpecError(
-            f"{where}: column 'recompute' names module '{unknown[0]}'; choose from "
+            f"{where}: column 'recompute' names module {unknown[0]!r}; choose from "
             f"{', '.join(RECOMPUTE_MODULES)} (or norm, act)"
         )
     return "selective", names

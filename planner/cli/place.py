@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     hosts = load_nodelist(args.nodelist)
     allocation = allocation_of(hosts, args.topology, plan.cluster.name)
     options = SolverOptions(args.solver, args.time_limit_s, args.threads, args.seed)
-    placement = place_plan(plan, allocation, options)
+    placement = place_plan(plan, allocation, options, args.plan)
     write_files(args.out, placement_files(placement, args.plan))
     print(summary_line(placement))
     print(f"wrote {args.out}/ (hostfile, local_ranks, placement.md)", file=sys.stderr)

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from planner.inputs.clusters import load_yaml, yaml_fault
 from planner.specs import ClusterSpec, SpecError
 
 
@@ -68,11 +69,9 @@ def load_allocation(path: str | Path) -> Allocation:
         rows: Any = _read_csv(text, p)
     else:
         try:
-            rows = yaml.safe_load(text)
+            rows = load_yaml(text)
         except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise SpecError(f"{p}: not valid YAML{where}; fix the syntax") from None
+            raise SpecError(f"{p}: not valid YAML{yaml_fault(exc)}; fix the syntax") from None
     return parse_allocation(rows, str(p))
 
 
@@ -105,16 +104,27 @@ def _field(row: dict, key: str, i: int, source: str, required: bool) -> str:
             raise SpecError(f"{source}: node {i} is missing '{key}'")
         return ""
     if isinstance(value, bool) or not isinstance(value, str | int):
-        raise SpecError(f"{source}: node {i}: '{key}' must be a string or integer, got {value!r}")
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise SpecError(f"{source}: node {i}: '{key}' must be a string or integer, got {shown}")
     return str(value).strip()
 
 
 def _read_csv(text: str, path: Path) -> list[dict[str, str]]:
+    """The rows of a CSV allocation; a field past the csv module's size limit or a stray
+    quote (csv.Error) is one SpecError line naming the file and the line."""
     reader = csv.DictReader(io.StringIO(text))
-    fields = [f.strip() for f in reader.fieldnames or []]
-    if "hostname" not in fields or "switch" not in fields:
-        raise SpecError(f"{path}: CSV header must include hostname,switch (and optionally group)")
-    return [{k.strip(): (v or "").strip() for k, v in row.items() if k} for row in reader]
+    try:
+        fields = [f.strip() for f in reader.fieldnames or []]
+        if "hostname" not in fields or "switch" not in fields:
+            raise SpecError(
+                f"{path}: CSV header must include hostname,switch (and optionally group)"
+            )
+        return [{k.strip(): (v or "").strip() for k, v in row.items() if k} for row in reader]
+    except csv.Error as exc:
+        raise SpecError(
+            f"{path}: line {reader.reader.line_num}: not CSV ({exc}); write one node a line as "
+            "hostname,switch,group"
+        ) from None
 
 
 def default_allocation(cluster: ClusterSpec, num_nodes: int) -> Allocation:

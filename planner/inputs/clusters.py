@@ -14,13 +14,18 @@ where fitted constants come from and the fit's errors, written by `piper calibra
 `topology`, `source` and `tables` (measured efficiency tables {name, x, y}, written by
 `piper profile`).
 
-Every validation failure raises SpecError with one line naming the file, the field and the fix.
+Every number must be finite and within a physical bound (MAX_COUNT for counts, MAX_MEMORY_GIB,
+MAX_GBPS, MAX_TFLOPS, MAX_US, else MAX_NUMBER). The YAML is read by `load_yaml` (also used for
+model, allocation and topology YAML): a key given twice, nesting past the stack or an integer
+of more than 4300 digits is a yaml.YAMLError. Every validation failure raises SpecError with
+one line naming the file, the field and the fix.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,20 @@ _TOP_KEYS = ("name", "device", "gpus_per_node", "num_nodes", "nics_per_node", "n
              "levels", "tables", "topology", "source", "cuda_graphs", "calibration",
              *_OPTIONAL_FLOATS, *_NON_NEGATIVE_FLOATS)  # fmt: skip
 _LEVEL_KEYS = ("name", "devices", "bw_gbps", "latency_us", "taper", "kind")
+# Upper bounds far above any machine: they keep every product of the cost model finite
+# (a memory of 1e308 GiB in bytes is inf, and NaN after a subtraction).
+MAX_COUNT = 1 << 20  # GPUs per node, nodes, NICs per node, devices of a level, SMs
+MAX_MEMORY_GIB = 1e6
+MAX_GBPS = 1e6  # HBM, NIC and level bandwidths, GB/s
+MAX_TFLOPS = 1e6
+MAX_US = 1e7  # latencies and per-message, per-layer or jitter times, microseconds (10 s)
+MAX_NUMBER = 1e30  # any other number (efficiencies, table points)
+_MAXIMA = {
+    "memory_gib": MAX_MEMORY_GIB, "framework_overhead_gib": MAX_MEMORY_GIB,
+    "hbm_gbps": MAX_GBPS, "nic_gbps": MAX_GBPS, "bw_gbps": MAX_GBPS,
+    "latency_us": MAX_US, "msg_overhead_us": MAX_US, "layer_overhead_us": MAX_US,
+    "network_jitter_us": MAX_US,
+}  # fmt: skip
 _KINDS = {
     int: "an integer",
     float: "a number",
@@ -76,35 +95,76 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     if not path.is_file():
         raise SpecError(f"cluster file {path}: not found; give a preset name or a YAML path")
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+        data = load_yaml(path.read_text())
     except UnicodeDecodeError:
         raise SpecError(f"cluster file {path}: not a text file; a cluster is YAML") from None
     except yaml.YAMLError as exc:
-        line = getattr(getattr(exc, "problem_mark", None), "line", None)
-        where = f" at line {line + 1}" if line is not None else ""
-        problem = getattr(exc, "problem", None)
-        what = f" ({problem})" if problem else ""
-        raise SpecError(f"cluster file {path}: invalid YAML{where}{what}; fix it") from None
+        raise SpecError(f"cluster file {path}: invalid YAML{yaml_fault(exc)}; fix it") from None
     return cluster_from_dict(data, source=str(path))
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that rejects a key given twice in one mapping (a silent typo trap)."""
+
+
+class YAMLTooLarge(yaml.YAMLError):
+    """A YAML value Python cannot build: nesting past the stack, an integer of more than 4300
+    digits, an impossible date. `problem` says which; there is no line (`problem_mark`)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.problem_mark = None
+
+
+def _shown(key: Any) -> str:
+    text = str(key)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
     seen = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:  # a list or mapping as a key: SafeLoader's own check refuses it
+            continue
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key '{key}'", key_node.start_mark
+                None, None, f"duplicate key '{_shown(key)}'", key_node.start_mark
             )
         seen.add(key)
     return yaml.SafeLoader.construct_mapping(loader, node, deep)
 
 
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def load_yaml(text: str) -> Any:
+    """`text` parsed by UniqueKeyLoader (safe YAML, every key once). Every fault of the text is
+    a yaml.YAMLError: bad syntax, a key given twice (a ConstructorError at its line), or a
+    YAMLTooLarge for nesting past the stack, an integer of more than 4300 digits or another
+    value Python's constructors refuse (a date with month 13)."""
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except RecursionError:
+        raise YAMLTooLarge("nesting deeper than Python's stack") from None
+    except ValueError as exc:  # int() past sys.get_int_max_str_digits(), datetime's checks
+        what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "Exceeds the limit" in what:
+            what = f"an integer of more than {sys.get_int_max_str_digits()} digits"
+        raise YAMLTooLarge(_shown(what)) from None
+    except TypeError as exc:  # a constructor given a node of the wrong kind
+        raise YAMLTooLarge(_shown(str(exc) or type(exc).__name__)) from None
+
+
+def yaml_fault(exc: yaml.YAMLError) -> str:
+    """' at line L (problem)' for a fault of load_yaml, either part left out when unknown."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None)
+    return where + (f" ({problem})" if problem else "")
 
 
 def load_cluster_nodes(name_or_path: str, nodes: int | None) -> ClusterSpec:
@@ -266,7 +326,7 @@ class _Reader:
             value = str(value)
         if not isinstance(value, typ) or isinstance(value, bool):
             got = _KINDS.get(type(value), type(value).__name__)
-            raise self.fail(field, f"must be {kind}, got {got} {value!r}")
+            raise self.fail(field, f"must be {kind}, got {got} {_shown(repr(value))}")
         if nonempty and not value:
             raise self.fail(field, "must not be empty")
         return value
@@ -280,23 +340,27 @@ class _Reader:
             if close:
                 raise self.fail(f"{where}{key}", f"is not a field; did you mean '{close[0]}'?")
 
-    def positive(self, d: dict, key: str, where: str = "") -> float:
-        value = d.get(key)
+    def number(self, d: dict, key: str, where: str, low: str, maximum: float | None) -> float:
+        """A finite number in (0, maximum] (`low` "> 0") or [0, maximum] (`low` ">= 0");
+        `maximum` None: the field's bound in _MAXIMA, else MAX_NUMBER."""
+        field = f"{where}{key}"
+        top = _MAXIMA.get(str(key), MAX_NUMBER) if maximum is None else maximum
+        wanted = f"a number {low} 0 and <= {top:g}"
         if key not in d:
-            raise self.fail(f"{where}{key}", "is missing; add a positive number")
+            raise self.fail(field, f"is missing; add {wanted}")
+        value = d[key]
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(f"{where}{key}", f"must be a number, got {value!r}")
-        if not math.isfinite(value) or value <= 0:
-            raise self.fail(f"{where}{key}", f"must be positive, got {value}")
+            raise self.fail(field, f"must be {wanted}, got {_shown(repr(value))}")
+        bad = not math.isfinite(value) or value < 0 or (low == ">" and value == 0)
+        if bad or value > top:
+            raise self.fail(field, f"must be {wanted}, got {_shown(value)}")
         return float(value)
 
+    def positive(self, d: dict, key: str, where: str = "", maximum: float | None = None) -> float:
+        return self.number(d, key, where, ">", maximum)
+
     def non_negative(self, d: dict, key: str, where: str = "") -> float:
-        value = d.get(key)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(f"{where}{key}", f"must be a number >= 0, got {value!r}")
-        if not math.isfinite(value) or value < 0:
-            raise self.fail(f"{where}{key}", f"must be a number >= 0, got {value}")
-        return float(value)
+        return self.number(d, key, where, ">=", None)
 
     def flag(self, d: dict, key: str, where: str = "") -> bool:
         value = d.get(key)
@@ -306,8 +370,10 @@ class _Reader:
 
     def positive_int(self, d: dict, key: str, where: str = "") -> int:
         value = self.get(d, key, int, where)
-        if value <= 0:
-            raise self.fail(f"{where}{key}", f"must be a positive integer, got {value}")
+        if not 0 < value <= MAX_COUNT:
+            raise self.fail(
+                f"{where}{key}", f"must be an integer in [1, {MAX_COUNT}], got {_shown(value)}"
+            )
         return value
 
 
@@ -343,7 +409,7 @@ def _parse_device(r: _Reader, d: dict) -> DeviceSpec:
     if "bf16" not in peak:  # the default training dtype; every accelerator Piper targets has it
         raise r.fail("device.peak_tflops", f"has no bf16 entry ({', '.join(map(str, peak))}); "
                      "add bf16: <dense TFLOPS>")  # fmt: skip
-    pairs = tuple((str(k), r.positive(peak, k, "device.peak_tflops.")) for k in peak)
+    pairs = tuple((str(k), r.positive(peak, k, "device.peak_tflops.", MAX_TFLOPS)) for k in peak)
     return DeviceSpec(
         name=r.get(d, "name", str, "device."),
         memory_gib=r.positive(d, "memory_gib", "device."),
@@ -361,14 +427,11 @@ def _parse_level(r: _Reader, lv: Any, i: int) -> LevelSpec:
     taper = r.positive(lv, "taper", where) if "taper" in lv else 1.0
     if taper > 1.0:
         raise r.fail(f"{where}taper", f"is a bandwidth fraction and must be <= 1, got {taper}")
-    latency = lv.get("latency_us")
-    if isinstance(latency, bool) or not isinstance(latency, int | float) or latency < 0:
-        raise r.fail(f"{where}latency_us", f"must be a number >= 0, got {latency!r}")
     return LevelSpec(
         name=r.get(lv, "name", str, where),
         devices=r.positive_int(lv, "devices", where),
         bw_gbps=r.positive(lv, "bw_gbps", where),
-        latency_us=float(latency),
+        latency_us=r.non_negative(lv, "latency_us", where),
         taper=taper,
         kind=str(lv.get("kind", "")),
     )

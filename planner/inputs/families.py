@@ -96,6 +96,22 @@ DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "dense")
 _ALIASES = {"llama4_text": "llama4", "grok": "grok-1", "grok1": "grok-1", "phi_moe": "phimoe"}
 
 
+def check_model_type(cfg: dict[str, Any], where: str) -> None:
+    """Raise one SpecError line when the config's `model_type` (or its text_config's) is
+    present but not a string: the family cannot be told, and it is not guessed."""
+    sections = [("", cfg)]
+    if isinstance(cfg.get("text_config"), dict):
+        sections.append(("text_config.", cfg["text_config"]))
+    for prefix, section in sections:
+        value = section.get("model_type")
+        if value is not None and not isinstance(value, str):
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise SpecError(
+                f"{where}: key '{prefix}model_type' must be a string such as \"mixtral\", got "
+                f"{shown}; write the family name the model's config.json gives"
+            )
+
+
 def _model_type(cfg: dict[str, Any]) -> str:
     model_type = str(cfg.get("model_type") or "").lower()
     return _ALIASES.get(model_type, model_type)
@@ -246,6 +262,7 @@ def _moe_spec(r: ConfigReader, t: FamilyTraits, gated: bool) -> MoESpec:
 
 def build_model(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     """Parse one HF-style config dict (any family above) into a ModelSpec without metadata."""
+    check_model_type(cfg, source or name)
     family = family_of(cfg)
     r = _reader(cfg, family, source or name)
     t = FAMILIES[family]

@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
+import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import yaml
 
+from planner.inputs.clusters import load_yaml, yaml_fault
 from planner.inputs.config_keys import reject_near_misses
-from planner.inputs.families import MAX_LAYERS, build_model, check_model
+from planner.inputs.families import MAX_LAYERS, build_model, check_model, check_model_type
 from planner.inputs.hf_config import ConfigReader
 from planner.inputs.json_errors import json_error_line
+from planner.inputs.numerics import numerics_of_config
 from planner.inputs.paths import MODELS_DIR, read_text_file
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecError
+
+FAMILY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a model family: a plain name
 
 PIPER_KEY = "_piper"  # Piper's metadata inside a preset: published counts and their source
 COUNT_UNITS = {"1": 1.0, "1e9": 1e9, "1e12": 1e12, "2**30": float(2**30)}
@@ -72,16 +78,53 @@ def _preset_file(name: str) -> Path | None:
     return None
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object that gives one key twice (json keeps the last silently)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: the object as a dict, refusing a key given twice."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
-    """Parse a JSON or YAML config file into a dict; errors name the file and the fix."""
+    """Parse a JSON or YAML config file into a dict; errors name the file and the fix: invalid
+    syntax, a key given twice, an integer of more than 4300 digits, nesting past the stack."""
     text = read_text_file(path, "model config")
+    fix = "repair it, or take the model's config.json again"
     try:
-        cfg = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        if path.suffix in (".yaml", ".yml"):
+            cfg = load_yaml(text)
+        else:
+            cfg = json.loads(text, object_pairs_hook=_unique_object)
     except json.JSONDecodeError as exc:
-        fix = "repair it, or take the model's config.json again"
         raise SpecError(json_error_line(str(path), exc, fix)) from None
+    except _DuplicateKey as exc:
+        key = exc.key if len(exc.key) <= 60 else exc.key[:57] + "..."
+        raise SpecError(
+            f"{path}: key '{key}' is given twice in one object; keep one (JSON would take the "
+            "last silently)"
+        ) from None
+    except RecursionError:
+        raise SpecError(
+            f"{path}: invalid JSON: nesting deeper than Python's stack; {fix}"
+        ) from None
+    except ValueError:  # int() of more digits than sys.get_int_max_str_digits() allows
+        digits = sys.get_int_max_str_digits()
+        raise SpecError(
+            f"{path}: invalid JSON: an integer of more than {digits} digits; {fix}"
+        ) from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise SpecError(f"{path}: not valid YAML{yaml_fault(exc)}; {fix}") from None
     if not isinstance(cfg, dict):
         raise SpecError(f"{path}: a model config must be a mapping of keys to values")
     return cfg
@@ -119,12 +162,14 @@ def model_from_config(cfg: dict[str, Any], name: str, source: str = "") -> Model
     where = source or name
     if not isinstance(cfg, dict):
         raise SpecError(f"{where}: a model config must be a mapping of keys to values")
+    check_model_type(cfg, where)
+    published = published_counts(cfg, where)  # before build_model logs its generic-keys line
     if cfg.get("model_type") == "piper":
         model = _from_piper_format(cfg, name, source)
     else:
+        numerics_of_config(cfg, where)  # the numerics keys (rope_theta, ...) finite and typed
         model = build_model(cfg, name, source)
     check_model(model, where)
-    published = published_counts(cfg, where)
     if published is None:
         return model
     return replace(
@@ -143,7 +188,7 @@ def published_counts(cfg: dict[str, Any], where: str = "config") -> PublishedCou
     reject_near_misses(meta, PIPER_META_KEYS, where=where, prefix=f"{PIPER_KEY}.")
     unit = str(meta.get("count_unit", "1"))
     if unit not in COUNT_UNITS:
-        raise r.error("count_unit", f"is '{unit}'", f"use one of {', '.join(COUNT_UNITS)}")
+        raise r.error("count_unit", f"is {unit!r}", f"use one of {', '.join(COUNT_UNITS)}")
     scale = COUNT_UNITS[unit]
     values = {}
     for key in ("published_total_params", "published_active_params"):
@@ -235,15 +280,41 @@ def model_config(model: ModelSpec) -> dict[str, Any]:
     return cfg
 
 
+# Sizes of the normalized format that may be 0: 0 means "none" (no low-rank q projection, no
+# MLA ranks outside MLA, no dense MLP beside the experts, no shared experts). Every other size
+# must be >= 1. sliding_window is null for full causal attention; 0 (attend to no key) is
+# refused, as the HF families read it (planner/inputs/families.py, `_windows`).
+_MAY_BE_ZERO = frozenset({
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "num_shared_experts", "shared_ffn",
+})  # fmt: skip
+_MLA_SIZES = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_GROUP_KEYS = frozenset({"count", "kind", "attention", "dense_ffn", "dense_gated", "moe"})
+
+
+def _choice(r: ConfigReader, key: str, allowed: tuple[str, ...], default: Any = None) -> str:
+    """One of the names `allowed`, or `default` when the key is absent or null."""
+    value = r.cfg.get(key)
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, str) or value not in allowed:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise r.error(key, f"must be one of {', '.join(allowed)}, got {shown}",
+                      "write one of those names")  # fmt: skip
+    return value
+
+
 def _build(cls: type, data: Any, where: str, what: str) -> Any:
-    """A frozen spec from a dict, rejecting missing or unknown fields with one line."""
+    """A frozen spec from a dict, rejecting missing or unknown fields, sizes below 1 (0 where
+    _MAY_BE_ZERO allows it) or above MAX_SIZE, and names outside a Literal's choices."""
     if not isinstance(data, dict):
         raise SpecError(f"{where}: '{what}' must be a mapping; regenerate it with model_config")
     names = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(map(str, set(data) - names))
     if unknown:
-        raise SpecError(f"{where}: '{what}' has unknown keys {unknown}; remove them")
+        raise SpecError(f"{where}: '{what}' has unknown keys {unknown[:5]}; remove them")
     r = ConfigReader(data, where, f"{what}.")
+    hints = get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in fields(cls):
         if f.name not in data:
@@ -251,16 +322,33 @@ def _build(cls: type, data: Any, where: str, what: str) -> Any:
         kind = str(f.type)
         if data[f.name] is None and "None" in kind:
             values[f.name] = None
+        elif f.name == "sliding_window" and data[f.name] == 0 and data[f.name] is not False:
+            fix = "write null for full causal attention, or the window in tokens"
+            raise r.error(f.name, "is 0, a window of no keys", fix)
         elif kind.startswith("int"):
-            values[f.name] = r.int(f.name, minimum=0)
+            values[f.name] = r.int(f.name, minimum=0 if f.name in _MAY_BE_ZERO else 1)
         elif kind == "bool":
             values[f.name] = r.bool(f.name, bool(f.default))
-        else:  # a Literal kind: one of the names the spec allows, checked by check_model
-            values[f.name] = str(data[f.name])
+        else:  # a Literal kind: one of the names the spec allows
+            values[f.name] = _choice(r, f.name, get_args(hints[f.name]))
     try:
-        return cls(**values)
+        spec = cls(**values)
     except TypeError as exc:
         raise SpecError(f"{where}: '{what}' is incomplete ({exc}); add the missing key") from None
+    if isinstance(spec, AttentionSpec):
+        _check_attention(spec, r)
+    return spec
+
+
+def _check_attention(att: AttentionSpec, r: ConfigReader) -> None:
+    """Heads that group evenly, and MLA's ranks present when the kind is mla."""
+    if att.num_heads % att.num_kv_heads:
+        raise r.error("num_kv_heads", f"({att.num_kv_heads}) must divide num_heads "
+                      f"({att.num_heads})", "use a divisor of the head count")  # fmt: skip
+    if att.kind == "mla":
+        for key in _MLA_SIZES:
+            if getattr(att, key) < 1:
+                raise r.error(key, "must be >= 1 for kind 'mla'", "give the MLA size")
 
 
 def _from_piper_format(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
@@ -272,7 +360,12 @@ def _from_piper_format(cfg: dict[str, Any], name: str, source: str) -> ModelSpec
     layers: list[LayerSpec] = []
     for i, group in enumerate(groups):
         g = ConfigReader(group, where, f"layer_groups[{i}].")
+        reject_near_misses(group, _GROUP_KEYS, where=where, prefix=f"layer_groups[{i}].")
         count = g.int("count", maximum=MAX_LAYERS)
+        if len(layers) + count > MAX_LAYERS:
+            raise g.error("count", f"brings the layers past {MAX_LAYERS}",
+                          "no model has that many; regenerate the plan")  # fmt: skip
+        kind = _choice(g, "kind", get_args(get_type_hints(LayerSpec)["kind"]), "dense")
         att = _build(AttentionSpec, group.get("attention"), where, f"layer_groups[{i}].attention")
         moe_data = group.get("moe")
         moe = None
@@ -280,7 +373,10 @@ def _from_piper_format(cfg: dict[str, Any], name: str, source: str) -> ModelSpec
             moe = _build(MoESpec, moe_data, where, f"layer_groups[{i}].moe")
         if moe is not None and moe.top_k > moe.num_experts:
             raise g.error("moe.top_k", "exceeds num_experts", "use top_k <= num_experts")
-        layer = LayerSpec(kind=group.get("kind", "dense"), attention=att,
+        if moe is not None and kind != "moe":
+            raise g.error("kind", f"is '{kind}' but the group has a moe section",
+                          "set kind to 'moe' or remove moe")  # fmt: skip
+        layer = LayerSpec(kind=kind, attention=att,  # type: ignore[arg-type]
                           dense_ffn=g.int("dense_ffn", 0, minimum=0),
                           dense_gated=g.bool("dense_gated", True), moe=moe)  # fmt: skip
         layers.extend([layer] * count)
@@ -288,11 +384,33 @@ def _from_piper_format(cfg: dict[str, Any], name: str, source: str) -> ModelSpec
     if num_layers != len(layers):
         raise r.error("num_hidden_layers", f"is {num_layers} but layer_groups hold {len(layers)}",
                       "make them agree")  # fmt: skip
+    family = cfg.get("piper_family", "piper")
+    if not isinstance(family, str):
+        raise r.error("piper_family", f"must be a string, got {type(family).__name__}",
+                      "write the family name, e.g. \"mixtral\"")  # fmt: skip
+    if not FAMILY_NAME.fullmatch(family):
+        raise r.error("piper_family", f"is {family!r}",
+                      "write a plain name (letters, digits, _ - .), e.g. \"mixtral\"")  # fmt: skip
     return ModelSpec(
-        name=name, family=str(cfg.get("piper_family", "piper")), hidden_size=r.int("hidden_size"),
+        name=name, family=family, hidden_size=r.int("hidden_size"),
         vocab_size=r.int("vocab_size"), layers=tuple(layers),
         tie_word_embeddings=r.bool("tie_word_embeddings", False),
         num_mtp_layers=r.int("num_nextn_predict_layers", 0, minimum=0),
         norm_params_per_layer=r.int("norm_params_per_layer", 0, minimum=0),
         max_position_embeddings=r.int("max_position_embeddings", 4096), source=source,
     )  # fmt: skip
+
+
+def numerics_of_model(model: ModelSpec) -> dict[str, Any]:
+    """The numerics of the config `model` was read from (its preset or file, `model.source`);
+    {} for a spec that names no config file or one in Piper's normalized format."""
+    ref = model.source.removeprefix("preset:")
+    if not ref:
+        return {}
+    try:
+        cfg, _, source = resolve_model(ref)
+    except SpecError:  # a spec built in code whose source names no file
+        return {}
+    if cfg.get("model_type") == "piper":
+        return {}
+    return numerics_of_config(cfg, source)

@@ -34,7 +34,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from planner.specs import ModelSpec, SpecError
+from planner.specs import SpecError
 
 RouterKind = Literal["softmax", "topk_softmax", "sigmoid"]
 RopeKind = Literal["default", "yarn"]
@@ -211,23 +211,6 @@ def numerics_of_config(cfg: dict[str, Any], where: str = "config.json") -> dict[
         raise SpecError(f"{where}: a model config must be a mapping of keys to values")
     text = cfg.get("text_config")
     return _select(text if isinstance(text, dict) else cfg, NUMERICS_KEYS, where)
-
-
-def numerics_of_model(model: ModelSpec) -> dict[str, Any]:
-    """The numerics of the config `model` was read from (its preset or file, `model.source`);
-    {} for a spec that names no config file or one in Piper's normalized format."""
-    from planner.inputs.models import resolve_model
-
-    ref = model.source.removeprefix("preset:")
-    if not ref:
-        return {}
-    try:
-        cfg, _, source = resolve_model(ref)
-    except SpecError:  # a spec built in code whose source names no file
-        return {}
-    if cfg.get("model_type") == "piper":
-        return {}
-    return numerics_of_config(cfg, source)
 
 
 def check_numerics(section: Any, where: str) -> None:

@@ -16,6 +16,9 @@ pages topology.conf(5) and topology.yaml(5) of Slurm 25.11:
   nodes}]} | flat: true}`; the first with cluster_default true (else the first) is read, with
   the same meaning as above.
 
+A node listed under two switches (or in two blocks) has no single position and is refused,
+naming both. The YAML is read with every key once (planner.inputs.clusters.load_yaml).
+
 The cluster profile prices the tiers: a switch is the first topology level wider than a node,
 a group the next one (planner.inputs.allocation.default_allocation).
 
@@ -37,7 +40,8 @@ from typing import Any
 import yaml
 
 from planner.inputs.allocation import Allocation, AllocNode
-from planner.inputs.hostlist import expand_hostlist
+from planner.inputs.clusters import load_yaml, yaml_fault
+from planner.inputs.hostlist import MAX_HOSTS, expand_hostlist
 from planner.specs import SpecError
 
 FRONTIER_HOST = re.compile(r"frontier(\d{5})\Z")
@@ -93,16 +97,16 @@ def read_topology(path: str) -> dict[str, Position]:
         raise SpecError(f"{path}: not a text file; pass Slurm's topology.conf") from None
     if p.suffix.lower() in (".yaml", ".yml"):
         try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError:
-            raise SpecError(f"{path}: not valid YAML; fix the syntax") from None
+            data = load_yaml(text)
+        except yaml.YAMLError as exc:
+            raise SpecError(f"{path}: not valid YAML{yaml_fault(exc)}; fix the syntax") from None
         switches, blocks, sizes = _yaml_topology(data, path)
     else:
         switches, blocks, sizes = _conf_topology(text, path)
     if blocks:
-        return _block_positions(blocks, sizes)
+        return _block_positions(blocks, sizes, path)
     if switches:
-        return _tree_positions(switches)
+        return _tree_positions(switches, path)
     raise SpecError(f"{path}: no SwitchName= or BlockName= lines; pass a tree or block topology")
 
 
@@ -110,8 +114,23 @@ def read_topology(path: str) -> dict[str, Position]:
 _Entry = tuple[str, tuple[str, ...], tuple[str, ...]]
 
 
+def _cut(text: Any) -> str:
+    """`text` quoted for a message, cut to 60 characters."""
+    shown = repr(text)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _listed(entry: _Entry) -> int:
+    """The names one entry lists (child switches and nodes): a file's total is held to
+    MAX_HOSTS, as one node list is."""
+    return len(entry[1]) + len(entry[2])
+
+
 def _conf_topology(text: str, path: str) -> tuple[list[_Entry], list[_Entry], list[int]]:
-    switches, blocks, sizes = [], [], []
+    switches: list[_Entry] = []
+    blocks: list[_Entry] = []
+    sizes: list[int] = []
+    listed = 0
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -121,13 +140,15 @@ def _conf_topology(text: str, path: str) -> tuple[list[_Entry], list[_Entry], li
         for word in line.split():
             key, sep, value = word.partition("=")
             if not sep or not value:
-                raise SpecError(f"{where}: {word!r} is not KEY=VALUE; fix the line")
+                raise SpecError(f"{where}: {_cut(word)} is not KEY=VALUE; fix the line")
             fields[key.lower()] = value
         if "switchname" in fields:
             switches.append(_entry(fields["switchname"], fields.get("switches"),
-                                   fields.get("nodes"), where))  # fmt: skip
+                                   fields.get("nodes"), where, listed))  # fmt: skip
+            listed += _listed(switches[-1])
         elif "blockname" in fields:
-            blocks.append(_entry(fields["blockname"], None, fields.get("nodes"), where))
+            blocks.append(_entry(fields["blockname"], None, fields.get("nodes"), where, listed))
+            listed += _listed(blocks[-1])
         elif "blocksizes" in fields:
             sizes = _sizes(fields["blocksizes"].split(","), where)
         else:
@@ -139,14 +160,23 @@ def _yaml_topology(data: Any, path: str) -> tuple[list[_Entry], list[_Entry], li
     if not isinstance(data, list) or not all(isinstance(t, dict) for t in data) or not data:
         raise SpecError(f"{path}: expected a list of topologies (topology: NAME, tree|block)")
     topo = next((t for t in data if t.get("cluster_default") is True), data[0])
-    name = f"{path}: topology {topo.get('topology', '?')!r}"
+    name = f"{path}: topology {_cut(topo.get('topology', '?'))}"
     if isinstance(topo.get("tree"), dict):
         rows = _yaml_rows(topo["tree"].get("switches"), "switches", name)
-        entries = [_entry(r.get("switch"), r.get("children"), r.get("nodes"), name) for r in rows]
+        entries: list[_Entry] = []
+        listed = 0
+        for r in rows:
+            entries.append(_entry(r.get("switch"), r.get("children"), r.get("nodes"), name,
+                                  listed))  # fmt: skip
+            listed += _listed(entries[-1])
         return entries, [], []
     if isinstance(topo.get("block"), dict):
         rows = _yaml_rows(topo["block"].get("blocks"), "blocks", name)
-        blocks = [_entry(r.get("block"), None, r.get("nodes"), name) for r in rows]
+        blocks: list[_Entry] = []
+        listed = 0
+        for r in rows:
+            blocks.append(_entry(r.get("block"), None, r.get("nodes"), name, listed))
+            listed += _listed(blocks[-1])
         sizes = topo["block"].get("block_sizes") or []
         if isinstance(sizes, str):
             sizes = sizes.split(",")
@@ -162,40 +192,59 @@ def _yaml_rows(rows: Any, key: str, where: str) -> list[dict]:
     return rows
 
 
-def _entry(name: Any, children: Any, nodes: Any, where: str) -> _Entry:
+def _entry(name: Any, children: Any, nodes: Any, where: str, listed: int) -> _Entry:
+    """One switch or block; `listed`: the names the entries before it list."""
     if not isinstance(name, str) or not name:
         raise SpecError(f"{where}: a switch or block without a name; name it")
     for value in (children, nodes):
         if value is not None and not isinstance(value, str):
-            raise SpecError(f"{where}: {name}: node and switch lists must be hostlist strings")
-    kids = expand_hostlist(children, where) if children else ()
-    return name, kids, expand_hostlist(nodes, where) if nodes else ()
+            raise SpecError(
+                f"{where}: {_cut(name)}: node and switch lists must be hostlist strings"
+            )
+    kids = expand_hostlist(children, where, listed) if children else ()
+    return name, kids, expand_hostlist(nodes, where, listed + len(kids)) if nodes else ()
 
 
 def _sizes(values: list[Any], where: str) -> list[int]:
+    shown = str(values) if len(str(values)) <= 60 else str(values)[:57] + "..."
     try:
-        sizes = [int(v) for v in values]
+        sizes = [int(v) for v in values if isinstance(v, int | str) and len(str(v)) <= 18]
     except (TypeError, ValueError):
-        raise SpecError(f"{where}: BlockSizes must be whole numbers, got {values}") from None
-    if any(s <= 0 for s in sizes) or sizes != sorted(sizes):
-        raise SpecError(f"{where}: BlockSizes must be positive and increasing, got {sizes}")
+        sizes = []
+    if len(sizes) != len(values) or any(isinstance(v, bool) for v in values):
+        raise SpecError(f"{where}: BlockSizes must be whole numbers, got {shown}")
+    if any(not 0 < s <= MAX_HOSTS for s in sizes) or sizes != sorted(sizes):
+        raise SpecError(
+            f"{where}: BlockSizes must be increasing numbers of nodes in [1, {MAX_HOSTS}], "
+            f"got {shown}"
+        )
     return sizes
 
 
-def _tree_positions(switches: list[_Entry]) -> dict[str, Position]:
+def _place(out: dict[str, Position], node: str, position: Position, path: str, kind: str):
+    """out[node] = position; SpecError naming both when the node already has another."""
+    before = out.setdefault(node, position)
+    if before[1] != position[1]:
+        raise SpecError(
+            f"{path}: node {node!r} is listed under {kind} {_cut(before[1])} and {kind} "
+            f"{_cut(position[1])}; a node hangs off one {kind}: list it under one"
+        )
+
+
+def _tree_positions(switches: list[_Entry], path: str) -> dict[str, Position]:
     parent = {kid: name for name, kids, _ in switches for kid in kids}
     out: dict[str, Position] = {}
     for name, _, nodes in switches:
         for node in nodes:
-            out.setdefault(node, (parent.get(name, "0"), name))
+            _place(out, node, (parent.get(name, "0"), name), path, "switch")
     return out
 
 
-def _block_positions(blocks: list[_Entry], sizes: list[int]) -> dict[str, Position]:
+def _block_positions(blocks: list[_Entry], sizes: list[int], path: str) -> dict[str, Position]:
     per_group = sizes[1] // sizes[0] if len(sizes) > 1 else 0
     out: dict[str, Position] = {}
     for i, (name, _, nodes) in enumerate(blocks):
         group = str(i // per_group) if per_group else "0"
         for node in nodes:
-            out.setdefault(node, (group, name))
+            _place(out, node, (group, name), path, "block")
     return out

@@ -6,9 +6,16 @@ runtime and the exports rely on: positive integer sizes, pp*dp*tp ranks numbered
 dividing dp*tp, one contiguous block of layers per stage, EP ranks in range, the types of the
 model and cluster entries and the keys and types of the model's optional `numerics`
 (planner.inputs.numerics.check_numerics). `ranks` may be empty (a hand-written plan without
-placement); when present it must cover every rank. The field lists come from
-planner.plan.schema's dataclasses, so a new field is checked where it is declared. It does not
-re-parse the model config (planner.inputs.models does when a command needs the model).
+placement; `piper place` refuses such a plan); when present it must cover every rank and give
+each node's ranks distinct local ranks below the cluster's `gpus_per_node` (where the plan
+records it). Predicted figures, their intervals included, are
+finite numbers in [0, 1e30]. Values from a fixed set (training's literal fields,
+`activation_offload_modules`, `extra.dispatcher`, `extra.target`) are checked against it, and
+a value quoted in an error is shown by its repr, so every error stays one line. A cluster
+entry holding a whole profile (`levels`) is parsed as `piper plan` wrote it
+(planner.inputs.clusters.cluster_from_dict). The field lists come from planner.plan.schema's
+dataclasses, so a new field is checked where it is declared. It does not re-parse the model
+config (planner.inputs.models does when a command needs the model).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from planner.inputs.clusters import cluster_from_dict
 from planner.inputs.numerics import check_numerics
 from planner.plan.schema import (
     SCHEMA_VERSION,
@@ -29,7 +37,9 @@ from planner.plan.schema import (
     SolveReport,
     json_fields,
 )
-from planner.specs import SpecError, TrainingSpec
+from planner.resources.layer_comm import DISPATCHERS
+from planner.specs import ACTIVATION_OFFLOAD_MODULES, SpecError, TrainingSpec
+from planner.targets import TARGETS
 
 _FIX = "regenerate it with 'piper plan'"
 # No plan has a size, a count or a shape above these; bounding them keeps every consumer's
@@ -72,6 +82,7 @@ _MODULES = get_args(get_args(_hints(ParallelPlan)["recompute_modules"])[0])
 _RANK_FIELDS = tuple(_hints(RankPlan))
 _RANK_DEFAULTS = {f.name: f.default for f in fields(RankPlan) if f.default is not MISSING}
 _PREDICTED = tuple(k for k, t in _hints(Predicted).items() if t is float)
+_EXTRA_CHOICES = {"dispatcher": DISPATCHERS, "target": tuple(TARGETS)}
 _SOLVER = {k: _json_kind(t) for k, t in _hints(SolveReport).items()}
 _ENTRIES = {
     "model": {k: _json_kind(t) for k, t in _hints(ModelEntry).items()},
@@ -153,8 +164,8 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
         raise SpecError(f"{path}: missing 'schema_version'; {_FIX}")
     if d["schema_version"] != SCHEMA_VERSION:
         raise SpecError(
-            f"{path}: schema_version {d['schema_version']} is not supported (this Piper reads "
-            f"{SCHEMA_VERSION}); re-run 'piper plan' to regenerate it"
+            f"{path}: schema_version {_short(d['schema_version'])} is not supported (this Piper "
+            f"reads {SCHEMA_VERSION}); re-run 'piper plan' to regenerate it"
         )
     c = _Checker(path)
     for key in _SECTIONS:
@@ -162,6 +173,9 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
     for key, kind in (("inputs_sha256", str), ("extra", dict)):  # optional
         if key in d:
             c.get(d, key, "", kind)
+    for key, allowed in _EXTRA_CHOICES.items():  # optional; the exports and the runtime read them
+        if key in d.get("extra", {}) and d["extra"][key] not in allowed:
+            raise c.fail(f"extra.{key}", f"is {_short(d['extra'][key])}, not one of {allowed}")
     par = d["parallel"]
     sizes = {  # a knob a plan leaves out has its default (vp, cp, etp = 1)
         k: c.int_at_least(par, k, "parallel.", 1) if k in par or k not in _SIZE_DEFAULTS
@@ -178,14 +192,16 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
     _check_training(c, d["training"])
     _check_stages(c, c.items(d, "stages"), sizes["pp"])
     _check_experts(c, c.items(d, "experts"), sizes["ep"])
-    _check_ranks(c, c.items(d, "ranks"), sizes)
+    for section, kinds in _ENTRIES.items():
+        _check_entry(c, d[section], section, kinds)
+    _check_ranks(c, c.items(d, "ranks"), sizes, d["cluster"].get("gpus_per_node"))
     _check_predicted(c, d["predicted"], sizes["pp"])
     for key, kind in _SOLVER.items():
         c.get(d["solver"], key, "solver.", kind)
-    for section, kinds in _ENTRIES.items():
-        _check_entry(c, d[section], section, kinds)
     if "numerics" in d["model"]:
         check_numerics(d["model"]["numerics"], f"{path}: model.numerics")
+    if "levels" in d["cluster"]:  # the whole profile, as Plan.cluster_spec reads it
+        cluster_from_dict(d["cluster"], source=f"{path} cluster")
 
 
 _TRAINING = {f.name: t for f, t in zip(fields(TrainingSpec), get_type_hints(TrainingSpec).values(),
@@ -208,8 +224,14 @@ def _check_training(c: _Checker, training: dict[str, Any]) -> None:
             continue
         kind = _json_kind(hint)
         value = c.get(training, key, "training.", kind)
-        if get_origin(hint) is Literal and value not in get_args(hint):
-            raise c.fail(field, f"is {_short(value)}, not one of {get_args(hint)}")
+        allowed = _literal_values(hint)
+        if allowed and value not in allowed:
+            raise c.fail(field, f"is {_short(value)}, not one of {allowed}")
+        if key == "activation_offload_modules":
+            unknown = [n for n in value.split(",") if n and n not in ACTIVATION_OFFLOAD_MODULES]
+            if unknown:
+                raise c.fail(field, f"names {_short(unknown[0])}, not one of "
+                             f"{ACTIVATION_OFFLOAD_MODULES}")  # fmt: skip
         if kind is int and not -MAX_COUNT <= value <= MAX_COUNT:
             raise c.fail(field, f"is {str(value)[:40]}, beyond any training run")
         if kind == (int, float):
@@ -218,7 +240,20 @@ def _check_training(c: _Checker, training: dict[str, Any]) -> None:
     try:
         TrainingSpec(**kw)
     except SpecError as exc:
-        raise SpecError(f"{c.path}: {exc}; fix the plan or {_FIX}") from None
+        raise SpecError(f"{c.path}: {one_line(str(exc))}; fix the plan or {_FIX}") from None
+
+
+def _literal_values(hint: Any) -> tuple[Any, ...]:
+    """The values a Literal annotation (optionally `| None`) allows; () for any other."""
+    if get_origin(hint) in (Union, type(int | None)):
+        (hint,) = [h for h in get_args(hint) if h is not type(None)]
+    return get_args(hint) if get_origin(hint) is Literal else ()
+
+
+def one_line(text: str) -> str:
+    """`text` with each control character (a newline, a tab, ...) escaped as repr writes it,
+    so a message quoting untrusted text stays one line; printable text is unchanged."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def _check_entry(c: _Checker, entry: dict[str, Any], section: str, kinds: dict[str, Any]) -> None:
@@ -299,7 +334,12 @@ def _check_slots(c: _Checker, slots: list[Any], rank_of_expert: list[int], ep: i
             )  # fmt: skip
 
 
-def _check_ranks(c: _Checker, ranks: list[dict[str, Any]], s: dict[str, int]) -> None:
+def _check_ranks(
+    c: _Checker, ranks: list[dict[str, Any]], s: dict[str, int], gpus_per_node: int | None
+) -> None:
+    """Every rank once; on each node distinct local ranks, below `gpus_per_node` (the
+    cluster entry's, when the plan records it). Node ids are the cluster's (or allocation's)
+    node indices: they need not be consecutive."""
     world = s["pp"] * s["dp"] * s["tp"] * s["cp"]
     if not ranks:  # a hand-written plan may leave rank placement out (calibrate, export)
         return
@@ -307,15 +347,29 @@ def _check_ranks(c: _Checker, ranks: list[dict[str, Any]], s: dict[str, int]) ->
         raise c.fail("ranks", f"has {len(ranks)} entries but pp*dp*tp*cp = {world}")
     bounds = {"stage": s["pp"], "dp": s["dp"], "tp": s["tp"], "ep": s["ep"], "cp": s["cp"]}
     bounds["rank"] = world
+    if gpus_per_node is not None:
+        bounds["local_rank"] = gpus_per_node
     for i, r in enumerate(ranks):
         for key in _RANK_FIELDS:
             if key not in r and key in _RANK_DEFAULTS:
                 continue
             value = c.int_at_least(r, key, f"ranks[{i}].", 0)
             if key in bounds and value >= bounds[key]:
-                raise c.fail(f"ranks[{i}].{key}", f"is {value}; it must be < {bounds[key]}")
+                where = "cluster.gpus_per_node" if key == "local_rank" else "the plan's size"
+                raise c.fail(
+                    f"ranks[{i}].{key}", f"is {value}; it must be < {bounds[key]} ({where})"
+                )
     if sorted(r["rank"] for r in ranks) != list(range(world)):
         raise c.fail("ranks", f"must number the ranks 0..{world - 1} once each")
+    holder: dict[tuple[int, int], int] = {}  # (node, local rank) -> index in ranks
+    for i, r in enumerate(ranks):
+        first = holder.setdefault((r["node"], r["local_rank"]), i)
+        if first != i:
+            raise c.fail(
+                f"ranks[{i}].local_rank",
+                f"is {r['local_rank']} on node {r['node']}, as ranks[{first}]'s; each node's "
+                "ranks need distinct local ranks",
+            )
 
 
 def _check_predicted(c: _Checker, pred: dict[str, Any], pp: int) -> None:
@@ -328,4 +382,20 @@ def _check_predicted(c: _Checker, pred: dict[str, Any], pp: int) -> None:
         c.nonnegative(gib, f"predicted.memory_gib_per_stage[{i}]")
     if "comm_s" in pred:
         for name, seconds in c.get(pred, "comm_s", "predicted.", dict).items():
-            c.nonnegative(seconds, f"predicted.comm_s.{name}")
+            c.nonnegative(seconds, f"predicted.comm_s.{one_line(name)}")
+    if isinstance(pred.get("intervals"), dict):  # its shape: planner.plan.io._intervals
+        _check_interval_numbers(c, pred["intervals"], "predicted.intervals")
+
+
+def _check_interval_numbers(c: _Checker, value: Any, field: str) -> None:
+    """Every number in predicted.intervals finite and in [0, MAX_VALUE]; `source` one line."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_interval_numbers(c, item, f"{field}.{one_line(key)}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_interval_numbers(c, item, f"{field}[{i}]")
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        c.nonnegative(value, field)
+    elif isinstance(value, str) and not value.isprintable():
+        raise c.fail(field, f"holds a control character ({_short(value)})")

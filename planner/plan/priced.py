@@ -4,13 +4,16 @@
 layout, stages, dispatcher and expert placement) with what the engine runs
 (planner.targets.Target) and raises one SpecError line naming the first setting the engine
 would run differently, with the fix: re-plan with `--target ENGINE`, whose search offers only
-what that engine runs and prices it with its conventions.
+what that engine runs and prices it with its conventions. A control character in a value the
+line quotes (a plan built in code skips plan.json's checks) is escaped, so the error stays
+one line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from planner.plan.check import one_line
 from planner.plan.schema import Plan
 from planner.specs import SpecError
 from planner.targets import Target, etp_allowed, get_target
@@ -23,9 +26,11 @@ def check_priced(plan: Plan, engine: str, where: str = "plan.json") -> Target:
     for problem in _differences(plan, target):
         head = f"{where}: " if where else ""
         raise SpecError(
-            f"{head}{problem}, which {target.engine} {target.version} does not run as "
-            f"priced; re-plan with --target {engine} (the plan was made for --target "
-            f"{plan.extra.get('target', 'piper')})"
+            one_line(
+                f"{head}{problem}, which {target.engine} {target.version} does not run as "
+                f"priced; re-plan with --target {engine} (the plan was made for --target "
+                f"{plan.extra.get('target', 'piper')})"
+            )
         )
     return target
 

@@ -97,19 +97,24 @@ class Placement:
     solve_s: float
 
 
-def place_plan(plan: Plan, allocation: Allocation, options: SolverOptions) -> Placement:
+def place_plan(
+    plan: Plan, allocation: Allocation, options: SolverOptions, where: str = "plan.json"
+) -> Placement:
     """Place the plan's ranks on `allocation` (job order) and price the orders.
 
     Args:
         plan: a loaded plan.json (layout, stages and experts stay as planned).
         allocation: the job's nodes with switch and group ids, in Slurm's order.
         options: the rank IP's backend, time limit (s), threads and seed.
+        where: the plan's file, named in errors.
     Raises:
-        SpecError: the allocation has fewer nodes than the plan uses.
+        SpecError: the plan has no ranks table or a local rank beyond its cluster's devices
+            per node; the allocation has fewer nodes than the plan uses.
     """
-    cluster = plan.cluster_spec()
+    cluster = plan.cluster_spec(where)
     par = plan.parallel.config()
     g = cluster.gpus_per_node
+    _check_ranks(plan, g, where)
     need = max(math.ceil(par.world / g), max(r.node for r in plan.ranks) + 1)
     if len(allocation) < need:
         raise SpecError(
@@ -140,6 +145,23 @@ def place_plan(plan: Plan, allocation: Allocation, options: SolverOptions) -> Pl
         chosen, placed, slurm, compact, report, len(allocation), need,
         allocation.num_switches, allocation.num_groups, solve_s,
     )  # fmt: skip
+
+
+def _check_ranks(plan: Plan, gpus_per_node: int, where: str) -> None:
+    """The plan's ranks table is there (the Slurm order and the compact one are its order)
+    and fits the cluster's nodes (planner.plan.check has checked the rest)."""
+    if not plan.ranks:
+        raise SpecError(
+            f"{where}: field 'ranks' is empty; piper place needs the plan's rank placement: "
+            "regenerate it with 'piper plan'"
+        )
+    beyond = next((r for r in plan.ranks if r.local_rank >= gpus_per_node), None)
+    if beyond is not None:
+        raise SpecError(
+            f"{where}: field 'ranks' puts rank {beyond.rank} on local rank {beyond.local_rank} "
+            f"but the cluster has {gpus_per_node} devices per node; regenerate it with "
+            "'piper plan'"
+        )
 
 
 class _Pricer:

@@ -83,8 +83,18 @@ def _eos_name(path: Path, eos_token: str | None, vocab: dict[str, int]) -> str:
     name = eos_token
     config = path.with_name("tokenizer_config.json")
     if name is None and path.is_file() and config.is_file():
-        eos = json.loads(config.read_text()).get("eos_token")
+        try:
+            doc = json.loads(config.read_text(encoding="utf-8"))
+            eos = doc.get("eos_token") if isinstance(doc, dict) else None
+        except (ValueError, RecursionError, UnicodeDecodeError):
+            raise SpecError(
+                f"--tokenizer: {config} is not a JSON object; fix it or pass --eos-token TOKEN"
+            ) from None
         name = eos.get("content") if isinstance(eos, dict) else eos
+        if name is not None and not isinstance(name, str):
+            raise SpecError(
+                f"--tokenizer: {config}: 'eos_token' is not a string; fix it or pass --eos-token"
+            )
     if name is None:
         name = next((n for n in EOS_NAMES if n in vocab), None)
     if name is None:
@@ -191,7 +201,7 @@ def list_sources(inputs: tuple[str, ...]) -> list[Path]:
 def _jsonl_text(path: Path, lineno: int, line: str, key: str) -> str:
     try:
         text = json.loads(line)[key]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise SpecError(
             f"input: {path} line {lineno} is not a JSON object with a string {key!r}; "
             "fix the line or choose the field with --text-key"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from planner.specs import SpecError
 MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 4: np.int32, 5: np.int64, 8: np.uint16}
 SIDECAR_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+MAX_TOKENS = 1 << 62  # a count no file reaches; keeps every product within int64
 
 
 @dataclass(frozen=True)
@@ -71,26 +73,63 @@ def _megatron_index(idx: Path) -> tuple[np.dtype, int]:
     return np.dtype(MEGATRON_DTYPES[code]), int(lengths.sum(dtype=np.int64))
 
 
+class _KeyTwice(ValueError):
+    """A JSON object that gives one key twice."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """json's object_pairs_hook: the object as a dict, refusing a key given twice."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _KeyTwice(key)
+        out[key] = value
+    return out
+
+
 def _sidecar(side: Path) -> tuple[np.dtype, int | None, int | None]:
-    """dtype, vocab_size and tokens of a .json sidecar (the last two may be absent)."""
+    """dtype, vocab_size and tokens of a .json sidecar (the last two may be absent). Every
+    fault is one SpecError line naming the file: not UTF-8 or not JSON, a key given twice,
+    nesting past the stack, an integer of more than 4300 digits, a missing or unknown dtype,
+    counts that are not integers in [1, MAX_TOKENS]."""
+
+    def bad(problem: str) -> SpecError:
+        return SpecError(
+            f'--data: {side}: {problem}; it must be {{"dtype": "uint16" | "uint32", '
+            '"vocab_size": N} (optional "tokens": N), N a positive integer'
+        )
+
     try:
-        meta = json.loads(side.read_text())
-        dtype = np.dtype(SIDECAR_DTYPES[meta["dtype"]])
-        vocab, tokens = meta.get("vocab_size"), meta.get("tokens")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        vocab = tokens = "bad"
-    for value in (vocab, tokens):
-        if value is not None and (type(value) is not int or value <= 0):
-            raise SpecError(
-                f'--data: {side} must be {{"dtype": "uint16" | "uint32", "vocab_size": N}} '
-                '(optional "tokens": N), N a positive integer'
-            )
+        meta = json.loads(side.read_text(), object_pairs_hook=_unique_keys)
+    except _KeyTwice as exc:
+        raise bad(f"key {str(exc)[:60]!r} is given twice") from None
+    except RecursionError:
+        raise bad("nesting deeper than Python's stack") from None
+    except json.JSONDecodeError as exc:
+        raise bad(f"not JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise bad("not UTF-8 text") from None
+    except ValueError:  # int() of more digits than sys.get_int_max_str_digits() allows
+        raise bad(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
+    except OSError as exc:
+        raise bad(f"cannot be read ({exc.strerror or exc})") from None
+    if not isinstance(meta, dict):
+        raise bad("not a JSON object")
+    if "dtype" not in meta:
+        raise bad("field 'dtype' is missing")
+    if not isinstance(meta["dtype"], str) or meta["dtype"] not in SIDECAR_DTYPES:
+        raise bad(f"field 'dtype' is {str(meta.get('dtype'))[:30]!r}")
+    dtype = np.dtype(SIDECAR_DTYPES[meta["dtype"]])
+    vocab, tokens = meta.get("vocab_size"), meta.get("tokens")
+    for key, value in (("vocab_size", vocab), ("tokens", tokens)):
+        if value is not None and (type(value) is not int or not 0 < value <= MAX_TOKENS):
+            raise bad(f"field {key!r} is {str(value)[:30]!r}, not an integer in [1, {MAX_TOKENS}]")
     if vocab is not None and vocab > np.iinfo(dtype).max + 1:
         raise SpecError(
             f"--data: {side} says vocab_size {vocab} in {dtype}, which holds ids below "
             f"{np.iinfo(dtype).max + 1}; fix the .json or rebuild with uint32"
         )
-    return dtype, vocab, tokens
+    return dtype, vocab, tokens  # type: ignore[return-value]
 
 
 def open_token_file(path: str) -> TokenFile:

@@ -100,8 +100,7 @@ class ModelEvaluator:
         return RankChoice(tuple(sol.ranks), sol.report, "; ".join(filter(None, [note, sol.note])))
 
     def describe_model(self, model: ModelSpec) -> dict[str, Any]:
-        from planner.inputs.models import model_config
-        from planner.inputs.numerics import numerics_of_model
+        from planner.inputs.models import model_config, numerics_of_model
 
         entry = {"name": model.name, "source": model.source, "config": model_config(model)}
         return {**entry, "numerics": numerics_of_model(model)}

@@ -186,6 +186,8 @@ def run_cli(tmp: Path, capsys, *argv: str) -> tuple[int, str]:
         ("no eos", "names no EOS token"),
         ("idx beside", "out.idx exists and --data would read it instead"),
         ("unknown eos", "--eos-token: '<end>' is not in {tmp}/tokenizer.json's vocabulary"),
+        ("bad tokenizer_config", "{tmp}/tokenizer_config.json is not a JSON object"),
+        ("deep jsonl", "line 1 is not a JSON object with a string 'text'"),
     ],
 )
 def test_bad_inputs_are_one_line_exit_2_and_write_nothing(corpus, capsys, case, msg):
@@ -211,6 +213,11 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(corpus, capsys, case, 
         tokenizer = str(tmp / "plain.json")
     elif case == "idx beside":
         (tmp / "out.idx").write_bytes(b"MMIDIDX")
+    elif case == "bad tokenizer_config":
+        (tmp / "tokenizer_config.json").write_text("[" * 100_000)
+    elif case == "deep jsonl":
+        (tmp / "d.jsonl").write_text("[" * 100_000 + "\n")
+        inputs = [str(tmp / "d.jsonl")]
     more = ["--eos-token", "<end>"] if case == "unknown eos" else []
     before = sorted(p.name for p in tmp.iterdir())
     argv = [*inputs, "--tokenizer", tokenizer, "--out", str(tmp / "out"), *more]

@@ -152,7 +152,7 @@ def test_bad_runs_exit_2_with_one_line(tmp_path, capsys, args, tp, msg):
     if tp == 3:  # one data-parallel rank of three tensor-parallel ranks: 3 splits no heads
         changes = {
             "parallel": ParallelPlan(1, 1, 3, 1, 3, 2, 2, "none"),
-            "ranks": tuple(RankPlan(r, 0, r, 0, 0, r, 0) for r in range(3)),
+            "ranks": tuple(RankPlan(r, r // 2, r % 2, 0, 0, r, 0) for r in range(3)),
         }
     path, _ = _write_plan(tmp_path, pp=1 if tp == 3 else 2, **changes)
     assert main(["run", str(path), "--steps", "1", *args]) == 2
@@ -455,7 +455,7 @@ def test_more_processes_than_memory_holds_are_refused(tmp_path, capsys, monkeypa
     monkeypatch.setattr(run_cli.subprocess, "run", _record_launch(launched, run_cli.subprocess.run))
     assert main(["run", str(path), "--steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert "2 processes need about 0.7 GiB on this machine" in err
+    assert "2 processes need about 1.1 GiB on this machine" in err
     assert "but 0.5 GiB is available" in err and "--force" in err
     assert launched == []  # torchrun never started
 

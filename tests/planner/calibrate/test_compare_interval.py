@@ -158,6 +158,21 @@ def test_an_old_plan_whose_cluster_is_gone_says_so_in_one_line(tmp_path):
     assert not any(LINE.match(ln) for ln in result.stdout.splitlines())
 
 
+def test_a_plan_whose_embedded_model_does_not_load_is_refused_in_one_line(tmp_path):
+    """A cluster preset that is gone degrades to plan.json's own figures (above); a model
+    config embedded in plan.json that does not load is bad input: exit 2, one line."""
+    plan = tiny_plan()
+    doc = json.loads(plan.to_json())
+    if not doc["model"].get("config"):
+        pytest.skip("the tiny plan embeds no model config")
+    doc["model"]["config"]["hidden_size"] = "abc"
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    metrics = write_metrics(tmp_path / "m" / "metrics.jsonl", 2.5, (1.0, 1.5))
+    result = run_piper(["calibrate", str(tmp_path / "plan.json"), str(metrics)])
+    assert result.code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "'hidden_size' must be an integer" in result.stderr
+
+
 def test_training_logs_in_place_of_metrics_and_the_summary(plan_path, tmp_path):
     metrics = write_metrics(tmp_path / "run" / "metrics.jsonl", CASES["inside"], (1.0, 1.5))
     mega = tmp_path / "megatron.log"

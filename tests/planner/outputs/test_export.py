@@ -236,7 +236,12 @@ def test_model_settings_wrong_type_is_one_line(tmp_path):
     cfg["rope_theta"] = "a lot"
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    entry = ModelEntry("q", str(path), model_config(load_model(str(path))))
+    with pytest.raises(SpecError, match="rope_theta' must be a number") as err:
+        load_model(str(path))  # the model reader refuses it
+    assert "\n" not in str(err.value)
+    # a plan naming that file as its source (its embedded config valid): the export, which
+    # reads the source's settings, refuses it in one line too
+    entry = ModelEntry("q", str(path), model_config(load_model("qwen3-30b-a3b")))
     plan = replace(make_plan(), model=entry)
     with pytest.raises(SpecError, match="rope_theta' must be a number") as err:
         model_settings(plan, plan.model_spec())
