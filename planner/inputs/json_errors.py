@@ -41,3 +41,22 @@ def load_json_file(path: str | Path, what: str, fix: str) -> Any:
         raise SpecError(json_error_line(str(path), exc, fix)) from None
     except (ValueError, RecursionError):  # a number of > 4300 digits, nesting past the stack
         raise SpecError(f"{path}: a number or nesting too large to read; {fix}") from None
+
+
+class DuplicateKey(ValueError):
+    """A JSON object that gives one key twice (json keeps the last silently)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: the object as a dict, refusing a key given twice
+    (DuplicateKey)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out

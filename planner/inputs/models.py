@@ -26,7 +26,7 @@ from planner.inputs.clusters import load_yaml, yaml_fault
 from planner.inputs.config_keys import reject_near_misses
 from planner.inputs.families import MAX_LAYERS, build_model, check_model, check_model_type
 from planner.inputs.hf_config import ConfigReader
-from planner.inputs.json_errors import json_error_line
+from planner.inputs.json_errors import DuplicateKey, json_error_line, unique_object
 from planner.inputs.numerics import numerics_of_config
 from planner.inputs.paths import MODELS_DIR, read_text_file
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecError
@@ -78,24 +78,6 @@ def _preset_file(name: str) -> Path | None:
     return None
 
 
-class _DuplicateKey(ValueError):
-    """A JSON object that gives one key twice (json keeps the last silently)."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json's object_pairs_hook: the object as a dict, refusing a key given twice."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a JSON or YAML config file into a dict; errors name the file and the fix: invalid
     syntax, a key given twice, an integer of more than 4300 digits, nesting past the stack."""
@@ -105,10 +87,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
         if path.suffix in (".yaml", ".yml"):
             cfg = load_yaml(text)
         else:
-            cfg = json.loads(text, object_pairs_hook=_unique_object)
+            cfg = json.loads(text, object_pairs_hook=unique_object)
     except json.JSONDecodeError as exc:
         raise SpecError(json_error_line(str(path), exc, fix)) from None
-    except _DuplicateKey as exc:
+    except DuplicateKey as exc:
         key = exc.key if len(exc.key) <= 60 else exc.key[:57] + "..."
         raise SpecError(
             f"{path}: key '{key}' is given twice in one object; keep one (JSON would take the "

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from planner.inputs.json_errors import DuplicateKey, unique_object
 from planner.run.spec import RunSpec
 from planner.specs import SpecError
 
@@ -73,20 +74,6 @@ def _megatron_index(idx: Path) -> tuple[np.dtype, int]:
     return np.dtype(MEGATRON_DTYPES[code]), int(lengths.sum(dtype=np.int64))
 
 
-class _KeyTwice(ValueError):
-    """A JSON object that gives one key twice."""
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    """json's object_pairs_hook: the object as a dict, refusing a key given twice."""
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _KeyTwice(key)
-        out[key] = value
-    return out
-
-
 def _sidecar(side: Path) -> tuple[np.dtype, int | None, int | None]:
     """dtype, vocab_size and tokens of a .json sidecar (the last two may be absent). Every
     fault is one SpecError line naming the file: not UTF-8 or not JSON, a key given twice,
@@ -100,8 +87,8 @@ def _sidecar(side: Path) -> tuple[np.dtype, int | None, int | None]:
         )
 
     try:
-        meta = json.loads(side.read_text(), object_pairs_hook=_unique_keys)
-    except _KeyTwice as exc:
+        meta = json.loads(side.read_text(), object_pairs_hook=unique_object)
+    except DuplicateKey as exc:
         raise bad(f"key {str(exc)[:60]!r} is given twice") from None
     except RecursionError:
         raise bad("nesting deeper than Python's stack") from None
