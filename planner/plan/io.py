@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from planner.inputs.json_errors import json_error_line
+from planner.inputs.json_errors import DuplicateKey, json_error_line, unique_object
 from planner.inputs.paths import read_text_file
 from planner.plan.check import check_plan_dict
 from planner.plan.schema import (
@@ -130,10 +130,15 @@ def load_plan(path: str | Path) -> Plan:
         raise SpecError(f"{p}: no such plan file; create one with 'piper plan --out DIR'")
     text = read_text_file(p, "plan")
     try:
-        d = json.loads(text)
+        d = json.loads(text, object_pairs_hook=unique_object)
     except json.JSONDecodeError as exc:
         fix = "regenerate it with 'piper plan --out DIR'"
         raise SpecError(json_error_line(str(p), exc, fix)) from None
+    except DuplicateKey as exc:
+        raise SpecError(
+            f"{p}: key {exc.key[:60]!r} is given twice in one object; keep one (or regenerate "
+            "it with 'piper plan --out DIR')"
+        ) from None
     except (ValueError, RecursionError):  # a number of > 4300 digits, nesting past the stack
         raise SpecError(f"{p}: not a plan (a number or nesting too large to read)") from None
     return plan_from_dict(d, str(p))

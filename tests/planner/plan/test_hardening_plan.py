@@ -207,3 +207,20 @@ def test_a_broken_cluster_profile_is_refused_at_load(tmp_path):
     out = tmp_path / "cal"
     refused(["calibrate", path, str(metrics), "--out", str(out)], out, path, "device.memory_gib")
     refused(["export", path, "--to", "slurm", "--out", str(out)], out, "device.memory_gib")
+
+
+def test_a_key_given_twice_in_plan_json_is_refused(tmp_path, capsys):
+    """json keeps the last of two equal keys silently: `"name": "tiny-moe", "name": "other"`
+    would have named the Slurm job after the second."""
+    from planner.cli import main
+
+    text = json.dumps(plan_dict(), indent=1)
+    assert text.count('"schema_version"') == 1
+    text = text.replace('"schema_version"', '"schema_version": 0, "schema_version"', 1)
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    assert main(["export", str(path), "--to", "slurm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("key 'schema_version' is given twice in one object; keep one (or "
+                        "regenerate it with 'piper plan --out DIR')")  # fmt: skip
+    assert len(err.splitlines()) == 1
