@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from planner.inputs.json_errors import json_error_line
+from planner.inputs.json_errors import DuplicateKey, json_error_line, unique_object
 from planner.specs import SpecError
 
 # Every step must carry these, numbers >= 0 (the first five are what calibration reads).
@@ -91,10 +91,14 @@ def parse_metrics(text: str, source: str = "metrics.jsonl") -> list[dict[str, An
         if not line.strip():
             continue
         try:
-            d = json.loads(line)
+            d = json.loads(line, object_pairs_hook=unique_object)
         except json.JSONDecodeError as exc:
             fix = "metrics.jsonl has one JSON object per line, as 'piper run' writes it"
             raise SpecError(json_error_line(source, exc, fix, line=n)) from None
+        except DuplicateKey as exc:
+            raise SpecError(
+                f"{source} line {n}: key {exc.key[:60]!r} is given twice; keep one"
+            ) from None
         except (ValueError, RecursionError):  # a > 4300-digit number, deep nesting
             raise SpecError(
                 f"{source} line {n}: not JSON; metrics.jsonl has one object per line"

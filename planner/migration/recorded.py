@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from planner.inputs.json_errors import DuplicateKey, unique_object
 from planner.migration.trace import Trace
 from planner.plan import Plan
 from planner.specs import SpecError
@@ -72,9 +73,15 @@ def load_run_record(trace_path: str) -> RunRecord | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), object_pairs_hook=unique_object)
+    except DuplicateKey as exc:
+        raise SpecError(
+            f"{path}: key {exc.key[:60]!r} is given twice; rerun 'piper run' to rewrite it"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SpecError(f"{path}: not the run.json 'piper run' writes ({exc})") from None
+    except (ValueError, RecursionError):  # a > 4300-digit number, nesting past the stack
+        raise SpecError(f"{path}: not the run.json 'piper run' writes (too deep or long)") from None
     values = data if isinstance(data, dict) else {}
     bad = [k for k in RUN_KEYS if not isinstance(values.get(k), int) or values[k] < 0]
     if bad or values["ep"] < 1 or values["trace_every"] < 1:

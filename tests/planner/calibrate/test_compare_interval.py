@@ -244,3 +244,15 @@ def test_bad_and_truncated_logs_are_one_line_and_write_nothing(plan_path, tmp_pa
         assert result.stdout == ""
     assert not (metrics.parent / "calibration.csv").exists()
     assert not (tmp_path / "o").exists()
+
+
+def test_a_metrics_line_with_a_key_given_twice_is_one_line(tmp_path):
+    from planner.calibrate.metrics import load_metrics
+    from planner.specs import SpecError
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "step": 1}\n')
+    with pytest.raises(SpecError) as err:
+        load_metrics(path)
+    assert "line 1: key 'step' is given twice; keep one" in str(err.value)
+    assert "\n" not in str(err.value)

@@ -178,3 +178,21 @@ def test_policies_see_the_rows_the_runs_policy_saw(tmp_path, capsys):
         for name in ("a", "pairs/o", "steps/o")
     }
     assert placements["a"] == placements["pairs/o"] != placements["steps/o"]
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('{"ep": 2, "ep": 4}', "key 'ep' is given twice"),
+        ("[" * 100_000, "not the run.json 'piper run' writes (too deep or long)"),
+        ('{"ep": 1' + "0" * 5000 + "}", "not the run.json 'piper run' writes (too deep or long)"),
+    ],
+)
+def test_a_run_json_that_json_cannot_hold_is_one_line(tmp_path, text, needle):
+    from planner.migration.recorded import load_run_record
+    from planner.specs import SpecError
+
+    (tmp_path / "run.json").write_text(text)
+    with pytest.raises(SpecError) as err:
+        load_run_record(str(tmp_path / "trace.csv"))
+    assert needle in str(err.value) and "\n" not in str(err.value)
