@@ -105,12 +105,14 @@ def _available_gib() -> float | None:
 def rank_state_gib(spec: RunSpec) -> list[float]:
     """Each pipeline rank's model state (GiB) in the run as launched (the scaled model):
     its layers' non-expert parameters (over tp, and over dp with FSDP) and its share of the
-    routed experts (over ep x etp), the embedding on the first rank and the head on the
-    last, at RUN_BYTES_PER_PARAM."""
+    routed experts (over ep x etp, and over the experts' data-parallel group with FSDP), the
+    embedding on the first rank and the head on the last (one table when tied on one stage),
+    at RUN_BYTES_PER_PARAM; spare expert slots are not counted."""
     from planner.parallel import ParallelConfig
     from planner.resources.memory import layer_param_split
 
     model = spec.model
+    edp = max(spec.dp * spec.tp // (spec.ep * spec.etp), 1)  # the experts' data-parallel group
     par = ParallelConfig(
         spec.pp, spec.dp, spec.tp, spec.ep, spec.micro_batch, spec.num_microbatches,
         vp=spec.vp, etp=spec.etp,
@@ -122,9 +124,10 @@ def rank_state_gib(spec: RunSpec) -> list[float]:
         for i in layers:
             d, e = layer_param_split(model, model.layers[i], par)
             dense, expert = dense + d, expert + e
-        dense += vocab_rows * ((stage == 0) + (stage == spec.pp - 1))
-        if spec.fsdp:
-            dense /= spec.dp
+        tied_whole = model.tie_word_embeddings and spec.pp == 1  # one table for both
+        dense += vocab_rows * ((stage == 0) + (stage == spec.pp - 1) - tied_whole)
+        if spec.fsdp:  # fully_shard over the data-parallel ranks, the experts over edp
+            dense, expert = dense / spec.dp, expert / edp
         out.append(RUN_BYTES_PER_PARAM * (dense + expert) / 2**30)
     return out
 

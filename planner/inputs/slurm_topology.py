@@ -32,6 +32,7 @@ the rule.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,8 @@ from planner.inputs.allocation import Allocation, AllocNode
 from planner.inputs.clusters import load_yaml, yaml_fault
 from planner.inputs.hostlist import MAX_HOSTS, expand_hostlist
 from planner.specs import SpecError
+
+log = logging.getLogger(__name__)
 
 FRONTIER_HOST = re.compile(r"frontier(\d{5})\Z")
 FRONTIER_NODES_PER_GROUP = 128
@@ -222,13 +225,15 @@ def _sizes(values: list[Any], where: str) -> list[int]:
 
 
 def _place(out: dict[str, Position], node: str, position: Position, path: str, kind: str):
-    """out[node] = position; SpecError naming both when the node already has another."""
+    """out[node] = position, the first listing winning: Slurm accepts a node under two leaf
+    switches with a warning ("Multiple leaf switches contain nodes", topology/tree), and so
+    does this reader, which warns once per node naming both."""
     before = out.setdefault(node, position)
     if before[1] != position[1]:
-        raise SpecError(
-            f"{path}: node {node!r} is listed under {kind} {_cut(before[1])} and {kind} "
-            f"{_cut(position[1])}; a node hangs off one {kind}: list it under one"
-        )
+        log.warning(
+            "%s: node %r is listed under %s %s and %s %s; placing it under the first, as "
+            "Slurm does", path, node, kind, _cut(before[1]), kind, _cut(position[1]),
+        )  # fmt: skip
 
 
 def _tree_positions(switches: list[_Entry], path: str) -> dict[str, Position]:

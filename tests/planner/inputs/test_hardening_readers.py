@@ -1,8 +1,8 @@
 """Bad input to the model, cluster, node-list, allocation, topology, token-file and engine-log
 readers is one SpecError line naming the file and the field (planner/HARDENING.md): zero sizes
 and unknown kinds in Piper's model format, keys given twice, nesting past the stack, integers
-of thousands of digits, non-finite or absurd numbers, node lists too large to build, a node
-under two switches, a non-string model_type. Through `piper` it is exit code 2 and one
+of thousands of digits, non-finite or absurd numbers, node lists too large to build, a
+non-string model_type. Through `piper` it is exit code 2 and one
 stderr line without a traceback."""
 
 from __future__ import annotations
@@ -279,13 +279,21 @@ def test_allocation_files_are_one_line(tmp_path, name, text, needle):
 # ---- 6. topology -------------------------------------------------------------------------
 
 
-def test_a_node_under_two_switches_or_blocks_is_refused(tmp_path):
+def test_a_node_under_two_switches_or_blocks_stays_under_the_first_with_a_warning(tmp_path, caplog):
+    """Slurm accepts it with a warning ("Multiple leaf switches contain nodes"); so does the
+    reader, the first listing winning."""
     conf = tmp_path / "topology.conf"
     conf.write_text("SwitchName=s1 Nodes=n[1-4]\nSwitchName=s2 Nodes=n[4-8]\n")
-    _refused(lambda: read_topology(str(conf)), str(conf), "'n4'", "switch 's1' and switch 's2'")
+    with caplog.at_level(logging.WARNING):
+        positions = read_topology(str(conf))
+    assert positions["n4"][1] == "s1" and positions["n5"][1] == "s2"
+    assert "'n4' is listed under switch 's1' and switch 's2'" in caplog.text
     blocks = tmp_path / "blocks.conf"
     blocks.write_text("BlockName=b1 Nodes=n[1-4]\nBlockName=b2 Nodes=n[1-2]\n")
-    _refused(lambda: read_topology(str(blocks)), "'n1'", "block 'b1' and block 'b2'")
+    assert read_topology(str(blocks))["n1"][1] == "b1"
+
+
+def test_topology_files_that_cannot_be_read_are_one_line(tmp_path):
     sizes = tmp_path / "sizes.conf"
     sizes.write_text(f"BlockName=b1 Nodes=n[1-4]\nBlockSizes=4,{BIG_INT}\n")
     _refused(lambda: read_topology(str(sizes)), f"{sizes}: line 2", "BlockSizes")
