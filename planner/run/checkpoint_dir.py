@@ -7,7 +7,9 @@ torch.distributed.checkpoint (runtime/checkpoint.py) into `.tmp-step-000010` and
 only once complete: `state.json` (the run's own state: step, placements, migration history,
 metrics so far) is added, then `manifest.json` with the SHA-256 of every file, last. A
 folder without a manifest, or with a file missing or different from its hash, is refused;
-`.tmp-*` folders are never read. The newest KEEP checkpoints are kept.
+`.tmp-*` folders are never read. The newest KEEP checkpoints are kept. `piper run --resume`
+renames a refused checkpoint newer than the one it resumes from to `refused-<name>`, so the
+pruning keeps intact ones.
 """
 
 from __future__ import annotations
@@ -156,8 +158,9 @@ def check_checkpointable(spec: RunSpec) -> None:
 
 
 def resume_point(directory: str, spec: RunSpec) -> tuple[Path, int, list[str]]:
-    """(checkpoint, its finished steps, lines refusing newer ones) that --resume continues
-    from; SpecError when there is none, it is of another model, or no step is left."""
+    """(checkpoint, its finished steps, lines refusing newer ones, each set aside) that
+    --resume continues from; SpecError when there is none, it is of another model, or no
+    step is left (then nothing is renamed)."""
     path, refused = newest_valid(directory)
     if path is None:
         raise SpecError(f"--resume: no intact checkpoint in {directory}; run without --resume")
@@ -173,4 +176,17 @@ def resume_point(directory: str, spec: RunSpec) -> tuple[Path, int, list[str]]:
             f"--resume: checkpoint {path} has {state['step']} steps done and --steps is "
             f"{spec.steps}; raise --steps"
         )
-    return path, state["step"], refused
+    newer = [p for p in checkpoints(directory) if p.name > path.name]  # the refused ones
+    lines = [f"{line}; set aside as {set_aside(p)}" for line, p in zip(refused, newer, strict=True)]
+    return path, state["step"], lines
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a refused checkpoint to `refused-<name>` (then `.1`, `.2`, ...): no longer a
+    checkpoint, so pruning, which keeps the newest KEEP by name, keeps intact ones."""
+    target, n = path.with_name(f"refused-{path.name}"), 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"refused-{path.name}.{n}")
+    path.rename(target)
+    return target

@@ -135,7 +135,16 @@ def test_a_corrupt_or_partial_checkpoint_is_refused_and_the_one_before_used(
     ]
     (newest / MANIFEST).unlink()  # as a crash before the manifest would leave it
     assert problem(newest) == f"{MANIFEST} missing or unreadable (a partial checkpoint)"
-    assert resume_point(str(tmp_path), spec)[:2] == (step_dir(tmp_path, 10), 10)
+    path, done, lines = resume_point(str(tmp_path), spec)
+    assert (path, done) == (step_dir(tmp_path, 10), 10)
+    # the refused one is set aside, so pruning to the newest two keeps the intact step 10
+    aside = tmp_path / f"refused-{newest.name}"
+    assert lines == [
+        f"checkpoint {newest} refused: {MANIFEST} missing or unreadable (a partial "
+        f"checkpoint); trying the one before; set aside as {aside}"
+    ]
+    assert aside.is_dir() and not newest.exists()
+    assert checkpoints(tmp_path) == [step_dir(tmp_path, 10)]
     with pytest.raises(SpecError, match="has 10 steps done and --steps is 10; raise --steps"):
         resume_point(str(tmp_path), tiny_spec(pp=1, dp=2, ep=2, ranks_per_node=2, steps=10,
                                               layers=3))  # fmt: skip
