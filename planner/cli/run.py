@@ -14,8 +14,10 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -183,19 +185,37 @@ def _steps_done(metrics: Path) -> int:
         return 0
 
 
-def _train(cmd: list[str], env: dict[str, str], out: Path, steps: int) -> int:
-    """torchrun the run; on a terminal a progress bar follows metrics.jsonl. Exit code."""
+STOP_GRACE_S = 60.0  # torchrun's time to stop its processes after a forwarded SIGTERM
+
+
+def _train(cmd: list[str], env: dict[str, str], out: Path, steps: int) -> tuple[int, bool]:
+    """torchrun the run; on a terminal a progress bar follows metrics.jsonl. (exit code,
+    stopped): a SIGTERM sent to `piper run` alone (a scheduler's, `kill PID`) is passed on to
+    torchrun, which stops its processes; after STOP_GRACE_S it is killed."""
     metrics = out / "metrics.jsonl"
+    stop: list[float] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        if not stop:
+            stop.append(time.monotonic())
+            proc.send_signal(signum)
+
     with progress("training steps", total=steps) as update:
         proc = subprocess.Popen(cmd, env=env)
-        while True:
-            try:
-                code = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                update(min(_steps_done(metrics), steps))
+        previous = signal.signal(signal.SIGTERM, forward)
+        try:
+            while True:
+                try:
+                    code = proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    update(min(_steps_done(metrics), steps))
+                    if stop and time.monotonic() - stop[0] > STOP_GRACE_S:
+                        proc.kill()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         update(min(_steps_done(metrics), steps))
-    return code
+    return code, bool(stop)
 
 
 def _with_data(options: RunOptions, spec):
@@ -263,7 +283,15 @@ def run(args: argparse.Namespace) -> int:
     )
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    code = _train(_launch_cmd(options, spec.world), env, options.out_dir, options.steps)
+    code, stopped = _train(_launch_cmd(options, spec.world), env, options.out_dir, options.steps)
+    if stopped:
+        again = " (continue with --resume)" if options.checkpoint_dir else ""
+        print(
+            f"piper run: stopped by SIGTERM after {_steps_done(options.out_dir / 'metrics.jsonl')} "
+            f"steps; the processes were stopped{again}",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
     if code != 0:
         print(f"piper run: training failed (torchrun exit {code})", file=sys.stderr)
         return 1

@@ -500,3 +500,41 @@ def test_the_run_summary_counts_migrations_their_copies_and_bytes(tmp_path):
     still = [{**x, "migrated_experts": 0, "bytes_by_kind": {}} for x in lines]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in still))
     assert "; 0 migrations moved 0 expert copies (0 B); wrote " in _summary(tmp_path)
+
+
+def test_a_sigterm_to_piper_run_stops_torchrun_and_its_processes(tmp_path):
+    """`kill PID` of `piper run` alone (a scheduler's SIGTERM) reaches torchrun, which stops
+    its processes; the handler is put back afterwards."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    import planner.cli.run as run_cli
+
+    child = tmp_path / "torchrun_stand_in.py"
+    child.write_text(
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    open(sys.argv[1], 'w').write('stopped')\n"
+        "    sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "open(sys.argv[1] + '.ready', 'w').write('')\n"
+        "time.sleep(60)\n"
+    )
+    marker = tmp_path / "marker"
+    before = signal.getsignal(signal.SIGTERM)
+
+    def send_when_ready():
+        for _ in range(200):  # the stand-in's handler is installed before it says ready
+            if (tmp_path / "marker.ready").exists():
+                break
+            threading.Event().wait(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send_when_ready, daemon=True).start()
+    code, stopped = run_cli._train(
+        [sys.executable, str(child), str(marker)], dict(os.environ), tmp_path, 1
+    )
+    assert stopped and code == 3 and marker.read_text() == "stopped"
+    assert signal.getsignal(signal.SIGTERM) == before

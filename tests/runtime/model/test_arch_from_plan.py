@@ -120,7 +120,7 @@ def _run_lines(capsys, monkeypatch, argv) -> tuple[int, str, str]:
     """`piper run` up to the launch (torchrun replaced by a failing stub): exit, out, err."""
     import planner.cli.run as run_cli
 
-    monkeypatch.setattr(run_cli, "_train", lambda *args: 1)
+    monkeypatch.setattr(run_cli, "_train", lambda *args: (1, False))
     code = main(argv)
     captured = capsys.readouterr()
     return code, captured.out, captured.err.strip()
