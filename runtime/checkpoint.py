@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from planner.calibrate.metrics import EARLIER_LAYOUT
 from planner.run.checkpoint_dir import (
     finish,
     layout_of,
@@ -177,7 +178,10 @@ class Checkpointer:
         if t.rank == 0:
             log.warning("resumed from %s after step %d", path, state["step"] - 1)
         trace = {tuple(r[:3]): r[3] for r in state["trace"]} if t.rank == 0 else {}
-        return state["step"], state["lines"] if t.rank == 0 else [], trace
+        lines = state["lines"] if t.rank == 0 else []
+        if not same:  # they measured the checkpoint's layout: marked so calibration skips them
+            lines = [{**line, EARLIER_LAYOUT: True} for line in lines]
+        return state["step"], lines, trace
 
 
 def _assemble(done: int, spec: RunSpec, lines: list, parts: list) -> dict:

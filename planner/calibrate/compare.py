@@ -27,6 +27,7 @@ import statistics
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from planner.calibrate.metrics import this_layout
 from planner.calibrate.run_settings import Repricing
 from planner.plan.schema import Plan
 from planner.resources.layer_comm import runtime_dispatcher
@@ -102,6 +103,7 @@ def calibrate(
             None keeps plan.json's prediction.
         note: the line saying how the run differs from the plan, kept in the result.
     """
+    metrics = this_layout(metrics) or metrics
     steps = metrics[skip_steps:] if len(metrics) > skip_steps else metrics
     est, source = _re_estimate(plan, cluster, reprice)
     pred = plan.predicted if reprice is None or est is None else est

@@ -80,6 +80,17 @@ def _check_step(d: Any, where: str, index: int) -> None:
     _check_per_rank(d, where)
 
 
+# A step a resumed run carried over from a checkpoint of another layout (runtime/checkpoint.py
+# marks it): it measures that layout, not the plan's.
+EARLIER_LAYOUT = "earlier_layout"
+
+
+def this_layout(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps run on the layout of the run's plan: all but those a resume carried over
+    from another layout's checkpoint (EARLIER_LAYOUT)."""
+    return [d for d in rows if not d.get(EARLIER_LAYOUT)]
+
+
 def parse_metrics(text: str, source: str = "metrics.jsonl") -> list[dict[str, Any]]:
     """Parse metrics.jsonl text; every fault is a SpecError naming `source` and the line.
 

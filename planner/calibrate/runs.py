@@ -426,13 +426,14 @@ def run_of_metrics(plan_path: str | Path, metrics_path: str | Path, skip_steps: 
     records, when it differs), the measured median tokens/s per GPU and peak memory over the
     steps after `skip_steps` warm-up steps (all kept when fewer)."""
     from planner.calibrate.compare import plan_inputs
-    from planner.calibrate.metrics import load_metrics
+    from planner.calibrate.metrics import load_metrics, this_layout
     from planner.calibrate.run_settings import load_run_info, repricing, run_differences
     from planner.plan import load_plan
     from planner.resources.layer_comm import runtime_dispatcher
 
     plan = load_plan(plan_path)
     steps = load_metrics(metrics_path)
+    steps = this_layout(steps) or steps  # a resume from another layout carried some over
     steps = steps[skip_steps:] if len(steps) > skip_steps else steps
     model, cluster, training, parallel = plan_inputs(plan)
     tokens = statistics.median(d["tokens_per_s"] for d in steps)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from planner.calibrate.metrics import this_layout
 from planner.outputs.console import progress
 from planner.plan import Plan, load_plan
 from planner.run.checkpoint_dir import check_checkpointable, checkpoints, resume_point
@@ -161,7 +162,11 @@ def _summary(out: Path, checkpoint: str | None = None) -> str:
     if not lines:
         return f"no steps recorded in {out}"
     first, last = lines[0], lines[-1]
-    tps = sorted(x["tokens_per_s"] for x in lines)[len(lines) // 2]
+    mine = this_layout(lines) or lines  # without steps a resume carried over from another layout
+    tps = sorted(x["tokens_per_s"] for x in mine)[len(mine) // 2]
+    earlier = len(lines) - len(mine)
+    other = (f" over this layout's {len(mine)} steps ({earlier} earlier ones ran on another "
+             "layout)") if earlier else ""  # fmt: skip
     moved_per_step = [x.get("migrated_experts", 0) for x in lines]
     moved_bytes = sum(
         v for x in lines for k, v in x.get("bytes_by_kind", {}).items() if k.startswith("migrate_")
@@ -170,7 +175,7 @@ def _summary(out: Path, checkpoint: str | None = None) -> str:
     saved = f"; checkpoint {checkpoint}" if checkpoint else ""
     return (
         f"{len(lines)} steps: loss {first['loss']:.3f} -> {last['loss']:.3f}; median "
-        f"{tps:,.0f} tokens/s; last step sent {last['bytes_intra_node']:,} B intra-node, "
+        f"{tps:,.0f} tokens/s{other}; last step sent {last['bytes_intra_node']:,} B intra-node, "
         f"{last['bytes_inter_node']:,} B inter-node; {made} migrations "
         f"moved {sum(moved_per_step)} expert copies ({moved_bytes:,} B){saved}; "
         f"wrote {out}/metrics.jsonl, trace.csv"

@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
+from planner.calibrate.metrics import EARLIER_LAYOUT
 from planner.migration import MigrationDecision
 from planner.run.checkpoint_dir import (
     MANIFEST,
@@ -112,6 +113,9 @@ def test_another_plan_of_the_model_resumes_from_the_checkpoint(
     out = run_distributed(_body, pp * 2, other, (str(tmp_path), 0, True), None, timeout_s=120)
     losses = _losses(out[0][1])
     assert losses[:10] == _losses(straight[0][1])[:10]  # the lines it resumed with
+    # ... marked as another layout's, which the summary and calibration leave out
+    lines = [json.loads(x) for x in out[0][1]["metrics.jsonl"].splitlines()]
+    assert [bool(x.get(EARLIER_LAYOUT)) for x in lines] == [True] * 10 + [False] * 10
     # the same math; the gradients are summed in another order
     assert losses[10:] == pytest.approx(_losses(straight[0][1])[10:], rel=1e-5, abs=1e-5)
 

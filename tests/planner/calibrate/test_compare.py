@@ -117,6 +117,21 @@ def test_components_by_hand():
     assert cal.per_stage_source == "resource model"
 
 
+def test_steps_a_resume_carried_over_from_another_layout_are_left_out():
+    """A run resumed from another layout's checkpoint: the carried-over steps (marked
+    EARLIER_LAYOUT by the runtime) measure that layout; the warm-up is dropped after them."""
+    from planner.calibrate.metrics import EARLIER_LAYOUT
+
+    earlier = [{**r, EARLIER_LAYOUT: True} for r in metrics_lines([(1.0, 0.1, 0.1, RANKS)] * 4)]
+    mine = metrics_lines(
+        [(9.0, 1.0, 1.0, RANKS), (2.4, 0.2, 0.2, RANKS), (2.5, 0.25, 0.15, RANKS),
+         (2.6, 0.2, 0.2, RANKS)]
+    )  # fmt: skip
+    cal = calibrate(tiny_plan(), earlier + mine, skip_steps=1)
+    assert cal.steps_used == 3
+    assert cal.get("step_time_s").measured == pytest.approx(2.5)
+
+
 def test_stage_a2a_prediction_is_the_resource_model_times_microbatches():
     plan = tiny_plan()
     est = estimate_plan(plan)
