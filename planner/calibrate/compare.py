@@ -103,7 +103,7 @@ def calibrate(
             None keeps plan.json's prediction.
         note: the line saying how the run differs from the plan, kept in the result.
     """
-    metrics = this_layout(metrics) or metrics
+    metrics = this_layout(metrics)
     steps = metrics[skip_steps:] if len(metrics) > skip_steps else metrics
     est, source = _re_estimate(plan, cluster, reprice)
     pred = plan.predicted if reprice is None or est is None else est

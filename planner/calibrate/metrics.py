@@ -87,8 +87,8 @@ EARLIER_LAYOUT = "earlier_layout"
 
 def this_layout(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The steps run on the layout of the run's plan: all but those a resume carried over
-    from another layout's checkpoint (EARLIER_LAYOUT)."""
-    return [d for d in rows if not d.get(EARLIER_LAYOUT)]
+    from another layout's checkpoint (EARLIER_LAYOUT); all of them when none is left."""
+    return [d for d in rows if not d.get(EARLIER_LAYOUT)] or rows
 
 
 def parse_metrics(text: str, source: str = "metrics.jsonl") -> list[dict[str, Any]]:

@@ -433,7 +433,7 @@ def run_of_metrics(plan_path: str | Path, metrics_path: str | Path, skip_steps: 
 
     plan = load_plan(plan_path)
     steps = load_metrics(metrics_path)
-    steps = this_layout(steps) or steps  # a resume from another layout carried some over
+    steps = this_layout(steps)  # without steps a resume carried over from another layout
     steps = steps[skip_steps:] if len(steps) > skip_steps else steps
     model, cluster, training, parallel = plan_inputs(plan)
     tokens = statistics.median(d["tokens_per_s"] for d in steps)

@@ -162,7 +162,7 @@ def _summary(out: Path, checkpoint: str | None = None) -> str:
     if not lines:
         return f"no steps recorded in {out}"
     first, last = lines[0], lines[-1]
-    mine = this_layout(lines) or lines  # without steps a resume carried over from another layout
+    mine = this_layout(lines)  # without steps a resume carried over from another layout
     tps = sorted(x["tokens_per_s"] for x in mine)[len(mine) // 2]
     earlier = len(lines) - len(mine)
     other = (f" over this layout's {len(mine)} steps ({earlier} earlier ones ran on another "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from planner.parallel import ParallelConfig, divisors
 from planner.resources.cost import even_split
@@ -75,17 +76,18 @@ def _even_score(inputs: StageCostInputs, par: ParallelConfig) -> float | None:
 
 
 def _finish(
-    ctx: SearchContext, name: str, best: _Scored | None, note: str, fit_note: str = ""
+    ctx: SearchContext,
+    name: str,
+    best: _Scored | None,
+    note: str,
+    fit_note: str = "",
+    est: Any = None,
 ) -> Baseline:
+    """The baseline of `best` with its even-split estimate (`est` when already made)."""
     if best is None:
         return Baseline(name, TITLES[name], None, False, None, note)
     par, knobs = best.cand.parallel, best.cand.knobs
-    layers = even_split(len(ctx.model.layers), par.pp)
-    rc = layers if par.recompute != "none" else tuple(() for _ in layers)
-    training = training_for(ctx.training, best.cand)
-    est = ctx.evaluator.estimate(
-        ctx.model, ctx.cluster, training, par, layers, rc, knobs.dispatcher
-    )
+    est = est if est is not None else _even_estimate(ctx, best.cand)
     outside = outside_search(ctx.space, par, knobs)
     return Baseline(
         name, TITLES[name], par, knobs.sharding == "zero", est, fit_note, knobs, outside
@@ -145,20 +147,21 @@ def uniform(ctx: SearchContext, inputs: Mapping[Candidate, StageCostInputs]) -> 
         return _finish(ctx, "uniform", None, "no layout fits with an even split")
     scored.sort(key=lambda s: (s.step_s, s.order))
     finalists = [s for s in scored if s.step_s <= scored[0].step_s * UNIFORM_WITHIN]
-    best = min(finalists[:UNIFORM_FINALISTS], key=lambda s: (_even_step(ctx, s.cand), s.order))
-    return _finish(ctx, "uniform", best, "no layout fits with an even split")
+    ests = [(_even_estimate(ctx, s.cand), s) for s in finalists[:UNIFORM_FINALISTS]]
+    est, best = min(ests, key=lambda e: (e[0].step_time_s, e[1].order))
+    return _finish(ctx, "uniform", best, "no layout fits with an even split", est=est)
 
 
-def _even_step(ctx: SearchContext, cand: Candidate) -> float:
-    """The resource model's whole step for `cand` with an even split (_finish's estimate)."""
+def _even_estimate(ctx: SearchContext, cand: Candidate):
+    """The resource model's estimate of `cand` with an even split and all-or-nothing
+    recompute."""
     par = cand.parallel
     layers = even_split(len(ctx.model.layers), par.pp)
     rc = layers if par.recompute != "none" else tuple(() for _ in layers)
-    est = ctx.evaluator.estimate(
+    return ctx.evaluator.estimate(
         ctx.model, ctx.cluster, training_for(ctx.training, cand), par, layers, rc,
         cand.knobs.dispatcher,
     )  # fmt: skip
-    return est.step_time_s
 
 
 def _best_of(ctx: SearchContext, layouts: Iterable[tuple[ParallelConfig, bool]]) -> _Scored | None:

@@ -60,14 +60,19 @@ def refused(argv: list[str], out: Path, *words: str) -> str:
     return result.stderr
 
 
-def check_refuses(d: dict[str, Any], *words: str) -> str:
+def one_line_refusal(call, prefix: str, *words: str) -> str:
+    """The SpecError `call()` raises: one line, starting with `prefix`, holding every word."""
     with pytest.raises(SpecError) as err:
-        check_plan_dict(d, "mine.json")
+        call()
     message = str(err.value)
-    assert "\n" not in message and message.startswith("mine.json: ")
+    assert "\n" not in message and message.startswith(prefix)
     for word in words:
         assert word in message, message
     return message
+
+
+def check_refuses(d: dict[str, Any], *words: str) -> str:
+    return one_line_refusal(lambda: check_plan_dict(d, "mine.json"), "mine.json: ", *words)
 
 
 def test_the_plans_below_start_valid():

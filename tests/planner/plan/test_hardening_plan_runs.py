@@ -7,19 +7,13 @@ from __future__ import annotations
 import pytest
 
 from planner.calibrate.runs import TFLOPS, TOKENS, parse_runs
-from planner.specs import SpecError
 from tests.hardening_cli import run_piper
 from tests.planner.calibrate.test_runs import GOOD, HEAD
+from tests.planner.plan.test_hardening_plan import one_line_refusal
 
 
 def refused(text: str, *words: str) -> str:
-    with pytest.raises(SpecError) as err:
-        parse_runs(text, "mine.csv")
-    message = str(err.value)
-    assert "\n" not in message and message.startswith("mine.csv")
-    for word in words:
-        assert word in message, message
-    return message
+    return one_line_refusal(lambda: parse_runs(text, "mine.csv"), "mine.csv", *words)
 
 
 def test_an_unknown_column_names_the_closest_known_one():
