@@ -39,7 +39,12 @@ COMMANDS = (
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors (an unknown flag, a value of the wrong type, a missing
     argument) are one line and exit code 2, like every other bad input; subcommand parsers
-    inherit the class."""
+    inherit the class. Abbreviated flags are refused (`--gpu` is not `--gpus`): a prefix that
+    reads as a whole flag would bind to another one silently."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
@@ -82,6 +87,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    for command in sub.choices.values():  # `piper plan -v` as well as `piper -v plan`
+        command.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+            help="log progress to stderr (each phase, the search's counts)",
+        )  # fmt: skip
     return parser
 
 

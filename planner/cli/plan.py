@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.outputs.reports import BASELINE_COLUMNS, baseline_rows, summary_dict, summary_text
 
     _freeze_heap_at_exit()
-    with phases() as clock:
+    with phases("piper plan") as clock:
         result, out = _plan(args, clock)
     if result is None:
         print(

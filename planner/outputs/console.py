@@ -1,21 +1,23 @@
-"""What the `piper` commands show on a terminal: rich progress bars and rich tables.
+"""What the `piper` commands show: rich progress bars, phase lines and rich tables.
 
 `progress(description)` draws a bar on stderr while a long step runs, only when stderr is a
-terminal (pipes, files and tests see nothing); `print_table(title, columns, rows)` prints a
-table on stdout, at a fixed wide width when stdout is not a terminal so piped output does
-not wrap.
+terminal; `phases()` times a command's phases and shows them: a bar on a terminal, one line
+per phase and a heartbeat when stderr is a log; `print_table(title, columns, rows)` prints a
+table on stdout, wrapped to fit the terminal or, on a pipe or a file, TABLE_WIDTH columns.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from numbers import Real
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich import box
 from rich.console import Console
@@ -28,6 +30,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from planner.numbers import EMPTY, number
 
@@ -65,18 +68,42 @@ def progress(description: str, total: int | None = None) -> Iterator[Update]:
         yield update
 
 
+HEARTBEAT_S = 5.0  # off a terminal, a phase running longer says so this often
+log = logging.getLogger("planner.progress")
+
+
 class Phases:
     """The phases of one command, back to back: `start(name, label)` ends the phase running
     and starts the next; `times()` is every phase's wall time (s), the first from the
     process's own start (`process_age_s`: interpreter, imports, arguments), so the phases sum
-    to the command's wall time so far. On a terminal one bar on stderr shows the phase's
-    label (and its progress when `update(done, total)` is called); elsewhere nothing."""
+    to the command's wall time so far.
 
-    def __init__(self, bar: Progress | None) -> None:
+    On a terminal one bar on stderr shows the phase's label and its done/total counter (from
+    `update(done, total)`). With `stream` (stderr when it is a log), each phase is one line,
+    `PREFIX: LABEL (at T s)`, and a phase running longer than `heartbeat_s` adds a line
+    `PREFIX: LABEL: still running, DONE/TOTAL, T s` every `heartbeat_s`. Every update is also
+    a logging INFO line of "planner.progress" (shown by `piper -v`)."""
+
+    def __init__(
+        self,
+        bar: Progress | None,
+        stream: TextIO | None = None,
+        prefix: str = "piper",
+        heartbeat_s: float = HEARTBEAT_S,
+    ) -> None:
         self._bar = bar
         self._task = bar.add_task("", total=None) if bar is not None else None
         self._times = {"startup": process_age_s()}
         self._name, self._since = "", time.perf_counter()
+        self._stream, self._prefix, self._heartbeat_s = stream, prefix, heartbeat_s
+        self._text, self._done, self._total = "", 0, None
+        self._shown_at = self._since
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        if stream is not None:
+            self._beat = threading.Thread(target=self._heartbeat, daemon=True)
+            self._beat.start()
 
     def start(self, name: str, label: str, total: int | None = None) -> None:
         now = time.perf_counter()
@@ -86,16 +113,23 @@ class Phases:
         self._show(label, total)
 
     def label(self, text: str) -> None:
-        """Show `text` on the bar without starting a new phase."""
+        """Show `text` on the bar (or as a line) without starting a new phase."""
         self._show(text, None)
 
     def _show(self, text: str, total: int | None) -> None:
         """A fresh task (rich cannot take a total back to None): the text, no progress yet."""
+        with self._lock:
+            self._text, self._done, self._total = text, 0, total
+            self._shown_at = time.perf_counter()
+        self._line(f"{text} (at {self._elapsed_s():.1f} s)")
         if self._bar is not None and self._task is not None:
             self._bar.remove_task(self._task)
             self._task = self._bar.add_task(text, total=total)
 
     def update(self, done: int, total: int | None = None) -> None:
+        with self._lock:
+            self._done, self._total = done, total if total is not None else self._total
+        log.info("%s: %d/%s", self._text, done, self._total if self._total is not None else "?")
         if self._bar is not None and self._task is not None:
             if total is not None:
                 self._bar.update(self._task, total=total)
@@ -108,18 +142,53 @@ class Phases:
             out[self._name] = out.get(self._name, 0.0) + time.perf_counter() - self._since
         return out
 
+    def close(self) -> None:
+        """Stop the heartbeat (idempotent)."""
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+
+    def _elapsed_s(self) -> float:
+        return sum(self.times().values())
+
+    def _line(self, text: str) -> None:
+        if self._stream is not None:
+            with self._lock:
+                print(f"{self._prefix}: {text}", file=self._stream, flush=True)
+
+    def _heartbeat(self) -> None:
+        """Every heartbeat_s, a line for a phase that has run at least that long."""
+        while not self._stop.wait(self._heartbeat_s):
+            with self._lock:
+                text, done, total = self._text, self._done, self._total
+                running_s = time.perf_counter() - self._shown_at
+            if text and running_s >= self._heartbeat_s:
+                count = f", {done}/{total}" if total else ""
+                self._line(f"{text}: still running{count}, {running_s:.0f} s")
+
 
 @contextmanager
-def phases() -> Iterator[Phases]:
-    """A Phases clock for the block, with its bar on stderr when stderr is a terminal (the
-    bar disappears when the block ends)."""
+def phases(prefix: str = "piper", heartbeat_s: float = HEARTBEAT_S) -> Iterator[Phases]:
+    """A Phases clock for the block: a bar on stderr when stderr is a terminal (it disappears
+    when the block ends), else a line per phase and a heartbeat on stderr."""
     if not sys.stderr.isatty():
-        yield Phases(None)
+        clock = Phases(None, sys.stderr, prefix, heartbeat_s)
+        try:
+            yield clock
+        finally:
+            clock.close()
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-               MofNCompleteColumn(), TimeElapsedColumn())  # fmt: skip
+               _Count(), TimeElapsedColumn())  # fmt: skip
     with Progress(*columns, console=console(stderr=True), transient=True) as bar:
         yield Phases(bar)
+
+
+class _Count(MofNCompleteColumn):
+    """done/total once the total is known; nothing before (not "0/?")."""
+
+    def render(self, task):  # type: ignore[no-untyped-def]
+        return super().render(task) if task.total is not None else Text("")
 
 
 def process_age_s() -> float:
