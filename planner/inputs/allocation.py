@@ -21,7 +21,9 @@ from typing import Any
 
 import yaml
 
-from planner.inputs.clusters import load_yaml, yaml_fault
+from planner.inputs.safe_read import read_input_bytes
+from planner.inputs.shown import shown
+from planner.inputs.yaml_text import load_yaml, yaml_fault
 from planner.specs import ClusterSpec, SpecError
 
 
@@ -54,17 +56,15 @@ class Allocation:
 def load_allocation(path: str | Path) -> Allocation:
     """Read and validate an allocation file (YAML or CSV; see the module docstring)."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
+    if not p.exists():
         raise SpecError(
             f"{p}: no such allocation file; pass a YAML/CSV list of nodes with hostname, "
             "switch and group"
-        ) from None
+        )
+    try:
+        text = read_input_bytes(p, "allocation").decode("utf-8")
     except UnicodeDecodeError:
         raise SpecError(f"{p}: not a text file; pass a YAML or CSV allocation") from None
-    except IsADirectoryError:
-        raise SpecError(f"{p}: is a directory; pass a YAML or CSV allocation file") from None
     if p.suffix.lower() == ".csv":
         rows: Any = _read_csv(text, p)
     else:
@@ -104,8 +104,9 @@ def _field(row: dict, key: str, i: int, source: str, required: bool) -> str:
             raise SpecError(f"{source}: node {i} is missing '{key}'")
         return ""
     if isinstance(value, bool) or not isinstance(value, str | int):
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise SpecError(f"{source}: node {i}: '{key}' must be a string or integer, got {shown}")
+        raise SpecError(
+            f"{source}: node {i}: '{key}' must be a string or integer, got {shown(value)}"
+        )
     return str(value).strip()
 
 

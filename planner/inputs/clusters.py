@@ -15,9 +15,11 @@ where fitted constants come from and the fit's errors, written by `piper calibra
 `piper profile`).
 
 Every number must be finite and within a physical bound (MAX_COUNT for counts, MAX_MEMORY_GIB,
-MAX_GBPS, MAX_TFLOPS, MAX_US, else MAX_NUMBER). The YAML is read by `load_yaml` (also used for
-model, allocation and topology YAML): a key given twice, nesting past the stack or an integer
-of more than 4300 digits is a yaml.YAMLError. Every validation failure raises SpecError with
+MAX_GBPS, MAX_TFLOPS, MAX_US, else MAX_NUMBER). The file is read by
+planner/inputs/safe_read.py and its YAML by planner/inputs/yaml_text.py (a key given twice,
+nesting past the stack, an integer of more than 4300 digits or aliases expanding past a
+million values is a yaml.YAMLError); values quoted in errors are cut short
+(planner/inputs/shown.py). Every validation failure raises SpecError with
 one line naming the file, the field and the fix.
 """
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ from typing import Any
 import yaml
 
 from planner.inputs.paths import CLUSTERS_DIR
+from planner.inputs.safe_read import read_input_bytes
+from planner.inputs.shown import shown, shown_text
+from planner.inputs.yaml_text import load_yaml, yaml_fault
 from planner.specs import ClusterSpec, DeviceSpec, EfficiencyTable, LevelSpec, SpecError
 
 _OPTIONAL_FLOATS = ("framework_overhead_gib", "gemm_efficiency", "attention_efficiency",
@@ -95,76 +99,12 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     if not path.is_file():
         raise SpecError(f"cluster file {path}: not found; give a preset name or a YAML path")
     try:
-        data = load_yaml(path.read_text())
+        data = load_yaml(read_input_bytes(path, "cluster file").decode("utf-8"))
     except UnicodeDecodeError:
         raise SpecError(f"cluster file {path}: not a text file; a cluster is YAML") from None
     except yaml.YAMLError as exc:
         raise SpecError(f"cluster file {path}: invalid YAML{yaml_fault(exc)}; fix it") from None
     return cluster_from_dict(data, source=str(path))
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that rejects a key given twice in one mapping (a silent typo trap)."""
-
-
-class YAMLTooLarge(yaml.YAMLError):
-    """A YAML value Python cannot build: nesting past the stack, an integer of more than 4300
-    digits, an impossible date. `problem` says which; there is no line (`problem_mark`)."""
-
-    def __init__(self, problem: str) -> None:
-        super().__init__(problem)
-        self.problem = problem
-        self.problem_mark = None
-
-
-def _shown(key: Any) -> str:
-    text = str(key)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            hash(key)
-        except TypeError:  # a list or mapping as a key: SafeLoader's own check refuses it
-            continue
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key '{_shown(key)}'", key_node.start_mark
-            )
-        seen.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-
-UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
-def load_yaml(text: str) -> Any:
-    """`text` parsed by UniqueKeyLoader (safe YAML, every key once). Every fault of the text is
-    a yaml.YAMLError: bad syntax, a key given twice (a ConstructorError at its line), or a
-    YAMLTooLarge for nesting past the stack, an integer of more than 4300 digits or another
-    value Python's constructors refuse (a date with month 13)."""
-    try:
-        return yaml.load(text, Loader=UniqueKeyLoader)
-    except RecursionError:
-        raise YAMLTooLarge("nesting deeper than Python's stack") from None
-    except ValueError as exc:  # int() past sys.get_int_max_str_digits(), datetime's checks
-        what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "Exceeds the limit" in what:
-            what = f"an integer of more than {sys.get_int_max_str_digits()} digits"
-        raise YAMLTooLarge(_shown(what)) from None
-    except TypeError as exc:  # a constructor given a node of the wrong kind
-        raise YAMLTooLarge(_shown(str(exc) or type(exc).__name__)) from None
-
-
-def yaml_fault(exc: yaml.YAMLError) -> str:
-    """' at line L (problem)' for a fault of load_yaml, either part left out when unknown."""
-    mark = getattr(exc, "problem_mark", None)
-    where = f" at line {mark.line + 1}" if mark is not None else ""
-    problem = getattr(exc, "problem", None)
-    return where + (f" ({problem})" if problem else "")
 
 
 def load_cluster_nodes(name_or_path: str, nodes: int | None) -> ClusterSpec:
@@ -326,7 +266,7 @@ class _Reader:
             value = str(value)
         if not isinstance(value, typ) or isinstance(value, bool):
             got = _KINDS.get(type(value), type(value).__name__)
-            raise self.fail(field, f"must be {kind}, got {got} {_shown(repr(value))}")
+            raise self.fail(field, f"must be {kind}, got {got} {shown(value)}")
         if nonempty and not value:
             raise self.fail(field, "must not be empty")
         return value
@@ -338,7 +278,9 @@ class _Reader:
                 continue
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.8)
             if close:
-                raise self.fail(f"{where}{key}", f"is not a field; did you mean '{close[0]}'?")
+                raise self.fail(
+                    f"{where}{shown_text(key)}", f"is not a field; did you mean '{close[0]}'?"
+                )
 
     def number(self, d: dict, key: str, where: str, low: str, maximum: float | None) -> float:
         """A finite number in (0, maximum] (`low` "> 0") or [0, maximum] (`low` ">= 0");
@@ -350,10 +292,10 @@ class _Reader:
             raise self.fail(field, f"is missing; add {wanted}")
         value = d[key]
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(field, f"must be {wanted}, got {_shown(repr(value))}")
+            raise self.fail(field, f"must be {wanted}, got {shown(value)}")
         bad = not math.isfinite(value) or value < 0 or (low == ">" and value == 0)
         if bad or value > top:
-            raise self.fail(field, f"must be {wanted}, got {_shown(value)}")
+            raise self.fail(field, f"must be {wanted}, got {shown(value)}")
         return float(value)
 
     def positive(self, d: dict, key: str, where: str = "", maximum: float | None = None) -> float:
@@ -372,7 +314,7 @@ class _Reader:
         value = self.get(d, key, int, where)
         if not 0 < value <= MAX_COUNT:
             raise self.fail(
-                f"{where}{key}", f"must be an integer in [1, {MAX_COUNT}], got {_shown(value)}"
+                f"{where}{key}", f"must be an integer in [1, {MAX_COUNT}], got {shown(value)}"
             )
         return value
 
@@ -386,7 +328,7 @@ def _parse_calibration(r: _Reader, data: Any) -> tuple[tuple[str, str], ...]:
     out = []
     for key, value in data.items():
         if isinstance(value, dict | list):
-            raise r.fail(f"calibration.{key}", "must be a number or text")
+            raise r.fail(f"calibration.{shown_text(key)}", "must be a number or text")
         out.append((str(key), str(value)))
     return tuple(out)
 
@@ -407,8 +349,8 @@ def _parse_device(r: _Reader, d: dict) -> DeviceSpec:
     r.no_typos(d, ("name", "memory_gib", "peak_tflops", "hbm_gbps", "sms"), "device.")
     peak = r.get(d, "peak_tflops", dict, "device.", nonempty=True)
     if "bf16" not in peak:  # the default training dtype; every accelerator Piper targets has it
-        raise r.fail("device.peak_tflops", f"has no bf16 entry ({', '.join(map(str, peak))}); "
-                     "add bf16: <dense TFLOPS>")  # fmt: skip
+        names = shown_text(", ".join(map(str, peak)), 80)
+        raise r.fail("device.peak_tflops", f"has no bf16 entry ({names}); add bf16: <dense TFLOPS>")
     pairs = tuple((str(k), r.positive(peak, k, "device.peak_tflops.", MAX_TFLOPS)) for k in peak)
     return DeviceSpec(
         name=r.get(d, "name", str, "device."),
@@ -460,7 +402,7 @@ def _check_levels(c: ClusterSpec, source: str) -> None:
     total = c.total_gpus
     names = [lv.name for lv in c.levels]
     if len(set(names)) != len(names):
-        raise SpecError(f"cluster file {source}: field 'levels' has duplicate names {names}")
+        raise SpecError(f"cluster file {source}: field 'levels' has duplicate names {shown(names)}")
     for i, lv in enumerate(c.levels):
         g = c.gpus_per_node
         if g % lv.devices and lv.devices % g:

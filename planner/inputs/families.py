@@ -25,6 +25,7 @@ from typing import Any
 
 from planner.inputs.config_keys import EXPERTS_KEYS, SHARED_KEYS, TOP_K_KEYS, check_key_typos
 from planner.inputs.hf_config import ConfigReader
+from planner.inputs.shown import shown
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -105,10 +106,9 @@ def check_model_type(cfg: dict[str, Any], where: str) -> None:
     for prefix, section in sections:
         value = section.get("model_type")
         if value is not None and not isinstance(value, str):
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
             raise SpecError(
                 f"{where}: key '{prefix}model_type' must be a string such as \"mixtral\", got "
-                f"{shown}; write the family name the model's config.json gives"
+                f"{shown(value)}; write the family name the model's config.json gives"
             )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.inputs.shown import shown
 from planner.specs import SpecError
 
 _REQUIRED = object()
@@ -75,7 +76,9 @@ class ConfigReader:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.error(
-                found, f"must be an integer, got {value!r}", f"write a whole number >= {minimum}"
+                found,
+                f"must be an integer, got {shown(value)}",
+                f"write a whole number >= {minimum}",
             )
         if value < minimum:
             raise self.error(found, f"must be >= {minimum}, got {value}", "use a positive size")
@@ -91,7 +94,9 @@ class ConfigReader:
             return self._default((key,), default)
         value = self.cfg[key]
         if not isinstance(value, bool):
-            raise self.error(key, f"must be true or false, got {value!r}", "write true or false")
+            raise self.error(
+                key, f"must be true or false, got {shown(value)}", "write true or false"
+            )
         return self._took(key, value)
 
     def int_list(self, key: str, minimum: int = 0) -> tuple[int, ...]:

@@ -23,6 +23,8 @@ import re
 from itertools import product
 from pathlib import Path
 
+from planner.inputs.safe_read import read_input_bytes
+from planner.inputs.shown import shown
 from planner.specs import SpecError
 
 MAX_HOSTS = 1 << 20  # far above any machine; stops `n[0-999999999]` from filling memory
@@ -57,7 +59,7 @@ def load_nodelist(value: str) -> tuple[str, ...]:
     path = Path(value)
     if "[" not in value and "," not in value and path.is_file():
         try:
-            text = path.read_text()
+            text = read_input_bytes(path, "node list").decode("utf-8")
         except UnicodeDecodeError:
             raise SpecError(f"{value}: not a text file; pass one host per line") from None
         lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
@@ -73,7 +75,7 @@ def load_nodelist(value: str) -> tuple[str, ...]:
     seen: set[str] = set()
     for host in hosts:
         if host in seen:
-            raise SpecError(f"{where}: host {host!r} is listed twice; list each node once")
+            raise SpecError(f"{where}: host {shown(host)} is listed twice; list each node once")
         seen.add(host)
     return tuple(hosts)
 

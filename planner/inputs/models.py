@@ -22,13 +22,14 @@ from typing import Any, get_args, get_type_hints
 
 import yaml
 
-from planner.inputs.clusters import load_yaml, yaml_fault
 from planner.inputs.config_keys import reject_near_misses
 from planner.inputs.families import MAX_LAYERS, build_model, check_model, check_model_type
 from planner.inputs.hf_config import ConfigReader
 from planner.inputs.json_errors import DuplicateKey, json_error_line, unique_object
 from planner.inputs.numerics import numerics_of_config
 from planner.inputs.paths import MODELS_DIR, read_text_file
+from planner.inputs.shown import shown
+from planner.inputs.yaml_text import load_yaml, yaml_fault
 from planner.specs import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecError
 
 FAMILY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a model family: a plain name
@@ -170,13 +171,13 @@ def published_counts(cfg: dict[str, Any], where: str = "config") -> PublishedCou
     reject_near_misses(meta, PIPER_META_KEYS, where=where, prefix=f"{PIPER_KEY}.")
     unit = str(meta.get("count_unit", "1"))
     if unit not in COUNT_UNITS:
-        raise r.error("count_unit", f"is {unit!r}", f"use one of {', '.join(COUNT_UNITS)}")
+        raise r.error("count_unit", f"is {shown(unit)}", f"use one of {', '.join(COUNT_UNITS)}")
     scale = COUNT_UNITS[unit]
     values = {}
     for key in ("published_total_params", "published_active_params"):
         value = meta.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise r.error(key, f"must be a number, got {value!r}", "write e.g. 46.7")
+            raise r.error(key, f"must be a number, got {shown(value)}", "write e.g. 46.7")
         if value is not None and value <= 0:
             raise r.error(key, f"must be positive, got {value}", "write the published count")
         values[key] = None if value is None else float(value) * scale
@@ -202,7 +203,7 @@ def _tolerance(r: ConfigReader) -> float:
     value = r.cfg.get("tolerance_pct", 1.0)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise r.error(
-            "tolerance_pct", f"must be a positive number, got {value!r}", "write e.g. 1.5"
+            "tolerance_pct", f"must be a positive number, got {shown(value)}", "write e.g. 1.5"
         )
     return float(value)
 
@@ -280,8 +281,7 @@ def _choice(r: ConfigReader, key: str, allowed: tuple[str, ...], default: Any = 
     if value is None and default is not None:
         return default
     if not isinstance(value, str) or value not in allowed:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise r.error(key, f"must be one of {', '.join(allowed)}, got {shown}",
+        raise r.error(key, f"must be one of {', '.join(allowed)}, got {shown(value)}",
                       "write one of those names")  # fmt: skip
     return value
 
@@ -371,7 +371,7 @@ def _from_piper_format(cfg: dict[str, Any], name: str, source: str) -> ModelSpec
         raise r.error("piper_family", f"must be a string, got {type(family).__name__}",
                       "write the family name, e.g. \"mixtral\"")  # fmt: skip
     if not FAMILY_NAME.fullmatch(family):
-        raise r.error("piper_family", f"is {family!r}",
+        raise r.error("piper_family", f"is {shown(family)}",
                       "write a plain name (letters, digits, _ - .), e.g. \"mixtral\"")  # fmt: skip
     return ModelSpec(
         name=name, family=family, hidden_size=r.int("hidden_size"),

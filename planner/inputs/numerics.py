@@ -34,6 +34,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from planner.inputs.shown import shown
 from planner.specs import SpecError
 
 RouterKind = Literal["softmax", "topk_softmax", "sigmoid"]
@@ -155,9 +156,7 @@ def _kind_error(where: str, key: str, kind: ValueKind, value: Any) -> SpecError:
         "text": f"text of at most {MAX_TEXT} characters",
         "rope": "a mapping of RoPE keys",
     }[kind]
-    shown = repr(value)
-    shown = shown if len(shown) <= 40 else shown[:37] + "..."
-    return SpecError(f"{where}: key '{key}' must be {wanted} or null, got {shown}")
+    return SpecError(f"{where}: key '{key}' must be {wanted} or null, got {shown(value)}")
 
 
 def _check_value(where: str, key: str, kind: ValueKind, value: Any) -> None:
@@ -236,8 +235,7 @@ def _refuse_unknown(section: dict[str, Any], kinds: dict[str, ValueKind], where:
             continue
         close = difflib.get_close_matches(str(key), list(kinds), n=1, cutoff=0.6)
         known = f"did you mean '{close[0]}'?" if close else f"the keys are {', '.join(kinds)};"
-        shown = repr(key) if len(repr(key)) <= 40 else repr(key)[:37] + "..."
-        raise SpecError(f"{where}: unknown key {shown}; {known} {fix}")
+        raise SpecError(f"{where}: unknown key {shown(key)}; {known} {fix}")
 
 
 # ---- the parser -----------------------------------------------------------------------------

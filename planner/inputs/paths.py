@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from planner.inputs.safe_read import MAX_TEXT_BYTES, read_input_bytes
 from planner.specs import SpecError
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
@@ -13,21 +14,15 @@ CLUSTERS_DIR = PROFILES_DIR / "clusters"
 TRACES_DIR = PROFILES_DIR / "traces"
 
 
-def read_text_file(path: str | Path, what: str) -> str:
+def read_text_file(path: str | Path, what: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
     """The UTF-8 text of an input file; `what` names it in errors ("model config", "trace").
 
     Raises SpecError naming the path, what is wrong and the fix: a missing file, a
-    directory, a file that cannot be read, or bytes that are not UTF-8 text.
+    directory, a FIFO, device or kernel file (planner/inputs/safe_read.py), a file larger
+    than `max_bytes`, a file that cannot be read, or bytes that are not UTF-8 text.
     """
     p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise SpecError(f"{p}: no such {what} file; check the path") from None
-    except IsADirectoryError:
-        raise SpecError(f"{p}: is a directory; pass the {what} file inside it") from None
-    except OSError as exc:
-        raise SpecError(f"{p}: cannot read the {what} ({exc.strerror or exc})") from None
+    raw = read_input_bytes(p, what, max_bytes)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:

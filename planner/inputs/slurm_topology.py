@@ -17,7 +17,7 @@ pages topology.conf(5) and topology.yaml(5) of Slurm 25.11:
   the same meaning as above.
 
 A node listed under two switches (or in two blocks) has no single position and is refused,
-naming both. The YAML is read with every key once (planner.inputs.clusters.load_yaml).
+naming both. The YAML is read with every key once (planner.inputs.yaml_text.load_yaml).
 
 The cluster profile prices the tiers: a switch is the first topology level wider than a node,
 a group the next one (planner.inputs.allocation.default_allocation).
@@ -41,8 +41,10 @@ from typing import Any
 import yaml
 
 from planner.inputs.allocation import Allocation, AllocNode
-from planner.inputs.clusters import load_yaml, yaml_fault
 from planner.inputs.hostlist import MAX_HOSTS, expand_hostlist
+from planner.inputs.safe_read import read_input_bytes
+from planner.inputs.shown import shown
+from planner.inputs.yaml_text import load_yaml, yaml_fault
 from planner.specs import SpecError
 
 log = logging.getLogger(__name__)
@@ -67,14 +69,14 @@ def allocation_of(hosts: Sequence[str], topology: str | None, cluster_name: str)
             else f"cluster '{cluster_name}' has no hostname rule"
         )
         raise SpecError(
-            f"--topology: no network position for host {bad!r} ({why}); pass Slurm's "
+            f"--topology: no network position for host {shown(bad)} ({why}); pass Slurm's "
             "topology.conf or topology.yaml"
         )
     nodes = []
     for host in hosts:
         if host not in positions:
             raise SpecError(
-                f"{source}: node {host!r} of the allocation is in no switch or block; "
+                f"{source}: node {shown(host)} of the allocation is in no switch or block; "
                 "pass the topology file of this cluster"
             )
         group, switch = positions[host]
@@ -92,10 +94,10 @@ def frontier_position(host: str) -> Position:
 def read_topology(path: str) -> dict[str, Position]:
     """host -> (group, switch) from a topology.conf or topology.yaml file."""
     p = Path(path)
+    if not p.exists():
+        raise SpecError(f"{path}: no such topology file; pass Slurm's topology.conf")
     try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such topology file; pass Slurm's topology.conf") from None
+        text = read_input_bytes(p, "topology").decode("utf-8")
     except UnicodeDecodeError:
         raise SpecError(f"{path}: not a text file; pass Slurm's topology.conf") from None
     if p.suffix.lower() in (".yaml", ".yml"):
@@ -119,8 +121,7 @@ _Entry = tuple[str, tuple[str, ...], tuple[str, ...]]
 
 def _cut(text: Any) -> str:
     """`text` quoted for a message, cut to 60 characters."""
-    shown = repr(text)
-    return shown if len(shown) <= 60 else shown[:57] + "..."
+    return shown(text)
 
 
 def _listed(entry: _Entry) -> int:
