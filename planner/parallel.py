@@ -17,9 +17,11 @@ from typing import Literal, get_args
 
 from planner.specs import ModelSpec, Recompute, SpecError, TrainingSpec
 
-# Megatron-Core's `--recompute-modules` (selective recompute by module).
+# Megatron-Core's `--recompute-modules` (selective recompute by module), and "op":
+# torchtitan's per-op selective activation checkpointing of every layer (SelectiveAC,
+# planner.resources.op_sac), the one selective set that engine runs.
 RecomputeModule = Literal[
-    "core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts"
+    "core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts", "op"
 ]
 RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = get_args(RecomputeModule)
 

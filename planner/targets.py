@@ -39,7 +39,7 @@ class Target:
     per_layer_recompute: recompute may differ from layer to layer (the stage IP's choice);
         False = the policy applies to every layer of the model.
     recompute_modules: the selective-recompute modules the engine reruns (None = the search's
-        Megatron-Core module sets).
+        Megatron-Core module sets; ("op",) = torchtitan's per-op SAC, planner.resources.op_sac).
     etp_rule: "any" or "one_or_tp" (expert TP is 1 or the attention TP).
     """
 
@@ -108,7 +108,10 @@ TARGETS: dict[TargetName, Target] = {
     "torchtitan": Target(
         name="torchtitan", engine="torchtitan", version="0.3.0",
         bytes_per_param=16, gate_in_activation=False, per_layer_recompute=False,
-        recompute=("none", "full"), recompute_modules=None,
+        # activation_checkpoint none | selective (per-op SAC of every block) | full
+        # (torchtitan/distributed/activation_checkpoint.py @b5bcd76: SelectiveAC, FullAC);
+        # memory-budget needs torch.compile and is not offered (planner/PLANNING.md)
+        recompute=("none", "selective", "full"), recompute_modules=("op",),
         sharding=("fsdp",), a2a_overlap=False, dispatchers=("flat",),
         cuda_graphs=("none",), dtypes=("bf16", "fp32"),
         optimizer_dtypes=("fp32", "bf16"), vp=True, cp=True, etp_rule="one_or_tp",

@@ -10,7 +10,7 @@ from planner.cli.optimizer_args import add_optimizer_state_arguments, optimizer_
 from planner.cli.target_args import add_target_arguments, resolve
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
 from planner.resources.layer_comm import DISPATCHERS
-from planner.search.target_space import check_layout_for
+from planner.search.target_space import check_layout_for, with_target_modules
 from planner.specs import CUDA_GRAPHS, ClusterSpec, ModelSpec, SpecError, TrainingSpec
 from planner.targets import Target, check_model, with_conventions
 
@@ -139,6 +139,7 @@ def _inputs(
             "to the GPU count"
         )
     target, margin = resolve(args, cluster)
+    parallel = with_target_modules(target, parallel)
     zero, fsdp = _sharding(args, target)
     training = TrainingSpec(
         seq_len=args.seq_len, global_batch=gb, dtype=args.dtype, zero=zero,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from planner.parallel import ParallelConfig
-from planner.resources import act_offload
+from planner.resources import act_offload, op_sac
 from planner.resources.params import layer_params, mlp_params, tp_replicated_params
 from planner.resources.recompute import kept_components
 from planner.specs import LayerSpec, ModelSpec, Recompute, TrainingSpec
@@ -327,7 +327,8 @@ def layer_activations(
 
     recompute "selective" drops what the layout's recompute modules rerun in backward
     (core attention unless `parallel.recompute_modules` names others; see
-    planner.resources.recompute); "full" keeps only the layer input (a T d).
+    planner.resources.recompute; "op": torchtitan's per-op SAC, planner.resources.op_sac);
+    "full" keeps only the layer input (a T d).
     """
     if recompute == "full":
         a = act_bytes_per_element(training)
@@ -341,8 +342,13 @@ def layer_activations(
     full = dict(parts)
     if recompute == "selective":
         modules = parallel.recompute_modules or ("core_attn",)
-        a, tokens = act_bytes_per_element(training), rank_tokens(training, parallel)
-        parts = kept_components(layer, parts, modules, a * tokens, model.hidden_size)
+        per_elem = act_bytes_per_element(training) * rank_tokens(training, parallel)
+        if modules == (op_sac.OP,):  # the paper's equations have no per-op terms
+            if accounting != "paper":
+                d = model.hidden_size
+                parts = op_sac.kept_components(layer, parts, training, parallel, per_elem, d)
+        else:
+            parts = kept_components(layer, parts, modules, per_elem, model.hidden_size)
     if accounting != "paper" and training.dtype in SAVED_LOW_PRECISION_BYTES:
         parts = low_precision_saved(model, layer, training, parallel, parts, full)
     if accounting != "paper" and training.activation_offload_modules:

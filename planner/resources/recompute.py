@@ -24,12 +24,16 @@ Per module, on Piper's activation components (planner.resources.memory):
 Recomputing repeats the forward of the GEMMs a module holds (`work_share`), the elementwise
 passes over the bytes it dropped, and for `moe` the forward dispatch and combine
 all-to-alls (and expert-TP collectives) of the layer.
+
+"op" is torchtitan's per-op selective AC of the whole layer (planner.resources.op_sac); it
+keeps the all-to-all outputs, so it repeats no dispatch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from planner.resources import op_sac
 from planner.resources.params import attention_matmul_params
 from planner.specs import LayerSpec
 
@@ -81,7 +85,9 @@ def work_share(layer: LayerSpec, modules: Sequence[str], hidden: int) -> dict[st
     """Share of each compute kind's forward (planner.resources.compute.Work names) that
     recomputing `modules` repeats: core attention, the MLA up-projections (their share of
     the attention projection weights), a dense layer's MLP, the whole MoE block, or the
-    shared experts."""
+    shared experts; for "op", torchtitan's recomputed matmuls (op_sac.work_share)."""
+    if op_sac.OP in modules:
+        return op_sac.work_share(layer, hidden)
     share: dict[str, float] = {}
     moe, att = layer.moe, layer.attention
     if "core_attn" in modules:

@@ -9,9 +9,10 @@ searched choice keeps only the engine's values.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.parallel import ParallelConfig
+from planner.resources.op_sac import OP
 from planner.search.space import RECOMPUTE_CHOICES
 from planner.specs import SpecError, TrainingSpec
 from planner.targets import Target, check_training, etp_allowed, refuse
@@ -88,7 +89,20 @@ def target_choices(
 
 
 def _modules(target: Target, given: Sequence[str] | None) -> tuple[str, ...] | None:
-    """The user's selective modules, each one the target reruns (None = searched)."""
+    """The user's selective modules, each one the target reruns (None = searched); "op"
+    (torchtitan's per-op SAC) only for a target that runs it, and alone."""
+    if given is not None and OP in given:
+        if target.recompute_modules != (OP,):
+            raise SpecError(
+                f"--recompute-modules {','.join(given)}: 'op' is torchtitan's per-op selective "
+                f"AC; {target.engine} {target.version} does not run it; drop it or use "
+                "--target torchtitan"
+            )
+        if len(given) > 1:
+            raise SpecError(
+                f"--recompute-modules {','.join(given)}: 'op' covers the whole layer; give "
+                "--recompute-modules op alone"
+            )
     if target.recompute_modules is None or given is None:
         return tuple(given) if given is not None else None
     extra = [m for m in given if m not in target.recompute_modules]
@@ -127,3 +141,11 @@ def check_layout_for(
             f"--recompute selective: give --recompute-modules "
             f"{','.join(target.recompute_modules)} for {target.engine}"
         )
+
+
+def with_target_modules(target: Target, par: ParallelConfig) -> ParallelConfig:
+    """`par` with the target's one selective module set when the user recomputes selectively
+    without naming modules (torchtitan: "op", its per-op SAC; Piper: core attention)."""
+    if par.recompute != "selective" or par.recompute_modules or not target.recompute_modules:
+        return par
+    return replace(par, recompute_modules=target.recompute_modules)  # type: ignore[arg-type]

@@ -70,7 +70,7 @@ def test_selective_modules_default_to_core_attention():
     assert par.selective_modules == mods
     assert ParallelConfig(1, 1, recompute="full").selective_modules == ()
     assert set(RECOMPUTE_MODULES) == {
-        "core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts"
+        "core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts", "op"
     }  # fmt: skip
 
 

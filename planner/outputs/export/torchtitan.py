@@ -134,7 +134,9 @@ def _training(plan: Plan) -> list[str]:
 
 
 def _recompute(plan: Plan) -> tuple[str, list[str]]:
-    """The activation-checkpoint subcommand (torchtitan's AC policies) and notes."""
+    """The activation-checkpoint subcommand and notes: tyro's `activation_checkpoint:none`,
+    `:selective` (per-op SAC, the plan's "op" module) or `:full`
+    (torchtitan/distributed/activation_checkpoint.py @b5bcd76, ActivationCheckpointingConfig)."""
     par = plan.parallel
     every = all(tuple(s.recompute_layers) == tuple(s.layers) for s in plan.stages)
     if par.recompute == "full" and every:
@@ -144,7 +146,7 @@ def _recompute(plan: Plan) -> tuple[str, list[str]]:
             "per-layer recompute becomes torchtitan's full AC on every layer (it cannot choose "
             "layers); memory is lower and compute higher than planned"
         ]
-    if par.recompute == "selective" and par.recompute_modules:
+    if par.recompute == "selective" and par.recompute_modules not in ((), ("op",)):
         return "selective", [
             f"Megatron's recompute modules {', '.join(par.recompute_modules)} have no torchtitan "
             "equivalent; its selective AC saves matmul outputs and recomputes the rest"

@@ -51,7 +51,8 @@ def test_megatron_plans_carry_its_conventions():
         ("megatron", {"dispatchers": ["halo"]}, "--dispatcher halo"),
         ("piper", {"fixed": {"cp": 2}}, "--cp 2: Piper's runtime"),
         ("piper", {"recompute_modules": ["moe"]}, "reruns only core_attn"),
-        ("torchtitan", {"recompute": ["selective"]}, "--recompute selective"),
+        ("torchtitan", {"recompute_modules": ["core_attn"]}, "reruns only op"),
+        ("megatron", {"recompute_modules": ["op"]}, "--recompute-modules op: 'op' is"),
     ],
 )
 def test_a_fixed_choice_the_target_cannot_run_is_one_line(target, kwargs, words):
@@ -71,7 +72,8 @@ def test_searched_choices_are_cut_to_the_target():
             "dispatchers": ["flat", "halo", "deepep"], "user_dispatchers": False}  # fmt: skip
     titan = target_choices(TARGETS["torchtitan"], **args)
     assert (titan.sharding, titan.a2a_overlap, titan.dispatchers) == (("fsdp",), False, ("flat",))
-    assert titan.recompute == ("none", "full") and titan.etp_rule == "one_or_tp"
+    assert titan.recompute == ("none", "full", "selective") and titan.module_set == ("op",)
+    assert titan.etp_rule == "one_or_tp"
     piper = target_choices(TARGETS["piper"], **args)
     assert piper.sharding == ("none", "fsdp") and piper.dispatchers == ("flat", "halo")
     assert piper.module_set == ("core_attn",) and piper.fixed["cp"] == 1
