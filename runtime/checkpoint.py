@@ -16,15 +16,21 @@ What a checkpoint holds, keyed so that it does not depend on the plan that wrote
   leader's interval rows and the window of per-step counts), metrics.jsonl's lines and the
   trace rows so far.
 
+The folder: rank 0 holds its lock for the run's life; a fresh run refuses one holding another
+run's checkpoints unless --force, and any folder holding a symbolic link
+(planner/run/checkpoint_dir.py).
 Save: after every `--checkpoint-every` steps and after the last, each rank copies its
 tensors (its slices only) and hands them to `dcp.async_save` on a gloo group of its own (a
-thread writes while training goes on; at most one save in flight, the next waits for it);
-when it completes, rank 0 adds state.json and the manifest and renames the folder into place
-(atomic).
-Resume: rank 0 takes the newest intact checkpoint (a corrupt or partial one is refused in one
-logged line and the one before is used) and broadcasts its state; every rank installs the
-saved slot tables (same ep and slot counts) and asks DCP for the part of each key its own
-parameters hold, which DCP reads from whichever saved slices overlap it. So any layout of
+thread writes while training goes on; at most one save in flight, the next waits for it).
+Each step polls it: once written, rank 0 adds state.json and the manifest and renames the
+folder into place (atomic), so a run killed after that step finds it. A save that fails
+(a full disk) is one logged line naming the folder, the step and the cause; its partial
+folder is removed and training goes on.
+Resume: rank 0 takes the newest checkpoint that passes its manifest and whose `.metadata`
+is data (runtime/checkpoint_load.py, runtime/checkpoint_safety.py) and broadcasts its state;
+every rank installs the saved slot tables (same ep and slot counts) and asks DCP for the
+part of each key its own parameters hold, which DCP reads from whichever saved slices
+overlap it. So any layout of
 the same model reads the checkpoint: another pp / dp / ep or placement, tp 1 <-> 2, etp
 1 <-> 2, FSDP on or off. Padding rows of a vocabulary-parallel slice are not saved and stay
 zero. The data position is the step: batches are a function of (seed, step, dp rank).
@@ -32,8 +38,10 @@ zero. The data position is the step: batches are a function of (seed, step, dp r
 
 from __future__ import annotations
 
+import errno
 import logging
-import shutil
+import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,15 +51,26 @@ import torch.distributed as dist
 
 from planner.calibrate.metrics import EARLIER_LAYOUT
 from planner.run.checkpoint_dir import (
+    check_folder,
     finish,
     layout_of,
+    lock_folder,
     model_of,
-    newest_valid,
-    read_state,
+    remove_inside,
+    run_record,
     step_dir,
     tmp_dir,
+    write_identity,
 )
-from planner.run.spec import EMPTY, ExpertSlots, RunSpec
+from planner.run.spec import RunSpec
+from planner.specs import SpecError
+from runtime.checkpoint_load import (
+    candidate,
+    fresh_adam_state,
+    install_slots,
+    keys_refused,
+    load_into,
+)
 from runtime.parallel.mesh import Mesh
 from runtime.weight_shards import pieces
 
@@ -60,11 +79,26 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CheckpointOptions:
-    """--checkpoint-dir, --checkpoint-every (0: after the last step only), --resume."""
+    """--checkpoint-dir, --checkpoint-every (0: after the last step only), --resume;
+    `force`: a fresh run may set aside another run's checkpoints in the folder; `data`:
+    --data, recorded in the checkpoints and checked on resume."""
 
     directory: str
     every: int = 0
     resume: bool = False
+    force: bool = False
+    data: str | None = None
+
+
+@dataclass(frozen=True)
+class _Save:
+    """A save in flight: DCP's future, its folders, and (rank 0) the state.json to add."""
+
+    future: object
+    done: int
+    tmp: Path
+    final: Path
+    state: dict | None
 
 
 def state_tensors(module, optimizer, mesh: Mesh, rank: int | None, copy: bool = False) -> dict:
@@ -107,69 +141,192 @@ def _rank_state(trainer, trace: dict) -> dict:
     return {**out, "stage": mesh.me.stage, "history": trainer.history, "rows": rows, "slots": slots}
 
 
+def _agree(line: str | None, rank: int) -> None:
+    """Every rank: stop the run (exit 2) when rank 0 found `line`, logged once by rank 0."""
+    box = [line]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        if rank == 0:
+            log.error("%s", box[0])
+        raise SystemExit(2)
+
+
+def failure_cause(exc: BaseException, directory: Path) -> str:
+    """What made a save fail, as a reason: the OSError in the exception, DCP's per-rank
+    failures or their causes ("No space left on device"); else, since torch's writer reports
+    a full disk as a bare RuntimeError, ENOSPC found by writing a probe into the folder;
+    else the exception's first line."""
+    todo, seen = [exc], []
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror
+        failures = getattr(e, "failures", None) or {}
+        todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    probe = directory / ".space-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * (1 << 20))
+            os.fsync(f.fileno())
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            return os.strerror(errno.ENOSPC)
+    finally:
+        probe.unlink(missing_ok=True)
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 class Checkpointer:
-    """Saves (async) and restores one rank's part of the run's checkpoints."""
+    """Saves (async) and restores one rank's part of the run's checkpoints; rank 0 holds
+    the folder's lock from here to `close`."""
 
     def __init__(self, options: CheckpointOptions, trainer) -> None:
         self.options, self.trainer = options, trainer
+        self.root = Path(options.directory)
         self.group = dist.new_group(backend="gloo")  # the save thread's own collectives
-        self.pending = None  # (future, tmp folder, final folder, state) of the save in flight
+        self.pending: _Save | None = None
         self.saved: Path | None = None
+        self.lock_fd: int | None = None
+        self.record = run_record(trainer.spec, options.data, uuid.uuid4().hex)
+        self.identity_written = False
+        _agree(self._open_folder() if trainer.rank == 0 else None, trainer.rank)
+
+    def _open_folder(self) -> str | None:
+        """Rank 0: lock the folder, check it (check_folder); a refusal line or None."""
+        try:
+            self.lock_fd = lock_folder(self.root)
+            for line in check_folder(self.root, self.options.resume, self.options.force):
+                log.warning("%s", line)
+        except SpecError as exc:
+            return str(exc)
+        except OSError as exc:
+            return f"--checkpoint-dir {self.root}: {exc.strerror}; use another folder"
+        return None
+
+    def close(self) -> Path | None:
+        """Finish the save in flight and let go of the folder; the newest checkpoint saved."""
+        saved = self.wait()
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+        return saved
 
     def after_step(self, step: int, lines: list, trace: dict) -> None:
-        """Checkpoint after `step` when due (every N steps, and after the run's last)."""
+        """Finalise a save whose write completed; checkpoint after `step` when due (every
+        N steps, and after the run's last)."""
+        self.poll()
         done, every = step + 1, self.options.every
         if done == self.trainer.spec.steps or (every > 0 and done % every == 0):
             self.save(done, lines, trace)
 
+    def poll(self) -> None:
+        """Finalise the save in flight if its write has completed (never waits)."""
+        if self.pending is not None and self.pending.future.done():
+            self._complete()
+
     def save(self, done: int, lines: list, trace: dict) -> None:
         """Start writing the checkpoint of `done` finished steps; returns once its tensors
-        are copied."""
+        are copied. A folder that cannot be prepared fails the save (one line)."""
         self.wait()
         t = self.trainer
-        root = Path(self.options.directory)
-        tmp = tmp_dir(root, done)
-        if t.rank == 0:  # a killed run's partial folder; the gather below waits for this
-            shutil.rmtree(tmp, ignore_errors=True)
+        tmp = tmp_dir(self.root, done)
+        box = [self._prepare(tmp) if t.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            self._failed(done, tmp, box[0])
+            return
         parts = [None] * dist.get_world_size() if t.rank == 0 else None
         dist.gather_object(_rank_state(t, trace), parts, dst=0)
         tensors = state_tensors(t.module, t.optimizer, t.mesh, t.rank, copy=True)
         import torch.distributed.checkpoint as dcp  # here: a run without checkpoints skips it
 
         future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self.group)
-        state = _assemble(done, t.spec, list(lines), parts) if t.rank == 0 else None
-        self.pending = (future, tmp, step_dir(root, done), state)
+        state = _assemble(done, t.spec, list(lines), parts, self.record) if t.rank == 0 else None
+        self.pending = _Save(future, done, tmp, step_dir(self.root, done), state)
+
+    def _prepare(self, tmp: Path) -> OSError | None:
+        """Rank 0: a fresh, empty `tmp` inside the folder (a killed run's partial one is
+        removed) and, at the first save, run-identity.json; the error when that fails."""
+        try:
+            if tmp.exists() or tmp.is_symlink():
+                remove_inside(self.root, tmp)
+            tmp.mkdir(parents=True)
+            if not self.identity_written:
+                write_identity(self.root, self.record)
+                self.identity_written = True
+        except OSError as exc:
+            return exc
+        return None
 
     def wait(self) -> Path | None:
         """Finish the save in flight (rank 0 renames it into place); the newest saved."""
-        if self.pending is None:
-            return self.saved
-        future, tmp, final, state = self.pending
-        self.pending = None
-        future.result()
-        if state is not None:
-            self.saved = finish(tmp, final, state)
+        if self.pending is not None:
+            self._complete()
         return self.saved
 
+    def _complete(self) -> None:
+        save, self.pending = self.pending, None
+        try:
+            save.future.result()
+            if save.state is not None:
+                self.saved = finish(save.tmp, save.final, save.state)
+        except Exception as exc:  # the write's or the rename's failure, whatever its kind
+            self._failed(save.done, save.tmp, exc)
+
+    def _failed(self, done: int, tmp: Path, exc: BaseException) -> None:
+        """One line (rank 0) on a save that failed; its partial folder is removed."""
+        if self.trainer.rank != 0:
+            return
+        cause = failure_cause(exc, self.root)
+        try:
+            remove_inside(self.root, tmp)
+        except (OSError, ValueError):
+            pass  # nothing to remove, or it cannot be: the next run's save replaces it
+        newest = self.saved or "none"
+        log.error(
+            "checkpoint save to %s failed at step %d: %s; training goes on (newest checkpoint: %s)",
+            self.root,
+            done,
+            cause,
+            newest,
+        )
+
     def restore(self) -> tuple[int, list, dict]:
-        """Load the newest intact checkpoint when resuming: (finished steps, metrics lines,
-        trace) for rank 0's records; (0, [], {}) when there is none or not resuming."""
+        """Load the newest checkpoint that is intact and data when resuming: (finished
+        steps, metrics lines, trace) for rank 0's records; (0, [], {}) when there is none
+        or not resuming."""
         if not self.options.resume:
             return 0, [], {}
         t = self.trainer
-        box = [None]
-        if t.rank == 0:
-            path, refused = newest_valid(self.options.directory)
-            for line in refused:
-                log.warning("%s", line)
-            box = [(str(path), read_state(path)) if path is not None else None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            return 0, [], {}
-        path, state = box[0]
-        same = state["layout"] == layout_of(t.spec)
-        _install_slots(t, state)
-        _load(t, path, rng=same)
+        touched = False  # slot tables installed from a checkpoint later refused
+        while True:
+            box = [candidate(str(self.root), self.record, t.spec) if t.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None and touched:
+                _agree(f"--resume: no checkpoint left in {self.root} to load", t.rank)
+            if box[0] is None:
+                return 0, [], {}
+            if box[0][0] == "stop":
+                _agree(box[0][1], t.rank)
+            _, path, state = box[0]
+            same = state["layout"] == layout_of(t.spec)
+            install_slots(t, state)
+            touched = True
+            fresh_adam_state(t.optimizer)
+            want = state_tensors(t.module, t.optimizer, t.mesh, t.rank if same else None)
+            if not keys_refused(path, want, t.rank):
+                break
+        load_into(want, path, t.rank)
+        self.record = {**self.record, "run_id": state["run"]["run_id"]}
+        return self._restored(path, state, same)
+
+    def _restored(self, path: str, state: dict, same: bool) -> tuple[int, list, dict]:
+        """The loaded checkpoint's migration history, metrics lines and trace rows."""
+        t = self.trainer
         if same:
             stage = next((s for s in state["stages"] if s["stage"] == t.mesh.me.stage), None)
             if stage is not None:
@@ -184,8 +341,9 @@ class Checkpointer:
         return state["step"], lines, trace
 
 
-def _assemble(done: int, spec: RunSpec, lines: list, parts: list) -> dict:
-    """state.json from rank 0's metrics lines and every rank's _rank_state."""
+def _assemble(done: int, spec: RunSpec, lines: list, parts: list, record: dict) -> dict:
+    """state.json from rank 0's metrics lines, every rank's _rank_state and the run's
+    record (run_record)."""
     leaders = [p for p in parts if "stage" in p]
     trace: dict = {}
     for p in parts:
@@ -195,70 +353,9 @@ def _assemble(done: int, spec: RunSpec, lines: list, parts: list) -> dict:
         "step": done,
         "layout": layout_of(spec),
         "model": model_of(spec),
+        "run": record,
         "lines": lines,
         "trace": [[*k, v] for k, v in sorted(trace.items())],
         "stages": [{k: p[k] for k in ("stage", "history", "rows")} for p in leaders],
         "slots": {k: v for p in leaders for k, v in p["slots"].items()},
     }
-
-
-def _install_slots(trainer, state: dict) -> None:
-    """Put each MoE layer on its saved slot table where this layout can hold it (same ep,
-    each rank its number of slots); free slots of the table are zeroed."""
-    mesh = trainer.mesh
-    ep = len(mesh.ep_ranks)
-    to_plan = [mesh.ep_group_rank(i) for i in range(ep)]
-    to_group = [mesh.ep_idx_of_group_rank(g) for g in range(ep)]
-    for layer, moe in trainer.module.moe_layers().items():
-        saved = state["slots"].get(str(layer))
-        if saved is None:
-            continue
-        table = ExpertSlots(tuple(map(tuple, saved[0])), tuple(map(tuple, saved[1])))
-        sizes = [len(r) for r in moe.slots.reorder(to_plan).slots_RS]
-        if [len(r) for r in table.slots_RS] != sizes:
-            continue  # another ep or slot count: the plan's placement, experts by id
-        moe.set_slots(table.reorder(to_group))
-        for slot, e in enumerate(moe.experts.expert_ids):
-            if e == EMPTY:
-                moe.experts.init_slot(slot, EMPTY)
-
-
-def _fresh_adam_state(optimizer) -> None:
-    """Zero Adam state for every parameter (what Adam itself creates at its first step)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            optimizer.state[p] = {
-                "step": torch.tensor(0.0, dtype=torch.get_default_dtype()),
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
-
-
-def _load(trainer, path: str, rng: bool) -> None:
-    """Read this rank's tensors from the checkpoint at `path` into the live ones."""
-    _fresh_adam_state(trainer.optimizer)
-    t = trainer
-    want = state_tensors(t.module, t.optimizer, t.mesh, t.rank if rng else None)
-    import torch.distributed.checkpoint as dcp  # here: a run without checkpoints skips it
-
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    missing = sorted(k for k in want if k not in saved and not k.startswith("rng."))
-    if missing:
-        raise SystemExit(
-            f"checkpoint {path} has no {missing[0]} ({len(missing)} missing): it is of another "
-            "model; resume with that model's plan or use another --checkpoint-dir"
-        )
-    for k, v in want.items():
-        size = getattr(saved.get(k), "size", None)
-        if size is not None and tuple(size) != tuple(v.shape):
-            raise SystemExit(
-                f"checkpoint {path} holds {k} of shape {list(size)}, this run's is "
-                f"{list(v.shape)}: it is of another model; resume with that model's plan or "
-                "use another --checkpoint-dir"
-            )
-    rng_key = f"rng.rank{trainer.rank}"
-    if rng_key in want and rng_key not in saved:
-        del want[rng_key]
-    dcp.load(want, checkpoint_id=path)
-    if rng_key in want:
-        torch.set_rng_state(want[rng_key])

@@ -4,11 +4,11 @@ Every byte a rank sends is counted where it is sent (dispatch/combine by the dis
 stats, pipeline p2p by the counting PipelineStage, gradient reduction and migration here),
 split by whether the peer sits on the same (emulated) node.
 
-metrics.jsonl (one object per step, written by rank 0): step, loss (mean over the last
-stage's ranks), step_time_s (slowest rank), tokens_per_s (tokens of the whole step /
-step_time_s), peak_memory_bytes (largest rank), dispatch_s, combine_s (slowest rank),
-bytes_intra_node, bytes_inter_node (summed over all ranks), bytes_by_kind, migrated_experts,
-and per_rank: the same quantities for every rank.
+metrics.jsonl (one object per step, written by rank 0 as the run goes, `MetricsLog`): step,
+loss (mean over the last stage's ranks), step_time_s (slowest rank), tokens_per_s (tokens of
+the whole step / step_time_s), peak_memory_bytes (largest rank), dispatch_s, combine_s
+(slowest rank), bytes_intra_node, bytes_inter_node (summed over all ranks), bytes_by_kind,
+migrated_experts, and per_rank: the same quantities for every rank.
 trace.csv: `interval,layer,expert,tokens`, interval = step // trace_every, layer = the plan's
 layer index, tokens routed to that expert in that interval summed over all data-parallel
 ranks of its stage.
@@ -19,8 +19,10 @@ Both are read back, and validated, by the planner's readers:
 from __future__ import annotations
 
 import io
+import json
 import resource
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -126,6 +128,31 @@ def step_line(records: list[dict], tokens_per_step: int, migrated: int = 0) -> d
         "migrated_experts": migrated,
         "per_rank": [{k: v for k, v in r.items() if k != "step"} for r in records],
     }
+
+
+def jsonl_line(line: dict) -> str:
+    """One metrics.jsonl line (keys sorted, so equal runs give equal bytes)."""
+    return json.dumps(line, sort_keys=True) + "\n"
+
+
+class MetricsLog:
+    """metrics.jsonl written as the run goes: the lines a resume carried over first, then
+    each step's line appended and flushed, so a run stopped or killed keeps the steps it
+    did. The file is replaced at the end by the run's output set (the same lines)."""
+
+    def __init__(self, path: str | Path, lines: list[dict]) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - held for the run
+        for line in lines:
+            self.file.write(jsonl_line(line))
+        self.file.flush()
+
+    def append(self, line: dict) -> None:
+        self.file.write(jsonl_line(line))
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def trace_csv(rows: list[tuple[int, int, int, int]]) -> str:

@@ -9,7 +9,6 @@ Shape letters: L = MoE layers of this stage, E = experts.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -25,6 +24,8 @@ from runtime.data import sample_batch
 from runtime.dispatch.local import LocalDispatcher
 from runtime.metrics import (
     ByteCounter,
+    MetricsLog,
+    jsonl_line,
     loss_plot_png,
     peak_memory_bytes,
     rank_record,
@@ -39,6 +40,7 @@ from runtime.parallel.fsdp import shard_chunk
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.pipeline import PipelineRunner, chunks_of, sync_gradients
 from runtime.parallel.replicas import install_slots
+from runtime.stop_signal import StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +262,7 @@ def train(
     fail_migration_at: int = -1,
     plot: bool = False,
     checkpoints: CheckpointOptions | None = None,
+    metrics_path: str | Path | None = None,
 ) -> RunResult:
     """Run spec.steps optimizer steps on this rank (process group already initialized).
 
@@ -268,36 +271,56 @@ def train(
     fail_migration_at: inject a failed migration after that step (tests).
     checkpoints: save them (runtime/checkpoint.py) and, with `resume`, start from the newest
     intact one: its steps are not run again, its metrics lines and trace rows are kept.
+    metrics_path: rank 0 appends each step's metrics.jsonl line there as it goes.
+    A SIGTERM stops every rank after the same step (runtime/stop_signal.py): the save in
+    flight is finished and the result holds the steps done.
     """
     spec, rank = trainer.spec, trainer.rank
     saver = Checkpointer(checkpoints, trainer) if checkpoints else None
     start, lines, trace = saver.restore() if saver else (0, [], {})
+    stream = MetricsLog(metrics_path, lines) if metrics_path and rank == 0 else None
+    stop = StopSignal()
     result = RunResult()
-    for step in range(start, spec.steps):
-        loss, record, rows = trainer.step(step, fail_migration_at)
-        for interval, layer, expert, tokens in rows:  # summed over trace_every steps
-            key = (interval, layer, expert)
-            trace[key] = trace.get(key, 0) + tokens
-        result.losses.append(loss)
-        records = _gather(record, rank)
-        if rank == 0:
-            moved_total = sum(r.pop("migrated_experts") for r in records)
-            lines.append(step_line(records, spec.tokens_per_step, moved_total))
-            mtp = [r["mtp_losses"] for r in records if "mtp_losses" in r]
-            if mtp:  # beside the main loss: each depth's mean over the last stage's ranks
-                lines[-1]["mtp_losses"] = [sum(d) / len(d) for d in zip(*mtp, strict=True)]
-            log.warning(
-                "step %d loss %.4f step_time %.3fs",
-                step,
-                lines[-1]["loss"],
-                lines[-1]["step_time_s"],
-            )
+    try:
+        for step in range(start, spec.steps):
+            loss, record, rows = trainer.step(step, fail_migration_at)
+            for interval, layer, expert, tokens in rows:  # summed over trace_every steps
+                key = (interval, layer, expert)
+                trace[key] = trace.get(key, 0) + tokens
+            result.losses.append(loss)
+            _record(trainer, record, lines)
+            if stream is not None:
+                stream.append(lines[-1])
+            if saver:
+                saver.after_step(step, lines, trace)
+            if stop.agreed():
+                if rank == 0:
+                    log.warning("stopped by SIGTERM after step %d", step)
+                break
         if saver:
-            saver.after_step(step, lines, trace)
-    if saver:
-        result.checkpoint = saver.wait()
+            result.checkpoint = saver.close()
+    finally:
+        stop.close()
+        if stream is not None:
+            stream.close()
     _finish(trainer, result, lines, trace, plot)
     return result
+
+
+def _record(trainer: Trainer, record: dict, lines: list) -> None:
+    """Gather every rank's record of the step; rank 0 appends the metrics line and logs it."""
+    records = _gather(record, trainer.rank)
+    if trainer.rank != 0:
+        return
+    moved_total = sum(r.pop("migrated_experts") for r in records)
+    lines.append(step_line(records, trainer.spec.tokens_per_step, moved_total))
+    mtp = [r["mtp_losses"] for r in records if "mtp_losses" in r]
+    if mtp:  # beside the main loss: each depth's mean over the last stage's ranks
+        lines[-1]["mtp_losses"] = [sum(d) / len(d) for d in zip(*mtp, strict=True)]
+    log.warning(
+        "step %d loss %.4f step_time %.3fs", lines[-1]["step"], lines[-1]["loss"],
+        lines[-1]["step_time_s"],
+    )  # fmt: skip
 
 
 def _finish(trainer: Trainer, result: RunResult, lines: list, trace: dict, plot: bool) -> None:
@@ -309,7 +332,7 @@ def _finish(trainer: Trainer, result: RunResult, lines: list, trace: dict, plot:
         for *key, tokens in (r for rows in all_rows for r in rows):
             summed[tuple(key)] = summed.get(tuple(key), 0) + tokens
         result.files = {
-            "metrics.jsonl": "".join(json.dumps(d, sort_keys=True) + "\n" for d in lines),
+            "metrics.jsonl": "".join(jsonl_line(d) for d in lines),
             "trace.csv": trace_csv([(*k, v) for k, v in summed.items()]),
         }
         png = loss_plot_png(lines) if plot and lines else None

@@ -5,19 +5,28 @@ choice of the newest valid one.
 D holds one folder per checkpoint, `step-000010` (the run had finished 10 steps), written by
 torch.distributed.checkpoint (runtime/checkpoint.py) into `.tmp-step-000010` and renamed
 only once complete: `state.json` (the run's own state: step, placements, migration history,
-metrics so far) is added, then `manifest.json` with the SHA-256 of every file, last. A
-folder without a manifest, or with a file missing or different from its hash, is refused;
-`.tmp-*` folders are never read. The newest KEEP checkpoints are kept. `piper run --resume`
-renames a refused checkpoint newer than the one it resumes from to `refused-<name>`, so the
-pruning keeps intact ones.
+metrics so far, and the run's record: run id, model config, data, seed) is added, then
+`manifest.json` with the SHA-256 of every file, last. A folder without a manifest, or with a
+file missing or different from its hash, is refused; `.tmp-*` folders are never read. Only
+folders named exactly `step-NNNNNN` (not symbolic links) are checkpoints. The newest KEEP
+checkpoints of the run are kept; another run's are never deleted. `piper run --resume` renames
+a refused checkpoint newer than the one it resumes from to `refused-<name>`, so the pruning
+keeps intact ones.
+
+D also holds `run-identity.json` (the run record of the run whose checkpoints it holds) and
+`.lock`, which the run writing D holds (flock) for its whole life. Nothing outside D is
+written or deleted: a symbolic link in D is refused, never followed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 from planner.run.spec import RunSpec
@@ -25,8 +34,11 @@ from planner.specs import SpecError
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
+IDENTITY = "run-identity.json"
+LOCK = ".lock"
 KEEP = 2  # checkpoints kept: the newest, and the one used if it turns out corrupt
 _PREFIX = "step-"
+_NAME = re.compile(r"step-[0-9]{6}")  # a checkpoint's folder name, exactly
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -64,15 +76,35 @@ def finish(tmp: Path, final: Path, state: dict) -> Path:
     (tmp / MANIFEST).write_text(json.dumps(manifest, sort_keys=True))
     for p in [*files, tmp / MANIFEST, tmp]:
         _fsync(p)
-    if final.exists():
+    if final.exists() or final.is_symlink():
         old = final.with_name(f".old-{final.name}")
         final.rename(old)
-        shutil.rmtree(old)
+        remove_inside(final.parent, old)
     tmp.rename(final)
     _fsync(final.parent)
-    for stale in checkpoints(final.parent)[KEEP:]:
-        shutil.rmtree(stale, ignore_errors=True)
+    mine = [p for p in checkpoints(final.parent) if _run_id(p) == state["run"]["run_id"]]
+    for stale in mine[KEEP:]:
+        remove_inside(final.parent, stale)
     return final
+
+
+def _run_id(path: Path) -> str | None:
+    """The run id in a checkpoint's state.json (None: unreadable or none recorded)."""
+    try:
+        return json.loads((path / STATE).read_text())["run"]["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remove_inside(root: str | Path, path: Path) -> None:
+    """Delete `path`, an entry of the folder `root`: a symbolic link is unlinked, never
+    followed; ValueError for anything not directly inside root."""
+    if Path(path).parent.resolve() != Path(root).resolve():
+        raise ValueError(f"{path} is not inside {root}")
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def checkpoints(root: str | Path) -> list[Path]:
@@ -80,8 +112,12 @@ def checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)]
+    found = [p for p in root.iterdir() if _NAME.fullmatch(p.name) and _is_real_dir(p)]
     return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _is_real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
 
 
 def problem(path: Path) -> str | None:
@@ -157,10 +193,12 @@ def check_checkpointable(spec: RunSpec) -> None:
         )
 
 
-def resume_point(directory: str, spec: RunSpec) -> tuple[Path, int, list[str]]:
+def resume_point(
+    directory: str, spec: RunSpec, data: str | None = None
+) -> tuple[Path, int, list[str]]:
     """(checkpoint, its finished steps, lines refusing newer ones, each set aside) that
-    --resume continues from; SpecError when there is none, it is of another model, or no
-    step is left (then nothing is renamed)."""
+    --resume continues from; SpecError when there is none, it is of another model, model
+    config, --data or --seed (`check_record`), or no step is left (then nothing is renamed)."""
     path, refused = newest_valid(directory)
     if path is None:
         raise SpecError(f"--resume: no intact checkpoint in {directory}; run without --resume")
@@ -171,6 +209,7 @@ def resume_point(directory: str, spec: RunSpec) -> tuple[Path, int, list[str]]:
             "resume with the plan, --scale and --data it was written with, or use another "
             "--checkpoint-dir"
         )
+    check_record(path, state, run_record(spec, data, ""))
     if state["step"] >= spec.steps:
         raise SpecError(
             f"--resume: checkpoint {path} has {state['step']} steps done and --steps is "
@@ -181,12 +220,125 @@ def resume_point(directory: str, spec: RunSpec) -> tuple[Path, int, list[str]]:
     return path, state["step"], lines
 
 
-def set_aside(path: Path) -> Path:
-    """Rename a refused checkpoint to `refused-<name>` (then `.1`, `.2`, ...): no longer a
-    checkpoint, so pruning, which keeps the newest KEEP by name, keeps intact ones."""
-    target, n = path.with_name(f"refused-{path.name}"), 0
-    while target.exists():
+def set_aside(path: Path, why: str = "refused") -> Path:
+    """Rename a checkpoint to `<why>-<name>` (then `.1`, `.2`, ...): no longer a checkpoint,
+    so neither resume nor pruning, which keeps the newest KEEP by name, sees it."""
+    target, n = path.with_name(f"{why}-{path.name}"), 0
+    while target.exists() or target.is_symlink():
         n += 1
-        target = path.with_name(f"refused-{path.name}.{n}")
+        target = path.with_name(f"{why}-{path.name}.{n}")
     path.rename(target)
     return target
+
+
+def data_record(data: str | None) -> dict | None:
+    """--data as a checkpoint records it: the resolved path and the bytes of its files (a
+    Megatron PREFIX: PREFIX.bin and PREFIX.idx); None: the standard library's sources."""
+    if data is None:
+        return None
+    path = Path(data).resolve()
+    files = [path] if path.is_file() else [Path(f"{path}{ext}") for ext in (".bin", ".idx")]
+    return {"path": str(path), "bytes": sum(f.stat().st_size for f in files if f.is_file())}
+
+
+def run_record(spec: RunSpec, data: str | None, run_id: str) -> dict:
+    """What identifies a run in its checkpoints: its id, the whole model config (the model
+    as run and its numerics, with their SHA-256), --data and --seed. The layout is not part
+    of it: another layout of the same model resumes from the checkpoint."""
+    model = json.loads(
+        json.dumps({"model": asdict(spec.model), "arch": asdict(spec.arch)}, default=str)
+    )
+    digest = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()
+    return {
+        "run_id": run_id,
+        "model": model,
+        "model_sha256": digest,
+        "data": data_record(data),
+        "seed": spec.seed,
+    }
+
+
+def _flat(value, prefix: str = "") -> dict:
+    """{"layers[1].moe.top_k": 2, ...} of nested dicts and lists."""
+    if isinstance(value, dict):
+        return {k: v for key in value for k, v in _flat(value[key], f"{prefix}.{key}").items()}
+    if isinstance(value, list):
+        return {k: v for i, x in enumerate(value) for k, v in _flat(x, f"{prefix}[{i}]").items()}
+    return {prefix.lstrip("."): value}
+
+
+def record_differences(saved: dict | None, current: dict) -> list[str]:
+    """What differs between a checkpoint's run record and this run's, one phrase each."""
+    if not isinstance(saved, dict):
+        return ["no run record (model config, data, seed)"]
+    out = []
+    for name in ("seed", "data"):
+        if saved.get(name) != current[name]:
+            out.append(f"{name} {saved.get(name)} (this run: {current[name]})")
+    was, now = _flat(saved.get("model")), _flat(current["model"])
+    for key in sorted(was.keys() | now.keys()):
+        if was.get(key) != now.get(key):
+            out.append(f"model {key} {was.get(key)} (this run: {now.get(key)})")
+    return out
+
+
+def check_record(path: Path, state: dict, current: dict) -> None:
+    """SpecError naming what differs when the checkpoint at `path` was written by a run of
+    another model config, --data or --seed."""
+    diff = record_differences(state.get("run"), current)
+    if diff:
+        more = f" and {len(diff) - 1} more" if len(diff) > 1 else ""
+        raise SpecError(
+            f"--resume: checkpoint {path} was written with {diff[0]}{more}; resume with the "
+            "model, --scale, --data and --seed it was written with, or use another "
+            "--checkpoint-dir"
+        )
+
+
+def check_folder(root: str | Path, resume: bool, force: bool) -> list[str]:
+    """Refuse (SpecError) a checkpoint folder that holds a symbolic link, or, for a fresh
+    run (no --resume), checkpoints of another run unless `force`: then they are set aside
+    as `replaced-<name>`, one returned line each."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise SpecError(f"--checkpoint-dir {root} is not a folder; name a folder")
+    entries = sorted(root.iterdir()) if root.is_dir() else []
+    for entry in entries:
+        if entry.is_symlink():
+            raise SpecError(
+                f"--checkpoint-dir {root} holds a symbolic link {entry.name}; remove it "
+                "(nothing outside the folder is written)"
+            )
+    found = checkpoints(root)
+    if resume or not found:
+        return []
+    if not force:
+        raise SpecError(
+            f"--checkpoint-dir {root} holds checkpoints of another run ({found[0].name}, "
+            f"{len(found)} in all); continue it with --resume, start afresh beside them "
+            "with --force (they are set aside), or use another folder"
+        )
+    return [f"checkpoint {p} of another run set aside as {set_aside(p, 'replaced')}" for p in found]
+
+
+def write_identity(root: str | Path, record: dict) -> None:
+    """run-identity.json in `root`: the record of the run whose checkpoints it holds."""
+    tmp = Path(root) / f".tmp-{IDENTITY}"
+    tmp.write_text(json.dumps({k: v for k, v in record.items() if k != "model"}, sort_keys=True))
+    tmp.rename(Path(root) / IDENTITY)
+
+
+def lock_folder(root: str | Path) -> int:
+    """Take the folder's lock (flock on `root/.lock`, created with its folder); the file
+    descriptor, held until closed or the process ends. SpecError when another run holds it."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(root) / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise SpecError(
+            f"--checkpoint-dir {root} is in use by another run (it holds {Path(root) / LOCK}); "
+            "wait for it to end or use another folder"
+        ) from None
+    return fd
