@@ -4,12 +4,12 @@
 dotted path, e.g. `stages[1].layers`) and the fix. It checks the schema_version and what the
 runtime and the exports rely on: positive integer sizes, pp*dp*tp ranks numbered 0..N-1, ep
 dividing dp*tp, one contiguous block of layers per stage, EP ranks in range, the types of the
-model and cluster entries and the keys and types of the model's optional `numerics`
-(planner.inputs.numerics.check_numerics). `ranks` may be empty (a hand-written plan without
-placement; `piper place` refuses such a plan); when present it must cover every rank and give
-each node's ranks distinct local ranks below the cluster's `gpus_per_node` (where the plan
-records it). Predicted figures, their intervals included, are
-finite numbers in [0, 1e30]. Values from a fixed set (training's literal fields,
+model and cluster entries, the keys and types of the model's optional `numerics`
+(planner.inputs.numerics.check_numerics) and `settings` (planner.plan.settings). `ranks` may
+be empty (a hand-written plan without placement; `piper place` refuses such a plan); when
+present it must cover every rank and give each node's ranks distinct local ranks below the
+cluster's `gpus_per_node` (where the plan records it). Predicted figures, their intervals
+included, are finite numbers in [0, 1e30]. Values from a fixed set (training's literal fields,
 `activation_offload_modules`, `extra.dispatcher`, `extra.target`) are checked against it, and
 a value quoted in an error is shown by its repr, so every error stays one line. A cluster
 entry holding a whole profile (`levels`) is parsed as `piper plan` wrote it
@@ -37,6 +37,7 @@ from planner.plan.schema import (
     SolveReport,
     json_fields,
 )
+from planner.plan.settings import settings_from_dict
 from planner.resources.layer_comm import DISPATCHERS
 from planner.specs import ACTIVATION_OFFLOAD_MODULES, SpecError, TrainingSpec
 from planner.targets import TARGETS
@@ -85,7 +86,7 @@ _PREDICTED = tuple(k for k, t in _hints(Predicted).items() if t is float)
 _EXTRA_CHOICES = {"dispatcher": DISPATCHERS, "target": tuple(TARGETS)}
 _SOLVER = {k: _json_kind(t) for k, t in _hints(SolveReport).items()}
 _ENTRIES = {
-    "model": {k: _json_kind(t) for k, t in _hints(ModelEntry).items()},
+    "model": {k: _json_kind(t) for k, t in _hints(ModelEntry).items() if k != "settings"},
     "cluster": {k: _json_kind(t) for k, t in _hints(ClusterEntry).items() if k != "profile"},
 }
 
@@ -200,6 +201,8 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
         c.get(d["solver"], key, "solver.", kind)
     if "numerics" in d["model"]:
         check_numerics(d["model"]["numerics"], f"{path}: model.numerics")
+    if "settings" in d["model"]:
+        settings_from_dict(d["model"]["settings"], path)
     if "levels" in d["cluster"]:  # the whole profile, as Plan.cluster_spec reads it
         cluster_from_dict(d["cluster"], source=f"{path} cluster")
 

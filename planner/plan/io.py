@@ -46,7 +46,7 @@ def plan_from_dict(d: Any, path: str = "plan.json") -> Plan:
         "comm_s": tuple(sorted(d["predicted"].get("comm_s", {}).items())),
     }
     return Plan(
-        model=ModelEntry.from_dict(d["model"]),
+        model=ModelEntry.from_dict(d["model"], path),
         cluster=ClusterEntry.from_dict(d["cluster"]),
         training=d["training"],
         parallel=ParallelPlan(**_known(ParallelPlan, d["parallel"])),

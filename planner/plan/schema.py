@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from planner.parallel import ParallelConfig, RecomputeModule
+from planner.plan.settings import ModelSettings, settings_from_dict, settings_to_dict
 from planner.specs import ClusterSpec, ModelSpec, Recompute, SpecError
 
 SCHEMA_VERSION = 1
@@ -32,36 +33,35 @@ def json_fields(cls: type) -> tuple[Field, ...]:
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """plan.json's `model`: what the model is called, where it was read from, its config.
+    """plan.json's `model`: its name, where it was read from, and everything read from it.
 
-    `config` is the normalized HuggingFace-style config (planner.inputs.models.model_config);
-    it stays a dict because it is the HF config. A hand-written plan may leave it empty and
-    name a preset or a config file instead. `numerics` (optional) holds the keys of the
-    original config.json that the numerics depend on (RoPE theta and scaling, norm epsilon,
-    router options; planner.inputs.numerics.NUMERICS_KEYS), which `piper run` builds the
-    model's ModelArch from; a plan without it runs with the runtime's own numerics.
+    `config`: the shapes, as planner.inputs.models.model_config normalizes them (a dict: it is
+    the HF config); a hand-written plan may leave it empty and name a preset or a file.
+    `numerics` (optional): the original config.json's keys `piper run` builds the ModelArch
+    from (planner.inputs.numerics.NUMERICS_KEYS; without them, the runtime's own numerics).
+    `settings` (optional): what the exports carry beyond the shapes (planner.plan.settings).
     """
 
     name: str = ""
     source: str = ""
     config: Mapping[str, Any] = field(default_factory=dict)
     numerics: Mapping[str, Any] = field(default_factory=dict)
+    settings: ModelSettings | None = None
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ModelEntry:
+    def from_dict(cls, d: Mapping[str, Any], where: str = "plan.json") -> ModelEntry:
         """The entry of a parsed `model` object (validated by planner.plan.check)."""
-        return cls(
-            d.get("name", ""),
-            d.get("source", ""),
-            dict(d.get("config", {})),
-            dict(d.get("numerics", {})),
-        )
+        settings = None if d.get("settings") is None else settings_from_dict(d["settings"], where)
+        return cls(d.get("name", ""), d.get("source", ""), dict(d.get("config", {})),
+                   dict(d.get("numerics", {})), settings)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan.json object; `numerics` only when the plan has them."""
+        """The plan.json object; `numerics` and `settings` only when the plan has them."""
         d = {"name": self.name, "source": self.source, "config": dict(self.config)}
         if self.numerics:
             d["numerics"] = dict(self.numerics)
+        if self.settings is not None:
+            d["settings"] = settings_to_dict(self.settings)
         return d
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from planner.ip.solvers import SolverOptions
 from planner.plan.schema import ClusterEntry, ModelEntry, Plan, Predicted
+from planner.plan.settings import settings_of_model
 from planner.search import assemble
 from planner.search.advice import no_fit_message
 from planner.search.baselines import Baseline, all_baselines
@@ -221,7 +222,9 @@ def _plan_document(
         ctx.evaluator, ctx.model, par, ctx.cluster, allocation, trace_loads, ctx.options
     )
     reinstall_sigint()
-    model = ModelEntry.from_dict(ctx.evaluator.describe_model(ctx.model))
+    # the settings the exports carry, embedded so that they read plan.json alone
+    described = ctx.evaluator.describe_model(ctx.model)
+    model = replace(ModelEntry.from_dict(described), settings=settings_of_model(ctx.model))
     g = ctx.cluster.gpus_per_node
     cluster = ClusterEntry.from_dict(
         {

@@ -1,5 +1,5 @@
 """Megatron-LM architecture flags of a model: shapes from its ModelSpec, training settings
-(rotary, norm, router, balancing) from planner.outputs.export.model_settings.
+(rotary, norm, router, balancing) from plan.json's model.settings (planner.plan.settings).
 
 Flag names and their meaning follow Megatron-LM's `megatron/training/arguments.py` and the
 TransformerConfig fields they set (`core_transformer_config_from_args`); the per-model
@@ -10,7 +10,7 @@ Qwen3-30B-A3B) where those exist. What Megatron has no flag for becomes a note.
 
 from __future__ import annotations
 
-from planner.outputs.export.model_settings import ModelSettings, RopeScaling
+from planner.plan.settings import ModelSettings, RopeScaling
 from planner.specs import ModelSpec, MoESpec
 
 # Megatron's llama3 rope scaling hard-codes these (rotary_pos_embedding.py::_apply_scaling).

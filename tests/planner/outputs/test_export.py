@@ -335,12 +335,17 @@ def test_stage_layers_of_a_permuted_plan_are_refused():
 
 
 def test_megatron_without_the_hf_config_says_the_defaults_are_used():
+    """A hand-written plan without model.settings that names no config gets the family's
+    defaults with a note; one naming a config that is gone is refused (not defaults)."""
     plan = make_plan()
-    entry = replace(plan.model, name="my-model", source="/nowhere/config.json")
+    entry = replace(plan.model, name="my-model", source="")
     notes = " ".join(
         export_plan(priced_for(replace(plan, model=entry), "megatron"), "megatron").notes
     )
-    assert "no HF config found for '/nowhere/config.json'" in notes
+    assert "no HF config found for 'my-model'" in notes
+    gone = replace(plan.model, name="my-model", source="/nowhere/config.json")
+    with pytest.raises(SpecError, match="has no model.settings .* '/nowhere/config.json' cannot"):
+        export_plan(priced_for(replace(plan, model=gone), "megatron"), "megatron")
     assert "no HF config" not in " ".join(
         export_plan(priced_for(plan, "megatron"), "megatron").notes
     )
