@@ -24,7 +24,7 @@ from planner.outputs.export.model_settings import model_settings
 from planner.outputs.export.shell import comment, export_lines
 from planner.plan.schema import Plan
 from planner.run.layout import virtual_stages
-from planner.specs import ModelSpec
+from planner.specs import ModelSpec, SpecError
 
 # Megatron-Core release that introduced a flag (checked in the core_r0.13.0 .. core_r0.16.0
 # branches of Megatron-LM); every other flag exported here exists since 0.13.
@@ -115,6 +115,11 @@ def recompute_args(plan: Plan) -> tuple[list[str], list[str]]:
     par = plan.parallel
     if par.recompute == "selective":
         modules = list(par.recompute_modules)
+        if "op" in modules:
+            raise SpecError(
+                "plan.json: it recomputes with torchtitan's per-op selective AC (module 'op'), "
+                "which Megatron-LM does not run as priced; re-plan with --target megatron"
+            )
         args = ["--recompute-granularity", "selective"]
         args += ["--recompute-modules", *modules] if modules else []
         layers = sum(len(s.layers) for s in stages)

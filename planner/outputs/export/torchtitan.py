@@ -36,7 +36,7 @@ from planner.outputs.export.torchtitan_model import TORCHTITAN_VERSION, composed
 from planner.parallel import divisors
 from planner.plan.schema import Plan
 from planner.run.layout import virtual_stages
-from planner.specs import ModelSpec
+from planner.specs import ModelSpec, SpecError
 from planner.targets import TARGETS, check_model
 
 
@@ -146,11 +146,13 @@ def _recompute(plan: Plan) -> tuple[str, list[str]]:
             "per-layer recompute becomes torchtitan's full AC on every layer (it cannot choose "
             "layers); memory is lower and compute higher than planned"
         ]
-    if par.recompute == "selective" and par.recompute_modules not in ((), ("op",)):
-        return "selective", [
-            f"Megatron's recompute modules {', '.join(par.recompute_modules)} have no torchtitan "
-            "equivalent; its selective AC saves matmul outputs and recomputes the rest"
-        ]
+    if par.recompute == "selective" and par.recompute_modules != ("op",):
+        modules = ",".join(par.recompute_modules or ("core_attn",))
+        raise SpecError(
+            f"plan.json: it recomputes the modules {modules}, which torchtitan "
+            f"{TORCHTITAN_VERSION} does not run as priced (its selective AC is per-op SAC, "
+            "module 'op'); re-plan with --target torchtitan"
+        )
     return par.recompute, []
 
 

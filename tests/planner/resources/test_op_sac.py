@@ -110,8 +110,10 @@ def _oracle_share(model, layer) -> dict[str, float]:
     return share
 
 
-@pytest.mark.parametrize(("name", "index"), [("qwen3-30b-a3b", 0), ("llama3-8b", 0),
-                                             ("deepseek-v2-lite", 0), ("deepseek-v2-lite", 5)])
+@pytest.mark.parametrize(
+    ("name", "index"),
+    [("qwen3-30b-a3b", 0), ("llama3-8b", 0), ("deepseek-v2-lite", 0), ("deepseek-v2-lite", 5)],
+)
 def test_op_sac_reruns_every_second_matmul_and_the_experts(name, index):
     model = load_model(name)
     layer = model.layers[index]
