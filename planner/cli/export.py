@@ -7,9 +7,16 @@ import os
 import sys
 from pathlib import Path
 
-from planner.outputs.export import DEFAULT_FILENAMES, EXPORT_TARGETS, TRAINERS, export_plan
+from planner.outputs.export import (
+    DEFAULT_FILENAMES,
+    EXPORT_TARGETS,
+    TRAINERS,
+    ExportResult,
+    export_plan,
+)
+from planner.outputs.export.stamp import stamp_of
 from planner.outputs.files import write_atomic, write_files
-from planner.plan import load_plan
+from planner.plan import Plan, load_plan
 from planner.specs import SpecError
 from planner.targets import TARGET_NAMES
 
@@ -34,9 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--args-file",
-        help="slurm only, --trainer megatron|torchtitan: the export the script sources "
-        "(default: megatron_args.sh / torchtitan_args.sh beside --out, or in the current "
-        "directory)",
+        help="slurm only, --trainer megatron|torchtitan: an export you write yourself, which "
+        "the job sources and checks at start (default: the job writes megatron_args.sh / "
+        "torchtitan_args.sh beside --out, with it; without --out, in the current directory)",
     )
     p.add_argument(
         "--target",
@@ -63,8 +70,9 @@ def _args_file(args: argparse.Namespace) -> str | None:
     return str(folder / DEFAULT_FILENAMES[args.trainer])
 
 
-def run(args: argparse.Namespace) -> int:
-    plan = load_plan(args.plan)
+def _trainer(args: argparse.Namespace, plan: Plan) -> None:
+    """Set args.trainer: --trainer, else --target for slurm, else the engine the plan was
+    made for; refuse a --target that is not the engine the export runs."""
     if args.trainer is None:
         extra = plan.extra if isinstance(plan.extra, dict) else {}
         made_for = str(extra.get("target") or "piper")
@@ -79,31 +87,67 @@ def run(args: argparse.Namespace) -> int:
                 f"--target {args.target} with --to {args.to}: the export runs {engine}; give "
                 f"--target {engine} or {fix}"
             )
+
+
+def _sourced_note(args: argparse.Namespace, result: ExportResult, args_file: str) -> str | None:
+    """A line when the job sources an args file this command does not write and that file is
+    missing or stamped for another plan (the job would stop at start)."""
+    path = Path(args_file)
+    try:
+        written_for = stamp_of(path.read_text(errors="replace")[:4096])
+    except OSError:
+        written_for = None
+    if written_for is not None and stamp_of(result.text) == written_for:
+        return None
+    state = "is missing or unreadable" if not path.is_file() else "was made from another plan"
+    return (
+        f"piper export: note: the job sources {args_file}, which {state}; the job stops at "
+        f"start until 'piper export {args.plan} --to {args.trainer} --out {args_file}' "
+        "rewrites it"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    plan_bytes = Path(args.plan).read_bytes()  # what the job hashes at start (read: valid)
+    _trainer(args, plan)
+    args_file = _args_file(args)
     result = export_plan(
         plan,
         args.to,
         plan_path=str(Path(args.plan).resolve()),  # the script runs from anywhere
         command=args.command,
         trainer=args.trainer,
-        args_file=_args_file(args),
+        args_file=args_file,
+        plan_bytes=plan_bytes,
+        job_path=str(Path(args.out).resolve()) if args.out else DEFAULT_FILENAMES["slurm"],
     )
     if result.files and not args.out:
         raise SpecError(
             f"export --to {args.to}: it writes {', '.join(result.files)} beside the args file; "
             "give --out FILE"
         )
+    engine = result.engine_args
+    together = engine is not None and args.out is not None and not args.args_file
     if args.out:
         out = Path(args.out)
-        if result.files:  # the args file and the modules it names, as one set
-            write_files(out.parent, {**result.files, out.name: result.text})
+        files = {**result.files, out.name: result.text}
+        if together:  # the job and the engine's args as one set, so they cannot drift
+            files.update({**engine.files, Path(args_file).name: engine.text})
+        if len(files) > 1:
+            write_files(out.parent, files)
         else:
             write_atomic(out, result.text)
         if args.to == "slurm":
             os.chmod(args.out, 0o755)
-        beside = "".join(f" and {out.parent / name}" for name in result.files)
+        beside = "".join(f" and {out.parent / name}" for name in files if name != out.name)
         print(f"wrote {args.out}{beside} ({len(result.notes)} notes)", file=sys.stderr)
     else:
         sys.stdout.write(result.text)
     for note in result.notes:
         print(f"piper export: note: {note}", file=sys.stderr)
+    if engine is not None and not together:
+        line = _sourced_note(args, result, args_file)
+        if line:
+            print(line, file=sys.stderr)
     return 0

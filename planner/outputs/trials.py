@@ -43,8 +43,8 @@ from pathlib import Path
 
 from planner.calibrate.shortlist import Shortlist
 from planner.calibrate.uncertainty import intervals
-from planner.outputs.export import export_plan
-from planner.outputs.export.slurm import TRAINER_COMMANDS
+from planner.outputs.export import DEFAULT_FILENAMES, export_plan
+from planner.outputs.export.slurm import trainer_command as slurm_trainer_command
 from planner.plan.schema import Plan
 from planner.specs import ClusterSpec, SpecError
 
@@ -159,35 +159,33 @@ def _job(plan: Plan, trial: Path, steps: int) -> tuple[dict[str, str], Path]:
         return files, run / "metrics.jsonl"
     if engine not in SHORT_RUN:
         raise SpecError(f"{plan_path}: no trial job for target '{engine}'; re-plan with --target")
-    exported = export_plan(plan, engine, str(plan_path))
-    args_file = trial / exported.filename
-    files[exported.filename] = exported.text
-    files.update(exported.files)  # beside it, as `piper export` writes them (torchtitan's module)
     command = trainer_command(engine, steps)
-    sbatch = export_plan(plan, "slurm", str(plan_path), command, engine, str(args_file))  # type: ignore[arg-type]
+    args_file = trial / DEFAULT_FILENAMES[engine]
+    sbatch = export_plan(plan, "slurm", str(plan_path), command, engine, str(args_file),  # type: ignore[arg-type]
+                         job_path=str(trial / "trial.sbatch"))  # fmt: skip
+    exported = sbatch.engine_args  # written with the job, as `piper export --to slurm` does
+    assert exported is not None  # an engine trainer's job comes with the engine's export
+    files[exported.filename] = exported.text
+    files.update(exported.files)  # beside it (torchtitan's config module)
     files["trial.sbatch"] = sbatch.text
     log = trial / "train.log"
     head = [f"# submit {steps} iterations of this layout; its log: {log.name}"]
     if engine == "megatron":
         head.append("# DATA_ARGS: your tokenizer and data flags (e.g. --mock-data --tokenizer-type "
-                    "NullTokenizer --vocab-size 151936), exported before this script")  # fmt: skip
+                    "NullTokenizer --vocab-size 151936), exported before this script; the job "
+                    "passes its words on")  # fmt: skip
     submit = f"sbatch --output {shlex.quote(str(log))} {shlex.quote(str(trial / 'trial.sbatch'))}"
     files["trial.sh"] = _script([*head, submit])
     return files, log
 
 
 def trainer_command(engine: str, steps: int) -> str:
-    """The trial's per-rank command: the trainer's, with the short-run flags. torchtitan's
-    export ends with a subcommand (`activation_checkpoint:none|full|selective`) and its
-    ConfigManager parses with tyro, which refuses a top-level option after a subcommand, so
-    there they go before the exported arguments; Megatron-LM takes them after, then
-    $DATA_ARGS (word-split on purpose)."""
-    short = " ".join(a.format(steps=steps) for a in SHORT_RUN[engine])
-    trainer = TRAINER_COMMANDS[engine]
-    if engine == "torchtitan":
-        head, exported = trainer.rsplit(" ", 1)
-        return f"{head} {short} {exported}"
-    return f"{trainer} {short} ${{DATA_ARGS:-}}"
+    """The trial's per-rank command: the trainer's (with the words of $DATA_ARGS, as every
+    Slurm export's) plus the short-run flags where the trainer takes options: before
+    torchtitan's exported arguments, which end with a subcommand after which tyro takes no
+    top-level option; after Megatron-LM's."""
+    short = [a.format(steps=steps) for a in SHORT_RUN[engine]]
+    return slurm_trainer_command(engine, short)  # type: ignore[arg-type]
 
 
 def _collect(jobs: Sequence[TrialJob], folder: Path, replan: Sequence[str]) -> str:

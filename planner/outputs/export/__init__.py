@@ -1,11 +1,12 @@
 """Exports of a plan.json to the tools teams train with: Megatron-LM, torchtitan and Slurm.
 
 `export_plan(plan, target)` renders one file as text plus the notes on what the target cannot
-express; every note is also written into the file as a comment. Each target is one module:
-megatron (a bash file: environment and MEGATRON_ARGS), torchtitan (a bash file:
-TORCHTITAN_ARGS for torchtitan 0.3's ConfigManager), slurm (an sbatch script that launches
-one task per rank with the rank-to-node order of the rank IP, for Piper's runtime, Megatron-LM
-or torchtitan).
+express; every note is also written into the file as a comment, and every file carries the
+plan's stamp (planner.outputs.export.stamp). Each target is one module: megatron (a bash file:
+environment and MEGATRON_ARGS), torchtitan (a bash file: TORCHTITAN_ARGS for torchtitan 0.3's
+ConfigManager), slurm (an sbatch script that launches one task per rank with the rank-to-node
+order of the rank IP, for Piper's runtime, Megatron-LM or torchtitan; for the last two it
+comes with the engine's export it sources, so the CLI writes both as one set).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from planner.outputs.export.megatron import megatron_script
 from planner.outputs.export.shell import check_plan_text
 from planner.outputs.export.slurm import TRAINERS, Trainer, slurm_script
+from planner.outputs.export.stamp import plan_stamp, stamped
 from planner.outputs.export.torchtitan import torchtitan_script
 from planner.plan.priced import check_priced
 from planner.plan.schema import Plan
@@ -32,14 +34,16 @@ __all__ = ["DEFAULT_FILENAMES", "EXPORT_TARGETS", "TRAINERS", "ExportResult", "e
 
 @dataclass(frozen=True)
 class ExportResult:
-    """One rendered export: the file text, the notes inside it, a default file name, and the
-    files written beside it (name -> text: torchtitan's config module for a composed model)."""
+    """One rendered export: the file text, the notes inside it, a default file name, the
+    files written beside it (name -> text: torchtitan's config module for a composed model),
+    and for a Slurm job that sources Megatron or torchtitan arguments, that export."""
 
     target: str
     text: str
     notes: tuple[str, ...]
     filename: str
     files: dict[str, str] = field(default_factory=dict)
+    engine_args: ExportResult | None = None
 
 
 def export_plan(
@@ -49,8 +53,10 @@ def export_plan(
     command: str | None = None,
     trainer: Trainer = "piper",
     args_file: str | None = None,
+    plan_bytes: bytes | None = None,
+    job_path: str = DEFAULT_FILENAMES["slurm"],
 ) -> ExportResult:
-    """Render `plan` for `target` (megatron | torchtitan | slurm).
+    """Render `plan` for `target` (megatron | torchtitan | slurm), every file stamped.
 
     Args:
         plan: a loaded plan.json.
@@ -59,6 +65,9 @@ def export_plan(
         command: the Slurm script's per-rank trainer command (default: the trainer's).
         trainer: the Slurm script's trainer: piper | megatron | torchtitan.
         args_file: the Megatron or torchtitan export the Slurm script sources.
+        plan_bytes: the plan file as read (its sha256 is the stamp); default: `plan.to_json()`,
+            the bytes `piper plan` writes.
+        job_path: where the Slurm script goes, for the command its refusals print.
     """
     if target not in EXPORT_TARGETS:
         raise SpecError(
@@ -66,11 +75,21 @@ def export_plan(
         )
     check_plan_text(plan)
     check_priced(plan, trainer if target == "slurm" else target, plan_path)
-    if target == "slurm":
-        text, notes = slurm_script(plan, plan_path, command, trainer, args_file)
-    elif target == "megatron":
+    stamp = plan_stamp(plan, plan_bytes)
+    if target == "megatron":
         text, notes = megatron_script(plan, plan.model_spec())
-    else:
+        return ExportResult(target, stamped(text, stamp), notes, DEFAULT_FILENAMES[target])
+    if target == "torchtitan":
         text, notes, files = torchtitan_script(plan, plan.model_spec())
-        return ExportResult(target, text, notes, DEFAULT_FILENAMES[target], files)
-    return ExportResult(target, text, notes, DEFAULT_FILENAMES[target])
+        files = {name: stamped(body, stamp) for name, body in files.items()}
+        return ExportResult(target, stamped(text, stamp), notes, DEFAULT_FILENAMES[target], files)
+    engine = None
+    if trainer != "piper":
+        engine = export_plan(plan, trainer, plan_path, plan_bytes=plan_bytes)
+    modules = tuple(engine.files) if engine else ()
+    text, notes = slurm_script(
+        plan, plan_path, command, trainer, args_file, stamp, modules, job_path
+    )
+    return ExportResult(
+        target, stamped(text, stamp), notes, DEFAULT_FILENAMES[target], engine_args=engine
+    )

@@ -1,78 +1,68 @@
 """An sbatch script that runs a plan with the rank-to-node order the rank IP chose.
 
-At job start the script runs `piper place PLAN --nodelist "$SLURM_JOB_NODELIST"` (the rank
-IP on the nodes Slurm allocated, within PIPER_PLACE_TIME_LIMIT_S, default 30 s; Slurm's
-topology file from PIPER_TOPOLOGY) and uses its hostfile and local ranks. If placement fails,
-or with PIPER_PLACE=0, it prints a warning and falls back to the plan's order: rank r on the
-`ranks[r].node`-th host Slurm lists. It points SLURM_HOSTFILE at the hostfile and starts one
-task per rank with `srun --distribution=arbitrary`; each task gets the torchrun-style
-environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR = rank 0's host, MASTER_PORT). Outside
-an allocation (no SLURM_JOB_NODELIST), or with `PIPER_DRY_RUN=1`, it writes the hostfile
-(placeholder host names outside an allocation, where it prints the `piper place` command it
-would run) and prints the srun command instead of running it.
+The job first checks that plan.json is the very file it was exported from and that the args
+file it sources (and torchtitan's config module) carries the same plan stamp
+(planner.outputs.export.job_checks); then it exports the communication-library environment
+(planner.outputs.export.job_env) and sources the trainer's args file. At job start it runs
+`piper place PLAN --nodelist "$SLURM_JOB_NODELIST"` (the rank IP on the nodes Slurm allocated,
+within PIPER_PLACE_TIME_LIMIT_S, default 30 s; the fabric from PIPER_TOPOLOGY, Slurm's
+topology file, or from Frontier's host names) and uses its hostfile and local ranks. Without a
+topology on another cluster it says once that it keeps Slurm's order, and why; if placement
+fails, or with PIPER_PLACE=0, it falls back to the plan's order: rank r on the
+`ranks[r].node`-th host Slurm lists. Then it sets its own variables (after everything the plan
+and the args file set): SLURM_HOSTFILE, and per task the torchrun-style environment (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR = rank 0's host, MASTER_PORT); it starts one task per rank
+with `srun --distribution=arbitrary`. Outside an allocation (no SLURM_JOB_NODELIST), or with
+`PIPER_DRY_RUN=1`, it writes the hostfile into a fresh temporary folder (or PIPER_HOSTFILE)
+and prints the srun command instead of running it (outside an allocation with placeholder host
+names and the `piper place` command it would run).
 
 Trainers: Piper's runtime (`python -m runtime.launch --plan PLAN`), Megatron-LM (the script
 sources the Megatron export, whose MEGATRON_ARGS and CUDA_DEVICE_MAX_CONNECTIONS it needs) or
-torchtitan (sources the torchtitan export). Files are referred to by absolute paths.
+torchtitan (sources the torchtitan export). Each gets the words of $DATA_ARGS (data and
+tokenizer flags, given at submission) where it takes options. Files are referred to by absolute
+paths.
 """
 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from typing import Literal
 
+from planner.outputs.export.job_checks import args_check_lines, plan_check_lines
+from planner.outputs.export.job_env import comm_env
 from planner.outputs.export.megatron import megatron_env
-from planner.outputs.export.shell import comment, env_name, export_lines
-from planner.plan.schema import ClusterEntry, Plan
+from planner.outputs.export.shell import comment, export_lines
+from planner.outputs.export.slurm_steps import HOSTS, LAUNCH, OWN, PLACE
+from planner.outputs.export.stamp import PlanStamp
+from planner.plan.schema import Plan
 from planner.specs import SpecError
 
 Trainer = Literal["piper", "megatron", "torchtitan"]
 TRAINERS: tuple[Trainer, ...] = ("piper", "megatron", "torchtitan")
-# The command each trainer runs per rank; ARGS_FILE defines the array it expands.
+# The command each trainer runs per rank: its options, then "{extra}" (flags a caller adds,
+# e.g. the trial jobs' short run) and the data flags where the trainer takes them. torchtitan's
+# exported arguments end with a subcommand, after which tyro takes no top-level option.
 TRAINER_COMMANDS = {
-    "megatron": 'python "${MEGATRON_LM:-.}/pretrain_gpt.py" "${MEGATRON_ARGS[@]}"',
-    "torchtitan": 'python -m torchtitan.train "${TORCHTITAN_ARGS[@]}"',
+    "megatron": 'python "${{MEGATRON_LM:-.}}/pretrain_gpt.py" "${{MEGATRON_ARGS[@]}}"{extra} '
+    '"${{DATA_ARGV[@]}}"',
+    "torchtitan": 'python -m torchtitan.train{extra} "${{DATA_ARGV[@]}}" "${{TORCHTITAN_ARGS[@]}}"',
 }
-
-# Communication-library environment by platform; a plan's cluster entry may add `env: {...}`.
-ENV_RCCL_SLINGSHOT = {  # OLCF's guidance for RCCL + aws-ofi-rccl on Frontier's Slingshot
-    "NCCL_SOCKET_IFNAME": "hsn0",
-    "NCCL_NET_GDR_LEVEL": "3",
-    "NCCL_CROSS_NIC": "1",
-    "FI_CXI_ATS": "0",
-    "FI_MR_CACHE_MONITOR": "userfaultfd",
-}
-ENV_NCCL_IB = {  # rail-optimized InfiniBand: stay on the local rail, GPUDirect RDMA on
-    "NCCL_IB_HCA": "mlx5",
-    "NCCL_CROSS_NIC": "0",
-    "NCCL_NET_GDR_LEVEL": "PHB",
-}
-ENV_NCCL_MNNVL = {**ENV_NCCL_IB, "NCCL_MNNVL_ENABLE": "1", "NCCL_NVLS_ENABLE": "1"}
-ENV_GLOO = {"OMP_NUM_THREADS": "1"}
+# The DATA_ARGS slot: the same variable the trial jobs read (planner.outputs.trials)
+_DATA_ARGS = (
+    "# DATA_ARGS: the trainer's data and tokenizer flags, given when you submit, e.g.",
+    "#   DATA_ARGS='--mock-data --tokenizer-type NullTokenizer --vocab-size 151936' sbatch JOB",
+    "# (split at white space; each trainer gets them where it takes options)",
+    'read -r -a DATA_ARGV <<< "${DATA_ARGS:-}"',
+)
 
 
-def comm_env(cluster: ClusterEntry) -> dict[str, str]:
-    """NCCL/RCCL variables for the plan's cluster (by name and device), plus its own `env`."""
-    name = cluster.name.lower()
-    device = cluster.profile.get("device")
-    device_name = str(device.get("name", "") if isinstance(device, dict) else device or "").lower()
-    if "frontier" in name or "mi250" in device_name or "mi300" in device_name:
-        env = dict(ENV_RCCL_SLINGSHOT)
-    elif "nvl72" in name or "gb200" in name:
-        env = dict(ENV_NCCL_MNNVL)
-    elif "cpu" in name or "gloo" in name:
-        env = dict(ENV_GLOO)
-    else:
-        env = dict(ENV_NCCL_IB)
-    extra = cluster.profile.get("env") or {}
-    if not isinstance(extra, dict):
-        raise SpecError("plan.json: cluster.env must be a mapping of variable to value")
-    for key, value in extra.items():
-        if isinstance(value, dict | list) or value is None:
-            raise SpecError(f"plan.json: cluster.env.{env_name(key, 'plan.json: cluster.env')} "
-                            "must be a string or number; fix the value")  # fmt: skip
-        env[env_name(key, "plan.json: cluster.env")] = str(value)
-    return env
+def trainer_command(trainer: Trainer, extra: Sequence[str] = ()) -> str:
+    """The per-rank command of `trainer` with `extra` flags (each word quoted) where it takes
+    options, and the words of $DATA_ARGS."""
+    words = "".join(" " + shlex.quote(w) for w in extra)
+    return TRAINER_COMMANDS[trainer].format(extra=words)
 
 
 def rank_layout(plan: Plan) -> tuple[list[int], list[int], int, int]:
@@ -92,83 +82,6 @@ def rank_layout(plan: Plan) -> tuple[list[int], list[int], int, int]:
     return [r.node for r in ranks], [r.local_rank for r in ranks], len(nodes), per_node
 
 
-# The fixed part of the script: hosts (the job's, or placeholders outside an allocation),
-# the placement at job start (`piper place`, falling back to the plan's order), the rank
-# environment, srun.
-_HOSTS = (
-    'DRY_RUN="${PIPER_DRY_RUN:-0}"',
-    'if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then',
-    '  mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-    "else",
-    '  echo "piper: not inside a Slurm allocation: dry run with placeholder hosts" >&2',
-    "  DRY_RUN=1",
-    "  HOSTS=()",
-    '  for ((n = 0; n < NUM_NODES; n++)); do HOSTS+=("node$n"); done',
-    "fi",
-    "if (( ${#HOSTS[@]} < NUM_NODES )); then",
-    '  echo "piper: the plan needs $NUM_NODES nodes, the job has ${#HOSTS[@]}" >&2; exit 1',
-    "fi",
-    'HOSTFILE="${PIPER_HOSTFILE:-${SLURM_SUBMIT_DIR:-$PWD}/piper_hostfile.${SLURM_JOB_ID:-0}}"',
-)
-# `piper place` on the job's nodes, within PIPER_PLACE_TIME_LIMIT_S (the rank IP's budget;
-# the whole command gets 60 s more); PIPER_TOPOLOGY names Slurm's topology.conf/.yaml.
-_PLACE = (
-    'PLACE_DIR="$HOSTFILE.placement"',
-    'PLACE_LIMIT_S="${PIPER_PLACE_TIME_LIMIT_S:-30}"',
-    'if [[ ! "$PLACE_LIMIT_S" =~ ^[0-9]+([.][0-9]+)?$ ]]; then',
-    '  echo "piper: WARNING: PIPER_PLACE_TIME_LIMIT_S=$PLACE_LIMIT_S is not a number of '
-    'seconds; using 30" >&2',
-    "  PLACE_LIMIT_S=30",
-    "fi",
-    'PLACE=("${PIPER:-piper}" place "$PLAN" --nodelist "${SLURM_JOB_NODELIST:-}" '
-    '--out "$PLACE_DIR" --time-limit-s "$PLACE_LIMIT_S")',
-    'if [[ -n "${PIPER_TOPOLOGY:-}" ]]; then PLACE+=(--topology "$PIPER_TOPOLOGY"); fi',
-    "PLACED=0",
-    'if [[ -z "${SLURM_JOB_NODELIST:-}" ]]; then',
-    '  echo "piper: inside an allocation this runs: $(printf "%q " "${PLACE[@]:0:4}")'
-    '\\"\\$SLURM_JOB_NODELIST\\" $(printf "%q " "${PLACE[@]:5}")" >&2',
-    '  echo "piper: and uses its hostfile; here ranks follow the plan\'s order" >&2',
-    'elif [[ "${PIPER_PLACE:-1}" == 0 ]]; then',
-    '  echo "piper: PIPER_PLACE=0: ranks follow the plan\'s order on the Slurm node list" >&2',
-    'elif timeout "$((${PLACE_LIMIT_S%.*} + 60))" "${PLACE[@]}" >&2 '
-    '&& mapfile -t PLACED_HOSTS < "$PLACE_DIR/hostfile" '
-    '&& read -r -a PLACED_LOCAL < "$PLACE_DIR/local_ranks" '
-    "&& (( ${#PLACED_HOSTS[@]} == WORLD_SIZE && ${#PLACED_LOCAL[@]} == WORLD_SIZE )); then",
-    "  PLACED=1",
-    "else",
-    "  echo \"piper: WARNING: placement failed (see above); ranks follow the plan's order on "
-    'the Slurm node list" >&2',
-    "fi",
-    'if [[ "$PLACED" == 1 ]]; then',
-    '  cp "$PLACE_DIR/hostfile" "$HOSTFILE"',
-    '  RANK_LOCAL=("${PLACED_LOCAL[@]}")',
-    "else",
-    '  : > "$HOSTFILE"',
-    '  for node in "${RANK_NODE[@]}"; do echo "${HOSTS[$node]}" >> "$HOSTFILE"; done',
-    "fi",
-    'mapfile -t RANK_HOST < "$HOSTFILE"',
-    'export SLURM_HOSTFILE="$HOSTFILE"',
-    'export MASTER_ADDR="${RANK_HOST[0]}"',
-    'export MASTER_PORT="${MASTER_PORT:-29500}"',
-    "export WORLD_SIZE",
-    'export PIPER_RANK_LOCAL="${RANK_LOCAL[*]}"',
-)
-_LAUNCH = (
-    "# one task per rank; RANK = task id, LOCAL_RANK = the plan's device index",
-    "# shellcheck disable=SC2016  # expanded by each task's bash, not here",
-    'TASK=\'read -r -a L <<< "$PIPER_RANK_LOCAL"; export RANK=$SLURM_PROCID '
-    'LOCAL_RANK=${L[$SLURM_PROCID]}; exec "$@"\'',
-    'SRUN=(srun --ntasks="$WORLD_SIZE" --distribution=arbitrary bash -c "$TASK" piper-rank)',
-)
-_RUN = (
-    'if [[ "$DRY_RUN" == 1 ]]; then',
-    '  printf "%q " "${SRUN[@]}" "${CMD[@]}"; echo',
-    "else",
-    '  exec "${SRUN[@]}" "${CMD[@]}"',
-    "fi",
-)
-
-
 def _header(plan: Plan, notes: list[str], num_nodes: int, per_node: int, gpus: int) -> list[str]:
     """Shebang, description, notes and #SBATCH lines."""
     par = plan.parallel
@@ -182,7 +95,7 @@ def _header(plan: Plan, notes: list[str], num_nodes: int, per_node: int, gpus: i
             f"pp {par.pp}, dp {par.dp}, tp {par.tp}, cp {par.cp}, ep {par.ep}"
         ),
         "# generated by 'piper export'; 'piper place' puts the ranks on the job's nodes at",
-        "# job start (PIPER_PLACE=0: the plan's rank-to-node order on Slurm's node list)",
+        "# job start (see 'Placement at job start' below)",
         *[comment(f"NOTE: {n}") for n in notes],
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={num_nodes}",
@@ -195,33 +108,41 @@ def _header(plan: Plan, notes: list[str], num_nodes: int, per_node: int, gpus: i
     ]
 
 
-def _trainer_lines(
-    plan: Plan, trainer: Trainer, plan_path: str, args_file: str | None, command: str | None
-) -> list[str]:
-    """The trainer's environment, its sourced args file and CMD."""
+def _args_checks(trainer: Trainer, plan_path: str, args_file: str | None,
+                 modules: Sequence[str], stamp: PlanStamp | None) -> list[str]:  # fmt: skip
+    """The checks of the trainer's args file (and the modules beside it)."""
     if trainer == "piper":
-        # the dispatcher and precision the plan was priced with, spelled out (the launcher
-        # defaults to the plan's too; at full size it refuses any other)
-        dispatcher = str(plan.extra.get("dispatcher", "flat"))
-        cmd = command or shlex.join(
-            ["python", "-m", "runtime.launch", "--plan", plan_path, "--out", "results/run",
-             "--dispatcher", dispatcher, "--precision", "plan"]
-        )  # fmt: skip
-        return [f"CMD=({cmd})"]
+        return []
     if not args_file:
         raise SpecError(f"export: the {trainer} trainer needs the path of its args file")
     export = shlex.join(["piper", "export", plan_path, "--to", trainer, "--out", args_file])
-    lines = [
-        f"ARGS_FILE={shlex.quote(args_file)}",
-        'if [[ ! -f "$ARGS_FILE" ]]; then',
-        f'  echo "piper: $ARGS_FILE is missing; write it with:" {shlex.quote(export)} >&2; exit 1',
-        "fi",
-        "# shellcheck source=/dev/null",
-        'source "$ARGS_FILE"',
-    ]
+    return args_check_lines(args_file, export, modules, stamp)
+
+
+def _source(plan: Plan, trainer: Trainer) -> list[str]:
+    """Sourcing the checked args file, and the environment its trainer needs."""
+    if trainer == "piper":
+        return []
+    lines = ["# shellcheck source=/dev/null", 'source "$ARGS_FILE"']
     if trainer == "megatron":  # also set by the args file; here so --command keeps it
         lines += [f"export {k}={shlex.quote(v)}" for k, v in megatron_env(plan)]
-    return [*lines, f"CMD=({command or TRAINER_COMMANDS[trainer]})"]
+    return lines
+
+
+def _command(plan: Plan, trainer: Trainer, plan_path: str, command: str | None) -> str:
+    """CMD: `command`, else the trainer's own with the words of $DATA_ARGS."""
+    if command:
+        return f"CMD=({command})"
+    if trainer != "piper":
+        return f"CMD=({trainer_command(trainer)})"
+    # the dispatcher and precision the plan was priced with, spelled out (the launcher
+    # defaults to the plan's too; at full size it refuses any other)
+    dispatcher = str(plan.extra.get("dispatcher", "flat"))
+    launch = shlex.join(
+        ["python", "-m", "runtime.launch", "--plan", plan_path, "--out", "results/run",
+         "--dispatcher", dispatcher, "--precision", "plan"]
+    )  # fmt: skip
+    return f'CMD=({launch} "${{DATA_ARGV[@]}}")'
 
 
 def slurm_script(
@@ -230,6 +151,9 @@ def slurm_script(
     command: str | None,
     trainer: Trainer = "piper",
     args_file: str | None = None,
+    stamp: PlanStamp | None = None,
+    modules: Sequence[str] = (),
+    job_path: str = "piper.sbatch",
 ) -> tuple[str, tuple[str, ...]]:
     """The sbatch script text and its notes (see the module docstring).
 
@@ -239,6 +163,10 @@ def slurm_script(
         command: the per-rank trainer command (default: the trainer's own).
         trainer: piper | megatron | torchtitan.
         args_file: the Megatron or torchtitan export the script sources.
+        stamp: the plan file's stamp; the job checks plan.json and the args file (and
+            `modules`) against it before anything else (None: no such check).
+        modules: files beside the args file that it loads (torchtitan's config module).
+        job_path: where the script is written, for the command its refusals print.
     """
     if trainer not in TRAINERS:
         raise SpecError(f"export: unknown trainer '{trainer}'; use one of {', '.join(TRAINERS)}")
@@ -248,8 +176,13 @@ def slurm_script(
     if per_node < gpus:
         notes.append(f"the plan uses {per_node} of {gpus} devices on its busiest node")
     if trainer == "megatron" and not command:
-        notes.append("add your tokenizer and data flags to CMD; MEGATRON_LM is your checkout")
+        notes.append("give your tokenizer and data flags in DATA_ARGS when you submit; "
+                     "MEGATRON_LM is your checkout")  # fmt: skip
     env = comm_env(plan.cluster)
+    rewrite = ["piper", "export", plan_path, "--to", "slurm", "--trainer", trainer]
+    rewrite += [*(["--command", command] if command else []), "--out", job_path]
+    checks = [] if stamp is None else plan_check_lines(stamp, shlex.join(rewrite))
+    by_hostname = int("frontier" in plan.cluster.name.lower())  # planner.inputs.slurm_topology
     lines = [
         *_header(plan, notes, num_nodes, per_node, gpus),
         f"WORLD_SIZE={len(node_of)}",
@@ -259,13 +192,18 @@ def slurm_script(
         "# device index inside its node of each rank",
         f"RANK_LOCAL=({' '.join(map(str, local_of))})",
         f"PLAN={shlex.quote(plan_path)}",
-        *_HOSTS,
-        *_PLACE,
-        "# communication library settings for this cluster",
+        f"PLACE_BY_HOSTNAME={by_hostname}",
+        *checks,
+        *_args_checks(trainer, plan_path, args_file, modules, stamp),
+        "# communication library settings for this cluster (planner/EXPORT.md, 'Slurm')",
         *export_lines(env, "plan.json: cluster.env"),
         "",
-        *_trainer_lines(plan, trainer, plan_path, args_file, command),
-        *_LAUNCH,
-        *_RUN,
+        *_source(plan, trainer),
+        *HOSTS,
+        *PLACE,
+        *OWN,
+        *_DATA_ARGS,
+        _command(plan, trainer, plan_path, command),
+        *LAUNCH,
     ]
     return "\n".join(lines) + "\n", tuple(notes)

@@ -15,7 +15,7 @@ import pytest
 
 from planner.cli import main
 from planner.outputs.export import export_plan
-from planner.outputs.export.slurm import comm_env
+from planner.outputs.export.job_env import comm_env
 from planner.plan import ClusterEntry, load_plan
 from planner.specs import SpecError
 from tests.planner.outputs.export_plans import (
@@ -57,7 +57,9 @@ def _outside_allocation() -> dict[str, str]:
 def test_slurm_script_hostfile_and_task_environment(tmp_path):
     plan = make_plan()
     cmd = "sh -c 'echo task $RANK $LOCAL_RANK $WORLD_SIZE $MASTER_ADDR'"
-    text = export_plan(plan, "slurm", plan_path="/abs/plan.json", command=cmd).text
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json())
+    text = export_plan(plan, "slurm", plan_path=str(plan_path), command=cmd).text
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     subprocess.run(["bash", "-n", str(script)], check=True)
@@ -85,7 +87,9 @@ def test_slurm_script_hostfile_and_task_environment(tmp_path):
 def test_slurm_dry_run_outside_an_allocation(tmp_path):
     """`bash piper.sbatch` with no job (no SLURM_JOB_NODELIST, no scontrol): placeholder hosts,
     the hostfile, and the srun line printed; nothing is launched."""
-    text = export_plan(make_plan(), "slurm", plan_path="/runs/my plan.json").text
+    plan_path = tmp_path / "my plan.json"
+    plan_path.write_text(make_plan().to_json())
+    text = export_plan(make_plan(), "slurm", plan_path=str(plan_path)).text
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     env = {**_outside_allocation(), "PIPER_HOSTFILE": str(tmp_path / "h"), "PATH": "/usr/bin:/bin"}
@@ -94,7 +98,7 @@ def test_slurm_dry_run_outside_an_allocation(tmp_path):
     words = shlex.split(out.stdout)
     assert words[0] == "srun" and "--distribution=arbitrary" in words
     # the runtime runs the dispatcher and precision the plan was priced with
-    assert words[-9:] == ["runtime.launch", "--plan", "/runs/my plan.json", "--out", "results/run",
+    assert words[-9:] == ["runtime.launch", "--plan", str(plan_path), "--out", "results/run",
                           "--dispatcher", "flat", "--precision", "plan"]  # fmt: skip
     hosts = (tmp_path / "h").read_text().split()
     assert hosts == [f"node{n}" for n in NODE_OF_RANK]
@@ -141,7 +145,8 @@ def test_slurm_default_megatron_command_and_plan_path_resolved(tmp_path, monkeyp
                  str(script)]) == 0  # fmt: skip
     text = script.read_text()
     assert f"ARGS_FILE={tmp_path / 'out' / 'megatron_args.sh'}" in text
-    assert 'CMD=(python "${MEGATRON_LM:-.}/pretrain_gpt.py" "${MEGATRON_ARGS[@]}")' in text
+    assert ('CMD=(python "${MEGATRON_LM:-.}/pretrain_gpt.py" "${MEGATRON_ARGS[@]}" '
+            '"${DATA_ARGV[@]}")') in text  # fmt: skip
     # without --trainer, the script runs the engine the plan was made for
     script.unlink()
     assert main(["export", "plan.json", "--to", "slurm", "--out", str(script)]) == 0
