@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy.optimize import least_squares
 
+from planner.calibrate.applies import StartResidual, does_not_apply
 from planner.calibrate.fit import FitError, RunFit, fit_error, fit_params
 from planner.calibrate.likelihood import OFFSETS, Likelihood, likelihood_of, prior_sds
 from planner.calibrate.memory_fit import MemoryFit, fit_memory
@@ -129,6 +130,18 @@ class PriorFit:
     likelihood: Likelihood
     covariance_t: tuple[tuple[float, ...], ...] = ()  # selection.kept x kept, in t units
     outliers: tuple[Outlier, ...] = ()
+    start_residuals: tuple[StartResidual, ...] = ()  # each run at the start, predictive sd
+
+    @property
+    def moved(self) -> int:
+        """How many constants the fit moved off the start."""
+        return sum(getattr(self.fitted, p.name) != getattr(self.start, p.name) for p in self.priors)
+
+    def does_not_apply(self) -> str:
+        """'' when the fitted profile may be written, else why the start profile does not
+        describe the runs' machine (planner/calibrate/applies.py)."""
+        return does_not_apply(self.start_residuals, self.likelihood.dof, self.moved,
+                              self.after, self.left_out)  # fmt: skip
 
 
 def priors_of(cluster: ClusterSpec, names: Sequence[str] | None) -> tuple[Prior, ...]:
@@ -323,6 +336,9 @@ def fit_with_prior(
     fitted = problem.cluster_at(t_fit)
     cov = problem.covariance(rows, selection.kept, t_fit)
     before = [math.exp(problem.log_ratio(i, problem.t0)) * runs[i].measured for i in rows]
+    start_sd = problem.run_sd(problem.jacobian(rows), [])
+    start = tuple(StartResidual(runs[i].label, problem.log_ratio(i, problem.t0), float(start_sd[i]))
+                  for i in rows)  # fmt: skip
     after = [math.exp(problem.log_ratio(i, t_fit)) * runs[i].measured for i in rows]
     left_out: list[float] | None = None
     if leave_one_out and len(runs) >= 2:
@@ -348,7 +364,7 @@ def fit_with_prior(
         left_out=fit_error(labels, left_out, measured) if left_out else None,
         memory=memory, converged=converged, message=message,
         covariance_t=tuple(tuple(float(x) for x in row) for row in cov),
-        likelihood=problem.noise, outliers=problem.outliers(rows, t_fit),
+        likelihood=problem.noise, outliers=problem.outliers(rows, t_fit), start_residuals=start,
     )  # fmt: skip
 
 

@@ -12,6 +12,8 @@ pipeline stage's peak memory, log(measured / predicted) ~ N(0, sigma_mem^2). An 
 `level` is [x exp(-q sigma), x exp(q sigma)] around the prediction x. Tokens/s, TFLOPS/GPU and
 MFU are proportional to one another and step time is tokens per step / tokens/s, so the four
 share sigma_time (step time's interval is the reciprocal one); MFU's upper end is held at 1.
+No throughput interval is wider than the uncalibrated model's at the same level
+(`widest_time_half_width`: x0.59-x1.70 at 80%): the quantile is cut to fit.
 
 **sigma_time** = sqrt(s_loo^2 + g' C g):
 - s_loo: the profile's `calibration.loo_rms_log`, the RMS of log(predicted / measured) of its
@@ -135,6 +137,15 @@ def quantile(level: float, dof: int | None) -> float:
     return float(stdtrit(dof, p))
 
 
+def widest_time_half_width(level: float = LEVEL) -> float:
+    """The widest log half-width a throughput interval at `level` takes: the uncalibrated
+    model's (DEFAULT_TIME_LOG_SD at the normal quantile). A calibration that would print a
+    wider one (a few runs far apart, a t quantile of 1-2 degrees of freedom) says less than
+    no calibration; `piper calibrate --fit` refuses the runs that would need it
+    (planner/calibrate/applies.py), so the cap only trims what few runs cannot support."""
+    return quantile(level, None) * DEFAULT_TIME_LOG_SD
+
+
 def interval(value: float, log_sd: float, q: float, level: float = LEVEL) -> Interval:
     """[value exp(-q log_sd), value exp(q log_sd)] around `value`."""
     spread = math.exp(q * log_sd)
@@ -223,8 +234,9 @@ def describe_source(cluster: ClusterSpec, level: float = LEVEL) -> str:
 
 
 def _describe(m: ErrorModel, has_calibration: bool, level: float) -> str:
-    tq, mq = m.time_quantile(level), m.memory_quantile(level)
-    time, memory = math.exp(tq * m.time_log_sd), math.exp(mq * m.memory_log_sd)
+    mq = m.memory_quantile(level)
+    half = min(m.time_quantile(level) * m.time_log_sd, widest_time_half_width(level))
+    time, memory = math.exp(half), math.exp(mq * m.memory_log_sd)
     if m.calibrated:
         own = m.runs - m.start_runs
         runs = (f"{own} runs pooled with the start profile's {m.start_runs}" if own and m.start_runs
@@ -286,6 +298,8 @@ def intervals(
     param = parameter_log_sd(cluster, reprice, m) if reprice is not None else 0.0
     sigma = math.hypot(m.time_log_sd, param)
     tq, mq = m.time_quantile(level), m.memory_quantile(level)
+    if sigma > 0:
+        tq = min(tq, widest_time_half_width(level) / sigma)
     mfu = interval(est.mfu, sigma, tq, level)
     return Intervals(
         level=level, source=_describe(m, bool(cluster.calibration), level), time_log_sd=sigma,

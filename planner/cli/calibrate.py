@@ -236,6 +236,7 @@ def _compare_files(comparisons: list, args: argparse.Namespace, cluster) -> dict
 
 def run_fit(args: argparse.Namespace) -> int:
     """--fit [RUNS.csv] --log/--run ...: fit, print the tables, write the fitted profile."""
+    from planner.calibrate.applies import refusal_line
     from planner.calibrate.fit import fit_params
     from planner.calibrate.log_runs import run_of_log
     from planner.calibrate.prior import fit_with_prior, warning_line
@@ -258,6 +259,10 @@ def run_fit(args: argparse.Namespace) -> int:
     loo = not args.no_loo and len(used) >= 2
     with progress("leave-one-out refits", total=len(used) if loo else None) as update:
         result = fit_with_prior(used, cluster, names, leave_one_out=loo, progress=update)
+    reason = result.does_not_apply()
+    if reason:
+        measured = cluster.source.startswith("piper profile")
+        raise SpecError(refusal_line(reason, cluster.name, measured))
     text = prior_profile_yaml(result, args.fit or "", datetime.date.today().isoformat())
     for title, columns, rows in prior_tables(result):
         print_table(title, columns, rows)

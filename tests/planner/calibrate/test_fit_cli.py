@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from planner.calibrate.compare import estimate_plan
 from planner.calibrate.fit_report import constant_text
 from planner.inputs.clusters import cluster_to_yaml, load_cluster
 from tests.hardening_cli import run_piper
@@ -68,9 +69,13 @@ def test_the_fit_writes_a_profile_the_planner_reads(runs_file, tmp_path):
 
 def test_a_piper_run_joins_the_fit(runs_file, tmp_path):
     plan = tmp_path / "plan.json"
-    plan.write_text(tiny_plan().to_json())
+    made = tiny_plan()
+    plan.write_text(made.to_json())
     pairs = []
-    for k, step_s in enumerate((2.0, 2.2)):
+    # runs 1.3x and 1.45x below the model's tokens/s: a profile that applies (metrics_lines
+    # logs 256 tokens a step, the plan's batch is 8 x 64 = 512)
+    tokens_s = 512 / estimate_plan(made).step_time_s
+    for k, step_s in enumerate(256 / (tokens_s / f) for f in (1.3, 1.45)):
         metrics = tmp_path / f"m{k}.jsonl"
         rows = metrics_lines([(step_s, 0.2, 0.2, RANKS)] * 2)
         metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))

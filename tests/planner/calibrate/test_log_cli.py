@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from planner.calibrate.compare import estimate_plan
 from planner.inputs.clusters import load_cluster
 from tests.hardening_cli import run_piper
 from tests.planner.calibrate.engine_logs import MEGATRON_ARGS, megatron_log, titan_log
@@ -13,11 +14,14 @@ from tests.planner.calibrate.test_compare import tiny_plan
 
 
 def _setup(tmp_path):
-    (tmp_path / "plan.json").write_text(tiny_plan().to_json())
+    plan = tiny_plan()
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    # iterations 1.2x-1.7x the model's step (a profile that applies), after a slow first one
+    step_s = estimate_plan(plan).step_time_s
     logs = []
-    for k, elapsed in enumerate(((9.0, 2.0, 2.2, 2.4), (9.0, 3.0, 3.1, 3.2))):
+    for k, factors in enumerate(((9.0, 1.2, 1.3, 1.4), (9.0, 1.5, 1.6, 1.7))):
         log = tmp_path / f"megatron{k}.log"
-        log.write_text(megatron_log(elapsed))
+        log.write_text(megatron_log([f * step_s for f in factors]))
         logs.append(log)
     return tmp_path / "plan.json", logs
 
