@@ -12,16 +12,28 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import zlib
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
+from planner.inputs.safe_read import open_input
+from planner.inputs.shown import shown
 from planner.specs import SpecError
 
 COLUMNS = ("interval", "layer", "expert", "tokens")
 MAX_VALUE = 2**62  # ids and token counts (int64 with headroom for sums)
+# Bounds on what a trace file may make Piper read (a .csv.gz of 1.5 MB can hold 1 GiB). The
+# recorded traces under profiles/traces hold a row per step, MoE layer and expert: 128 rows a
+# step for 2 layers x 64 experts, so MAX_ROWS reads 78,000 such steps (40,000 steps of 250
+# layer x expert cells); the caps are checked before any row is parsed.
+MAX_ROWS = 10**7  # lines, header and blank lines included (320 MB as int64 rows)
+MAX_TEXT_BYTES = 2**30  # of text, after decompression
+MAX_LINE_BYTES = 2**16  # one line (a row is four integers: under 80 bytes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,7 +68,7 @@ def _parse_int(text: str, path: str, row: int, column: str) -> int:
     except ValueError:
         raise SpecError(
             f"{path}: row {row}: column '{column}' must be a non-negative integer, got "
-            f"'{text}'; fix or drop that row"
+            f"{shown(text)}; fix or drop that row"
         ) from None
     if value < 0:
         raise SpecError(
@@ -71,15 +83,16 @@ def _parse_int(text: str, path: str, row: int, column: str) -> int:
     return value
 
 
-def _read_rows(text: str, path: str) -> list[tuple[int, int, int, int]]:
+def _read_rows(lines: Iterable[str], path: str) -> np.ndarray:
     try:
-        return _csv_rows(csv.reader(io.StringIO(text)), path)
+        return _csv_rows(csv.reader(lines), path)
     except csv.Error as exc:  # a field over the csv module's size limit, a stray quote
         header = ",".join(COLUMNS)
         raise SpecError(f"{path}: not a trace CSV ({exc}); a trace is {header}") from None
 
 
-def _csv_rows(reader: Any, path: str) -> list[tuple[int, int, int, int]]:
+def _csv_rows(reader: Any, path: str) -> np.ndarray:
+    """The (interval, layer, expert, tokens) rows as an int64 array (rows, 4)."""
     header = next(reader, None)
     if header is None:
         raise SpecError(f"{path}: empty file; a trace needs the header {','.join(COLUMNS)}")
@@ -90,8 +103,8 @@ def _csv_rows(reader: Any, path: str) -> list[tuple[int, int, int, int]]:
             f"{path}: missing column(s) {', '.join(missing)}; the header must name "
             f"{','.join(COLUMNS)}"
         )
-    index = [names.index(c) for c in COLUMNS]
-    rows = []
+    index = i0, i1, i2, i3 = [names.index(c) for c in COLUMNS]
+    values = array("q")
     for line_no, fields in enumerate(reader, start=2):
         if not fields or all(not f.strip() for f in fields):
             continue
@@ -100,17 +113,48 @@ def _csv_rows(reader: Any, path: str) -> list[tuple[int, int, int, int]]:
                 f"{path}: row {line_no}: {len(fields)} fields, the header has {len(names)}; "
                 f"fill in every column"
             )
-        values = [
-            _parse_int(fields[i], path, line_no, c) for i, c in zip(index, COLUMNS, strict=True)
-        ]
-        rows.append((values[0], values[1], values[2], values[3]))
-    if not rows:
+        try:
+            row = (int(fields[i0]), int(fields[i1]), int(fields[i2]), int(fields[i3]))
+        except ValueError:
+            row = (-1,)
+        if not (min(row) >= 0 and max(row) <= MAX_VALUE):  # _parse_int says which and why
+            for i, c in zip(index, COLUMNS, strict=True):
+                _parse_int(fields[i], path, line_no, c)
+        values.extend(row)
+    if not values:
         raise SpecError(f"{path}: no data rows; a trace needs at least one interval")
-    return rows
+    return np.frombuffer(values, dtype=np.int64).reshape(-1, len(COLUMNS))
 
 
-def trace_from_rows(rows: list[tuple[int, int, int, int]], path: str) -> Trace:
-    """Build a Trace from (interval, layer, expert, tokens) rows, checking completeness."""
+def _bounded_lines(fh: BinaryIO, path: str) -> Iterator[str]:
+    """The file's lines as text, refusing it past MAX_ROWS lines, MAX_TEXT_BYTES bytes or a
+    line of MAX_LINE_BYTES, before reading further (a compressed file is never expanded
+    whole)."""
+    total = 0
+    for line_no in range(1, MAX_ROWS + 2):
+        line = fh.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        total += len(line)
+        if line_no > MAX_ROWS or total > MAX_TEXT_BYTES:  # grew since _check_size
+            raise _too_much(path)
+        if len(line) > MAX_LINE_BYTES:
+            raise SpecError(
+                f"{path}: line {line_no} is longer than {MAX_LINE_BYTES // 1024} KiB; a trace "
+                f"row is four integers ({','.join(COLUMNS)})"
+            )
+        try:
+            yield line.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SpecError(
+                f"{path}: not a text CSV (line {line_no}); a trace is "
+                "'interval,layer,expert,tokens'"
+            ) from None
+
+
+def trace_from_rows(rows: Any, path: str) -> Trace:
+    """Build a Trace from (interval, layer, expert, tokens) rows (a list of tuples or an int64
+    array (rows, 4)), checking completeness."""
     arr = np.asarray(rows, dtype=np.int64)
     intervals = np.unique(arr[:, 0])
     layer_ids = np.unique(arr[:, 1])
@@ -154,30 +198,54 @@ def trace_from_rows(rows: list[tuple[int, int, int, int]], path: str) -> Trace:
     return Trace(tokens, tuple(int(x) for x in layer_ids), path)
 
 
+def _too_much(path: str) -> SpecError:
+    return SpecError(
+        f"{path}: more than {MAX_ROWS:,} lines or {MAX_TEXT_BYTES // 2**20:,} MiB of text "
+        "(decompressed), the most a trace may hold; sum its steps into intervals or split it"
+    )
+
+
+def _check_size(fh: BinaryIO, path: str) -> None:
+    """Count the lines and bytes of the (decompressed) stream in 1 MiB chunks, at C speed, and
+    refuse it past the bounds before any row is parsed."""
+    lines = total = 0
+    while chunk := fh.read(2**20):
+        lines += chunk.count(b"\n")
+        total += len(chunk)
+        if lines > MAX_ROWS or total > MAX_TEXT_BYTES:
+            raise _too_much(path)
+
+
+def _stream(raw: BinaryIO, gz: bool) -> BinaryIO:
+    return gzip.GzipFile(fileobj=raw) if gz else raw
+
+
 def load_trace(path: str | Path) -> Trace:
-    """Read and validate a trace CSV (gzip-compressed when the name ends in .gz); every fault
-    is a SpecError naming the file and row."""
-    p = Path(path)
-    try:
-        text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
-    except (gzip.BadGzipFile, EOFError):
-        raise SpecError(f"{p}: not a gzip file; name a plain trace CSV without .gz") from None
-    except FileNotFoundError:
-        raise SpecError(
-            f"{p}: no such trace file; make one with 'piper trace synth --out {p}'"
-        ) from None
-    except IsADirectoryError:
-        raise SpecError(f"{p}: is a directory; pass the trace CSV file inside it") from None
-    except UnicodeDecodeError:
-        raise SpecError(f"{p}: not a text CSV; a trace is 'interval,layer,expert,tokens'") from None
-    except OSError as exc:
-        raise SpecError(f"{p}: cannot read the trace ({exc.strerror}); check the path") from None
-    return trace_from_text(text, str(p))
+    """Read and validate a trace CSV (gzip-compressed when the name ends in .gz), streamed
+    within MAX_ROWS lines and MAX_TEXT_BYTES of text: a first pass counts them, the second
+    parses; every fault is a SpecError naming the file and row."""
+    p, where = Path(path), str(path)
+    if not p.exists():
+        raise SpecError(f"{p}: no such trace file; make one with 'piper trace synth --out {p}'")
+    gz = p.suffix == ".gz"
+    with open_input(p, "trace", max_bytes=None) as raw:
+        try:
+            _check_size(_stream(raw, gz), where)
+            raw.seek(0)
+            rows = _read_rows(_bounded_lines(_stream(raw, gz), where), where)
+        except (gzip.BadGzipFile, EOFError, zlib.error):
+            raise SpecError(
+                f"{p}: not a gzip file (or a cut or corrupt one); name a plain trace CSV "
+                "without .gz"
+            ) from None
+        except OSError as exc:
+            raise SpecError(f"{p}: cannot read the trace ({exc.strerror or exc})") from None
+    return trace_from_rows(rows, where)
 
 
 def trace_from_text(text: str, source: str = "trace.csv") -> Trace:
     """Parse and validate trace CSV text; every fault is a SpecError naming `source` and row."""
-    return trace_from_rows(_read_rows(text, source), source)
+    return trace_from_rows(_read_rows(io.StringIO(text), source), source)
 
 
 def interval_trace(trace: Trace, rows_per_interval: int, flag: str = "--rows-per-interval"):
