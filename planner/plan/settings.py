@@ -20,7 +20,6 @@ Entry points:
 from __future__ import annotations
 
 import difflib
-import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -122,7 +121,7 @@ class _Reader:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise SpecError(f"{self.where}: key '{key}' must be a number, got {value!r}")
-        if not math.isfinite(value) or value < 0 or value > MAX_NUMBER:
+        if not 0 <= value <= MAX_NUMBER:  # NaN and infinities fail too
             raise SpecError(f"{self.where}: key '{key}' must be a finite number in [0, 1e12]")
         return float(value)
 
@@ -302,7 +301,7 @@ def _value(hint: Any, value: Any, where: str, name: str) -> Any:
         (hint,) = [a for a in args if a is not type(None)]
     shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     number = isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is float and number and math.isfinite(value) and 0 <= value <= MAX_NUMBER:
+    if hint is float and number and 0 <= value <= MAX_NUMBER:  # NaN and infinities fail
         return float(value)
     if hint is int and number and isinstance(value, int) and 1 <= value <= 1 << 31:
         return value

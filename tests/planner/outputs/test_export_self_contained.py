@@ -87,8 +87,8 @@ def test_torchtitan_export_is_the_same_after_the_config_moved(tmp_path):
     assert result.code == 0, result.stderr
     files = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
     module = next(text.decode() for name, text in files.items() if name.endswith(".py"))
-    assert "theta=250000.0" in module.replace(" ", "").replace("'theta':", "theta=")
-    assert "1e-06" in module
+    assert "ROPE = {'max_seq_len': 64, 'theta': 250000.0}" in module  # not Mixtral's 1e6
+    assert "NORM_EPS = 1e-06" in module  # not the default 1e-5
     config.unlink()
     shutil.rmtree(out)
     result = run_piper(["export", str(plan), "--to", "torchtitan", "--out", str(out / "job.sh")])
@@ -113,6 +113,7 @@ def test_the_plans_hash_covers_the_settings(qwen_plan, tmp_path):
     assert pa.model.settings is not None and pb.model.settings is not None
     assert (pa.model.settings.aux_loss_coeff, pb.model.settings.aux_loss_coeff) == (0.001, 0.05)
     assert pa.inputs_sha256 != pb.inputs_sha256
+    assert pa.to_json() == a.read_text()  # the settings write back byte-identical
 
 
 def test_a_plan_without_settings_whose_config_is_gone_is_refused(tmp_path):
