@@ -26,6 +26,8 @@ reduce-scatter, whose output torchtitan also keeps.
 Approximations: torchtitan's gpt_oss fuses wq/wk/wv into one wqkv (all of q, k, v kept);
 priced here as separate projections (k recomputed). With tp > 1 the sequence-parallel
 all-gathers before the column-parallel GEMMs are rerun; that communication is not priced.
+Where the kept row-parallel outputs would make a layer keep more than without recompute
+(tp >= 8 on thin dense layers), the kept bytes are capped at no recompute's.
 """
 
 from __future__ import annotations
@@ -140,7 +142,11 @@ def kept_components(
         if parallel.ep > 1:
             out["dispatch"], out["combine"] = full["dispatch"], full["combine"]
     kept = [(name, min(out[name], full[name])) for name, _ in parts]
-    return kept + [("saved_outputs", saved)]
+    # at a large tp on a thin layer the kept partial sums can outweigh what no recompute
+    # keeps; the stage IP needs recompute to keep no more (planner/ip/stage_dp.py), so the
+    # price is capped there: such a layer is priced as if it ran without AC
+    excess = sum(v for _, v in kept) + saved - sum(full.values())
+    return kept + [("saved_outputs", max(saved - max(excess, 0.0), 0.0))]
 
 
 def work_share(layer: LayerSpec, hidden: int) -> dict[str, float]:

@@ -136,3 +136,13 @@ def test_op_sac_recompute_flops_of_a_qwen3_layer():
     assert rerun == pytest.approx(oracle, rel=1e-3)
     full = sum(w.flops / 3 for w in work.values())
     assert 0 < rerun < full
+
+
+def test_op_sac_keeps_no_more_than_no_recompute():
+    """Llama-3 8B at tp = 16: torchtitan's policy would keep w2's partial sums (16 a T d) and
+    two reduce-scatter outputs, more than the layer keeps without AC; priced at that bound."""
+    model = load_model("llama3-8b")
+    layer = model.layers[0]
+    assert _oracle(model, layer, 1, 16) > _acts(model, layer, _par(1, 16, "none"), "none")
+    got = _acts(model, layer, _par(1, 16), "selective")
+    assert got == pytest.approx(_acts(model, layer, _par(1, 16, "none"), "none"), rel=1e-12)
