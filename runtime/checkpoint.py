@@ -64,13 +64,6 @@ from planner.run.checkpoint_dir import (
 )
 from planner.run.spec import RunSpec
 from planner.specs import SpecError
-from runtime.checkpoint_load import (
-    candidate,
-    fresh_adam_state,
-    install_slots,
-    keys_refused,
-    load_into,
-)
 from runtime.parallel.mesh import Mesh
 from runtime.weight_shards import pieces
 
@@ -269,12 +262,14 @@ class Checkpointer:
         return self.saved
 
     def _complete(self) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
         save, self.pending = self.pending, None
         try:
             save.future.result()
             if save.state is not None:
                 self.saved = finish(save.tmp, save.final, save.state)
-        except Exception as exc:  # the write's or the rename's failure, whatever its kind
+        except (Exception, CheckpointException) as exc:  # the write's or the rename's
             self._failed(save.done, save.tmp, exc)
 
     def _failed(self, done: int, tmp: Path, exc: BaseException) -> None:
@@ -301,6 +296,15 @@ class Checkpointer:
         or not resuming."""
         if not self.options.resume:
             return 0, [], {}
+        # here: a run without checkpoints does not import torch.distributed.checkpoint
+        from runtime.checkpoint_load import (
+            candidate,
+            fresh_adam_state,
+            install_slots,
+            keys_refused,
+            load_into,
+        )
+
         t = self.trainer
         touched = False  # slot tables installed from a checkpoint later refused
         while True:
