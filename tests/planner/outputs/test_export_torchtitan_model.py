@@ -16,6 +16,7 @@ from planner.cli import main
 from planner.inputs.models import resolve_model
 from planner.outputs.export import export_plan
 from planner.outputs.export.model_settings import model_settings
+from planner.outputs.export.stamp import plan_stamp, stamped
 from planner.outputs.export.torchtitan_model import composed_module
 from planner.plan import load_plan
 from planner.resources.params import count_params
@@ -166,7 +167,9 @@ def test_cli_writes_the_module_beside_the_args_file_that_puts_it_on_pythonpath(t
     module = out.parent / "piper_titan_mixtral_8x7b.py"
     assert sorted(p.name for p in out.parent.iterdir()) == [module.name, out.name]
     text, _ = module.read_text(), capsys.readouterr()
-    assert text == composed_module(load_plan(plan_path), load_plan(plan_path).model_spec())[2]
+    plan = load_plan(plan_path)
+    stamp = plan_stamp(plan, plan_path.read_bytes())  # its first line: which plan it is for
+    assert text == stamped(composed_module(plan, plan.model_spec())[2], stamp)
     work = tmp_path / "elsewhere"
     work.mkdir()
     shown = subprocess.run(
