@@ -52,7 +52,10 @@ def _ratios(residuals: Sequence[StartResidual]) -> str:
 
 
 def does_not_apply(
-    start: Sequence[StartResidual], dof: int, moved: int, after: FitError,
+    start: Sequence[StartResidual],
+    dof: int,
+    moved: int,
+    after: FitError,
     left_out: FitError | None,
 ) -> str:
     """'' when the fit may be written, else the reason (module docstring), one clause.
@@ -76,8 +79,10 @@ def does_not_apply(
         return (f"the fit moved no constant while {worst.label} lies outside its "
                 f"{FAR_LEVEL:.0%} interval (predicted / measured "
                 f"{math.exp(worst.log_ratio):.3g})")  # fmt: skip
-    for name, err in (("the fitted runs are", after),
-                      ("the runs, each left out of the fit made on the others, are", left_out)):
+    for name, err in (
+        ("the fitted runs are", after),
+        ("the runs, each left out of the fit made on the others, are", left_out),
+    ):
         if err is not None and abs(math.log(err.geomean)) > math.log(FAR_FACTOR):
             return (f"after the fit, {name} predicted x{err.geomean:.3g} off (geometric "
                     f"mean of predicted / measured)")  # fmt: skip
@@ -89,10 +94,16 @@ def refusal_line(reason: str, cluster_name: str, measured_here: bool) -> str:
     `measured_here`: the profile came from `piper profile` (then the machine changed, or
     was busy while one of the two was measured)."""
     if measured_here:
-        fix = ("re-measure it with 'piper profile' on the machine the runs use, with nothing "
-               "else running during the profile or the runs, then plan and fit from that profile")
+        fix = (
+            "re-measure it with 'piper profile' on the machine the runs use, with nothing "
+            "else running during the profile or the runs, then plan and fit from that profile"
+        )
     else:
-        fix = ("measure the machine with 'piper profile --out PROFILE.yaml', plan with "
-               "'--cluster PROFILE.yaml' and fit from that profile")
-    return (f"the profile {cluster_name!r} does not describe the machine these runs came from: "
-            f"{reason}; {fix}; no fitted profile written")
+        fix = (
+            "measure the machine with 'piper profile --out PROFILE.yaml', plan with "
+            "'--cluster PROFILE.yaml' and fit from that profile"
+        )
+    return (
+        f"the profile {cluster_name!r} does not describe the machine these runs came from: "
+        f"{reason}; {fix}; no fitted profile written"
+    )

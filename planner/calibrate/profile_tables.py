@@ -18,7 +18,9 @@ planner.resources.compute prices a GEMM or attention from them:
 plus a `machine` block (hostname, device, torch, date, backend, ranks) that the loader ignores.
 The device block takes the largest measured copy's bandwidth as `hbm_gbps`; `gemm_efficiency` and
 `attention_efficiency` are the best measured / peak; `hbm_efficiency` is what the permute
-kernels reach of that bandwidth (hbm_efficiency_from), within its EFFICIENCIES bounds.
+kernels reach of that bandwidth (hbm_efficiency_from), within its EFFICIENCIES bounds. On
+gloo, `layer_overhead_us` is the host time per layer the runtime's own layers take beyond their
+priced compute (planner/calibrate/host_time.py); the measured rows go to the machine block.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from planner.calibrate.host_time import host_rows, layer_overhead_us
 from planner.inputs.clusters import cluster_from_dict, cluster_to_dict
 from planner.specs import EFFICIENCIES, ClusterSpec, SpecError
 from planner.topology import span_level_index
@@ -88,7 +91,12 @@ def profile_to_cluster_dict(raw: dict[str, Any], base: ClusterSpec, name: str) -
     out["tables"] = [t for t in tables if t["x"]]
     out["machine"] = dict(machine)
     _apply_device(out, dtype, compute)
-    cluster_from_dict(out, source=f"profile {name}")  # what the planner will read must load
+    cluster = cluster_from_dict(out, source=f"profile {name}")  # what the planner reads must load
+    if raw.get("layers"):
+        rows = host_rows(raw["layers"], cluster, dtype)
+        out["machine"]["layer_host"] = rows
+        if machine.get("backend") != "nccl":
+            out["layer_overhead_us"] = round(layer_overhead_us(rows), 1)
     return out
 
 

@@ -87,12 +87,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(model, index: int, seq_len: int, micro_batch: int, device, iters: int) -> dict:
-    """Median forward and backward seconds and peak memory of one layer."""
+def measure(
+    model, index: int, seq_len: int, micro_batch: int, device, iters: int, group=None
+) -> dict:
+    """Median forward and backward seconds and peak memory of one layer; its MoE dispatcher
+    exchanges over `group` (a one-rank group; None = the default group of a one-rank world)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     module = StageModule(model, [index], first=False, last=False).to(device=device, dtype=dtype)
     for moe in module.moe_layers().values():
-        moe.dispatcher = FlatAllToAll(None, 1)
+        moe.dispatcher = FlatAllToAll(group, 1)
     shape = (micro_batch, seq_len, model.hidden_size)
     x = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
     grad_y = torch.randn(*shape, device=device, dtype=dtype)

@@ -7,7 +7,8 @@ expert shape K x N asked for (`--models`: hidden x expert FFN of those presets);
 attention by sequence length and head dim; device-memory copy bandwidth; and the MoE permute
 (gather of T x k routed rows of width d) and unpermute (scatter-add back onto T tokens)
 kernels. Then p2p GB/s between a same-node pair and a cross-node pair, and all-to-all GB/s
-per rank inside each node and across the whole job. Rank 0 writes one raw JSON file that
+per rank inside each node and across the whole job; last, the host time of the runtime's
+own layers (runtime/bench/host_time.py). Rank 0 writes one raw JSON file that
 `planner.calibrate.profile_tables` turns into a cluster YAML.
 
 Conventions (the planner reads them back):
@@ -41,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from runtime.bench.comm_bench import comm_rows, median_over_ranks, node_of_ranks
+from runtime.bench.host_time import measure_layers
 from runtime.bench.timing import time_op
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -339,6 +341,7 @@ def run_profile(args: argparse.Namespace, device: torch.device) -> dict:
     compute = measure_compute(sz, dtype, device)
     node_of = node_of_ranks(args.ranks_per_node)
     comm = comm_rows(sz, node_of, device)
+    layers = measure_layers(device, sz.iters)
     return {
         "machine": {
             "hostname": socket.gethostname(),
@@ -354,6 +357,7 @@ def run_profile(args: argparse.Namespace, device: torch.device) -> dict:
         "sizes": asdict(sz),
         "compute": compute,
         "comm": comm,
+        "layers": layers,
     }
 
 

@@ -247,3 +247,23 @@ def test_cuda_request_without_cuda_fails_cleanly(tmp_path, capsys, monkeypatch):
     out = tmp_path / "x.yaml"
     assert main(["profile", "--nproc", "1", "--device", "cuda", "--out", str(out)]) == 1
     assert "no CUDA device" in capsys.readouterr().err and not out.exists()
+
+
+def _host_body(rank: int, world: int):
+    from runtime.bench.host_time import measure_layers
+
+    return measure_layers(CPU, iters=1)
+
+
+def test_host_time_rows_per_layer_kind(run_distributed):
+    """Each rank times one layer of each kind of the host model alone (its own one-rank
+    dispatcher group), and every rank gets the same medians."""
+    from planner.inputs.models import load_model
+
+    first, second = run_distributed(_host_body, 2, timeout_s=60)
+    assert first == second
+    kinds = [layer.kind for layer in load_model(first["model"]).layers]
+    assert [(r["kind"], r["count"]) for r in first["rows"]] == [
+        (k, kinds.count(k)) for k in dict.fromkeys(kinds)
+    ]
+    assert all(r["fwd_s"] > 0 and r["bwd_s"] > 0 for r in first["rows"])
