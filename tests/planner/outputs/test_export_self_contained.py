@@ -1,6 +1,6 @@
-"""plan.json is self-contained: a plan made from a config.json exports the same bytes, and
-`piper run` builds the same spec, after that file moved; its `model.settings` carry the
-config's rotary, norm and router settings, and its hash covers them.
+"""plan.json is self-contained: a plan made from a config.json exports the same bytes (Megatron,
+torchtitan, Slurm), and `piper run` builds the same spec, after that file moved; its
+`model.settings` carry the config's rotary, norm and router settings, and its hash covers them.
 
 The oracle is the config file itself: the flags before the move carry its values (not the
 family's defaults), and nothing changes when it is gone.
@@ -68,15 +68,26 @@ def _flag(text: str, flag: str) -> str | None:
     return words[words.index(flag) + 1] if flag in words else None
 
 
-def test_megatron_export_is_the_same_after_the_config_moved(tmp_path):
+def _slurm_files(plan, out) -> dict[str, bytes]:
+    """The files `piper export PLAN --to slurm --out out/job.sh` writes (out made afresh)."""
+    shutil.rmtree(out, ignore_errors=True)
+    result = run_piper(["export", str(plan), "--to", "slurm", "--out", str(out / "job.sh")])
+    assert result.code == 0, result.stderr
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def test_megatron_and_slurm_exports_are_the_same_after_the_config_moved(tmp_path):
     config, plan = _plan(tmp_path, QWEN3_TINY, "megatron")
     before = _export(plan, "megatron")
     assert (_flag(before, "--rotary-base"), _flag(before, "--norm-epsilon")) == ("1000000", "1e-06")
     assert "--moe-router-pre-softmax" not in before.split()
+    job = _slurm_files(plan, tmp_path / "job")
+    assert b"--rotary-base 1000000" in job["megatron_args.sh"]
     shutil.move(config.parent, tmp_path / "renamed")
     assert _export(plan, "megatron") == before
     shutil.rmtree(tmp_path / "renamed")
     assert _export(plan, "megatron") == before
+    assert _slurm_files(plan, tmp_path / "job") == job
     assert "no HF config" not in before
 
 
