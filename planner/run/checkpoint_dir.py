@@ -278,7 +278,8 @@ def record_differences(saved: dict | None, current: dict) -> list[str]:
     was, now = _flat(saved.get("model")), _flat(current["model"])
     for key in sorted(was.keys() | now.keys()):
         if was.get(key) != now.get(key):
-            out.append(f"model {key} {was.get(key)} (this run: {now.get(key)})")
+            name = key.removeprefix("model.")  # the model's own fields; arch.* its numerics
+            out.append(f"model config {name} {was.get(key)} (this run: {now.get(key)})")
     return out
 
 
