@@ -24,7 +24,7 @@ from planner.migration.placement import (
     rank_slots_of,
     replica_counts,
 )
-from planner.migration.policies import LayerCosts, MigrationOptions, piper
+from planner.migration.policies import LayerCosts, MigrationOptions, piper, recent
 from planner.migration.pricing import MoveCosts
 from planner.specs import SpecError
 
@@ -128,7 +128,8 @@ def next_placement(
         load_history_TLE: (T, L, E) tokens per expert in past intervals, oldest first; or
             in past steps with options.rows_per_interval = the steps of one interval (the
             runtime's way; planner.migration.forecast.forecast_interval). Only these are
-            used (never the future); fewer rows than one interval keep the placement.
+            used (never the future), the newest options.history_intervals intervals of
+            them; fewer rows than one interval keep the placement.
         costs: move and imbalance prices (pricing.build_move_costs); None = uniform_costs.
         options: policy knobs; None = the documented defaults.
         layer_ids: transformer layer id per row, written into each Move.layer (default
@@ -146,6 +147,7 @@ def next_placement(
     costs = costs or uniform_costs(num_l, slots_L[0].shape[0])
     _check(slots_L, history_TLE, costs)
     options = options or MigrationOptions()
+    history_TLE = recent(history_TLE, options)  # the newest options.history_intervals
     ids = tuple(layer_ids) if layer_ids is not None else tuple(range(num_l))
     new_L, moves, gain_s = [], [], 0.0
     for lj, old_RS in enumerate(slots_L):

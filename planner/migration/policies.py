@@ -41,6 +41,11 @@ from planner.migration.replicate import adjust_replicas, pack, replica_counts_fo
 log = logging.getLogger(__name__)
 
 PolicyName = Literal["none", "swap", "repack", "piper"]
+
+# Past intervals a policy reads: the runtime hands its policy the newest 64 intervals
+# (runtime.train.close_interval), so a replay reads the same window and decides alike,
+# and each decision's work is bounded whatever the trace's length.
+HISTORY_INTERVALS = 64
 POLICIES: tuple[PolicyName, ...] = ("none", "swap", "repack", "piper")
 
 
@@ -75,6 +80,17 @@ class MigrationOptions:
     # Rows of the load history per interval: 1 when each row is an interval; K when each row
     # is a step and an interval is K steps (piper run passes steps; forecast_interval).
     rows_per_interval: int = 1
+    # Past intervals the policy reads (the newest); older rows are ignored.
+    history_intervals: int = HISTORY_INTERVALS
+
+    def window_rows(self) -> int:
+        """Rows of the history the policy reads: the newest history_intervals intervals."""
+        return max(1, self.history_intervals) * max(1, self.rows_per_interval)
+
+
+def recent(history_TE: np.ndarray, opts: MigrationOptions) -> np.ndarray:
+    """The newest opts.window_rows() rows of a history (T, ...): what a policy reads."""
+    return history_TE[max(0, history_TE.shape[0] - opts.window_rows()) :]
 
 
 @dataclass(frozen=True)
@@ -178,9 +194,11 @@ def piper(
 ) -> np.ndarray:
     """Forecast, then priced search from several starts; keep the current placement unless
     the best start's predicted gain over the interval exceeds its move cost and margins.
+    Reads the newest opts.history_intervals intervals of the history (the runtime's window).
     The decision depends on which experts each rank holds, not on their slot order
     (canonical_slots): a replay and a run whose tables list them differently decide alike."""
     current_RS = canonical_slots(current_RS)
+    history_TE = recent(history_TE, opts)
     load_E = forecast_interval(history_TE, opts.rows_per_interval, opts.forecast)
     ranks = current_RS.shape[0]
     num_e = len(load_E)

@@ -91,9 +91,12 @@ def replay(
     step (`piper run --trace-every 1`) and an interval K steps: every policy then sees the
     steps before the interval it places (opts.rows_per_interval = K), and imbalance is
     measured on each interval's sum.
+    Each decision reads the newest opts.history_intervals intervals before it, as the
+    runtime's policy does, so the work per interval is bounded and the replay linear in the
+    trace's length.
     """
     opts = replace(opts or MigrationOptions(), rows_per_interval=rows_per_interval)
-    fn = POLICY_FNS[policy]
+    fn, window = POLICY_FNS[policy], opts.window_rows()
     rows_ILE, k = trace.tokens_ILE, rows_per_interval
     tokens_ILE = interval_trace(trace, k, "rows_per_interval").tokens_ILE
     num_i, num_l, _ = tokens_ILE.shape
@@ -104,7 +107,8 @@ def replay(
     for t in range(1, num_i):
         for lj in range(num_l):
             layer_costs = LayerCosts(costs.move_s_LRR[lj], float(costs.balanced_s_L[lj]))
-            history_TE = rows_ILE[: t * k, lj, :]  # the past only: the rows before interval t
+            # the past only, the rows before interval t, in the runtime's window
+            history_TE = rows_ILE[max(0, t * k - window) : t * k, lj, :]
             start = time.perf_counter()
             new_RS = fn(slots_ILRS[t - 1, lj], history_TE, layer_costs, opts)
             solve_s_IL[t, lj] = time.perf_counter() - start
@@ -137,6 +141,5 @@ def replay_all(
 ) -> dict[str, PolicyRun]:
     """Replay several policies side by side on the same trace and prices."""
     return {
-        name: replay(trace, initial_LRS, costs, name, opts, rows_per_interval)
-        for name in policies
+        name: replay(trace, initial_LRS, costs, name, opts, rows_per_interval) for name in policies
     }

@@ -197,3 +197,57 @@ def test_next_placement_from_steps_waits_for_a_whole_interval():
     assert kept.placement_LE.tolist() == current and kept.moves == ()
     moved = next_placement(current, steps * 2, options=opts)
     assert sorted(moved.placement_LE[0][:2].tolist()) == [0, 1]  # the two hot experts split
+
+
+def _long_trace(intervals: int, rows_per_interval: int = 1):
+    """More intervals than the policy's window (HISTORY_INTERVALS), with regime shifts."""
+    opts = SynthOptions(
+        layers=1, experts=E, intervals=intervals * rows_per_interval, tokens=400, top_k=2,
+        shift_prob=0.1, seed=0,
+    )  # fmt: skip
+    return synth_trace(opts)
+
+
+def test_each_decision_reads_at_most_the_window(monkeypatch):
+    """The work of a decision is bounded: Piper's forecast is handed at most the newest
+    HISTORY_INTERVALS intervals however long the trace, as the runtime hands its policy."""
+    import planner.migration.policies as policies
+
+    seen: list[int] = []
+    real = policies.forecast_interval
+
+    def spy(history_TE, rows_per_interval=1, opts=None):
+        seen.append(history_TE.shape[0])
+        return real(history_TE, rows_per_interval, opts)
+
+    monkeypatch.setattr(policies, "forecast_interval", spy)
+    trace = _long_trace(policies.HISTORY_INTERVALS + 6, 2)
+    initial, costs = _setup(trace)
+    replay(trace, initial, costs, "piper", rows_per_interval=2)
+    assert max(seen) == 2 * policies.HISTORY_INTERVALS  # the window, full
+    assert len(seen) > 2 * policies.HISTORY_INTERVALS  # forecast and rank error, each decision
+
+
+def test_replay_decides_as_the_run_with_its_window():
+    """Past the runtime's window of 64 intervals, the replay of a per-step trace makes the
+    decisions of the run's policy loop: runtime.train.close_interval keeps the newest 64
+    intervals' rows and next_placement decides on them."""
+    pytest.importorskip("torch")
+    from runtime.train import MAX_INTERVALS, close_interval, rows_per_interval
+
+    steps = 2  # --migrate-every 2: one history row per step
+    trace = _long_trace(MAX_INTERVALS + 8, steps)
+    initial, costs = _setup(trace)
+    replayed = replay(trace, initial, costs, "piper", rows_per_interval=steps)
+    opts = MigrationOptions(rows_per_interval=rows_per_interval(steps))
+    current, history, rows = default_rank_of_expert(E, R)[None], [], []
+    moved_differently = 0
+    for t in range(1, trace.num_intervals // steps):
+        history.extend(trace.tokens_ILE[(t - 1) * steps : t * steps].tolist())
+        past = close_interval(history, rows, steps)
+        decision = next_placement(current, np.asarray(past), costs, opts)
+        current = decision.placement_LE
+        want = holders(replayed.slots_ILRS[t, 0], E)
+        moved_differently += not np.array_equal(holders(np.asarray(decision.slots_LRS[0]), E), want)
+    assert moved_differently == 0
+    assert replayed.experts_moved > 0
