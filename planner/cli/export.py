@@ -14,7 +14,7 @@ from planner.outputs.export import (
     ExportResult,
     export_plan,
 )
-from planner.outputs.export.stamp import stamp_of
+from planner.outputs.export.stamp import file_stamp, stamp_of
 from planner.outputs.files import write_atomic, write_files
 from planner.plan import Plan, load_plan
 from planner.specs import SpecError
@@ -93,13 +93,9 @@ def _sourced_note(args: argparse.Namespace, result: ExportResult, args_file: str
     """A line when the job sources an args file this command does not write and that file is
     missing or stamped for another plan (the job would stop at start)."""
     path = Path(args_file)
-    try:
-        written_for = stamp_of(path.read_text(errors="replace")[:4096])
-    except OSError:
-        written_for = None
-    if written_for is not None and stamp_of(result.text) == written_for:
+    if file_stamp(path) == stamp_of(result.text):
         return None
-    state = "is missing or unreadable" if not path.is_file() else "was made from another plan"
+    state = "was made from another plan" if path.is_file() else "is missing or unreadable"
     return (
         f"piper export: note: the job sources {args_file}, which {state}; the job stops at "
         f"start until 'piper export {args.plan} --to {args.trainer} --out {args_file}' "

@@ -67,6 +67,18 @@ def stamp_of(text: str) -> PlanStamp | None:
     return None
 
 
+def file_stamp(path: Path) -> PlanStamp | None:
+    """The stamp of the file at `path`; None when it has none, is no plain file (a symlink
+    neither) or cannot be read."""
+    try:
+        if not path.is_file() or path.is_symlink():
+            return None
+        with path.open("rb") as f:
+            return stamp_of(f.read(HEAD_BYTES).decode("utf-8", errors="replace"))
+    except OSError:
+        return None
+
+
 def stale_exports(folder: str | Path, stamp: PlanStamp) -> tuple[str, ...]:
     """Names of the files directly in `folder` stamped for a plan other than `stamp`'s
     (sorted; unreadable files and folders are skipped)."""
@@ -75,14 +87,7 @@ def stale_exports(folder: str | Path, stamp: PlanStamp) -> tuple[str, ...]:
         return ()
     stale = []
     for path in sorted(root.iterdir()):
-        try:
-            if not path.is_file() or path.is_symlink():
-                continue
-            with path.open("rb") as f:
-                head = f.read(HEAD_BYTES).decode("utf-8", errors="replace")
-        except OSError:
-            continue
-        found = stamp_of(head)
+        found = file_stamp(path)
         if found is not None and found.sha256 != stamp.sha256:
             stale.append(path.name)
     return tuple(stale)

@@ -252,3 +252,27 @@ def test_data_args_reach_every_trainer(tmp_path, trainer):
     else:
         assert words[-5:] == data
     assert "DATA_ARGS" in job.read_text()
+
+
+def test_replanning_into_the_folder_of_a_job_names_it_and_the_job_refuses(tmp_path):
+    """`piper plan` again into the folder of an exported job, with another global batch:
+    stale_warning names the job, whose dry run stops in one line; a re-export clears both."""
+    out = tmp_path / "run"
+    plan = ["plan", "--model", "tiny-moe", "--cluster", "cpu-gloo", "--gpus", "2", "--seq-len",
+            "64", "--pp", "1", "--dp", "2", "--tp", "1", "--ep", "2", "--micro-batch", "1",
+            "--out", str(out)]  # fmt: skip
+    assert run_piper([*plan, "--global-batch", "16"]).code == 0
+    job = out / "job.sbatch"
+    export = ["export", str(out / "plan.json"), "--to", "slurm", "--out", str(job)]
+    assert run_piper(export).code == 0
+    assert stale_warning(out, load_plan(out / "plan.json")) is None
+    assert run_piper([*plan, "--global-batch", "32"]).code == 0
+    line = stale_warning(out, load_plan(out / "plan.json"))
+    assert line is not None and line.startswith(f"piper plan: WARNING: job.sbatch in {out} ")
+    run = _dry_run(job, tmp_path)
+    assert run.returncode == 1
+    [refusal] = run.stderr.splitlines()
+    assert "is not the plan this job was written for" in refusal
+    assert run_piper(export).code == 0
+    assert stale_warning(out, load_plan(out / "plan.json")) is None
+    assert _dry_run(job, tmp_path).returncode == 0
