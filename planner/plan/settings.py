@@ -224,7 +224,7 @@ def settings_of_config(cfg: dict[str, Any], model: ModelSpec, where: str) -> Mod
     qk = model.layers[0].attention.qk_norm
     l2 = family == "llama4" and r.flag("use_qk_norm", True)
     chunk = r.number("attention_chunk_size", None) if family == "llama4" else None
-    return ModelSettings(
+    settings = ModelSettings(
         rope_theta=rope or _ROPE_DEFAULT.get(family, 10000.0),
         rope_scaling=_rope_scaling(r),
         norm_eps=eps or 1e-5,
@@ -237,6 +237,9 @@ def settings_of_config(cfg: dict[str, Any], model: ModelSpec, where: str) -> Mod
         from_config=bool(where),
         source=where,
     )
+    # what plan.json reads back: a value it would refuse is the config's error, named now
+    _build(ModelSettings, settings_to_dict(settings), r.where, fix="fix that key in the config")
+    return settings
 
 
 def settings_of_model(model: ModelSpec) -> ModelSettings:
@@ -273,9 +276,9 @@ def settings_to_dict(s: ModelSettings) -> dict[str, Any]:
 _FIX = "regenerate the plan with 'piper plan'"
 
 
-def _field_error(where: str, name: str, problem: str) -> SpecError:
+def _field_error(where: str, name: str, problem: str, fix: str = _FIX) -> SpecError:
     dotted = f"model.settings.{name}" if name else "model.settings"
-    return SpecError(f"{where}: field '{dotted}' {problem}; {_FIX}")
+    return SpecError(f"{where}: field '{dotted}' {problem}; {fix}")
 
 
 _WANTED = {
@@ -292,7 +295,7 @@ def _is_index(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31
 
 
-def _value(hint: Any, value: Any, where: str, name: str) -> Any:
+def _value(hint: Any, value: Any, where: str, name: str, fix: str) -> Any:
     """`value` as the field annotated `hint` holds it, or one SpecError line naming it."""
     args = get_args(hint)
     if type(None) in args:
@@ -314,12 +317,12 @@ def _value(hint: Any, value: Any, where: str, name: str) -> Any:
     if hint == tuple[int, ...] and isinstance(value, list) and all(map(_is_index, value)):
         return tuple(value)
     if hint is RopeScaling and isinstance(value, dict):
-        return _build(RopeScaling, value, where, f"{name}.")
+        return _build(RopeScaling, value, where, f"{name}.", fix)
     wanted = _WANTED.get(hint) or f"one of {get_args(hint)}"
-    raise _field_error(where, name, f"must be {wanted}, got {shown}")
+    raise _field_error(where, name, f"must be {wanted}, got {shown}", fix)
 
 
-def _build(cls: type, d: dict[str, Any], where: str, prefix: str = "") -> Any:
+def _build(cls: type, d: dict[str, Any], where: str, prefix: str = "", fix: str = _FIX) -> Any:
     """An instance of `cls` from its plan.json object: every field, no other key."""
     names = _json_fields(cls)
     for key in d:
@@ -328,13 +331,13 @@ def _build(cls: type, d: dict[str, Any], where: str, prefix: str = "") -> Any:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             shown = repr(key) if len(repr(key)) <= 40 else repr(key)[:37] + "..."
             section = "model.settings" + (f".{prefix[:-1]}" if prefix else "")
-            raise SpecError(f"{where}: field '{section}' has an unknown key {shown}{hint}; {_FIX}")
+            raise SpecError(f"{where}: field '{section}' has an unknown key {shown}{hint}; {fix}")
     hints = get_type_hints(cls)
     values = {}
     for name in names:
         if name not in d:
-            raise _field_error(where, f"{prefix}{name}", "is missing")
-        values[name] = _value(hints[name], d[name], where, f"{prefix}{name}")
+            raise _field_error(where, f"{prefix}{name}", "is missing", fix)
+        values[name] = _value(hints[name], d[name], where, f"{prefix}{name}", fix)
     return cls(**values)
 
 

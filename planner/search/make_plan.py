@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from planner.ip.solvers import SolverOptions
 from planner.plan.schema import ClusterEntry, ModelEntry, Plan, Predicted
-from planner.plan.settings import settings_of_model
+from planner.plan.settings import ModelSettings, settings_of_model
 from planner.search import assemble
 from planner.search.advice import no_fit_message
 from planner.search.baselines import Baseline, all_baselines
@@ -128,6 +128,7 @@ def make_plan(
         from planner.search.model_evaluator import default_evaluator
 
         evaluator = default_evaluator()
+    settings = settings_of_model(model)  # read (and a bad key refused) before the search
     if training.cuda_graphs == "full":  # the exports' Megatron-Core 0.16 refuses the pair
         if a2a_overlap:
             raise SpecError(
@@ -193,7 +194,8 @@ def make_plan(
         timings["total_s"] = time.perf_counter() - t0
         return PlanResult(None, rows, None, baselines, _t(timings), interrupted, message, gpus)
     (label or _quiet)("placement: expert and rank IPs")
-    doc = _plan_document(ctx, best, allocation, trace_loads, baselines, interrupted, target)
+    doc = _plan_document(ctx, best, allocation, trace_loads, baselines, interrupted, target,
+                         settings)  # fmt: skip
     timings["placement_s"] = time.perf_counter() - t2
     timings["total_s"] = time.perf_counter() - t0
     return PlanResult(doc, rows, best, baselines, _t(timings), interrupted, "", gpus)
@@ -215,6 +217,7 @@ def _plan_document(
     baselines: Sequence[Baseline],
     interrupted: bool,
     target: Target | None = None,
+    settings: ModelSettings | None = None,
 ) -> Plan:
     assert best.estimate is not None and best.stages is not None
     par, est, knobs = best.parallel, best.estimate, best.knobs
@@ -224,7 +227,7 @@ def _plan_document(
     reinstall_sigint()
     # the settings the exports carry, embedded so that they read plan.json alone
     described = ctx.evaluator.describe_model(ctx.model)
-    model = replace(ModelEntry.from_dict(described), settings=settings_of_model(ctx.model))
+    model = replace(ModelEntry.from_dict(described), settings=settings)
     g = ctx.cluster.gpus_per_node
     cluster = ClusterEntry.from_dict(
         {

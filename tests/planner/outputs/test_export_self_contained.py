@@ -163,3 +163,17 @@ def test_bad_settings_are_refused_in_one_line(qwen_plan, tmp_path, change, messa
     result = run_piper(["export", str(plan), "--to", "megatron"])
     assert result.code == 2 and len(result.err_lines) == 1, result.stderr
     assert message in result.stderr and "regenerate the plan" in result.stderr
+
+
+def test_a_config_setting_plan_json_would_refuse_stops_the_plan_in_one_line(tmp_path):
+    """The writer and the reader agree: a config whose setting plan.json could not read back
+    (YaRN's original context 0) is refused by `piper plan` before the search, nothing written."""
+    config = tmp_path / "config.json"
+    scaling = {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 0}
+    config.write_text(json.dumps({**QWEN3_TINY, "rope_scaling": scaling}))
+    out = tmp_path / "plan"
+    result = run_piper(["plan", "--model", str(config), "--cluster", "cpu-gloo", "--gpus", "2",
+                        "--seq-len", "64", "--global-batch", "8", "--out", str(out)])  # fmt: skip
+    assert result.code == 2 and len(result.err_lines) == 1, result.stderr
+    assert "rope_scaling.original_max_position_embeddings' must be an integer >= 1" in result.stderr
+    assert "fix that key in the config" in result.stderr and not out.exists()

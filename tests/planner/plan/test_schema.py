@@ -102,6 +102,9 @@ def test_plan_sections_follow_the_dataclass():
             plan_from_dict(d, "p.json")
 
 
-@pytest.mark.parametrize("module", ["planner.plan.check", "planner.plan.schema", "planner.plan.io"])
+@pytest.mark.parametrize(
+    "module",
+    ["planner.plan.check", "planner.plan.schema", "planner.plan.io", "planner.plan.settings"],
+)
 def test_each_module_imports_alone(module):
     subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, check=True)
