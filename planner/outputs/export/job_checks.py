@@ -50,6 +50,7 @@ def plan_check_lines(stamp: PlanStamp, job_export: str) -> list[str]:
         "# stops at once on another plan file or on a sourced file stamped for another plan",
         f"PLAN_SHA256={stamp.sha256}",
         f"PLAN_STAMP={shlex.quote(stamp.line)}",
+        "# shellcheck disable=SC2016  # the command is text here ($ in --command stays as is)",
         f"JOB_EXPORT={shlex.quote(job_export)}",
         *_PLAN_CHECK,
     ]

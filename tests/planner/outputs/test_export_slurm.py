@@ -16,6 +16,7 @@ import pytest
 from planner.cli import main
 from planner.outputs.export import export_plan
 from planner.outputs.export.job_env import comm_env
+from planner.outputs.trials import trainer_command
 from planner.plan import ClusterEntry, load_plan
 from planner.specs import SpecError
 from tests.planner.outputs.export_plans import (
@@ -158,10 +159,13 @@ def test_slurm_default_megatron_command_and_plan_path_resolved(tmp_path, monkeyp
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 @pytest.mark.parametrize("trainer", ["piper", "megatron", "torchtitan"])
-def test_slurm_script_passes_shellcheck(trainer, tmp_path):
+@pytest.mark.parametrize("trial", [False, True])
+def test_slurm_script_passes_shellcheck(trainer, trial, tmp_path):
+    """The job as exported, and as a trial job (a --command naming the args arrays)."""
     args_file = None if trainer == "piper" else str(tmp_path / "args.sh")
     plan = make_plan() if trainer == "piper" else _priced(make_plan(), trainer)
-    text = export_plan(plan, "slurm", "/p/plan.json", None, trainer, args_file).text
+    command = trainer_command(trainer, 30) if trial and trainer != "piper" else None
+    text = export_plan(plan, "slurm", "/p/plan.json", command, trainer, args_file).text
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     out = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
