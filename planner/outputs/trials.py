@@ -7,12 +7,13 @@ collects their logs, refits the profile and re-plans.
 - the job, by the engine the plan was made for (plan.json `extra.target`):
   - piper: `<n>-<layout>/trial.sh`, `piper run PLAN --steps N` (the plan's dispatcher and
     precision, piper run's defaults), its metrics in `<n>-<layout>/run/metrics.jsonl` (the log);
-  - megatron / torchtitan: the engine's export (`megatron_args.sh` / `torchtitan_args.sh`,
-    exactly what was priced), `trial.sbatch` (`piper export --to slurm --trainer ENGINE` with
+  - megatron / torchtitan: `trial.sbatch` (`piper export --to slurm --trainer ENGINE` with
     the trainer's command plus a short run: Megatron-LM `--train-iters N --log-interval 1
-    --eval-iters 0`, torchtitan `--training.steps N --metrics.log_freq 1`; Megatron's
-    tokenizer and data flags from $DATA_ARGS; torchtitan's flags go before the exported
-    arguments, which end with a subcommand), and `trial.sh`, which submits it with
+    --eval-iters 0`, torchtitan `--training.steps N --metrics.log_freq 1`; the tokenizer and
+    data flags from $DATA_ARGS, as in every Slurm export; torchtitan's flags go before the
+    exported arguments, which end with a subcommand) with the engine's export it sources
+    (`megatron_args.sh` / `torchtitan_args.sh`, exactly what was priced, stamped for the
+    trial's plan.json as the job is), and `trial.sh`, which submits it with
     `sbatch --output <n>-<layout>/train.log` (the log);
 - `run_all.sh`: every trial.sh in order;
 - `collect.sh`: `piper calibrate --fit --log PLAN:LOG ... --out fitted.yaml`, then the same
