@@ -5,7 +5,7 @@ RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT from the environment, uses NCCL w
 available and gloo otherwise, builds the groups, this rank's pipeline stage and dispatcher,
 hands them to the trainer loop (`runtime.train`) for `--steps` steps on byte-level stdlib
 text and (rank 0) writes metrics.jsonl, trace.csv and run.json into --out (default: the
-plan's directory/run, as for `piper run`).
+plan's directory/run, as for `piper run`). Under torchrun the process dies with torchrun.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from planner.outputs.files import write_files
 from planner.plan import load_plan
-from planner.run.options import LAUNCH_MODULE, RunOptions, add_run_arguments
+from planner.run.options import LAUNCH_MODULE, RunOptions, add_run_arguments, die_with_torchrun
 from planner.run.spec import RunSpec, spec_from_options
 from planner.run.token_data import open_token_file, spec_for_data
 from runtime.checkpoint import CheckpointOptions
@@ -176,7 +176,9 @@ def _init_process_group(backend: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One training process: options, process group, the trainer loop, rank 0's files."""
+    """One training process: options, process group, the trainer loop, rank 0's files. Under
+    torchrun it dies with torchrun, kill -9 included (planner.run.options.die_with_torchrun)."""
+    die_with_torchrun()
     options = parse_options(argv)
     _env_from_slurm()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

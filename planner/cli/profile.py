@@ -2,7 +2,8 @@
 
 The benchmarks live in runtime/bench/profile.py (torch); this module only launches them
 (`python -m torch.distributed.run --standalone`) and converts the measurements with
-planner.calibrate.profile_tables, so importing it never imports torch.
+planner.calibrate.profile_tables, so importing it never imports torch. Without torch it
+stops in one line naming the install (planner.run.options.check_torch), unless --raw.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from planner.inputs.json_errors import load_json_file
 from planner.inputs.paths import CLUSTERS_DIR
 from planner.outputs.console import print_table, progress
 from planner.outputs.files import write_files
+from planner.run.options import check_torch
 from planner.specs import SpecError
 
 
@@ -111,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise SpecError(f"--nproc {args.nproc}: must be at least 1")
+    if not args.raw:  # the benchmarks run on torch; converting a raw JSON does not
+        check_torch("piper profile")
     out = Path(args.out or CLUSTERS_DIR / f"measured-{socket.gethostname()}.yaml")
     if args.raw:
         fix = "pass the raw JSON that 'piper profile --keep-raw' wrote"

@@ -1,11 +1,12 @@
 """`piper run PLAN`: train a plan with the PyTorch runtime, launched through torchrun.
 
-This module never imports torch or the runtime: it validates the plan (the plan's model and
-cluster files must be unchanged since planning unless --force; then the RunSpec the runtime
-will build, planner.run.spec), then starts `python -m torch.distributed.run --standalone
---nproc-per-node N -m runtime.launch ...` (RunOptions.to_launch_argv) and summarizes
-metrics.jsonl when it is done. On many nodes, start `python -m runtime.launch` with torchrun
-or srun directly.
+This module never imports torch or the runtime: it checks that torch is installed, validates
+the plan (the plan's model and cluster files must be unchanged since planning unless --force;
+then the RunSpec the runtime will build, planner.run.spec), then starts torchrun,
+`torch.distributed.run --standalone --nproc-per-node N -m runtime.launch ...`
+(RunOptions.to_launch_argv) through planner.run.options.run_torchrun, which dies with this
+process, and summarizes metrics.jsonl when it is done. On many nodes, start
+`python -m runtime.launch` with torchrun or srun directly.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from planner.outputs.console import progress
 from planner.plan import Plan, load_plan
 from planner.run.checkpoint_dir import check_checkpointable, checkpoints, resume_point
 from planner.run.migration import run_move_costs
-from planner.run.options import RunOptions, add_run_arguments
+from planner.run.options import RunOptions, add_run_arguments, check_torch, torchrun_command
 from planner.run.spec import RunSpec, checked_spec
 from planner.run.token_data import check_windows, open_token_file, spec_for_data
 from planner.specs import SpecError
@@ -196,7 +197,8 @@ STOP_GRACE_S = 60.0  # torchrun's time to stop its processes after a forwarded S
 def _train(cmd: list[str], env: dict[str, str], out: Path, steps: int) -> tuple[int, bool]:
     """torchrun the run; on a terminal a progress bar follows metrics.jsonl. (exit code,
     stopped): a SIGTERM sent to `piper run` alone (a scheduler's, `kill PID`) is passed on to
-    torchrun, which stops its processes; after STOP_GRACE_S it is killed."""
+    torchrun, which stops its processes; after STOP_GRACE_S it is killed (and its processes
+    with it, planner.run.options.die_with_torchrun)."""
     metrics = out / "metrics.jsonl"
     stop: list[float] = []
 
@@ -248,8 +250,9 @@ def _check_checkpoints(options: RunOptions, spec) -> None:
 
 
 def _launch_cmd(options: RunOptions, world: int) -> list[str]:
-    """torchrun (standalone, one machine) running runtime.launch with the run's options."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    """torchrun (standalone, one machine) running runtime.launch with the run's options; it
+    and its processes die with this process (planner.run.options.run_torchrun)."""
+    torchrun = [*torchrun_command(os.getpid()), "--standalone"]
     if options.max_restarts:
         torchrun += ["--max-restarts", str(options.max_restarts)]
     return [*torchrun, "--nproc-per-node", str(world), *options.to_launch_argv()]
@@ -257,6 +260,7 @@ def _launch_cmd(options: RunOptions, world: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the plan, launch torchrun, print a summary; returns the exit code."""
+    check_torch("piper run")
     options = RunOptions.from_args(args)
     plan = load_plan(options.plan)
     options.check()

@@ -7,11 +7,23 @@ both call it), `RunOptions.from_args` reads them back, and `to_launch_argv` writ
 `-m runtime.launch ...` arguments that `piper run` hands to torchrun. Fields marked cli_only
 (`--nproc`, `--force`) decide whether and how `piper run` starts the processes; the launcher
 has none of them.
+
+The processes' lifetime is written here too, for both sides of the torchrun line:
+`torchrun_command` starts torchrun so that it dies with `piper run` (`run_torchrun`), and
+`die_with_torchrun` makes each training process die with torchrun; `check_torch` refuses a run
+on a Python without torch before anything starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib.util
+import logging
+import os
+import runpy
+import signal
+import sys
 import typing
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
@@ -195,3 +207,101 @@ def _argparse_kwargs(f: Field, hint: Any) -> dict[str, Any]:
 
 def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+# What a run needs that `pip install -e .` does not bring (pyproject.toml's `runtime` extra,
+# torch's CPU build first as the README's test install puts it).
+TORCH_INSTALL = "python3 -m pip install torch==2.13.0 && python3 -m pip install -e '.[runtime]'"
+
+
+def check_torch(command: str) -> None:
+    """Raise SpecError naming TORCH_INSTALL when this Python cannot import torch (the processes
+    `command` starts run this interpreter, sys.executable)."""
+    if importlib.util.find_spec("torch") is None:
+        raise SpecError(
+            f"{command} needs PyTorch, which {sys.executable} does not have; "
+            f"install it with: {TORCH_INSTALL}"
+        )
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+TORCHRUN_MODULE = "torch.distributed.run"
+TORCHRUN_PID_ENV = "PIPER_TORCHRUN_PID"  # set by run_torchrun for the processes it starts
+_TORCHRUN_BOOT = "from planner.run.options import run_torchrun; run_torchrun()"
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Have Linux SIGKILL this process when its parent exits, `kill -9` included (prctl
+    PR_SET_PDEATHSIG), and end it now if its parent is no longer `parent_pid`: the parent
+    exited before the request and the process was re-parented. False where there is no prctl
+    (not Linux): the process outlives its parent there."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent_pid:
+        os._exit(128 + signal.SIGKILL)
+    return True
+
+
+def die_with_torchrun() -> None:
+    """In a process torchrun started (TORCHELASTIC_RUN_ID set): die with torchrun, so that none
+    trains on after torchrun is killed. The parent checked is TORCHRUN_PID_ENV's pid under
+    `piper run` (exact however late this is called), else the current parent, which must not be
+    init already. Elsewhere (srun, by hand) nothing changes."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = int(os.environ.get(TORCHRUN_PID_ENV) or os.getppid())
+    if parent == 1:
+        os._exit(128 + signal.SIGKILL)
+    die_with_parent(parent)
+
+
+def torchrun_command(parent_pid: int) -> list[str]:
+    """`python -c ... PARENT_PID torch.distributed.run`: torchrun through run_torchrun, for
+    the process `parent_pid` to start (append torchrun's arguments)."""
+    return [sys.executable, "-c", _TORCHRUN_BOOT, str(parent_pid), TORCHRUN_MODULE]
+
+
+# torchrun's own report of a stop it was asked for (its loggers and message templates); the
+# launcher that sent the signal reports the stop itself
+_STOP_RECEIVED = "Received %s death signal, shutting down workers"
+_STOP_NOISE = {_STOP_RECEIVED, "Sending process %s closing signal %s", "Got termination signal: %s"}
+_ELASTIC_LOGGERS = (
+    "torch.distributed.elastic.agent.server.api",
+    "torch.distributed.elastic.multiprocessing.api",
+)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class _QuietStop(logging.Filter):
+    """Drops torchrun's warnings of a stop on SIGTERM or SIGINT, from the first on."""
+
+    stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == _STOP_RECEIVED and record.args and record.args[0] in STOP_SIGNALS:
+            self.stopping = True
+        return not (self.stopping and record.msg in _STOP_NOISE)
+
+
+def run_torchrun(argv: list[str] | None = None) -> None:
+    """torchrun as `piper run` starts it (argv: PARENT_PID MODULE ARGS..., default sys.argv[1:]):
+    it dies with PARENT_PID (die_with_parent), hands its pid to its processes
+    (TORCHRUN_PID_ENV, for die_with_torchrun), and a stop on SIGTERM or SIGINT ends it with
+    128 + the signal without torchrun's traceback and warnings of the stop."""
+    parent, module, *args = sys.argv[1:] if argv is None else argv
+    die_with_parent(int(parent))
+    os.environ[TORCHRUN_PID_ENV] = str(os.getpid())
+    quiet = _QuietStop()
+    for name in _ELASTIC_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
+    sys.argv = [module, *args]
+    try:  # torchrun's SignalException, matched by name: the planner does not import torch
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except Exception as exc:
+        signum = getattr(exc, "sigval", None)
+        if type(exc).__name__ != "SignalException" or signum not in STOP_SIGNALS:
+            raise
+        sys.exit(128 + int(signum))
