@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise SpecError(f"--nproc {args.nproc}: must be at least 1")
     if not args.raw:  # the benchmarks run on torch; converting a raw JSON does not
-        check_torch("piper profile")
+        check_torch()
     out = Path(args.out or CLUSTERS_DIR / f"measured-{socket.gethostname()}.yaml")
     if args.raw:
         fix = "pass the raw JSON that 'piper profile --keep-raw' wrote"

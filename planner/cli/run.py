@@ -260,7 +260,7 @@ def _launch_cmd(options: RunOptions, world: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the plan, launch torchrun, print a summary; returns the exit code."""
-    check_torch("piper run")
+    check_torch()
     options = RunOptions.from_args(args)
     plan = load_plan(options.plan)
     options.check()

@@ -214,13 +214,12 @@ def _flag_name(name: str) -> str:
 TORCH_INSTALL = "python3 -m pip install torch==2.13.0 && python3 -m pip install -e '.[runtime]'"
 
 
-def check_torch(command: str) -> None:
+def check_torch() -> None:
     """Raise SpecError naming TORCH_INSTALL when this Python cannot import torch (the processes
-    `command` starts run this interpreter, sys.executable)."""
+    a run or a profile starts run this interpreter, sys.executable)."""
     if importlib.util.find_spec("torch") is None:
         raise SpecError(
-            f"{command} needs PyTorch, which {sys.executable} does not have; "
-            f"install it with: {TORCH_INSTALL}"
+            f"PyTorch is not installed for {sys.executable}; install it with: {TORCH_INSTALL}"
         )
 
 
