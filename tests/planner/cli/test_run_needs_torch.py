@@ -14,6 +14,7 @@ from planner.plan import ModelEntry
 from planner.run.options import TORCH_INSTALL
 from tests.hardening_cli import REPO
 from tests.runtime.tiny_plans import hand_plan
+from tests.test_readme_cpu_loop import HEADING
 
 CODE = "import sys; from planner.cli import main; sys.exit(main())"
 
@@ -66,3 +67,8 @@ def test_the_install_line_installs_the_runtime_extra_s_torch():
     (torch,) = [d for d in project["optional-dependencies"]["runtime"] if d.startswith("torch")]
     runtime = "python3 -m pip install -e '.[runtime]'"
     assert TORCH_INSTALL == f"python3 -m pip install {torch} && {runtime}"
+
+
+def test_the_readme_s_cpu_loop_starts_with_that_install():
+    block = (REPO / "README.md").read_text().split(HEADING, 1)[1].split("```bash\n", 1)[1]
+    assert block.splitlines()[0] == TORCH_INSTALL
