@@ -142,7 +142,8 @@ def _command(plan: Plan, trainer: Trainer, plan_path: str, command: str | None) 
         ["python", "-m", "runtime.launch", "--plan", plan_path, "--out", "results/run",
          "--dispatcher", dispatcher, "--precision", "plan"]
     )  # fmt: skip
-    return f'CMD=({launch} "${{DATA_ARGV[@]}}")'
+    # the launcher's words alone on the CMD line, which tools read as the command
+    return f'CMD=({launch})\nCMD+=("${{DATA_ARGV[@]}}")'
 
 
 def slurm_script(
