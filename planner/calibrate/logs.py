@@ -8,6 +8,8 @@ or any Python traceback (the run failed), a NaN loss or a non-zero NaN-iteration
 iteration line cut short (the log is truncated), no iteration line at all, or a number no run
 prints (an iteration or step above MAX_ITERATION, a parallel size above MAX_PARALLEL, a time,
 throughput or memory that is infinite or above MAX_MEASURE: the log was edited or corrupted).
+Reading is bounded: a log is a regular file of at most MAX_LOG_BYTES, its lines are matched cut
+to MAX_LINE_CHARS, and every pattern runs in time linear in the line.
 
 Megatron-LM, github:NVIDIA/Megatron-LM at d98e8a64ddf34856e74b24714e3bedb2f5a39553:
 - megatron/training/arguments.py:1990-2001 `_print_args`: between
@@ -46,17 +48,21 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from planner.inputs.safe_read import read_input_bytes
 from planner.specs import SpecError
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MEGATRON_ARGS_START = "------------------------ arguments ------------------------"
 MEGATRON_ARGS_END = "-------------------- end of arguments ---------------------"
-MEGATRON_ARG = re.compile(r"^\s*(?:\S*\s)?\s*([a-z][a-z0-9_]*) \.+ (.*?)\s*$")
-MEGATRON_ITER = re.compile(r" iteration\s+(\d+)/\s*(\d+) \|")
-MEGATRON_FIELD = re.compile(r"\s*([^|:]+?): ([^|]*?)\s*$")
+# Every pattern runs in time linear in the line: possessive quantifiers (++, *+) where a run
+# of spaces or digits could be split two ways, no pattern that scans the rest of the line
+# from each of many starts, and lines cut to MAX_LINE_CHARS.
+MEGATRON_ARG = re.compile(r"(?:\S++\s++)?([a-z][a-z0-9_]*+) \.++ (.*)")  # on a stripped line
+MEGATRON_ITER = re.compile(r" iteration\s++(\d++)/\s*+(\d++) \|")
+MEGATRON_MEMORY_AT = "memory (MB) | allocated: "
 MEGATRON_MEMORY = re.compile(
-    r"\[Rank (\d+)\] .*memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)"
-)
+    r"\[Rank (\d++)\] [^|]*memory \(MB\) \| allocated: ([\d.]++) \| max allocated: ([\d.]++)"
+)  # matched at the last '[Rank ' before MEGATRON_MEMORY_AT
 MEGATRON_LAST_FIELD = "number of nan iterations"
 # Megatron's argument name -> the plan's name (None in the log: the default given here)
 MEGATRON_LAYOUT = {
@@ -72,21 +78,24 @@ MEGATRON_LAYOUT = {
     "global_batch_size": ("global_batch", None),
     "seq_length": ("seq_len", None),
 }
-TITAN_STEP_START = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:")
+TITAN_STEP_START = re.compile(r"(?<!validate )step:\s*+(\d++)\s++loss:")
 TITAN_STEP = re.compile(
-    r"(?<!validate )step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:\s*(\S+)\s+memory:\s*([\d.]+)GiB"
-    r"\(([\d.]+)%\)\s+tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*(N/A|[\d.]+%)"
+    r"(?<!validate )step:\s*+(\d++)\s++loss:\s*+(\S++)\s++grad_norm:\s*+(\S++)\s++memory:"
+    r"\s*+([\d.]++)GiB\(([\d.]++)%\)\s++tps:\s*+([\d,]++)\s++tflops:\s*+([\d,.]++)\s++mfu:"
+    r"\s*+(N/A|[\d.]++%)"
 )
 TITAN_MESH = re.compile(
     r"Building device mesh with parallelism: pp=(\d+), dp_replicate=(\d+), dp_shard=(\d+), "
     r"cp=(\d+), tp=(\d+), ep=(\d+)"
 )
-TITAN_OOMS = re.compile(r"(\d+) \w+ OOM errors thrown")
+TITAN_OOMS = re.compile(r"(?<!\d)(\d++) \w++ OOM errors thrown")
 OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
 MIB_PER_GIB = 1024.0
 MAX_ITERATION = 10**18 - 1  # 18 digits: fits int64; no run logs that many iterations
 MAX_PARALLEL = 1 << 24  # a parallel size or world; plan.json holds none above it
 MAX_MEASURE = 1e30  # times, throughputs, memory: far above any run, keeps their sums finite
+MAX_LOG_BYTES = 2**30  # a log read whole: 2 million iteration lines of Megatron-LM's ~500 bytes
+MAX_LINE_CHARS = 2**14  # of a line matched: an iteration line is ~500, an argument shorter
 
 
 @dataclass(frozen=True)
@@ -119,14 +128,33 @@ class ParsedLog:
 
 
 def read_log(path: str | Path) -> str:
-    """The log's text (SpecError for a missing or binary file)."""
+    """The log's text; SpecError for a missing file, one that is not a regular file (a FIFO,
+    a device: planner/inputs/safe_read.py) or one over MAX_LOG_BYTES."""
     p = Path(path)
-    try:
-        return p.read_bytes().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        raise SpecError(f"{p}: no such log; give the training log the run wrote") from None
-    except OSError as exc:
-        raise SpecError(f"{p}: cannot read the log ({exc.strerror or exc})") from None
+    if not p.exists():
+        raise SpecError(f"{p}: no such log; give the training log the run wrote")
+    return read_input_bytes(p, "log", MAX_LOG_BYTES).decode("utf-8", errors="replace")
+
+
+def _lines(text: str) -> list[str]:
+    """The log's lines, each cut to MAX_LINE_CHARS (no line the parsers read is longer)."""
+    return [line[:MAX_LINE_CHARS] for line in text.splitlines()]
+
+
+def _field(part: str) -> tuple[str, str] | None:
+    """(key, value) of one ' key: value ' field of a Megatron iteration line, else None: the
+    key runs to the first ':', which a space must follow."""
+    head, colon, rest = part.partition(":")
+    key = head.lstrip()
+    if not (colon and key and rest.startswith(" ")):
+        return None
+    return key, rest[1:].rstrip()
+
+
+def _memory(line: str) -> re.Match[str] | None:
+    at = line.find(MEGATRON_MEMORY_AT)
+    start = line.rfind("[Rank ", 0, at) if at >= 0 else -1
+    return MEGATRON_MEMORY.match(line, start) if start >= 0 else None
 
 
 def log_engine(text: str) -> str | None:
@@ -185,7 +213,12 @@ def _nan_loss(source: str, n: int, what: str) -> SpecError:
     )
 
 
-def _truncated(source: str, n: int) -> SpecError:
+def _truncated(source: str, n: int, line: str) -> SpecError:
+    if len(line) >= MAX_LINE_CHARS:
+        return SpecError(
+            f"{source} line {n}: longer than {MAX_LINE_CHARS:,} characters, not an iteration "
+            "line as the engine prints it (edited or corrupt): fix or cut it"
+        )
     return SpecError(
         f"{source} line {n}: an iteration line cut short; the log is truncated: give the "
         f"complete log, or cut it before line {n}"
@@ -194,26 +227,23 @@ def _truncated(source: str, n: int) -> SpecError:
 
 def parse_megatron(text: str, source: str) -> ParsedLog:
     """Megatron-LM's stdout (the module docstring's format strings)."""
-    lines = text.splitlines()
+    lines = _lines(text)
     _check_failure(lines, source)
     args = _megatron_args(lines)
     steps: list[LogStep] = []
     peak: float | None = None
     interval = _int_or_none(args.get("log_interval"))
     for n, line in enumerate(lines, start=1):
-        mem = MEGATRON_MEMORY.search(line)
+        mem = _memory(line)
         if mem:
             peak = max(peak or 0.0, _measure(mem.group(3), source, n) / MIB_PER_GIB)
             continue
         head = MEGATRON_ITER.search(line)
         if not head:
             continue
-        fields = dict(
-            m.groups() for part in line[head.end():].split("|")
-            if (m := MEGATRON_FIELD.match(part))
-        )  # fmt: skip
+        fields = dict(f for part in line[head.end() :].split("|") if (f := _field(part)))
         if MEGATRON_LAST_FIELD not in fields or "elapsed time per iteration (ms)" not in fields:
-            raise _truncated(source, n)
+            raise _truncated(source, n, line)
         if _float(fields[MEGATRON_LAST_FIELD], source, n) > 0:
             raise _nan_loss(source, n, f"{fields[MEGATRON_LAST_FIELD]} NaN iterations")
         for key, value in fields.items():
@@ -258,14 +288,14 @@ def _megatron_args(lines: list[str]) -> dict[str, str]:
             inside = True
         elif MEGATRON_ARGS_END in line:
             break
-        elif inside and (m := MEGATRON_ARG.match(line)):
+        elif inside and (m := MEGATRON_ARG.fullmatch(line.strip())):
             args[m.group(1)] = m.group(2)
     return args
 
 
 def parse_torchtitan(text: str, source: str) -> ParsedLog:
     """torchtitan's stdout (the module docstring's format strings), ANSI colours removed."""
-    lines = [ANSI.sub("", line) for line in text.splitlines()]
+    lines = [ANSI.sub("", line) for line in _lines(text)]
     _check_failure(lines, source)
     steps: list[LogStep] = []
     layout: tuple[tuple[str, int], ...] = ()
@@ -291,7 +321,7 @@ def parse_torchtitan(text: str, source: str) -> ParsedLog:
             continue
         m = TITAN_STEP.search(line)
         if not m:
-            raise _truncated(source, n)
+            raise _truncated(source, n, line)
         step, loss, _, mem_gib, _, tps, tflops, _ = m.groups()
         if not math.isfinite(_float(loss, source, n)):
             raise _nan_loss(source, n, f"loss is {loss}")
