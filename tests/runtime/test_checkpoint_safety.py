@@ -202,4 +202,20 @@ def test_a_full_disk_is_one_line_at_its_step_and_the_run_still_ends_with_its_fil
     assert out[1][3] == []  # rank 0 alone says it
     assert out[0][2] == "None" and checkpoints(root) == []
     assert not tmp_dir(root, 2).exists() and not tmp_dir(root, 4).exists()
-    assert len(out[0][1]["metrics.jsonl"].splitlines()) == 4 == len(metrics.read_text().splitlines())
+    assert (
+        len(out[0][1]["metrics.jsonl"].splitlines()) == 4 == len(metrics.read_text().splitlines())
+    )
+
+
+def test_a_fresh_run_leaves_another_runs_checkpoints_alone_unless_forced(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root)
+    with pytest.raises(RuntimeError, match="SystemExit: 2"):
+        run_distributed(_body, 2, _spec(4), (str(root), 2), timeout_s=120)
+    assert [p.name for p in checkpoints(root)] == ["step-000004", "step-000002"]
+    assert all(problem(p) is None for p in checkpoints(root))  # untouched
+    out = run_distributed(_body, 2, _spec(2), (str(root), 0, False, True), timeout_s=120)
+    aside = [root / "replaced-step-000004", root / "replaced-step-000002"]
+    assert [f"checkpoint {step_dir(root, n)} of another run set aside as {a}"
+            for n, a in zip((4, 2), aside, strict=True)] == out[0][3][:2]  # fmt: skip
+    assert checkpoints(root) == [step_dir(root, 2)] and all(a.is_dir() for a in aside)
