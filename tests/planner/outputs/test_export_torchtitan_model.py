@@ -19,6 +19,7 @@ from planner.outputs.export.model_settings import model_settings
 from planner.outputs.export.stamp import plan_stamp, stamped
 from planner.outputs.export.torchtitan_model import composed_module
 from planner.plan import load_plan
+from planner.plan.settings import settings_of_model
 from planner.resources.params import count_params
 from planner.specs import SpecError
 from planner.targets import TARGETS, check_model, not_composable
@@ -116,7 +117,8 @@ def test_llama4_notes_name_what_torchtitans_modules_compute_differently():
 def test_a_hostile_model_name_stays_text_in_the_module(tmp_path):
     plan = titan_plan("tiny-moe-deep")
     evil = 'x"""; import os; os.system(\'touch PWNED\') #\n$(touch PWNED)'
-    plan = replace(plan, model=replace(plan.model, name=evil, source=evil))
+    settings = settings_of_model(plan.model_spec())  # embedded: the source names no file
+    plan = replace(plan, model=replace(plan.model, name=evil, source=evil, settings=settings))
     module, function, text, _ = composed_module(plan, plan.model_spec())
     assert module.isidentifier() and function.isidentifier()
     tree = ast.parse(text)
