@@ -7,8 +7,9 @@ Inputs, in the order given (a directory: its files with a known suffix, sorted w
   `Dataset.save_to_disk`, `.parquet` files and `.arrow` files, the document is `text_key`.
 The tokenizer is a `tokenizer.json` (the `tokenizers` library, `Tokenizer.from_file`) or a
 local model directory (transformers `AutoTokenizer.from_pretrained(dir,
-local_files_only=True)`). Each document is encoded as the tokenizer encodes it (its own
-special tokens included, as Megatron-LM's HuggingFaceTokenizer does by default,
+local_files_only=True, trust_remote_code=False)`: a directory whose auto_map names its own
+tokenizer code is refused, that code never runs). Each document is encoded as the tokenizer
+encodes it (its own special tokens included, as Megatron-LM's HuggingFaceTokenizer does by default,
 megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py:288) and followed by the EOS
 id, as Megatron-LM's tools/preprocess_data.py:103 (--append-eod) and nanoGPT's
 data/openwebtext/prepare.py:45 do; a blank document, or one that encodes to nothing, is
@@ -33,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from planner.inputs.safe_read import read_input_bytes
 from planner.specs import SpecError
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -84,7 +86,7 @@ def _eos_name(path: Path, eos_token: str | None, vocab: dict[str, int]) -> str:
     config = path.with_name("tokenizer_config.json")
     if name is None and path.is_file() and config.is_file():
         try:
-            doc = json.loads(config.read_text(encoding="utf-8"))
+            doc = json.loads(read_input_bytes(config, "tokenizer config").decode("utf-8"))
             eos = doc.get("eos_token") if isinstance(doc, dict) else None
         except (ValueError, RecursionError, UnicodeDecodeError):
             raise SpecError(
@@ -136,18 +138,39 @@ def _file_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
     return TextTokenizer(encode, tok.get_vocab_size(with_added_tokens=True), vocab[name], str(path))
 
 
-def _dir_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
-    _require("transformers", f"{path} (a model directory)")
+def _auto_tokenizer(path: Path) -> Any:
+    """transformers' AutoTokenizer for model directory `path`, never running the directory's
+    own code: a directory from others may map AutoTokenizer to its own Python (auto_map), and
+    without trust_remote_code=False transformers asks on stdin, where `y` runs it. Its
+    warnings are kept off stderr (a refusal is one line)."""
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=False
+        )
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "custom code" in first:
+            raise SpecError(
+                f"--tokenizer: {path} asks to run its own tokenizer code (auto_map in its "
+                "tokenizer_config.json); Piper never runs code from a model directory: give "
+                "its tokenizer.json instead"
+            ) from None
         raise SpecError(
             f"--tokenizer: no tokenizer loads from {path} ({first}); give a model directory "
             "with tokenizer files or a tokenizer.json"
         ) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _dir_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
+    _require("transformers", f"{path} (a model directory)")
+    tok = _auto_tokenizer(path)
     vocab = tok.get_vocab()
     if eos_token is None and tok.eos_token_id is not None:
         eos = int(tok.eos_token_id)
