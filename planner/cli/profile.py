@@ -1,9 +1,10 @@
 """`piper profile`: micro-benchmark this machine under torchrun and write a cluster profile.
 
 The benchmarks live in runtime/bench/profile.py (torch); this module only launches them
-(`python -m torch.distributed.run --standalone`) and converts the measurements with
-planner.calibrate.profile_tables, so importing it never imports torch. Without torch it
-stops in one line naming the install (planner.run.options.check_torch), unless --raw.
+(`torch.distributed.run --standalone` through planner.run.options.run_torchrun) and
+converts the measurements with planner.calibrate.profile_tables, so importing it never
+imports torch. Without torch it stops in one line naming the install
+(planner.run.options.check_torch), unless --raw.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from planner.inputs.json_errors import load_json_file
 from planner.inputs.paths import CLUSTERS_DIR
 from planner.outputs.console import print_table, progress
 from planner.outputs.files import write_files
-from planner.run.options import check_torch
+from planner.run.options import check_torch, torchrun_command
 from planner.specs import SpecError
 
 
@@ -67,9 +68,7 @@ class ProfileFailed(RuntimeError):
 
 def _launch(args: argparse.Namespace, raw_path: Path) -> None:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *torchrun_command(os.getpid()),  # torchrun dies with this process
         "--standalone",
         f"--nproc-per-node={args.nproc}",
         "-m",
