@@ -82,24 +82,27 @@ def _kalman_path(shares_TE: np.ndarray, totals_T: np.ndarray, shift_tv: float):
     """The filter's forecast after the last interval (E,) and its one-step predictions
     (T, E): row t forecasts interval t from intervals < t (row 0: interval 0 itself)."""
     kappa = _drift_kappa(shares_TE, totals_T)
+    counts_T = np.maximum(totals_T, 1)
     est_E = shares_TE[0].copy()
-    var_E = est_E / max(totals_T[0], 1)
-    preds_TE = np.empty_like(shares_TE)
+    var_E = est_E / counts_T[0]
+    preds_TE = np.empty_like(shares_TE)  # the estimates, normalized after the loop
     preds_TE[0] = est_E
-    for t, (s_E, n) in enumerate(zip(shares_TE[1:], totals_T[1:], strict=True), start=1):
-        preds_TE[t] = est_E / max(float(est_E.sum()), 1e-300)
-        if 0.5 * np.abs(s_E - est_E).sum() > shift_tv:
-            est_E, var_E = s_E.copy(), s_E / max(n, 1)
+    for t in range(1, shares_TE.shape[0]):
+        s_E, n = shares_TE[t], counts_T[t]
+        preds_TE[t] = est_E
+        step_E = s_E - est_E
+        if 0.5 * np.abs(step_E).sum() > shift_tv:
+            est_E, var_E = s_E.copy(), s_E / n
             continue
         # drift and counting noise scale with the larger of the estimate and the newest
         # share: with the estimate alone, an expert the router left dead (share 0) would
         # keep a zero forecast after the router revives it, as recorded traces show
         top_E = np.maximum(est_E, s_E)
         prior_E = var_E + kappa * top_E**2
-        noise_E = np.maximum(top_E, 1e-12) / max(n, 1)
-        gain_E = prior_E / (prior_E + noise_E)
-        est_E = est_E + gain_E * (s_E - est_E)
+        gain_E = prior_E / (prior_E + np.maximum(top_E, 1e-12) / n)
+        est_E = est_E + gain_E * step_E
         var_E = (1.0 - gain_E) * prior_E
+    preds_TE[1:] /= np.maximum(preds_TE[1:].sum(axis=1, keepdims=True), 1e-300)
     return est_E / est_E.sum(), preds_TE
 
 
@@ -155,20 +158,32 @@ def _select_step_forecast(rows_TE, intervals_IE, k: int, opts: ForecastOptions) 
     a_A1 = np.array(STEP_ALPHAS)[:, None]
     if num_i < 2:
         return _select_in_interval(rows_TE[-k:], k // 2, a_A1, kalman_E)
-    shares_TE = _shares(rows_TE)
-    first = rows_TE.shape[0] - num_i * k  # row where interval 0 starts
-    avg_AE = np.repeat(shares_TE[:1], len(STEP_ALPHAS), axis=0)  # the average after row 0
-    err_A = np.zeros(len(STEP_ALPHAS))
-    # block i: the rows up to the start of interval i + 1 (the last block: up to the end)
-    for i, stop in enumerate(first + k * np.arange(1, num_i + 1)):
-        avg_AE = _averaged(avg_AE, shares_TE[1 if i == 0 else stop - k : stop], a_A1)
-        if i + 1 < num_i:  # the average at the start of interval i + 1 forecasts it
-            err_A += ((avg_AE - target_IE[i + 1]) ** 2).sum(axis=1)
+    avg_AIE = _interval_averages(_shares(rows_TE), num_i, k, a_A1)
+    # the average at the start of interval i + 1 (after block i) forecasts interval i + 1
+    err_A = ((avg_AIE[:, :-1] - target_IE[None, 1:]) ** 2).sum(axis=(1, 2))
     kalman_err = float(((preds_IE[1:] - target_IE[1:]) ** 2).sum())
     best = int(np.argmin(err_A))
     if kalman_err <= err_A[best]:
         return kalman_E
-    return avg_AE[best] / max(float(avg_AE[best].sum()), 1e-300)
+    return avg_AIE[best, -1] / max(float(avg_AIE[best, -1].sum()), 1e-300)
+
+
+def _interval_averages(shares_TE, num_i: int, k: int, a_A1: np.ndarray) -> np.ndarray:
+    """(A, I, E): each moving average of the per-step shares, started at row 0, after the
+    last row of each of the num_i newest k-row intervals. Every block of k rows adds the
+    same weights, so the blocks' additions are one product and each interval one step
+    avg_i = (1 - a)^k avg_(i-1) + addition_i."""
+    first = shares_TE.shape[0] - num_i * k  # row where interval 0 starts
+    start_AE = np.repeat(shares_TE[:1], a_A1.shape[0], axis=0)
+    blocks_IKE = shares_TE[first + k :].reshape(num_i - 1, k, shares_TE.shape[1])
+    weight_AK = a_A1 * (1.0 - a_A1) ** np.arange(k - 1, -1, -1)[None, :]
+    add_AIE = np.tensordot(weight_AK, blocks_IKE, axes=([1], [1]))
+    keep_A1 = (1.0 - a_A1) ** k
+    avg_AIE = np.empty((a_A1.shape[0], num_i, shares_TE.shape[1]))
+    avg_AIE[:, 0] = _averaged(start_AE, shares_TE[1 : first + k], a_A1)
+    for i in range(1, num_i):
+        avg_AIE[:, i] = keep_A1 * avg_AIE[:, i - 1] + add_AIE[:, i - 1]
+    return avg_AIE
 
 
 def _averaged(avg_AE: np.ndarray, block_NE: np.ndarray, a_A1: np.ndarray) -> np.ndarray:
