@@ -1,8 +1,8 @@
 """torchtitan's per-op selective activation checkpointing: what a layer keeps, what it reruns.
 
-torchtitan wraps every transformer block in a checkpoint whose policy
-(`torchtitan/distributed/activation_checkpoint.py` at b5bcd76: `SelectiveAC._wrap_block`,
-`_get_default_save_ops`) keeps the outputs of
+torchtitan wraps every transformer block in a checkpoint whose policy (torchtitan 0.3.0
+`torchtitan/distributed/activation_checkpoint.py`, the same file at b5bcd76:
+`SelectiveAC._wrap_block`, `_get_default_save_ops`) keeps the outputs of
 - aten.mm / aten.linear, but every second one: a counter per block and forward saves the 1st,
   3rd, 5th ... and recomputes the 2nd, 4th ...; a matmul whose weight has the shape of a
   `force_recompute_mm_shapes_by_fqns` module (default `moe.router.gate`: the router) is
@@ -15,16 +15,16 @@ router's gate and softmax / sigmoid, and the routed experts' `torch._grouped_mm`
 list: `torchtitan/models/common/moe.py` GroupedExperts). The block input stays as the
 checkpoint's input.
 
-The matmuls of a block in forward order (`linears`): torchtitan's separate wq, wk, wv, wo
-(`models/common/attention.py` QKVLinear), MLA's wq (or wq_a, wq_b), wkv_a, wkv_b, wo
-(`models/deepseek_v3/model.py`), then the dense FFN's or the shared experts' w1, w3, w2
-(`models/common/feed_forward.py`: w2(silu(w1(x)) * w3(x))). Widths are per token of the
+The matmuls of a block in forward order (`linears`): grouped-query attention's fused wqkv and
+wo (`models/common/attention.py` FusedQKVLinear: `fuse_qkv=True` in torchtitan's llama3, qwen3
+and gpt_oss models and in the export's config module), MLA's wq (or wq_a, wq_b), wkv_a,
+wkv_b, wo (`models/deepseek_v3/model.py`), then the dense FFN's or the shared experts' w1, w3,
+w2 (`models/common/feed_forward.py`: w2(silu(w1(x)) * w3(x))). Widths are per token of the
 rank, on Piper's activation components (planner.resources.memory): a T x width bytes, T the
 sequence-parallel tokens; a row-parallel output (wo, w2) is tp times wider before its
 reduce-scatter, whose output torchtitan also keeps.
 
-Approximations: torchtitan's gpt_oss fuses wq/wk/wv into one wqkv (all of q, k, v kept);
-priced here as separate projections (k recomputed). With tp > 1 the sequence-parallel
+Approximation: with tp > 1 the sequence-parallel
 all-gathers before the column-parallel GEMMs are rerun; that communication is not priced.
 Where the kept row-parallel outputs would make a layer keep more than without recompute
 (tp >= 8 on thin dense layers), the kept bytes are capped at no recompute's.
@@ -60,9 +60,7 @@ def _attention(layer: LayerSpec, d: int, tp: int) -> list[Linear]:
     if att.kind != "mla":
         q, kv = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
         return [
-            Linear("wq", "attn_proj", "qkv", q, d * q),
-            Linear("wk", "attn_proj", "qkv", kv, d * kv),
-            Linear("wv", "attn_proj", "qkv", kv, d * kv),
+            Linear("wqkv", "attn_proj", "qkv", q + 2 * kv, d * (q + 2 * kv)),
             Linear("wo", "attn_proj", "", d * tp, q * d),
         ]
     h, qk = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim

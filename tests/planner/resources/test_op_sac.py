@@ -41,12 +41,12 @@ def _oracle(model, layer, ep: int, tp: int = 1) -> float:
         context = att.num_heads * att.v_head_dim
     else:
         q, kv = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
-        qkv = q + kv  # wq (1st) and wv (3rd) kept; wk (2nd) and wo (4th) recomputed
+        qkv = q + 2 * kv  # the fused wqkv (1st) kept, wo (2nd) recomputed
         context = q
     lse = 4.0 * B * att.num_heads / tp * S  # flash attention's fp32 log-sum-exp
     kept = a * T * d + a * T * qkv + a * T * context + lse
     ffn = layer.dense_ffn or (moe.num_shared_experts * moe.shared_ffn if moe else 0)
-    if ffn:  # w1 (5th) kept, w3 (6th) recomputed, w2 (7th) kept: its output is d wide
+    if ffn:  # w1 kept, w3 recomputed, w2 kept (an even number of attention matmuls before)
         kept += a * T * ffn + a * T * d * tp
     if tp > 1:  # the reduce-scatters after wo and w2 are always kept
         kept += a * T * d * (2 if ffn else 1)
@@ -80,12 +80,12 @@ def test_op_sac_keeps_the_per_tensor_sum_between_none_and_full(name, index, ep, 
 
 def test_op_sac_on_qwen3_keeps_the_all_to_all_outputs():
     """The numbers: Qwen3-30B-A3B, b=2, s=4096, ep=8, one layer (MiB): none 1077.75; op-SAC
-    681.75 = input 32 + wq, wv 72 + context 64 + lse 1 + topk 0.75 + dispatch and combine
+    689.75 = input 32 + wqkv 80 + context 64 + lse 1 + topk 0.75 + dispatch and combine
     256 each (the expert intermediates, 288, and both norms' outputs are dropped); full 32."""
     model = load_model("qwen3-30b-a3b")
     layer = model.layers[0]
     mib = [_acts(model, layer, _par(8, 1, p), p) / 2**20 for p in ("none", "selective", "full")]
-    assert mib == pytest.approx([1077.75, 681.75, 32.0], abs=1e-9)
+    assert mib == pytest.approx([1077.75, 689.75, 32.0], abs=1e-9)
 
 
 def _oracle_share(model, layer) -> dict[str, float]:
@@ -100,7 +100,7 @@ def _oracle_share(model, layer) -> dict[str, float]:
         share = {"attn_proj": (wkv_a + wo) / (wq + wkv_a + wkv_b + wo)}
     else:
         q, kv = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
-        share = {"attn_proj": (d * kv + q * d) / (2 * d * q + 2 * d * kv)}
+        share = {"attn_proj": q * d / (2 * d * q + 2 * d * kv)}  # wo of wqkv, wo
     if layer.dense_ffn:
         share["dense_mlp"] = 1 / 3  # w3 of w1, w3, w2
     if moe is not None:
@@ -123,14 +123,14 @@ def test_op_sac_reruns_every_second_matmul_and_the_experts(name, index):
 
 
 def test_op_sac_recompute_flops_of_a_qwen3_layer():
-    """Rerun forward FLOPs = 2 T (wk + wo weights) + router + all routed-expert GEMMs."""
+    """Rerun forward FLOPs = 2 T wo weights + router + all routed-expert GEMMs."""
     model, cluster = load_model("qwen3-30b-a3b"), load_cluster("h100")
     layer, par = model.layers[0], _par(8)
     work = {w.name: w for w in layer_work(model, layer, cluster, TRAINING, par)}
     share = work_share(layer, ("op",), model.hidden_size)
     rerun = sum(work[n].flops / 3 * s for n, s in share.items())
     d, T, moe = model.hidden_size, B * S, layer.moe
-    oracle = 2 * T * (d * 4 * 128 + 32 * 128 * d)  # wk (4 kv heads) and wo
+    oracle = 2 * T * 32 * 128 * d  # wo (32 heads of 128)
     oracle += 2 * T * d * moe.num_experts + 2 * T * moe.top_k * 3 * d * moe.expert_ffn
     # attention_params adds the qk-norm weights to the projections' Work: a 1e-4 share
     assert rerun == pytest.approx(oracle, rel=1e-3)
