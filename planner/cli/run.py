@@ -198,7 +198,8 @@ def _train(cmd: list[str], env: dict[str, str], out: Path, steps: int) -> tuple[
     """torchrun the run; on a terminal a progress bar follows metrics.jsonl. (exit code,
     stopped): a SIGTERM sent to `piper run` alone (a scheduler's, `kill PID`) is passed on to
     torchrun, which stops its processes; after STOP_GRACE_S it is killed (and its processes
-    with it, planner.run.options.die_with_torchrun)."""
+    with it, planner.run.options.die_with_torchrun). After a Ctrl-C it waits for torchrun's
+    stop (_let_stop), then raises the KeyboardInterrupt."""
     metrics = out / "metrics.jsonl"
     stop: list[float] = []
 
@@ -219,10 +220,24 @@ def _train(cmd: list[str], env: dict[str, str], out: Path, steps: int) -> tuple[
                     update(min(_steps_done(metrics), steps))
                     if stop and time.monotonic() - stop[0] > STOP_GRACE_S:
                         proc.kill()
+        except KeyboardInterrupt:
+            _let_stop(proc)
+            raise
         finally:
             signal.signal(signal.SIGTERM, previous)
         update(min(_steps_done(metrics), steps))
     return code, bool(stop)
+
+
+def _let_stop(proc: subprocess.Popen) -> None:
+    """After a Ctrl-C (which reached torchrun too: the same process group), wait for torchrun
+    to stop its processes; it dies with `piper run`, and they with it. Killed after
+    STOP_GRACE_S or at a second Ctrl-C."""
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        proc.kill()
+        proc.wait()
 
 
 def _with_data(options: RunOptions, spec):

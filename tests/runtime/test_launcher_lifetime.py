@@ -1,5 +1,6 @@
 """The processes of `piper run` live and die together: kill -9 of torchrun or of `piper run`
-leaves no training process behind, and a SIGTERM stops the run with Piper's line alone.
+leaves no training process behind, a SIGTERM stops the run with Piper's line alone, and after
+a Ctrl-C `piper run` lets torchrun finish its stop before it exits.
 
 Real processes (2 gloo ranks, tiny-moe), found by the unique --out path in their command
 lines; every wait is bounded and anything left is killed in a finally.
@@ -12,11 +13,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+import planner.cli.run as run_cli
 from planner.inputs.models import load_model, model_config
 from planner.plan import ModelEntry
 from planner.run.options import TORCHRUN_MODULE
@@ -161,3 +164,36 @@ def test_a_process_dies_with_its_parent_killed_by_sigkill(tmp_path):
             os.kill(pid, signal.SIGKILL)
         proc.kill()
         proc.wait(timeout=GONE_S)
+
+
+def test_after_a_ctrl_c_piper_run_waits_for_torchrun_to_stop_its_processes(tmp_path):
+    """Ctrl-C reaches torchrun and `piper run` (one process group); `piper run` raises only
+    once torchrun has stopped: torchrun dies with it, and would cut its stop short."""
+    child = tmp_path / "torchrun_stand_in.py"
+    child.write_text(
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    time.sleep(1)\n"
+        "    open(sys.argv[1], 'w').write('stopped')\n"
+        "    sys.exit(130)\n"
+        "signal.signal(signal.SIGINT, stop)\n"
+        "open(sys.argv[1] + '.ready', 'w').write('')\n"
+        "time.sleep(60)\n"
+    )
+    marker = tmp_path / "marker"
+    cmd = [sys.executable, str(child), str(marker)]
+
+    def ctrl_c_when_ready():
+        for _ in range(400):  # the stand-in's handler is installed before it says ready
+            if (tmp_path / "marker.ready").exists():
+                break
+            time.sleep(0.05)
+        (pid,) = live_processes(str(marker), "torchrun_stand_in")
+        os.kill(pid, signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_when_ready, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_cli._train(cmd, dict(os.environ), tmp_path, 1)
+    assert marker.read_text() == "stopped"
+    assert live_processes(str(marker)) == {}
