@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from planner.inputs.models import model_from_config
+from planner.inputs.safe_read import read_input_bytes
+from planner.run.hf_checkpoint import CONFIG, weight_files
 from planner.run.spec import EMPTY
 from planner.specs import ModelSpec, SpecError
 from runtime.model.arch import ModelArch, arch_from_hf_config
@@ -44,9 +46,6 @@ from runtime.parallel.tensor_parallel import vocab_shard
 
 log = logging.getLogger(__name__)
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 # expert matrices per family: (gate, up, down) names under the layer's MoE prefix
 _EXPERT_NAMES = {
@@ -58,10 +57,10 @@ _DEFAULT_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 def read_hf_config(path: str | Path) -> dict:
     """config.json of checkpoint directory `path` as a dict (SpecError if missing or bad)."""
     file = Path(path) / CONFIG
+    if not file.exists():
+        raise SpecError(f"{path}: no {CONFIG}; point at a save_pretrained directory")
     try:
-        cfg = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no {CONFIG}; point at a save_pretrained directory") from None
+        cfg = json.loads(read_input_bytes(file, CONFIG))
     except json.JSONDecodeError as exc:
         raise SpecError(f"{file}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
     if not isinstance(cfg, dict):
@@ -86,13 +85,7 @@ class _Tensors:
             raise SpecError(
                 "reading HF weights needs safetensors; pip install safetensors"
             ) from None
-        index = path / INDEX
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (path / WEIGHTS).is_file():
-            files = [WEIGHTS]
-        else:
-            raise SpecError(f"{path}: no {WEIGHTS} or {INDEX}; save the model with save_pretrained")
+        files = weight_files(path, str(path))  # shards inside the folder, regular files
         self.path, self.where = path, {}
         self.last: tuple[str, torch.Tensor] | None = None  # GPT-OSS reads a fused one per slot
         self.handles = [safe_open(str(path / f), framework="pt") for f in files]
