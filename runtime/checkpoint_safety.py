@@ -80,9 +80,12 @@ def read_metadata(path: str | Path) -> Metadata:
 
 
 def metadata_problem(path: str | Path) -> str | None:
-    """Why the checkpoint at `path` is not data Piper reads (None: it is): its `.metadata`
-    names anything but checkpoint classes, declares a key as bytes, or points at a file
-    outside the folder or one with transforms."""
+    """Why the checkpoint at `path` is not data Piper reads (None: it is): the folder holds a
+    symbolic link, or its `.metadata` names anything but checkpoint classes, declares a key
+    as bytes, or points at a file outside the folder or one with transforms."""
+    linked = sorted(p.name for p in Path(path).iterdir() if p.is_symlink())
+    if linked:
+        return f"{linked[0]} is a symbolic link, not a file of the checkpoint"
     try:
         metadata = read_metadata(path)
     except UnsafeCheckpoint as exc:

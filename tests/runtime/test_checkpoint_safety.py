@@ -105,6 +105,15 @@ def test_a_crafted_metadata_runs_nothing_and_is_refused_and_set_aside(saved, tmp
     why = _craft(step_dir(root, 4), form, marker)
     assert problem(step_dir(root, 4)) is None  # the manifest matches: it cannot tell
     assert metadata_problem(step_dir(root, 4)) == why
+    if form == "bytes":  # a storage file linked to one outside is no file of the checkpoint
+        victim = step_dir(root, 4) / "payload.distcp"
+        victim.rename(tmp_path / "payload")
+        victim.symlink_to(tmp_path / "payload")
+        assert metadata_problem(step_dir(root, 4)) == (
+            "payload.distcp is a symbolic link, not a file of the checkpoint"
+        )
+        victim.unlink()
+        (tmp_path / "payload").rename(victim)
     out = run_distributed(_body, 2, _spec(6), (str(root), 0, True), timeout_s=120)
     assert not marker.exists()  # nothing ran, on either rank
     aside = root / "refused-step-000004"
