@@ -343,3 +343,12 @@ def lock_folder(root: str | Path) -> int:
             "wait for it to end or use another folder"
         ) from None
     return fd
+
+
+def prepare_folder(root: str | Path, resume: bool, force: bool) -> list[str]:
+    """`piper run`'s check before launch: SpecError when a run holds the folder's lock (its
+    checkpoints are then left as they are), else `check_folder`'s. The lock is let go: the
+    run's rank 0 takes it (runtime/checkpoint.py)."""
+    if (Path(root) / LOCK).is_file():
+        os.close(lock_folder(root))
+    return check_folder(root, resume, force)

@@ -18,6 +18,7 @@ from planner.run.checkpoint_dir import (
     layout_of,
     lock_folder,
     model_of,
+    prepare_folder,
     resume_point,
     run_record,
     step_dir,
@@ -65,6 +66,10 @@ def test_a_second_run_on_the_folder_is_locked_out(tmp_path):
         f"--checkpoint-dir {tmp_path} is in use by another run (it holds {tmp_path}/.lock); "
         "wait for it to end or use another folder"
     )
+    _fake(tmp_path, 2, "running")
+    with pytest.raises(SpecError, match="is in use by another run"):
+        prepare_folder(tmp_path, resume=False, force=True)  # force takes nothing from it
+    assert checkpoints(tmp_path) == [step_dir(tmp_path, 2)]
     os.close(first)
     os.close(lock_folder(tmp_path))  # free again once the first run let go
 
