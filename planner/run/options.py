@@ -286,10 +286,10 @@ class _QuietStop(logging.Filter):
 
 
 def run_torchrun(argv: list[str] | None = None) -> None:
-    """torchrun as `piper run` starts it (argv: PARENT_PID MODULE ARGS..., default sys.argv[1:]):
-    it dies with PARENT_PID (die_with_parent), hands its pid to its processes
-    (TORCHRUN_PID_ENV, for die_with_torchrun), and a stop on SIGTERM or SIGINT ends it with
-    128 + the signal without torchrun's traceback and warnings of the stop."""
+    """torchrun as `piper run` and `piper profile` start it (argv: PARENT_PID MODULE ARGS...,
+    default sys.argv[1:]): it dies with PARENT_PID (die_with_parent), hands its pid to its
+    processes (TORCHRUN_PID_ENV, for die_with_torchrun), and a stop on SIGTERM or SIGINT ends
+    it with 128 + the signal without torchrun's traceback and warnings of the stop."""
     parent, module, *args = sys.argv[1:] if argv is None else argv
     die_with_parent(int(parent))
     os.environ[TORCHRUN_PID_ENV] = str(os.getpid())
