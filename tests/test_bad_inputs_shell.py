@@ -91,7 +91,7 @@ def test_a_plan_name_that_would_reach_a_shell_is_refused(change, target, field, 
 def test_env_values_are_quoted_and_the_dry_run_runs_nothing(tmp_path):
     """A value full of shell syntax is exported verbatim; the dry run creates no file."""
     value = f"$({PWNED}); `{PWNED}` '\"; {PWNED} $HOME"
-    plan = _plan_file(tmp_path, _set_env({"NCCL_DEBUG_FILE": value, "NCCL_X": 3}))
+    plan = _plan_file(tmp_path, _set_env({"NCCL_DEBUG_SUBSYS": value, "NCCL_X": 3}))
     script = tmp_path / "job.sbatch"
     assert run_piper(["export", str(plan), "--to", "slurm", "--out", str(script)]).code == 0
     work = tmp_path / "work"
@@ -101,7 +101,7 @@ def test_env_values_are_quoted_and_the_dry_run_runs_nothing(tmp_path):
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in work.iterdir()) == ["h"]
     exports = "\n".join(ln for ln in script.read_text().splitlines() if ln.startswith("export N"))
-    shown = subprocess.run(["bash", "-c", f'{exports}\nprintf %s "$NCCL_DEBUG_FILE|$NCCL_X"'],
+    shown = subprocess.run(["bash", "-c", f'{exports}\nprintf %s "$NCCL_DEBUG_SUBSYS|$NCCL_X"'],
                            cwd=work, capture_output=True, text=True, check=True)  # fmt: skip
     assert shown.stdout == f"{value}|3"
     assert sorted(p.name for p in work.iterdir()) == ["h"]

@@ -89,7 +89,7 @@ def test_engine_trials_are_slurm_jobs(tmp_path, engine):
     short = {
         "megatron": 'pretrain_gpt.py" "${MEGATRON_ARGS[@]}" --train-iters 30 --log-interval 1',
         "torchtitan": "torchtitan.train --training.steps 30 --metrics.log_freq 1 "
-        '"${TORCHTITAN_ARGS[@]}")',
+        '"${DATA_ARGV[@]}" "${TORCHTITAN_ARGS[@]}")',
     }
     for t in trials:
         if engine == "torchtitan":
