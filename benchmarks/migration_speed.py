@@ -9,13 +9,27 @@ Every policy decides every interval from the past loads; the median wall-clock t
 (layer, interval) decision is printed with its ratio to the greedy swap. Target from the
 issue: Piper's median <= 50 ms per layer per interval at 256 x 64 with replicas.
 
+Then the trace's length: `piper migrate` end to end (read, the four policies, every output
+file and plot) on generated traces of --length-rows / 4 and --length-rows rows (default
+10^6): a run's per-step trace (16 experts, 2 MoE layers, one row per step, intervals of 10
+steps, 4 EP ranks: 40,000 steps of a 25-row step are 10^6 rows) and a 256-expert trace of
+one row per interval on 64 EP ranks. Every decision reads at most the newest 64 intervals
+(policies.HISTORY_INTERVALS), so 4x the rows should take about 4x the time; target: 10^6
+rows in < 60 s.
+
 Run: python3 benchmarks/migration_speed.py [--intervals 32] [--layers 2] [--trace FILE]
+     [--length-rows N] [--no-length]
 Writes what it prints to results/migration_speed.md (--results FILE, --no-results).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +40,10 @@ from planner.migration.inputs import migrate_setup
 from planner.migration.policies import POLICIES, MigrationOptions
 from planner.migration.run import replay
 from planner.migration.synth import SynthOptions, synth_trace
-from planner.migration.trace import Trace, interval_trace, load_trace
+from planner.migration.trace import Trace, interval_trace, load_trace, trace_to_csv
 
 TARGET_MS = 50.0
+TARGET_LENGTH_S = 60.0  # piper migrate on a 10^6-row trace
 
 
 def main() -> None:
@@ -42,10 +57,14 @@ def main() -> None:
     p.add_argument("--trace", action="append", help="trace CSV, one row per interval (repeatable)")
     p.add_argument("--results", default="results/migration_speed.md", help="markdown to write")
     p.add_argument("--no-results", action="store_true", help="print only")
+    p.add_argument("--length-rows", type=int, default=10**6, help="rows of the longest trace")
+    p.add_argument("--no-length", action="store_true", help="skip the trace-length timings")
     args = p.parse_args()
     title = "Expert migration decision time"
     with recorded(args.results, title, enabled=not args.no_results):
         run(args)
+        if not args.no_length:
+            run_lengths(args.length_rows)
 
 
 def time_policies(trace: Trace, args, redundant: int, rows: int = 1) -> dict[str, np.ndarray]:
@@ -95,6 +114,62 @@ def run(args: argparse.Namespace) -> None:
     print("\n| case | Piper median ms per layer per interval | <= 50 ms |\n|---|---|---|")
     for name, median in verdicts:
         print(f"| {name} | {median:.2f} | {'pass' if median <= TARGET_MS else 'FAIL'} |")
+
+
+def drifting_trace(experts: int, layers: int, rows: int, tokens: int) -> Trace:
+    """Poisson counts of a popularity that drifts as an Ornstein-Uhlenbeck walk of logits
+    (seeded): a long trace made in seconds (synth_trace samples every token)."""
+    rng = np.random.default_rng(0)
+    logit_LE = rng.normal(0.0, 0.5, (layers, experts))
+    tokens_ILE = np.empty((rows, layers, experts), dtype=np.int64)
+    for t in range(rows):
+        logit_LE += rng.normal(0.0, 0.05, logit_LE.shape) - 0.01 * logit_LE
+        share_LE = np.exp(logit_LE)
+        tokens_ILE[t] = rng.poisson(tokens * share_LE / share_LE.sum(axis=1, keepdims=True))
+    return Trace(tokens_ILE, tuple(range(1, layers + 1)))
+
+
+def time_migrate(trace: Trace, flags: list[str], folder: Path) -> float:
+    """Wall-clock seconds of `piper migrate` on the trace written as CSV, outputs included."""
+    path = folder / "trace.csv"
+    path.write_text(trace_to_csv(trace))
+    cli = "import sys; from planner.cli import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", cli, "migrate", "--trace", str(path)]
+    cmd += [*flags, "--out", str(folder / "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def run_lengths(longest: int) -> None:
+    """`piper migrate` on a quarter of the rows and on all of them, per trace shape."""
+    shapes = (
+        ("per-step, 16 experts x 2 layers, 10 steps per interval, 4 ranks", 16, 2, 4, 10),
+        ("per-interval, 256 experts x 2 layers, 64 ranks", 256, 2, 64, 1),
+    )
+    print("\npiper migrate end to end by trace length (read, 4 policies, outputs, plots)")
+    print(f"{'trace':66s} {'rows':>9s} {'intervals':>9s} {'seconds':>8s} {'us/row':>7s}")
+    verdicts = []
+    for label, experts, layers, ranks, k in shapes:
+        per_row = layers * experts
+        times = []
+        for rows in (longest // 4, longest):
+            steps = rows // per_row // k * k  # whole intervals
+            trace = drifting_trace(experts, layers, steps, 4096 if k > 1 else 32768)
+            flags = ["--ep", str(ranks), "--rows-per-interval", str(k)]
+            with tempfile.TemporaryDirectory() as folder:
+                seconds = time_migrate(trace, flags, Path(folder))
+            n = steps * per_row
+            times.append((n, seconds))
+            print(f"{label:66s} {n:9,d} {steps // k:9,d} {seconds:8.1f} {seconds / n * 1e6:7.1f}")
+        (n_small, s_small), (n_big, s_big) = times
+        print(f"  {n_big / n_small:.2f}x the rows took {s_big / s_small:.2f}x the time")
+        verdicts.append((label, n_big, s_big))
+    print(f"\n| trace | rows | seconds | < {TARGET_LENGTH_S:.0f} s |\n|---|---|---|---|")
+    for label, n, seconds in verdicts:
+        ok = "pass" if seconds < TARGET_LENGTH_S else "FAIL"
+        print(f"| {label} | {n:,} | {seconds:.1f} | {ok} |")
 
 
 if __name__ == "__main__":
