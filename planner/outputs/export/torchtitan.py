@@ -16,8 +16,10 @@ Mapping (torchtitan's ParallelismConfig / TrainingConfig, `torchtitan/config/con
   pp = 1 it is one micro-batch and torchtitan accumulates num_microbatches of them.
 - Pipeline stages become module_fqns_per_model_part (tok_embeddings on the first, norm and
   lm_head on the last), pp * vp parts in virtual order for Interleaved1F1B.
-- CUDA graphs (on by default) refuse pipeline parallelism and the expert-parallel
-  dispatchers that synchronize with the host, so they are turned off when pp > 1 or ep > 1.
+- CUDA graphs are turned off (`--training.disable_cuda_graphs`): torchtitan captures the whole
+  forward and backward by default where it can (pp = 1, and ep = 1 with the standard
+  all-to-all: torchtitan/trainer.py `_validate_cuda_graphs`), but the torchtitan target is
+  priced eager (planner/targets.py: its cuda_graphs are "none").
 - A model torchtitan 0.3 has no config function for (Mixtral, Llama-4, other shapes of
   Qwen3 MoE) is composed from torchtitan's own modules by a config module the export writes
   beside the args file (planner/outputs/export/torchtitan_model.py); the args file names it
@@ -126,8 +128,7 @@ def _training(plan: Plan) -> list[str]:
             "--training.seq_len", str(int(t.get("seq_len", 4096))),
             "--training.mixed_precision_param",
             _TITAN_DTYPES.get(str(t.get("dtype", "bf16")), "bfloat16")]  # fmt: skip
-    if p.pp > 1 or p.ep > 1:
-        args.append("--training.disable_cuda_graphs")
+    args.append("--training.disable_cuda_graphs")  # priced eager (the module docstring)
     if t.get("optimizer_dtype") == "bf16":
         args += ["--optimizer.implementation", "fused_opt_states_bf16"]
     return args
