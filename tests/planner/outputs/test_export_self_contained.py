@@ -17,6 +17,7 @@ from planner.plan import load_plan
 from planner.run.options import RunOptions
 from planner.run.spec import checked_spec
 from tests.hardening_cli import run_piper
+from tests.planner.outputs.test_plan_numerics import GPT_OSS_TINY
 
 # Qwen3-MoE in miniature: a rotary base, norm epsilon and top-k renormalization of its own,
 # none of them the family's defaults (10000, 1e-5, softmax before top-k)
@@ -64,8 +65,12 @@ def _export(plan, to: str) -> str:
 
 
 def _flag(text: str, flag: str) -> str | None:
+    """The value after `flag` in an export ("" for a switch), None when it is absent."""
     words = text.split()
-    return words[words.index(flag) + 1] if flag in words else None
+    if flag not in words:
+        return None
+    value = words[words.index(flag) + 1]
+    return "" if value.startswith("--") else value
 
 
 def _slurm_files(plan, out) -> dict[str, bytes]:
@@ -76,13 +81,24 @@ def _slurm_files(plan, out) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
 
 
-def test_megatron_and_slurm_exports_are_the_same_after_the_config_moved(tmp_path):
-    config, plan = _plan(tmp_path, QWEN3_TINY, "megatron")
+@pytest.mark.parametrize(
+    ("cfg", "flags"),
+    [
+        (QWEN3_TINY, {"--rotary-base": "1000000", "--norm-epsilon": "1e-06",
+                      "--moe-router-pre-softmax": None}),
+        # GPT-OSS: its own clamp (the family's is 7), windows and sinks from the shapes
+        (GPT_OSS_TINY, {"--activation-func-clamp-value": "5", "--rotary-base": "150000",
+                        "--window-size": "4,0", "--softmax-type": "learnable",
+                        "--moe-aux-loss-coeff": "0.9"}),
+    ],
+    ids=["qwen3", "gpt-oss"],
+)  # fmt: skip
+def test_megatron_and_slurm_exports_are_the_same_after_the_config_moved(tmp_path, cfg, flags):
+    config, plan = _plan(tmp_path, cfg, "megatron")
     before = _export(plan, "megatron")
-    assert (_flag(before, "--rotary-base"), _flag(before, "--norm-epsilon")) == ("1000000", "1e-06")
-    assert "--moe-router-pre-softmax" not in before.split()
+    assert {flag: _flag(before, flag) for flag in flags} == flags
     job = _slurm_files(plan, tmp_path / "job")
-    assert b"--rotary-base 1000000" in job["megatron_args.sh"]
+    assert f"--rotary-base {flags['--rotary-base']}".encode() in job["megatron_args.sh"]
     shutil.move(config.parent, tmp_path / "renamed")
     assert _export(plan, "megatron") == before
     shutil.rmtree(tmp_path / "renamed")
