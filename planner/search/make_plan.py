@@ -194,8 +194,8 @@ def make_plan(
         timings["total_s"] = time.perf_counter() - t0
         return PlanResult(None, rows, None, baselines, _t(timings), interrupted, message, gpus)
     (label or _quiet)("placement: expert and rank IPs")
-    doc = _plan_document(ctx, best, allocation, trace_loads, baselines, interrupted, target,
-                         settings)  # fmt: skip
+    doc = _plan_document(ctx, best, allocation, trace_loads, baselines, interrupted, settings,
+                         target)  # fmt: skip
     timings["placement_s"] = time.perf_counter() - t2
     timings["total_s"] = time.perf_counter() - t0
     return PlanResult(doc, rows, best, baselines, _t(timings), interrupted, "", gpus)
@@ -216,8 +216,8 @@ def _plan_document(
     trace_loads: Mapping[int, Sequence[float]] | None,
     baselines: Sequence[Baseline],
     interrupted: bool,
+    settings: ModelSettings,
     target: Target | None = None,
-    settings: ModelSettings | None = None,
 ) -> Plan:
     assert best.estimate is not None and best.stages is not None
     par, est, knobs = best.parallel, best.estimate, best.knobs
