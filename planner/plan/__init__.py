@@ -1,4 +1,4 @@
-"""plan.json: the typed schema (schema), its validation (check) and reading it (io)."""
+"""plan.json: the typed schema (schema, settings), its validation (check) and reading it (io)."""
 
 from planner.plan.io import load_plan, plan_from_dict
 from planner.plan.schema import (
