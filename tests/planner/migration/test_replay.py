@@ -233,8 +233,10 @@ def test_replay_decides_as_the_run_with_its_window():
     decisions of the run's policy loop: runtime.train.close_interval keeps the newest 64
     intervals' rows and next_placement decides on them."""
     pytest.importorskip("torch")
+    from planner.migration.policies import HISTORY_INTERVALS
     from runtime.train import MAX_INTERVALS, close_interval, rows_per_interval
 
+    assert MAX_INTERVALS == HISTORY_INTERVALS  # the run keeps the window the policy reads
     steps = 2  # --migrate-every 2: one history row per step
     trace = _long_trace(MAX_INTERVALS + 8, steps)
     initial, costs = _setup(trace)
