@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from planner.calibrate.runs import accounted_split
+from planner.cli.estimate_plan import Setup, microbatches, plan_setup, recompute_choice
 from planner.cli.optimizer_args import add_optimizer_state_arguments, optimizer_state
 from planner.cli.target_args import add_target_arguments, resolve
+from planner.outputs.estimate_report import estimate_files, estimate_table, rounded
+from planner.outputs.lines import wrapped
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
 from planner.resources.layer_comm import DISPATCHERS
 from planner.search.target_space import check_layout_for, with_target_modules
@@ -24,14 +28,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="predict tokens/s, memory and time of one parallel layout",
         description="Tokens/s (total and per GPU), step time, per-stage memory by component, "
         "time by component, communication by level, TFLOPS per GPU and MFU (model FLOPs in "
-        "Megatron-Core's convention) for one layout (even layer split). "
+        "Megatron-Core's convention) for one layout (even layer split). With PLAN.json: "
+        "re-price that plan (its model, cluster, training, layout, layer split and "
+        "dispatcher), the flags given changing it, beside its own prediction. "
         "See planner/RESOURCE_MODEL.md.",
     )
-    p.add_argument("--model", required=True, help="model preset name or config path")
-    p.add_argument("--cluster", required=True, help="cluster preset name or YAML path")
+    p.add_argument("plan", nargs="?", default=None, metavar="PLAN.json",
+                   help="a plan to re-price: its settings are every flag's default")  # fmt: skip
+    p.add_argument("--model", default=None, help="model preset name or config path")
+    p.add_argument("--cluster", default=None, help="cluster preset name or YAML path")
     _layout_arguments(p)
     _training_arguments(p)
-    p.add_argument("--dispatcher", choices=DISPATCHERS, default="flat")
+    p.add_argument("--dispatcher", choices=DISPATCHERS, default=None, help="default flat")
     p.add_argument("--accounting", choices=("piper", "paper"), default="piper")
     p.add_argument("--split", choices=("even", "accounted"), default="even",
                    help="layers per pipeline stage: even (earlier stages take the extra "
@@ -53,11 +61,12 @@ def _layout_arguments(p: argparse.ArgumentParser) -> None:
         ("--etp", "expert tensor-parallel degree"),
     )
     for flag, text in sizes:
-        p.add_argument(flag, type=int, default=1, help=text)
+        p.add_argument(flag, type=int, default=None, help=f"{text} (default 1)")
     p.add_argument("--gpus", type=int, default=None, help="check that pp*dp*tp*cp equals this")
     p.add_argument("--nodes", type=int, default=None,
                    help="resize the cluster to N nodes (as piper plan --nodes)")  # fmt: skip
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch "
+                   "(default 1)")  # fmt: skip
     p.add_argument("--num-microbatches", type=int, default=None, help="per data-parallel rank")
     p.add_argument("--recompute", choices=RECOMPUTE, default=None,
                    help="default none; selective when --recompute-modules is given")  # fmt: skip
@@ -67,7 +76,7 @@ def _layout_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _training_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=None, help="default 4096")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
     p.add_argument("--zero", action=argparse.BooleanOptionalAction, default=None,
                    help="distributed optimizer (shard Adam); default: the target's "
@@ -75,46 +84,41 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
                    help="shard weights, gradients and optimizer; default: the target's "
                    "(torchtitan on, megatron and piper off)")  # fmt: skip
-    p.add_argument("--optimizer-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="Adam moments dtype")  # fmt: skip
+    p.add_argument("--optimizer-dtype", choices=("fp32", "bf16"), default=None,
+                   help="Adam moments dtype (default fp32)")  # fmt: skip
     add_optimizer_state_arguments(p)
     p.add_argument("--mtp-layers", type=int, default=None, help="MTP layers (default: model's)")
-    p.add_argument("--a2a-overlap", action="store_true",
-                   help="1F1B all-to-all overlap behind another micro-batch")  # fmt: skip
+    p.add_argument("--a2a-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="1F1B all-to-all overlap behind another micro-batch (default "
+                   "off)")  # fmt: skip
     p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=None,
                    help="CUDA graphs: the per-layer host time paid (default: the cluster's "
                    "cuda_graphs)")  # fmt: skip
     add_target_arguments(p)
-    p.add_argument("--routing-skew", type=float, default=1.0, help="hot rank load / mean")
+    p.add_argument("--routing-skew", type=float, default=None,
+                   help="hot rank load / mean (default 1)")  # fmt: skip
     p.add_argument("--no-flash", action="store_true", help="attention without flash kernels")
-    p.add_argument("--dtype", default="bf16", choices=DTYPES,
-                   help="fp8/mxfp8: the linear GEMMs in low precision")  # fmt: skip
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="fp8/mxfp8: the linear GEMMs in low precision (default bf16)")  # fmt: skip
 
 
-def _microbatches(args: argparse.Namespace) -> tuple[int, int]:
-    """(num_microbatches, global_batch) from the flags; a mismatch is one error line."""
-    for flag in ("pp", "dp", "tp", "ep", "micro_batch", "vp", "cp", "etp"):
-        if getattr(args, flag) < 1:
-            name = flag.replace("_", "-")
-            raise SpecError(f"--{name} must be >= 1, got {getattr(args, flag)}")
-    if args.global_batch is not None and args.global_batch < 1:
-        raise SpecError(f"--global-batch must be >= 1, got {args.global_batch}")
-    per_step = args.dp * args.micro_batch
-    if args.num_microbatches is not None:
-        m = args.num_microbatches
-        if args.global_batch is not None and args.global_batch != m * per_step:
-            raise SpecError(
-                f"--global-batch {args.global_batch} != dp*micro-batch*num-microbatches = "
-                f"{m * per_step}; give only one of --global-batch and --num-microbatches"
-            )
-        return m, m * per_step
-    gb = args.global_batch if args.global_batch is not None else 1024
-    if gb % per_step:
+# What a flag left out means without a PLAN.json (with one, the plan's setting).
+FLAG_DEFAULTS = {"pp": 1, "dp": 1, "tp": 1, "ep": 1, "vp": 1, "cp": 1, "etp": 1,
+                 "micro_batch": 1, "seq_len": 4096, "optimizer_dtype": "fp32",
+                 "a2a_overlap": False, "routing_skew": 1.0, "dtype": "bf16",
+                 "dispatcher": "flat"}  # fmt: skip
+
+
+def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags with FLAG_DEFAULTS for those left out; --model and --cluster required."""
+    missing = [f"--{k}" for k in ("model", "cluster") if getattr(args, k) is None]
+    if missing:
         raise SpecError(
-            f"--global-batch {gb} is not a multiple of dp*micro-batch = {per_step}; "
-            "change --global-batch, --dp or --micro-batch"
+            f"estimate: {' and '.join(missing)} missing; name the model and the cluster, or "
+            "give a PLAN.json to re-price"
         )
-    return gb // per_step, gb
+    left_out = {k: v for k, v in FLAG_DEFAULTS.items() if getattr(args, k, None) is None}
+    return argparse.Namespace(**{**vars(args), **left_out})
 
 
 def _inputs(
@@ -126,8 +130,8 @@ def _inputs(
 
     model, cluster = load_model(args.model), load_cluster_nodes(args.cluster, args.nodes)
     check_dtype(cluster, args.dtype, args.cluster)
-    m, gb = _microbatches(args)
-    recompute, modules = _recompute(args)
+    m, gb = microbatches(args)
+    recompute, modules = recompute_choice(args)
     parallel = ParallelConfig(
         pp=args.pp, dp=args.dp, tp=args.tp, ep=args.ep, micro_batch=args.micro_batch,
         num_microbatches=m, recompute=recompute, vp=args.vp, cp=args.cp, etp=args.etp,
@@ -161,21 +165,6 @@ def _sharding(args: argparse.Namespace, target: Target) -> tuple[bool, bool]:
     return bool(args.zero), bool(args.fsdp)
 
 
-def _recompute(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
-    """(policy, modules) from --recompute and --recompute-modules; modules alone mean
-    selective recompute."""
-    if args.recompute_modules is None:
-        return args.recompute or "none", ()
-    modules = tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip())
-    if not modules:
-        raise SpecError("--recompute-modules is empty; list modules, e.g. core_attn,moe_act")
-    if args.recompute not in (None, "selective"):
-        raise SpecError(
-            f"--recompute-modules needs --recompute selective, not {args.recompute}; drop one"
-        )
-    return "selective", modules
-
-
 def run(args: argparse.Namespace) -> int:
     from planner.calibrate.error_bars import (
         interval_lines,
@@ -184,24 +173,58 @@ def run(args: argparse.Namespace) -> int:
         may_not_fit_note,
     )
     from planner.calibrate.uncertainty import intervals
+    from planner.outputs.estimate_report import beside_plan
     from planner.outputs.files import write_files
-    from planner.resources.cost import estimate, estimate_to_dict
-    from planner.resources.flops import FLOPS_CONVENTION
+    from planner.resources.cost import estimate
 
-    model, cluster, training, parallel, target = _inputs(args)
-    m, gb = parallel.num_microbatches, training.global_batch
-    split = accounted_split(model.num_layers, parallel.pp) if args.split == "accounted" else None
+    if args.plan:
+        setup = plan_setup(args)
+    else:
+        model, cluster, training, parallel, target = _inputs(_with_defaults(args))
+        split = (
+            accounted_split(model.num_layers, parallel.pp) if args.split == "accounted" else None
+        )
+        dispatcher = args.dispatcher or FLAG_DEFAULTS["dispatcher"]
+        setup = Setup(model, cluster, training, parallel, target, dispatcher, split)
 
     def price(c: ClusterSpec):
         return estimate(
-            model, c, training, parallel, stage_layers=split, dispatcher=args.dispatcher,
+            setup.model, c, setup.training, setup.parallel, stage_layers=setup.stage_layers,
+            recompute_layers=setup.recompute_layers, dispatcher=setup.dispatcher,  # type: ignore[arg-type]
             accounting=args.accounting,
         )  # fmt: skip
 
+    cluster = setup.cluster
     est = price(cluster)
     bars = intervals(cluster, est, reprice=lambda c: price(c).tokens_per_s)
     bars = may_not_fit(bars, cluster.device.memory_gib)
-    data = {
+    data = _data(setup, est, bars, args.accounting)
+    if setup.plan_predicted is not None:
+        data["plan_predicted"] = setup.plan_predicted
+    if args.out:
+        write_files(args.out, {**estimate_files(data), "intervals.csv": intervals_csv(bars)})
+    if args.json:
+        print(json.dumps(rounded(data), indent=2, sort_keys=True))
+    else:
+        print(estimate_table(data, may_not_fit_note(bars, cluster.device.memory_gib)))
+        print("\n".join(wrapped(interval_lines(bars, setup.parallel.world, indent=""))))
+        if setup.plan_predicted is not None:
+            print("\n".join(beside_plan(data, setup.plan_predicted, setup.changed)))
+        if args.out:
+            print(
+                f"wrote estimate.json, memory.csv, time.csv, comm.csv, intervals.csv to {args.out}"
+            )
+    return 0
+
+
+def _data(setup: Any, est: Any, bars: Any, accounting: str) -> dict[str, Any]:
+    """estimate.json: the inputs as priced, the estimate, the intervals."""
+    from planner.resources.cost import estimate_to_dict
+    from planner.resources.flops import FLOPS_CONVENTION
+
+    model, cluster, training, parallel = setup.model, setup.cluster, setup.training, setup.parallel
+    gb = training.global_batch
+    return {
         "model": model.name,
         "cluster": cluster.name,
         "parallel": {
@@ -214,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
             "cp": parallel.cp,
             "etp": parallel.etp,
             "micro_batch": parallel.micro_batch,
-            "num_microbatches": m,
+            "num_microbatches": parallel.num_microbatches,
             "recompute": parallel.recompute,
             "recompute_modules": list(parallel.selective_modules),
             "world": parallel.world,
@@ -226,153 +249,25 @@ def run(args: argparse.Namespace) -> int:
             "fsdp": training.fsdp,
             "dtype": training.dtype,
             "optimizer_dtype": training.optimizer_dtype,
-            "mtp_layers": model.num_mtp_layers if args.mtp_layers is None else args.mtp_layers,
+            "mtp_layers": model.num_mtp_layers
+            if training.mtp_layers is None
+            else training.mtp_layers,
             "a2a_overlap": training.a2a_overlap,
             "gate_in_activation": training.gate_in_activation,
         },  # fmt: skip
-        "dispatcher": args.dispatcher,
+        "dispatcher": setup.dispatcher,
         "dedup_ratio": (
-            _dedup_ratio(model, cluster, parallel) if args.dispatcher == "halo-dedup" else None
+            _dedup_ratio(model, cluster, parallel) if setup.dispatcher == "halo-dedup" else None
         ),
-        "accounting": args.accounting,
-        "target": target.name,
+        "accounting": accounting,
+        "target": setup.target.name,
         **estimate_to_dict(est),
         "tokens_per_s_per_gpu": est.tokens_per_s / parallel.world,
         "flops_per_token": est.model_flops_per_step / (gb * training.seq_len),
         "flops_convention": FLOPS_CONVENTION,
+        "peak_tflops": dict(cluster.device.peak_tflops),
         "intervals": bars.to_dict(),
     }
-    if args.out:
-        write_files(args.out, {**_files(data), "intervals.csv": intervals_csv(bars)})
-    if args.json:
-        print(json.dumps(_rounded(data), indent=2, sort_keys=True))
-    else:
-        print(_table(data, may_not_fit_note(bars, cluster.device.memory_gib)))
-        print("\n".join(interval_lines(bars, parallel.world, indent="")))
-        if args.out:
-            print(
-                f"wrote estimate.json, memory.csv, time.csv, comm.csv, intervals.csv to {args.out}"
-            )
-    return 0
-
-
-def _rounded(obj: object) -> object:
-    if isinstance(obj, float):
-        return float(f"{obj:.9g}")
-    if isinstance(obj, dict):
-        return {k: _rounded(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_rounded(v) for v in obj]
-    return obj
-
-
-def _files(data: dict) -> dict[str, str]:
-    mem = ["stage,component,gib"]
-    time = ["stage,component,seconds"]
-    for st in data["stages"]:
-        mem += [f"{st['stage']},{k},{v:.6f}" for k, v in st["memory_gib"].items()]
-        mem.append(f"{st['stage']},total,{st['total_gib']:.6f}")
-        time += [f"{st['stage']},{k},{v:.9g}" for k, v in st["time_s"].items()]
-        time.append(f"{st['stage']},total,{st['total_s']:.9g}")
-    comm = ["name,kind,level,seconds_per_step"]
-    for name, s in data["comm_s"].items():
-        kind, _, level = name.partition("_")
-        comm.append(f"{name},{kind},{level},{s:.9g}")
-    return {
-        "estimate.json": json.dumps(_rounded(data), indent=2, sort_keys=True) + "\n",
-        "memory.csv": "\n".join(mem) + "\n",
-        "time.csv": "\n".join(time) + "\n",
-        "comm.csv": "\n".join(comm) + "\n",
-    }
-
-
-def _table(d: dict, interval_note: str = "") -> str:
-    from planner.numbers import number, percent
-
-    par, tr = d["parallel"], d["training"]
-    rc = par["recompute"]
-    if par["recompute_modules"]:
-        rc += f"({','.join(par['recompute_modules'])})"
-    sharding = "fsdp" if tr["fsdp"] else "distributed optimizer" if tr["zero"] else "replicated"
-    lines = [
-        f"{d['tokens_per_s']:,.0f} tokens/s ({d['tokens_per_s_per_gpu']:,.0f} per GPU), "
-        f"step {number(d['step_time_s'])} s, {number(d['tflops_per_gpu'], 3)} TFLOPS/GPU, "
-        f"MFU {percent(d['mfu'])} ({d['flops_convention']} FLOP convention)",
-        f"{d['model']} on {d['cluster']}: pp={par['pp']} vp={par['vp']} dp={par['dp']} "
-        f"tp={par['tp']} cp={par['cp']} ep={par['ep']} etp={par['etp']} edp={par['edp']} "
-        f"micro-batch={par['micro_batch']} micro-batches={par['num_microbatches']} "
-        f"recompute={rc} ({par['world']} GPUs, {d['dispatcher']} all-to-all"
-        f"{_dedup_note(d.get('dedup_ratio'))}{', overlapped' if tr['a2a_overlap'] else ''})",
-        f"  {tr['dtype']}, {sharding}, Adam moments {tr['optimizer_dtype']}, "
-        f"MTP layers {tr['mtp_layers']}",
-        "",
-    ]
-    mem_keys = list(d["stages"][0]["memory_gib"])
-    lines.append("memory per rank (GiB)")
-    lines.append(f"{'stage':>5} {'layers':>7} " + " ".join(f"{k[:11]:>11}" for k in mem_keys)
-                 + f" {'total':>8}")  # fmt: skip
-    for st in d["stages"]:
-        row = " ".join(f"{number(st['memory_gib'][k], 3):>11}" for k in mem_keys)
-        lines.append(
-            f"{st['stage']:>5} {len(st['layers']):>7} {row} {number(st['total_gib'], 3):>8}"
-        )
-    time_keys = sorted({k for st in d["stages"] for k in st["time_s"]})
-    lines += ["", "time per micro-batch, forward + backward (ms)"]
-    lines.append(f"{'stage':>5} " + " ".join(f"{k[:11]:>11}" for k in time_keys) + f" {'total':>9}")
-    for st in d["stages"]:
-        row = " ".join(f"{st['time_s'].get(k, 0.0) * 1e3:>11.2f}" for k in time_keys)
-        lines.append(f"{st['stage']:>5} {row} {st['total_s'] * 1e3:>9.2f}")
-    hidden_keys = sorted({k for st in d["stages"] for k in st["hidden_s"]})
-    if hidden_keys:
-        lines += ["", "communication hidden behind compute, per micro-batch (ms)"]
-        lines.append(f"{'stage':>5} " + " ".join(f"{k[:11]:>11}" for k in hidden_keys))
-        for st in d["stages"]:
-            row = " ".join(f"{st['hidden_s'].get(k, 0.0) * 1e3:>11.2f}" for k in hidden_keys)
-            lines.append(f"{st['stage']:>5} {row}")
-    lines += ["", "communication per step on the bottleneck stage (s)"]
-    lines += [f"  {k:<24} {v:>10.4f}" for k, v in d["comm_s"].items()]
-    tables = ", ".join(d["used_measured_tables"]) or "none (analytic defaults)"
-    extras = "".join(
-        f", {label} {d[key]:.4f} s"
-        for key, label in (
-            ("unpaired_s", "unpaired warm-up"),
-            ("fsdp_first_gather_s", "first FSDP gather"),
-        )
-        if d[key]
-    )
-    lines += [
-        "",
-        f"tokens/s         {d['tokens_per_s']:,.0f}  ({d['tokens_per_s_per_gpu']:,.1f} per GPU)",
-        f"step time        {d['step_time_s']:.4f} s  (bubble {d['bubble_fraction']:.1%}, "
-        f"exposed comm {d['exposed_comm_s']:.4f} s{extras})",
-        f"TFLOPS per GPU   {number(d['tflops_per_gpu'], 3)}  (MFU {percent(d['mfu'])}; "
-        f"{number(d['flops_per_token'] / 1e9)} GFLOP/token, {d['flops_convention']} convention)",
-        f"memory limit     {d['usable_memory_gib']:.1f} GiB per GPU (stage totals include "
-        f"the framework overhead)",
-        f"fits             {_verdict(d, interval_note)}",
-        f"headroom         {_headroom(d)}",
-        f"target           {d['target']} (conventions and what it runs: planner/EXPORT.md)",
-        f"measured tables  {tables}",
-    ]
-    return "\n".join(lines)
-
-
-def _verdict(d: dict, interval_note: str = "") -> str:
-    """yes / only inside the margin / NO, with the reason; at the estimate only when
-    `interval_note` (error_bars.may_not_fit_note) says a stage's memory interval reaches past
-    the device memory."""
-    margin = f"with the {d['memory_margin_gib']:.1f} GiB memory margin kept free"
-    if d["fits"]:
-        return f"at the estimate, {margin}; {interval_note}" if interval_note else f"yes, {margin}"
-    if d["fits_without_margin"]:
-        tail = f"; {interval_note}" if interval_note else ""
-        return f"ONLY INSIDE THE MARGIN: {d['reason']}{tail}"
-    return "NO: " + d["reason"]
-
-
-def _headroom(d: dict) -> str:
-    """Free device memory per stage (GiB)."""
-    return ", ".join(f"stage {st['stage']} {st['headroom_gib']:.1f} GiB" for st in d["stages"])
 
 
 def _dedup_ratio(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelConfig) -> float:
@@ -383,7 +278,3 @@ def _dedup_ratio(model: ModelSpec, cluster: ClusterSpec, parallel: ParallelConfi
     if moe is None:
         return 1.0
     return dedup_ratio(cluster, parallel.ep, moe.num_experts, moe.top_k, parallel.etp)
-
-
-def _dedup_note(ratio: float | None) -> str:
-    return "" if ratio is None else f", {ratio:.2f}x HALO's network bytes"

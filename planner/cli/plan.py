@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import functools
 import gc
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from planner.cli.estimate import DTYPES
@@ -20,6 +22,7 @@ from planner.cli.optimizer_args import add_optimizer_state_arguments, optimizer_
 from planner.cli.plan_shortlist import (
     PlanInputs,
     add_shortlist_arguments,
+    check_shortlist_folder,
     shortlist_count,
     shortlist_files,
 )
@@ -158,6 +161,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the stage IP) or with the stage IP for every candidate (slower, same plan)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--no-plots",
+        dest="plots",
+        action="store_false",
+        help="write no PNG plots (they take most of the time spent writing the files)",
+    )
     add_shortlist_arguments(p)
     p.set_defaults(func=run, plan_parser=p)
 
@@ -215,7 +224,12 @@ def recompute_modules(values: list[str] | None) -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.outputs.reports import BASELINE_COLUMNS, baseline_rows, summary_dict, summary_text
+    from planner.outputs.reports import (
+        BASELINE_CONSOLE_COLUMNS,
+        baseline_console_rows,
+        summary_dict,
+        summary_text,
+    )
 
     _freeze_heap_at_exit()
     with phases("piper plan") as clock:
@@ -229,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**summary_dict(result), "out": out}, indent=2, sort_keys=True))
     else:
-        print(summary_text(result, out))
-        print_table("vs baselines", BASELINE_COLUMNS, baseline_rows(result))
+        print(summary_text(result, out, args.plots))
+        print_table("vs baselines", BASELINE_CONSOLE_COLUMNS, baseline_console_rows(result))
     if result.interrupted:
         print("piper plan: interrupted; wrote the best plan found so far", file=sys.stderr)
     return 0
@@ -258,14 +272,14 @@ def _plan(args: argparse.Namespace, clock: Phases) -> tuple[Any, str]:
     if found is None:
         return None, ""
     result, inputs = found
-    out = args.out or f"results/{inputs.model.name}-{inputs.cluster.name}-{args.gpus}"
+    out = out_dir(args, inputs.model, inputs.cluster)
     trials = {}
     if count:
         clock.start("shortlist", f"shortlist: {count} trial layouts")
         trials = shortlist_files(args, result, inputs, count, out, _search)
     clock.start("render", "writing plan.json, tables and plots")
     result = with_intervals(result, inputs.cluster)
-    files = render_files(result)
+    files = render_files(result, args.plots)
     result = replace(result, timings=command_timings(result.timings, clock.times()))
     files["timings.json"] = timings_json(result)
     write_files(out, files)
@@ -281,12 +295,14 @@ def _search(args: argparse.Namespace, clock: Phases) -> tuple[Any, PlanInputs] |
     """make_plan for the flags, with the redundant slots placed: (the PlanResult, its inputs);
     None when interrupted before any candidate was solved."""
     from planner.ip.solvers import SolverOptions
+    from planner.search.advice import memory_floor_message
     from planner.search.assemble import (
         check_slots_without_fsdp,
         estimate_with_slots,
         with_redundant_slots,
     )
     from planner.search.make_plan import make_plan
+    from planner.targets import with_conventions
 
     clock.start("inputs", "reading the model, cluster and inputs")
     model, cluster, training, target = _inputs(args)
@@ -314,6 +330,13 @@ def _search(args: argparse.Namespace, clock: Phases) -> tuple[Any, PlanInputs] |
     fsdp = False if args.redundant_slots else args.fsdp  # slots keep FSDP out of the search
     fixed = {k: getattr(args, k) for k in ("pp", "dp", "tp", "ep", "vp", "cp", "etp")}
     fixed["micro_batch"] = args.micro_batch
+    if args.gpus > 0:  # make_plan names a GPU count below 1
+        floor = memory_floor_message(model, cluster, with_conventions(training, target), args.gpus)
+        if floor:  # refused before the search: no layout can hold the model's state
+            raise SpecError(floor)
+    out = out_dir(args, model, cluster)  # a file in the way, a bad name: before the search
+    check_out_dir(out)
+    check_shortlist_folder(args, out)
     clock.start("search", "search: candidates solved")
     result = make_plan(
         model,
@@ -346,6 +369,21 @@ def _search(args: argparse.Namespace, clock: Phases) -> tuple[Any, PlanInputs] |
         best = replace(best, estimate=estimate_with_slots(best.estimate, result.plan, plan))
     result = replace(result, plan=plan, best=best)
     return result, PlanInputs(model, cluster, training, target)
+
+
+def out_dir(args: argparse.Namespace, model: ModelSpec, cluster: Any) -> str:
+    """--out, else results/MODEL-CLUSTER-GPUS."""
+    return args.out or f"results/{model.name}-{cluster.name}-{args.gpus}"
+
+
+def check_out_dir(out: str) -> None:
+    """Refuse an --out folder that is a file or lies under one before the search runs (the
+    files are written after it): NotADirectoryError naming the file, as writing would."""
+    for path in (Path(out), *Path(out).parents):
+        if path.exists():
+            if not path.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(path))
+            return
 
 
 def command_timings(

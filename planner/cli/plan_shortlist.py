@@ -70,6 +70,16 @@ def shortlist_count(args: argparse.Namespace) -> int:
     return count
 
 
+def check_shortlist_folder(args: argparse.Namespace, out: str) -> None:
+    """With --shortlist, refuse an OUT/shortlist folder the trial scripts cannot name, before
+    the search (planner.outputs.trials.check_path)."""
+    if args.shortlist is None:
+        return
+    from planner.outputs.trials import check_path
+
+    check_path(Path(out, "shortlist").resolve(), "--out")
+
+
 Search = Callable[[argparse.Namespace, Phases], "tuple[Any, PlanInputs] | None"]
 
 
@@ -82,8 +92,8 @@ def shortlist_files(
     search: Search,
 ) -> dict[str, str]:
     """The files of OUT/shortlist/ for the plan `result` (planner.outputs.trials)."""
-    from planner.calibrate.shortlist import shortlist
     from planner.calibrate.error_bars import with_intervals
+    from planner.calibrate.shortlist import shortlist
     from planner.outputs.trials import check_path, trial_files
 
     folder = Path(out, "shortlist").resolve()

@@ -26,7 +26,7 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--memory-margin",
-        default=DEFAULT_MEMORY_MARGIN,
+        default=None,
         metavar="GIB|PCT%",
         help="memory kept free on every stage, GiB or a share of device memory (default "
         f"{DEFAULT_MEMORY_MARGIN.replace('%', '%%')}; planner/PLANNING.md, 'Memory headroom')",
@@ -36,6 +36,7 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace, cluster: ClusterSpec) -> tuple[Target, float]:
     """(the target, the margin in GiB) from the flags and the cluster."""
     target = get_target(args.target or default_target(cluster))
+    margin = args.memory_margin if args.memory_margin is not None else DEFAULT_MEMORY_MARGIN
     return target, memory_margin_gib(
-        args.memory_margin, cluster.device.memory_gib, cluster.framework_overhead_gib
+        margin, cluster.device.memory_gib, cluster.framework_overhead_gib
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,7 +35,7 @@ from rich.text import Text
 
 from planner.numbers import EMPTY, number
 
-PIPE_WIDTH = 200  # columns of a table printed to a pipe or a file
+TABLE_WIDTH = 100  # the widest a table prints: on a pipe or a file, and on a wider terminal
 Update = Callable[[int, int | None], None]  # (done, total or None to keep it)
 
 
@@ -42,7 +43,7 @@ def console(stderr: bool = False) -> Console:
     """A rich Console on stdout (or stderr) as it is now; plain text when not a terminal."""
     file = sys.stderr if stderr else sys.stdout
     terminal = file.isatty()
-    return Console(file=file, width=None if terminal else PIPE_WIDTH, highlight=False,
+    return Console(file=file, width=None if terminal else TABLE_WIDTH, highlight=False,
                    force_terminal=terminal, no_color=not terminal)  # fmt: skip
 
 
@@ -81,7 +82,10 @@ class Phases:
     On a terminal one bar on stderr shows the phase's label and its done/total counter (from
     `update(done, total)`). With `stream` (stderr when it is a log), each phase is one line,
     `PREFIX: LABEL (at T s)`, and a phase running longer than `heartbeat_s` adds a line
-    `PREFIX: LABEL: still running, DONE/TOTAL, T s` every `heartbeat_s`. Every update is also
+    `PREFIX: LABEL: still running, DONE/TOTAL, T s` every `heartbeat_s`. The `silent` phases
+    (reading and checking the inputs) print no line, and a `lazy` phase (the search, which
+    checks the layout flags first) prints its line at its first update or heartbeat, so an
+    input refused there is the command's one line on stderr. Every update is also
     a logging INFO line of "planner.progress" (shown by `piper -v`)."""
 
     def __init__(
@@ -90,8 +94,11 @@ class Phases:
         stream: TextIO | None = None,
         prefix: str = "piper",
         heartbeat_s: float = HEARTBEAT_S,
+        silent: tuple[str, ...] = ("inputs",),
+        lazy: tuple[str, ...] = ("search",),
     ) -> None:
         self._bar = bar
+        self._silent, self._lazy, self._announced = silent, lazy, False
         self._task = bar.add_task("", total=None) if bar is not None else None
         self._times = {"startup": process_age_s()}
         self._name, self._since = "", time.perf_counter()
@@ -110,18 +117,20 @@ class Phases:
         if self._name:
             self._times[self._name] = self._times.get(self._name, 0.0) + now - self._since
         self._name, self._since = name, now
-        self._show(label, total)
+        self._show(label, total, lazy=name in self._lazy)
 
     def label(self, text: str) -> None:
         """Show `text` on the bar (or as a line) without starting a new phase."""
         self._show(text, None)
 
-    def _show(self, text: str, total: int | None) -> None:
+    def _show(self, text: str, total: int | None, lazy: bool = False) -> None:
         """A fresh task (rich cannot take a total back to None): the text, no progress yet."""
         with self._lock:
             self._text, self._done, self._total = text, 0, total
             self._shown_at = time.perf_counter()
-        self._line(f"{text} (at {self._elapsed_s():.1f} s)")
+        self._announced = self._name in self._silent
+        if not self._announced and not lazy:
+            self._announce()
         if self._bar is not None and self._task is not None:
             self._bar.remove_task(self._task)
             self._task = self._bar.add_task(text, total=total)
@@ -129,6 +138,8 @@ class Phases:
     def update(self, done: int, total: int | None = None) -> None:
         with self._lock:
             self._done, self._total = done, total if total is not None else self._total
+        if not self._announced:
+            self._announce()
         log.info("%s: %d/%s", self._text, done, self._total if self._total is not None else "?")
         if self._bar is not None and self._task is not None:
             if total is not None:
@@ -148,6 +159,14 @@ class Phases:
         if self._beat is not None:
             self._beat.join()
 
+    def _announce(self) -> None:
+        """The phase's line, once: its label and when it started."""
+        self._announced = True
+        self._line(f"{self._text} (at {self._elapsed_s() - self._running_s():.1f} s)")
+
+    def _running_s(self) -> float:
+        return time.perf_counter() - self._shown_at
+
     def _elapsed_s(self) -> float:
         return sum(self.times().values())
 
@@ -162,9 +181,12 @@ class Phases:
             with self._lock:
                 text, done, total = self._text, self._done, self._total
                 running_s = time.perf_counter() - self._shown_at
-            if text and running_s >= self._heartbeat_s:
-                count = f", {done}/{total}" if total else ""
-                self._line(f"{text}: still running{count}, {running_s:.0f} s")
+            if not text or running_s < self._heartbeat_s or self._name in self._silent:
+                continue
+            if not self._announced:
+                self._announce()
+            count = f", {done}/{total}" if total else ""
+            self._line(f"{text}: still running{count}, {running_s:.0f} s")
 
 
 @contextmanager
@@ -207,17 +229,78 @@ def print_table(
     title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], stderr: bool = False
 ) -> None:
     """A rich table under an optional title line: one header per column, numbers
-    right-aligned; numeric cells written by planner.numbers.number, text as given."""
+    right-aligned; numeric cells written by planner.numbers.number, text as given. It fits
+    min(terminal, TABLE_WIDTH) columns: text cells wrap at spaces; where the columns cannot
+    all keep their longest word (and MIN_TEXT_CELL characters of text) side by side, each row
+    prints as a block of `column: value` lines instead."""
     out = console(stderr)
+    width = min(out.width, TABLE_WIDTH)
     if title:
         out.print(title)
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    cells = [[_cell(v) for v in row] for row in rows]
     numeric = [all(_is_number(r[i]) for r in rows) for i in range(len(columns))]
-    for name, right in zip(columns, numeric, strict=True):
-        table.add_column(name, justify="right" if right and rows else "left")
-    for row in rows:
-        table.add_row(*(_cell(v) for v in row))
-    out.print(table)
+    least = _least_widths(columns, cells, numeric)
+    if sum(least) + GAP * (len(columns) - 1) > width:
+        for line in _records(columns, cells, width):
+            out.print(line, highlight=False, overflow="ignore", crop=False, soft_wrap=True)
+        return
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    widths = _widths(columns, cells, least, width - GAP * (len(columns) - 1))
+    for name, right, w in zip(columns, numeric, widths, strict=True):
+        table.add_column(name, justify="right" if right and rows else "left", width=w)
+    for row in cells:
+        table.add_row(*row)
+    out.print(table, width=width)
+
+
+def _widths(
+    columns: Sequence[str], cells: Sequence[Sequence[str]], least: list[int], room: int
+) -> list[int]:
+    """Column widths within `room`: each its widest cell (header included) when all fit,
+    else its least width plus a share of the rest in proportion to what it lacks."""
+    full = [
+        max(len(c) for c in [name, *(row[i] for row in cells)]) for i, name in enumerate(columns)
+    ]
+    if sum(full) <= room:
+        return full
+    spare, lack = room - sum(least), [f - lo for f, lo in zip(full, least, strict=True)]
+    out = [lo + spare * short // sum(lack) for lo, short in zip(least, lack, strict=True)]
+    return out
+
+
+MIN_TEXT_CELL = 14  # narrower text columns read as one word per line
+GAP = 3  # characters between two columns: padding, the box's blank divider, padding
+
+
+def _least_widths(
+    columns: Sequence[str], cells: Sequence[Sequence[str]], numeric: list[bool]
+) -> list[int]:
+    """Per column, the width that breaks no word: numbers whole, text its longest word and
+    at least MIN_TEXT_CELL (or its longest cell when shorter)."""
+    out = []
+    for i, name in enumerate(columns):
+        texts = [row[i] for row in cells]
+        longest_word = max(len(w) for t in [name, *texts] for w in [*t.split(), ""])
+        if numeric[i]:
+            out.append(max([longest_word, *(len(t) for t in texts)]))
+        else:
+            out.append(max(longest_word, min(MIN_TEXT_CELL, max(map(len, texts), default=0))))
+    return out
+
+
+def _records(columns: Sequence[str], cells: Sequence[Sequence[str]], width: int) -> list[str]:
+    """Each row as its first cell, then `  column: value` for its other non-empty cells,
+    wrapped to `width`."""
+    lines = []
+    for row in cells:
+        lines.append(row[0])
+        for name, value in zip(columns[1:], row[1:], strict=True):
+            if not value:
+                continue
+            lines += textwrap.wrap(f"{name}: {value}", width, initial_indent="  ",
+                                   subsequent_indent="    ", break_long_words=False,
+                                   break_on_hyphens=False)  # fmt: skip
+    return lines
 
 
 def _cell(value: Any) -> str:

@@ -12,6 +12,7 @@ PNG metadata carries no date or version, so the same plan gives the same bytes.
 from __future__ import annotations
 
 import io
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 from matplotlib import colormaps  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
@@ -36,6 +38,21 @@ PALETTE = (
 )
 FORWARD, BACKWARD = "tab:blue", "tab:orange"
 READABLE = FuncFormatter(lambda value, _pos: number(value, 3))
+
+
+def _title(fig: Figure, ax, title: str) -> None:
+    """Set the axes' title, wrapped at spaces onto more lines until, after tight_layout, it
+    lies inside the figure (a long model name or a note on the schedule overran the edge)."""
+    canvas = FigureCanvasAgg(fig)
+    words = len(title)
+    while True:
+        text = ax.set_title(textwrap.fill(title, words, break_long_words=False))
+        fig.tight_layout()
+        canvas.draw()
+        box = text.get_window_extent(canvas.get_renderer())
+        if (box.x0 >= 0 and box.x1 <= fig.bbox.width) or words <= 20:
+            return
+        words -= 5
 
 
 def _png(fig: Figure) -> bytes:
@@ -77,9 +94,8 @@ def memory_figure(est: EstimateView, title: str) -> Figure:
     cap = est.device_memory_gib if est.device_memory_gib == est.device_memory_gib else None
     ax.axhline(cap or est.usable_memory_gib, color="black", linestyle="--", label="capacity")
     ax.set_ylabel("GiB per device")
-    ax.set_title(title)
     _legend(ax)
-    fig.tight_layout()
+    _title(fig, ax, title)
     return fig
 
 
@@ -95,9 +111,8 @@ def time_figure(est: EstimateView, title: str) -> Figure:
     ax = fig.add_subplot()
     _stacked(ax, [(n, [1e3 * v for v in vals]) for n, vals in comps], stages)
     ax.set_ylabel("ms per micro-batch (fwd + bwd)")
-    ax.set_title(title)
     _legend(ax)
-    fig.tight_layout()
+    _title(fig, ax, title)
     return fig
 
 
@@ -185,8 +200,7 @@ def timeline_figure(stage_time_s: Sequence[float], num_microbatches: int, title:
     ax.legend(handles=[Patch(color=FORWARD, label="forward"),
                        Patch(color=BACKWARD, label="backward")],
               fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # fmt: skip
-    ax.set_title(title)
-    fig.tight_layout()
+    _title(fig, ax, title)
     return fig
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from planner.numbers import number, percent
 from planner.calibrate.error_bars import bracket, interval_lines, may_not_fit_note, memory_spread
+from planner.numbers import number, percent
+from planner.outputs.lines import mfu_text, wrapped
 from planner.outputs.tables import (
     CANDIDATE_DIGITS,
     COMM_DIGITS,
@@ -99,6 +100,21 @@ def _baseline_rows(
     return rows
 
 
+BASELINE_CONSOLE_COLUMNS = ("baseline", "layout", "tokens/s/GPU", "step (s)", "Piper speedup",
+                            "fits; note")  # fmt: skip
+
+
+def baseline_console_rows(result: PlanResult) -> list[list[str]]:
+    """The baselines as `piper plan` prints them (BASELINE_CONSOLE_COLUMNS): summary.md's
+    rows without TFLOPS/GPU, the fits verdict and the note in one column, so the table
+    fits 100 columns."""
+    out = []
+    for row in baseline_rows(result):
+        title, layout, per_gpu, step, _tflops, fits, speedup, note = row
+        out.append([title, layout, per_gpu, step, speedup, "; ".join(x for x in (fits, note) if x)])
+    return out
+
+
 def _note(b: Baseline, speedup: float) -> str:
     """The note column: why the baseline does not fit or what it needed, and when it beats
     Piper's plan (speedup under 1.00x as printed), why."""
@@ -146,12 +162,12 @@ def summary_md(result: PlanResult) -> str:
         "",
         "## Predicted",
         "",
-        _predicted_table(est, result.gpus, plan.predicted.intervals),
+        _predicted_table(est, result.gpus, plan.predicted.intervals, t["dtype"]),
         "",
         *_source_lines(plan.predicted.intervals),
         *_fits_lines(est, plan.predicted.intervals, "Fits (at the estimate; {}).", ""),
         f"TFLOPS/GPU and MFU: {FLOPS_NOTE}, {number(_gflop_per_token(est, result.gpus), 4)} GFLOP "
-        "per token.",
+        f"per token; {mfu_text(est.tflops_per_gpu, est.mfu, t['dtype'], _peaks(plan))}.",
         "",
         "## Solvers",
         "",
@@ -200,13 +216,16 @@ def _interval_row(est: EstimateView, gpus: int, ivs: Intervals) -> list[str]:
     ]  # fmt: skip
 
 
-def _predicted_table(est: EstimateView, gpus: int, ivs: Intervals | None = None) -> str:
+def _predicted_table(
+    est: EstimateView, gpus: int, ivs: Intervals | None = None, dtype: str = "bf16"
+) -> str:
+    """The prediction as a markdown table; its MFU is against the peak of `dtype`."""
     header = (
         "tokens/s",
         "tokens/s/GPU",
         "step time (s)",
         "TFLOPS/GPU",
-        "MFU",
+        f"MFU ({dtype.upper()} peak)" if dtype in ("fp8", "mxfp8") else "MFU",
         "bubble",
         "max stage GiB",
         "capacity GiB",
@@ -292,7 +311,7 @@ def summary_dict(result: PlanResult) -> dict[str, Any]:
     }
 
 
-def summary_text(result: PlanResult, out_dir: str) -> str:
+def summary_text(result: PlanResult, out_dir: str, plotted: bool = True) -> str:
     """What `piper plan` prints above its baseline table (baseline_rows): layout, prediction,
     solver, where the files are."""
     plan, best = result.plan, result.best
@@ -301,10 +320,13 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
     lines = []
     if result.interrupted:
         lines.append("interrupted: best plan found so far (search stopped by Ctrl-C)")
+    t, peaks = plan.training, _peaks(plan)
     lines += [
         f"{number(est.tokens_per_s)} tokens/s ({number(est.tokens_per_s / result.gpus)} per GPU): "
         f"{plan.model.name} on {result.gpus} GPUs of {plan.cluster.name}, "
         f"{describe(best.parallel, best.knobs)}",
+        f"  sequence {t['seq_len']:,} tokens, global batch {t['global_batch']:,} sequences "
+        f"({number(t['seq_len'] * t['global_batch'])} tokens per step), {t['dtype']}",
         f"  step {number(est.step_time_s, 4)} s, max stage memory "
         f"{number(max(est.memory_gib_per_stage), 3)} GiB of {number(capacity_gib(est), 3)}",
         f"  headroom per stage (GiB) "
@@ -312,22 +334,30 @@ def summary_text(result: PlanResult, out_dir: str) -> str:
         f"memory margin {number(plan.training.get('memory_margin_gib', 0.0), 3)} GiB kept free; "
         f"target {plan.extra.get('target', 'piper')}",
         *_fits_lines(est, plan.predicted.intervals, "  fits (at the estimate; {})"),
-        f"  {number(est.tflops_per_gpu, 3)} TFLOPS/GPU, MFU {percent(est.mfu)} ({FLOPS_NOTE}, "
+        f"  {number(est.tflops_per_gpu, 3)} TFLOPS/GPU, "
+        f"{mfu_text(est.tflops_per_gpu, est.mfu, t['dtype'], peaks)} ({FLOPS_NOTE}, "
         f"{number(_gflop_per_token(est, result.gpus), 4)} GFLOP/token)",
         *interval_lines(plan.predicted.intervals, result.gpus),
         f"  stage IP {plan.solver.backend} {plan.solver.status} (gap {number(plan.solver.gap, 3)})",
     ]
-    lines.append(f"  wrote {out_dir}/ (plan.json, candidates.csv, summary.md, plots)")
-    return "\n".join(lines)
+    plots = ", plots" if plotted else ""
+    lines.append(f"  wrote {out_dir}/ (plan.json, candidates.csv, summary.md{plots})")
+    return "\n".join(wrapped(lines))
+
+
+def _peaks(plan: Any) -> Mapping[str, float]:
+    """The plan's device peak TFLOPS per dtype ({} for a plan that does not record them)."""
+    return plan.cluster.profile.get("device", {}).get("peak_tflops", {})
 
 
 def timings_json(result: PlanResult) -> str:
     return json.dumps(dict(result.timings), indent=2, sort_keys=True) + "\n"
 
 
-def render_files(result: PlanResult) -> dict[str, str | bytes]:
-    """Every output file of `piper plan`, rendered in memory, keyed by file name."""
-    from planner.outputs import plots
+def render_files(result: PlanResult, plots: bool = True) -> dict[str, str | bytes]:
+    """Every output file of `piper plan`, rendered in memory, keyed by file name; without
+    the PNG plots when `plots` is False (`--no-plots`: they take most of the rendering)."""
+    from planner.outputs.plots import render_plots
 
     assert result.plan is not None and result.best is not None and result.best.estimate
     est, ivs = result.best.estimate, result.plan.predicted.intervals
@@ -340,5 +370,6 @@ def render_files(result: PlanResult) -> dict[str, str | bytes]:
         "comm.csv": comm_csv(est),
         "summary.md": summary_md(result),
     }
-    files.update(plots.render_plots(result.plan, est))
+    if plots:
+        files.update(render_plots(result.plan, est))
     return files

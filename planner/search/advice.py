@@ -14,10 +14,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from planner.inputs.clusters import with_nodes
+from planner.resources.cost import usable_memory_bytes
+from planner.resources.memory import (
+    device_optimizer_bytes,
+    grad_bytes_per_param,
+    weight_bytes_per_param,
+)
+from planner.resources.params import count_params
 from planner.search.branch_bound import SearchContext, search_layouts
 from planner.search.rows import CandidateRow, describe
 from planner.search.space import SearchSpace
-from planner.specs import TrainingSpec
+from planner.specs import GIB, ClusterSpec, ModelSpec, TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,38 @@ def shortfall(row: CandidateRow) -> tuple[float, float, int]:
     usable = row.usable_memory_gib
     ratio = row.memory_need_gib / usable if usable > 0 else math.inf
     return (ratio, row.memory_need_gib, row.order)
+
+
+def memory_floor_message(
+    model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, gpus: int
+) -> str:
+    """'' when the model's weights, gradients and optimizer state fit `gpus` devices fully
+    sharded (the least any layout holds: every byte of them on some device, none twice, no
+    activations); else the one-line refusal, naming the fewest GPUs that could hold them and
+    `--gpus` at the first power-of-two multiple of `gpus` past that (with `--nodes` when the
+    cluster is smaller). `training` carries the target's conventions (bytes per parameter);
+    the memory margin is not counted (a smaller margin is a fix the search names)."""
+    params = count_params(model).total
+    per_param = (
+        weight_bytes_per_param(training)
+        + grad_bytes_per_param(training)
+        + device_optimizer_bytes(1.0, training)
+    )
+    usable = usable_memory_bytes(cluster)
+    need = params * per_param
+    if usable <= 0 or need / gpus <= usable:
+        return ""
+    least = math.ceil(need / usable)
+    more = gpus * 2 ** math.ceil(math.log2(least / gpus))
+    g = cluster.gpus_per_node
+    nodes = f" --nodes {-(-more // g)}" if more > cluster.total_gpus else ""
+    return (
+        f"plan: {model.name} cannot fit on {gpus} GPUs of {cluster.name}: its weights, "
+        f"gradients and optimizer state ({params / 1e9:.1f}B parameters x {per_param:g} B) "
+        f"need {need / gpus / GIB:.1f} GiB per GPU even fully sharded, over the "
+        f"{usable / GIB:.1f} GiB usable; at least {least} GPUs hold them; try more GPUs "
+        f"(--gpus {more}{nodes})"
+    )
 
 
 def no_fit_message(ctx: SearchContext, rows: Sequence[CandidateRow]) -> str:

@@ -5,12 +5,16 @@
 - xmoe: an X-MoE-like layout: no pipeline (pp = 1), tp = 1, flat expert parallelism over
   all GPUs (the largest ep dividing both the GPU count and the experts), ZeRO turned on if
   that is what makes it fit;
-- megatron: a Megatron-LM rule of thumb: EP x TP fills one node, PP is the smallest that fits
-  memory with an even split, micro-batch 1, recompute only if needed, the distributed
-  optimizer unless the user turned it off.
-Each is scored by the same resource model as Piper's plan, with the flat all-to-all unless
-the user fixed the dispatcher, no interleaving, context or expert tensor parallelism and no
-all-to-all overlap; speedup = its step / Piper's step. The uniform split is taken among the
+- recipe: the layout published for the model (planner.search.recipes: Megatron-Bridge and
+  Megatron-MoE-ModelZoo runs), dp scaled to the plan's GPUs, with its recompute, interleaving,
+  dispatcher and all-to-all overlap where the plan's engine runs them;
+- generic, for a model without a recipe that runs on the plan's GPUs: EP inside a node, the
+  fewest pipeline stages that fit with an even split, micro-batch 1, recompute only if
+  needed, the distributed optimizer unless the user turned it off.
+Each is scored by the same resource model as Piper's plan with an even layer split; the
+uniform, X-MoE-like and generic layouts with the flat all-to-all unless the user fixed the
+dispatcher, no interleaving, context or expert tensor parallelism and no all-to-all overlap;
+speedup = its step / Piper's step. The uniform split is taken among the
 candidates the search costed and screened (a pruned family's other members are never costed).
 A baseline's `outside_search` names its settings that the plan's search could not choose (a
 size the user fixed, a recompute policy, sharding, dispatcher or overlap left out, an EP group
@@ -31,12 +35,13 @@ from planner.search import bounds
 from planner.search.branch_bound import SearchContext
 from planner.search.costing import training_for
 from planner.search.evaluator import EstimateView
+from planner.search.recipes import Recipe, recipe_layout, recipes_for
 from planner.search.space import Candidate, Knobs, SearchSpace
 
 
 @dataclass(frozen=True)
 class Baseline:
-    name: str  # "uniform" | "xmoe" | "megatron"
+    name: str  # "uniform" | "xmoe" | "recipe" | "generic"
     title: str
     parallel: ParallelConfig | None
     zero: bool
@@ -62,7 +67,7 @@ class _Scored:
 TITLES = {
     "uniform": "best uniform split",
     "xmoe": "X-MoE-like (flat EP, pp=1)",
-    "megatron": "Megatron rule of thumb (EPxTP in a node, even PP)",
+    "generic": "EP in a node, fewest stages that fit",
 }
 
 
@@ -199,28 +204,68 @@ def xmoe(ctx: SearchContext) -> Baseline:
     )
 
 
-def megatron(ctx: SearchContext) -> Baseline:
-    """EP x TP = one node (as far as experts and heads allow), smallest PP that fits, mb=1;
+def generic(ctx: SearchContext) -> Baseline:
+    """The layout for a model without a published recipe: EP inside a node (the largest
+    divisor of the experts that fits one), the fewest pipeline stages that fit with an even
+    split (tp grown inside the node before pp), micro-batch 1, no recompute when that fits,
     the distributed optimizer when the search may use it."""
     g, gpus = ctx.cluster.gpus_per_node, ctx.space.gpus
     experts = max(ctx.model.num_experts, 1)
     heads = ctx.model.layers[0].attention.num_heads
     ep = max(d for d in divisors(experts) if d <= g and gpus % d == 0)
-    tp = max(t for t in divisors(heads) if ep * t <= g and gpus % t == 0)
+    tps = [t for t in divisors(heads) if t <= g and gpus % t == 0]
     for rc in ("none", "full"):
-        for pp in divisors(gpus // tp):
-            dp = gpus // (pp * tp)
-            if pp > ctx.model.num_layers or ctx.training.global_batch % dp or (dp * tp) % ep:
-                continue
-            m = ctx.training.global_batch // dp
-            par = ParallelConfig(pp, dp, tp, ep, 1, m, rc)
-            best = _best_of(ctx, [(par, "zero" in ctx.space.sharding)])
-            if best is not None:
-                return _finish(ctx, "megatron", best, "")
-    return _finish(ctx, "megatron", None, "no pipeline depth fits with an even split")
+        for pp in divisors(gpus):
+            for tp in tps:
+                if gpus % (pp * tp) or pp > ctx.model.num_layers:
+                    continue
+                dp = gpus // (pp * tp)
+                if ctx.training.global_batch % dp or (dp * tp) % ep:
+                    continue
+                par = ParallelConfig(pp, dp, tp, ep, 1, ctx.training.global_batch // dp, rc)
+                best = _best_of(ctx, [(par, "zero" in ctx.space.sharding)])
+                if best is not None:
+                    return _finish(ctx, "generic", best, "")
+    return _finish(ctx, "generic", None, "no pipeline depth fits with an even split")
+
+
+RECIPES_PRICED = 4  # recipes that run on the plan's GPUs, priced to find one that fits
+
+
+def recipe(ctx: SearchContext) -> Baseline | None:
+    """The model's published layout (planner.search.recipes): of the closest RECIPES_PRICED
+    recipes that run on the plan's GPUs and batch (dp filling the GPUs), the first that fits,
+    else the first; its dispatcher and all-to-all overlap where the plan's engine runs them
+    (else the flat all-to-all, no overlap), the distributed optimizer. None when the model
+    has no recipe that runs here."""
+    found = []
+    for r in recipes_for(ctx.model.name, ctx.cluster.device.name, ctx.training.dtype):
+        par = recipe_layout(r, ctx.space.gpus, ctx.training.global_batch)
+        if par is None or par.pp > ctx.model.num_layers:
+            continue
+        found.append(_recipe_baseline(ctx, r, par))
+        if found[-1].estimate.fits or len(found) == RECIPES_PRICED:  # type: ignore[union-attr]
+            break
+    fitting = [b for b in found if b.estimate is not None and b.estimate.fits]
+    return (fitting or found or [None])[0]
+
+
+def _recipe_baseline(ctx: SearchContext, r: Recipe, par: ParallelConfig) -> Baseline:
+    space = ctx.space
+    dispatcher = r.dispatcher if r.dispatcher in space.dispatchers else _dispatcher(ctx)
+    overlap = r.a2a_overlap and space.a2a_overlap is not False and par.pp > 1
+    cand = Candidate(par, Knobs("zero", overlap, dispatcher))  # type: ignore[arg-type]
+    scaled = "" if r.gpus == space.gpus else f"published on {r.gpus} GPUs, dp scaled"
+    title = f"{r.source} recipe ({r.gpus} {r.hardware}, {r.dtype})"
+    outside = outside_search(space, par, cand.knobs)
+    return Baseline(
+        "recipe", title, par, True, _even_estimate(ctx, cand), scaled, cand.knobs, outside
+    )
 
 
 def all_baselines(
     ctx: SearchContext, inputs: Mapping[Candidate, StageCostInputs]
 ) -> tuple[Baseline, ...]:
-    return (uniform(ctx, inputs), xmoe(ctx), megatron(ctx))
+    """The uniform split, the X-MoE-like layout, and the model's published recipe (or, for a
+    model without one, the generic layout)."""
+    return (uniform(ctx, inputs), xmoe(ctx), recipe(ctx) or generic(ctx))

@@ -74,7 +74,7 @@ def test_estimate_prints_intervals_and_writes_intervals_csv(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "intervals: tokens/s [" in out and "(80%)" in out
     assert "memory (GiB) stage 0 [" in out and "stage 3 [" in out
-    assert f"from {describe_source(load_cluster('frontier'))}" in out
+    assert f"from {describe_source(load_cluster('frontier'))}" in " ".join(out.split())
     rows = list(csv.DictReader((tmp_path / "intervals.csv").open()))
     assert [r["figure"] for r in rows] == ["tokens_per_s", "step_time_s", "tflops_per_gpu",
                                            "mfu"] + ["memory_gib"] * 4  # fmt: skip

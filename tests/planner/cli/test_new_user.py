@@ -37,7 +37,8 @@ def test_plan_on_a_pipe_prints_one_line_per_phase(tmp_path):
     assert done.code == 0, done.stderr
     lines = [line for line in done.err_lines if line.startswith("piper plan: ")]
     labels = [line.removeprefix("piper plan: ").split(" (at ")[0] for line in lines]
-    assert labels[:2] == ["reading the model, cluster and inputs", "search: candidates solved"]
+    assert labels[0] == "search: candidates solved"  # reading the inputs prints no line
+    assert "baselines: scoring the reference layouts" in labels
     assert "writing plan.json, tables and plots" in labels
     assert all(" (at " in line and line.endswith(" s)") for line in lines)
 
@@ -71,3 +72,111 @@ def test_a_long_phase_has_a_heartbeat():
     clock.start("inputs", "inputs")
     clock.close()
     assert "still running" not in quiet.getvalue()
+
+
+@pytest.fixture(scope="module")
+def default_plan(tmp_path_factory):
+    """`piper plan` with no flags (mixtral-8x7b on 64 GCDs of frontier), stdout a pipe."""
+    out = tmp_path_factory.mktemp("default")
+    done = run_piper_process(["plan", "--no-plots", "--out", str(out)])
+    assert done.code == 0, done.stderr
+    return done.stdout, out
+
+
+def test_the_default_plan_prints_no_line_over_100_columns(default_plan):
+    stdout, _ = default_plan
+    assert max(len(line) for line in stdout.splitlines()) <= 100
+    assert "vs baselines" in stdout and "Piper" in stdout  # the baseline table, as a table
+
+
+def test_the_summary_names_sequence_and_global_batch(default_plan):
+    stdout, _ = default_plan
+    lines = stdout.splitlines()
+    assert lines[2] == (
+        "  sequence 4,096 tokens, global batch 1,024 sequences (4,194,304 tokens per step), bf16"
+    )
+
+
+def test_no_plots_writes_every_file_but_the_plots(default_plan):
+    stdout, out = default_plan
+    names = {p.name for p in out.iterdir()}
+    assert {"plan.json", "candidates.csv", "summary.md", "timings.json"} <= names
+    assert not [n for n in names if n.endswith(".png")]
+    assert f"wrote {out}/ (plan.json, candidates.csv, summary.md)" in stdout
+
+
+def test_mfu_is_against_the_bf16_peak_with_the_fp8_figure_labelled():
+    from planner.outputs.lines import mfu_text
+
+    peaks = {"bf16": 989.0, "fp8": 1979.0}
+    assert mfu_text(296.7, 296.7 / 1979.0, "fp8", peaks) == (
+        "MFU 30.0% of the BF16 peak, 15.0% of the FP8 peak"
+    )
+    assert mfu_text(296.7, 0.3, "bf16", peaks) == "MFU 30.0%"
+
+
+def test_a_table_too_wide_for_its_columns_prints_a_block_per_row(capsys, monkeypatch):
+    from planner.outputs import console
+
+    monkeypatch.setattr(console, "TABLE_WIDTH", 50)  # the columns need 58
+    rows = [["best uniform split", "pp=2 dp=16 tp=2 ep=8 mb=1 m=64 recompute=none", "1.00x",
+             "at the estimate (80% interval: may not)"]]  # fmt: skip
+    console.print_table("vs baselines", ("baseline", "layout", "speedup", "note"), rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "vs baselines",
+        "best uniform split",
+        "  layout: pp=2 dp=16 tp=2 ep=8 mb=1 m=64",
+        "    recompute=none",
+        "  speedup: 1.00x",
+        "  note: at the estimate (80% interval: may not)",
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    assert main([*TINY, "--no-plots", "--out", str(out)]) == 0
+    return out / "plan.json"
+
+
+def test_estimate_a_plan_reprices_it_as_planned(tiny_plan, capsys):
+    """No flags: the plan's own layout, split and settings, its prediction again."""
+    import json
+
+    capsys.readouterr()
+    assert main(["estimate", str(tiny_plan), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    predicted = json.loads(tiny_plan.read_text())["predicted"]
+    assert d["tokens_per_s"] == pytest.approx(predicted["tokens_per_s"], rel=1e-6)
+    assert d["step_time_s"] == pytest.approx(predicted["step_time_s"], rel=1e-6)
+    assert "plan_predicted" not in d
+
+
+def test_estimate_a_plan_with_changed_flags_shows_the_plan_beside_it(tiny_plan, capsys):
+    import json
+
+    plan = json.loads(tiny_plan.read_text())
+    capsys.readouterr()
+    assert main(["estimate", str(tiny_plan), "--tp", "2", "--dp", "4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["parallel"]["tp"], d["parallel"]["dp"]) == (2, 4)
+    assert d["parallel"]["ep"] == plan["parallel"]["ep"]  # the rest is the plan's
+    assert d["training"]["global_batch"] == plan["training"]["global_batch"]
+    assert d["plan_predicted"]["tokens_per_s"] == pytest.approx(
+        plan["predicted"]["tokens_per_s"], rel=1e-6
+    )
+    assert main(["estimate", str(tiny_plan), "--tp", "2", "--dp", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("re-priced with --dp 4 --tp 2: the plan's prediction beside it")
+    assert lines[at + 1].split() == ["plan", "now"]
+    was, now = plan["predicted"]["tokens_per_s"], d["tokens_per_s"]
+    assert lines[at + 2].split()[-1] == f"({now / was:.2f}x)"
+
+
+def test_estimate_without_a_plan_needs_model_and_cluster(capsys):
+    assert main(["estimate", "--model", "tiny-moe"]) == 2
+    assert capsys.readouterr().err == (
+        "piper estimate: error: estimate: --cluster missing; name the model and the cluster, "
+        "or give a PLAN.json to re-price\n"
+    )

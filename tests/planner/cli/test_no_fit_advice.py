@@ -12,9 +12,10 @@ def test_mixtral_32k_on_8_h100s_is_told_the_gpus_that_fit_not_fsdp(tmp_path):
                         "--seq-len", "32768", "--out", str(out)])  # fmt: skip
     assert result.code == 2
     lines = result.stderr.splitlines()
+    # refused from the memory floor before the search: 46.7B parameters x 18 B on 8 GPUs
     assert len(lines) == 1 and lines[0].startswith(
-        "piper plan: error: plan: no layout of mixtral-8x7b on 8 GPUs of h100 fits in memory; "
-        "closest is pp=1 dp=1 tp=8 ep=8"
+        "piper plan: error: plan: mixtral-8x7b cannot fit on 8 GPUs of h100: its weights, "
+        "gradients and optimizer state (46.7B parameters x 18 B) need 97.9 GiB per GPU"
     )
     assert lines[0].endswith("; try more GPUs (--gpus 16)") and "--fsdp" not in lines[0]
     assert not out.exists()

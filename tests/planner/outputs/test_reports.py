@@ -123,7 +123,7 @@ def test_memory_and_stage_csvs_match_the_prediction(result, files):
 
 def test_summary_lists_baselines_with_speedups(result, files):
     md = files["summary.md"]
-    for title in ("best uniform split", "X-MoE-like", "Megatron rule of thumb"):
+    for title in ("best uniform split", "X-MoE-like", "EP in a node, fewest stages that fit"):
         assert title in md
     for b in result.baselines:
         if b.estimate is not None and b.estimate.fits:

@@ -294,7 +294,7 @@ def test_baselines_are_scored_and_never_beat_piper():
         toy_model(), toy_cluster(4.0), toy_training(), 16, None, OPTS, evaluator=ToyEvaluator()
     )
     names = [b.name for b in result.baselines]
-    assert names == ["uniform", "xmoe", "megatron"]
+    assert names == ["uniform", "xmoe", "generic"]  # the toy model has no published recipe
     xmoe = result.baselines[1]
     if xmoe.parallel is not None:
         assert (xmoe.parallel.pp, xmoe.parallel.tp, xmoe.parallel.dp) == (1, 1, 16)

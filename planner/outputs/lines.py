@@ -1,0 +1,31 @@
+"""Lines `piper` prints: wrapped to LINE_WIDTH columns, MFU labelled with the peak it is
+against. No heavy imports: `piper estimate` shares them with `piper plan`."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Mapping, Sequence
+
+from planner.numbers import percent
+
+LINE_WIDTH = 100  # the widest line `piper plan` and `piper estimate` print
+
+
+def wrapped(lines: Sequence[str], width: int = LINE_WIDTH) -> list[str]:
+    """Each line wrapped at spaces to `width`, its continuation indented 4 past its own
+    indent; words are never broken (a path longer than the line stays whole)."""
+    out = []
+    for line in lines:
+        indent = " " * (len(line) - len(line.lstrip(" ")))
+        out += textwrap.wrap(line, width, subsequent_indent=indent + "    ",
+                             break_long_words=False, break_on_hyphens=False) or [""]  # fmt: skip
+    return out
+
+
+def mfu_text(tflops_per_gpu: float, mfu: float, dtype: str, peaks: Mapping[str, float]) -> str:
+    """MFU against the BF16 peak ("MFU x%"); in FP8 / MXFP8 the figure against that
+    precision's peak (the resource model's mfu) follows, labelled as such."""
+    if dtype in ("fp8", "mxfp8") and peaks.get("bf16"):
+        bf16 = tflops_per_gpu / peaks["bf16"]
+        return f"MFU {percent(bf16)} of the BF16 peak, {percent(mfu)} of the {dtype.upper()} peak"
+    return f"MFU {percent(mfu)}"
