@@ -14,11 +14,11 @@ from dataclasses import replace
 
 import pytest
 
+from planner.calibrate.error_bars import may_not_fit, may_not_fit_note
 from planner.cli import main
 from planner.inputs.clusters import load_cluster
 from planner.ip.solvers import SolverOptions
 from planner.outputs import reports
-from planner.calibrate.error_bars import may_not_fit, may_not_fit_note
 from planner.outputs.tables import capacity_gib
 from planner.plan import plan_from_dict
 from planner.plan.schema import Interval, Intervals
