@@ -340,20 +340,17 @@ def layer_activations(
         parts = attention_activations(model, layer, training, parallel)
         parts += mlp_activations(model, layer, training, parallel)
     full = dict(parts)
-    if recompute == "selective":
-        modules = parallel.recompute_modules or ("core_attn",)
-        per_elem = act_bytes_per_element(training) * rank_tokens(training, parallel)
-        if modules == (op_sac.OP,):  # the paper's equations have no per-op terms
-            if accounting != "paper":
-                d = model.hidden_size
-                parts = op_sac.kept_components(layer, parts, training, parallel, per_elem, d)
-        else:
-            parts = kept_components(layer, parts, modules, per_elem, model.hidden_size)
+    per_elem = act_bytes_per_element(training) * rank_tokens(training, parallel)
+    d = model.hidden_size
+    modules = parallel.recompute_modules or ("core_attn",)
+    if recompute == "selective" and modules != (op_sac.OP,):
+        parts = kept_components(layer, parts, modules, per_elem, d)
+    elif recompute == "selective" and accounting != "paper":  # the paper has no per-op terms
+        parts = op_sac.kept_components(layer, parts, training, parallel, per_elem, d)
     if accounting != "paper" and training.dtype in SAVED_LOW_PRECISION_BYTES:
         parts = low_precision_saved(model, layer, training, parallel, parts, full)
     if accounting != "paper" and training.activation_offload_modules:
-        per_elem = act_bytes_per_element(training) * rank_tokens(training, parallel)
-        moved = act_offload.offloaded(layer, training, parts, full, per_elem, model.hidden_size)
+        moved = act_offload.offloaded(layer, training, parts, full, per_elem, d)
         parts = [(n, v - moved.get(n, 0.0)) for n, v in parts]
     return ActBytes(tuple(parts))
 
