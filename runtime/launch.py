@@ -198,14 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         # torchrun sets TORCHELASTIC_RESTART_COUNT: a restarted process resumes
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         every, resume = options.checkpoint_every, options.resume or restarted
-        checkpoints = CheckpointOptions(options.checkpoint_dir, every, resume)
+        checkpoints = CheckpointOptions(options.checkpoint_dir, every, resume, data=options.data)
     dtype = options.compute_dtype(load_plan(options.plan).training)
     trainer = build_trainer(spec, rank, device, migration, options.hf_weights, dtype)
     if data is not None:
         trainer.sample = TokenSampler(data.array())
     for moe in trainer.module.moe_layers().values():
         moe.experts.gemm = options.expert_gemm
-    result = train(trainer, plot=True, checkpoints=checkpoints)
+    metrics = options.out_dir / "metrics.jsonl"  # appended as the run goes
+    result = train(trainer, plot=True, checkpoints=checkpoints, metrics_path=metrics)
     if rank == 0:
         files = dict(result.files)
         files["run.json"] = json.dumps(_run_info(spec), indent=2, sort_keys=True) + "\n"

@@ -25,7 +25,12 @@ from typing import Any
 from planner.calibrate.metrics import this_layout
 from planner.outputs.console import progress
 from planner.plan import Plan, load_plan
-from planner.run.checkpoint_dir import check_checkpointable, checkpoints, resume_point
+from planner.run.checkpoint_dir import (
+    check_checkpointable,
+    checkpoints,
+    prepare_folder,
+    resume_point,
+)
 from planner.run.migration import run_move_costs
 from planner.run.options import RunOptions, add_run_arguments, check_torch, torchrun_command
 from planner.run.spec import RunSpec, checked_spec
@@ -255,8 +260,10 @@ def _check_checkpoints(options: RunOptions, spec) -> None:
     corrupt or partial ones are named on stderr, the launcher skips them as well)."""
     try:
         check_checkpointable(spec)
+        for line in prepare_folder(options.checkpoint_dir, options.resume, options.force):
+            print(f"piper run: {line}", file=sys.stderr)
         if options.resume:
-            path, done, refused = resume_point(options.checkpoint_dir, spec)
+            path, done, refused = resume_point(options.checkpoint_dir, spec, options.data)
             for line in refused:
                 print(f"piper run: {line}", file=sys.stderr)
             print(f"piper run: resuming from {path} ({done} steps done)", flush=True)

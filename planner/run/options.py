@@ -113,7 +113,8 @@ class RunOptions:
     force: bool = _flag(
         False,
         "run even if the model or cluster changed since planning, or the processes may "
-        "not fit in this machine's memory",
+        "not fit in this machine's memory, or set aside another run's checkpoints in "
+        "--checkpoint-dir",
         cli_only=True,
     )
 
