@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ def with_nodes(cluster: ClusterSpec, nodes: int) -> ClusterSpec:
     nodes x gpus_per_node devices (keeping its bandwidth, latency and taper), and any level
     above it goes. Shrinking h100 (node 8, leaf 256, spine 1,024) to 16 nodes leaves node 8
     and leaf 128; growing it to 256 nodes gives node 8, leaf 256, spine 2,048. A resized
-    profile is named NAME-<nodes>n (h100-256n); the profile's own size returns it unchanged.
+    profile is named NAME-<nodes>n (h100-256n; resized again, the suffix is replaced); the
+    profile's own size returns it unchanged.
     A SpecError naming --nodes when `nodes` < 1."""
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise SpecError(
@@ -136,7 +138,8 @@ def with_nodes(cluster: ClusterSpec, nodes: int) -> ClusterSpec:
     # made of whole nodes, so every rule of _check_levels holds for any nodes >= 1. A new
     # name: plans made on it embed the resized profile and are not checked against the
     # preset (piper run refuses a plan whose preset changed since planning).
-    return replace(cluster, name=f"{cluster.name}-{nodes}n", num_nodes=nodes, levels=levels)
+    base = re.sub(r"-\d+n$", "", cluster.name)  # resized again: b200-64n -> b200-32n
+    return replace(cluster, name=f"{base}-{nodes}n", num_nodes=nodes, levels=levels)
 
 
 def check_dtype(cluster: ClusterSpec, dtype: str, where: str) -> None:

@@ -9,7 +9,7 @@ import json
 from collections.abc import Sequence
 
 from planner.numbers import number, percent
-from planner.outputs.lines import mfu_text, wrapped
+from planner.outputs.lines import cluster_label, mfu_text, wrapped
 
 
 def rounded(obj: object) -> object:
@@ -53,10 +53,11 @@ def estimate_table(d: dict, interval_note: str = "") -> str:
         f"step {number(d['step_time_s'])} s, {number(d['tflops_per_gpu'], 3)} TFLOPS/GPU, "
         f"{mfu_text(d['tflops_per_gpu'], d['mfu'], tr['dtype'], d.get('peak_tflops', {}))} "
         f"({d['flops_convention']} FLOP convention)",
-        f"{d['model']} on {d['cluster']}: pp={par['pp']} vp={par['vp']} dp={par['dp']} "
-        f"tp={par['tp']} cp={par['cp']} ep={par['ep']} etp={par['etp']} edp={par['edp']} "
-        f"micro-batch={par['micro_batch']} micro-batches={par['num_microbatches']} "
-        f"recompute={rc} ({par['world']} GPUs, {d['dispatcher']} all-to-all"
+        f"{d['model']} on {cluster_label(d['cluster'])}: pp={par['pp']} vp={par['vp']} "
+        f"dp={par['dp']} tp={par['tp']} cp={par['cp']} ep={par['ep']} etp={par['etp']} "
+        f"edp={par['edp']} micro-batch={par['micro_batch']} "
+        f"micro-batches={par['num_microbatches']} recompute={rc} "
+        f"({par['world']} GPUs, {d['dispatcher']} all-to-all"
         f"{_dedup_note(d.get('dedup_ratio'))}{', overlapped' if tr['a2a_overlap'] else ''})",
         f"  sequence {tr['seq_len']:,} tokens, global batch {tr['global_batch']:,} sequences",
         f"  {tr['dtype']}, {sharding}, Adam moments {tr['optimizer_dtype']}, "

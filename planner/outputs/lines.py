@@ -3,6 +3,7 @@ against. No heavy imports: `piper estimate` shares them with `piper plan`."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Mapping, Sequence
 
@@ -29,3 +30,10 @@ def mfu_text(tflops_per_gpu: float, mfu: float, dtype: str, peaks: Mapping[str, 
         bf16 = tflops_per_gpu / peaks["bf16"]
         return f"MFU {percent(bf16)} of the BF16 peak, {percent(mfu)} of the {dtype.upper()} peak"
     return f"MFU {percent(mfu)}"
+
+
+def cluster_label(name: str) -> str:
+    """A cluster's name as people read it: a resized profile's `h100-32n` is
+    `h100 (32 nodes)`; any other name as it is."""
+    found = re.fullmatch(r"(.+)-(\d+)n", name)
+    return f"{found[1]} ({int(found[2]):,} nodes)" if found else name

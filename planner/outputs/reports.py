@@ -16,7 +16,7 @@ from typing import Any
 
 from planner.calibrate.error_bars import bracket, interval_lines, may_not_fit_note, memory_spread
 from planner.numbers import number, percent
-from planner.outputs.lines import mfu_text, wrapped
+from planner.outputs.lines import cluster_label, mfu_text, wrapped
 from planner.outputs.tables import (
     CANDIDATE_DIGITS,
     COMM_DIGITS,
@@ -139,7 +139,7 @@ def summary_md(result: PlanResult) -> str:
     plan, best = result.plan, result.best
     assert plan is not None and best is not None and best.estimate is not None
     est, par = best.estimate, best.parallel
-    model, cluster = plan.model.name or "?", plan.cluster.name or "?"
+    model, cluster = plan.model.name or "?", cluster_label(plan.cluster.name or "?")
     ivs = plan.predicted.intervals
     baselines = _baseline_rows(result.baselines, est.step_time_s, result.gpus, ivs)
     lines = [
@@ -323,7 +323,7 @@ def summary_text(result: PlanResult, out_dir: str, plotted: bool = True) -> str:
     t, peaks = plan.training, _peaks(plan)
     lines += [
         f"{number(est.tokens_per_s)} tokens/s ({number(est.tokens_per_s / result.gpus)} per GPU): "
-        f"{plan.model.name} on {result.gpus} GPUs of {plan.cluster.name}, "
+        f"{plan.model.name} on {result.gpus} GPUs of {cluster_label(plan.cluster.name)}, "
         f"{describe(best.parallel, best.knobs)}",
         f"  sequence {t['seq_len']:,} tokens, global batch {t['global_batch']:,} sequences "
         f"({number(t['seq_len'] * t['global_batch'])} tokens per step), {t['dtype']}",

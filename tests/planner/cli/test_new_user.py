@@ -180,3 +180,13 @@ def test_estimate_without_a_plan_needs_model_and_cluster(capsys):
         "piper estimate: error: estimate: --cluster missing; name the model and the cluster, "
         "or give a PLAN.json to re-price\n"
     )
+
+
+def test_a_resized_cluster_is_named_plainly():
+    from planner.inputs.clusters import load_cluster, with_nodes
+    from planner.outputs.lines import cluster_label
+
+    twice = with_nodes(with_nodes(load_cluster("h100"), 64), 32)
+    assert twice.name == "h100-32n"  # the suffix replaced, not h100-64n-32n
+    assert cluster_label(twice.name) == "h100 (32 nodes)"
+    assert cluster_label("gb200-nvl72") == "gb200-nvl72"

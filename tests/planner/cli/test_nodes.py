@@ -66,7 +66,7 @@ def test_plan_with_nodes_plans_every_gpu_of_the_resized_cluster(tmp_path):
     out = tmp_path / "out"
     result = run_piper(["plan", *TINY, "--nodes", "8", "--tp", "1", "--out", str(out)])
     assert result.code == 0, result.stderr
-    assert "on 16 GPUs of cpu-gloo-8n" in result.stdout
+    assert "on 16 GPUs of cpu-gloo (8 nodes)" in result.stdout
     plan = json.loads((out / "plan.json").read_text())
     cluster = plan["cluster"]
     assert (cluster["num_nodes"], cluster["gpus"], cluster["name"]) == (8, 16, "cpu-gloo-8n")
