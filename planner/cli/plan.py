@@ -26,6 +26,7 @@ from planner.cli.plan_shortlist import (
     shortlist_count,
     shortlist_files,
 )
+from planner.cli.plan_warnings import plan_warnings
 from planner.cli.target_args import add_target_arguments, resolve
 from planner.outputs.console import Phases, phases, print_table
 from planner.parallel import RECOMPUTE_MODULES
@@ -245,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(summary_text(result, out, args.plots))
         print_table("vs baselines", BASELINE_CONSOLE_COLUMNS, baseline_console_rows(result))
+    for line in plan_warnings(args, result.plan.cluster.gpus_per_node):
+        print(f"piper plan: warning: {line}", file=sys.stderr)
     if result.interrupted:
         print("piper plan: interrupted; wrote the best plan found so far", file=sys.stderr)
     return 0

@@ -190,3 +190,30 @@ def test_a_resized_cluster_is_named_plainly():
     assert twice.name == "h100-32n"  # the suffix replaced, not h100-64n-32n
     assert cluster_label(twice.name) == "h100 (32 nodes)"
     assert cluster_label("gb200-nvl72") == "gb200-nvl72"
+
+
+def test_partial_nodes_are_warned_with_the_whole_node_counts():
+    """100 GPUs on 8-GPU nodes: 12 full nodes and 4 GPUs of a 13th (mixtral-8x7b took
+    pp 25 there without a word)."""
+    import argparse
+
+    from planner.cli.plan_warnings import plan_warnings
+
+    args = argparse.Namespace(gpus=100, tp=None, ep=None)
+    assert plan_warnings(args, 8) == [
+        "--gpus 100 fills 12 nodes of 8 GPUs and 4 of one more, whose other 4 GPUs stay idle; "
+        "use --gpus 96 or 104 for whole nodes"
+    ]
+    assert plan_warnings(argparse.Namespace(gpus=96, tp=None, ep=None), 8) == []
+    assert plan_warnings(argparse.Namespace(gpus=4, tp=None, ep=None), 8) == []  # one node
+
+
+def test_a_tp_group_across_nodes_is_warned(tmp_path):
+    """--tp 4 on cpu-gloo's 2-GPU nodes: planned, and stderr says the group crosses nodes."""
+    done = run_piper_process([*TINY, "--tp", "4", "--no-plots", "--out", str(tmp_path / "o")])
+    assert done.code == 0, done.stderr
+    assert done.err_lines[-1] == (
+        "piper plan: warning: --tp 4: each TP group spans 2 nodes of 2 GPUs, so its all-reduces "
+        "cross the network every layer; layouts with TP inside a node exist: drop --tp to let "
+        "the search weigh them"
+    )
