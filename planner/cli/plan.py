@@ -225,6 +225,7 @@ def recompute_modules(values: list[str] | None) -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from planner.outputs.export.stamp import stale_warning
     from planner.outputs.reports import (
         BASELINE_CONSOLE_COLUMNS,
         baseline_console_rows,
@@ -248,6 +249,9 @@ def run(args: argparse.Namespace) -> int:
         print_table("vs baselines", BASELINE_CONSOLE_COLUMNS, baseline_console_rows(result))
     for line in plan_warnings(args, result.plan.cluster.gpus_per_node):
         print(f"piper plan: warning: {line}", file=sys.stderr)
+    stale = stale_warning(out, result.plan)  # exports in --out made from another plan
+    if stale:
+        print(stale, file=sys.stderr)
     if result.interrupted:
         print("piper plan: interrupted; wrote the best plan found so far", file=sys.stderr)
     return 0

@@ -217,3 +217,20 @@ def test_a_tp_group_across_nodes_is_warned(tmp_path):
         "cross the network every layer; layouts with TP inside a node exist: drop --tp to let "
         "the search weigh them"
     )
+
+
+def test_replanning_over_exports_of_another_plan_warns(tmp_path, capsys):
+    out = tmp_path / "run"
+    base = [*TINY, "--target", "megatron", "--no-plots", "--out", str(out)]
+    assert main(base) == 0
+    assert main(["export", str(out / "plan.json"), "--to", "megatron", "--out",
+                 str(out / "megatron_args.sh")]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main([*base, "--seq-len", "256"]) == 0  # the last --seq-len wins: another plan
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .startswith(
+            f"piper plan: WARNING: megatron_args.sh in {out} were exported from another plan"
+        )
+    )
