@@ -23,6 +23,7 @@ from planner.plan import (
     StagePlan,
     load_plan,
 )
+from planner.plan.settings import settings_of_model
 from planner.targets import TARGETS
 
 STAGES = ((0, 1, 2), (3, 4), (5, 6), (7,))  # first 3, middle 2 and 2, last 1
@@ -54,7 +55,9 @@ def make_plan(stages=STAGES, recompute=(), zero=False, cluster="cpu-gloo", exper
         experts = tuple(ExpertPlacement(layer, (0, 0, 0, 0, 1, 1, 1, 1)) for layer in range(1, 8))
     rc = dict(recompute)
     return Plan(
-        model=ModelEntry(model.name, model.source, model_config(model)),
+        model=ModelEntry(
+            model.name, model.source, model_config(model), settings=settings_of_model(model)
+        ),
         cluster=ClusterEntry(cluster, gpus_per_node=2, profile={"num_nodes": 4}),
         training={
             "seq_len": 128,

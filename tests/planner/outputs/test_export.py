@@ -338,12 +338,12 @@ def test_megatron_without_the_hf_config_says_the_defaults_are_used():
     """A hand-written plan without model.settings that names no config gets the family's
     defaults with a note; one naming a config that is gone is refused (not defaults)."""
     plan = make_plan()
-    entry = replace(plan.model, name="my-model", source="")
+    entry = replace(plan.model, name="my-model", source="", settings=None)
     notes = " ".join(
         export_plan(priced_for(replace(plan, model=entry), "megatron"), "megatron").notes
     )
     assert "no HF config found for 'my-model'" in notes
-    gone = replace(plan.model, name="my-model", source="/nowhere/config.json")
+    gone = replace(plan.model, name="my-model", source="/nowhere/config.json", settings=None)
     with pytest.raises(SpecError, match="has no model.settings .* '/nowhere/config.json' cannot"):
         export_plan(priced_for(replace(plan, model=gone), "megatron"), "megatron")
     assert "no HF config" not in " ".join(
