@@ -33,6 +33,7 @@ COMMANDS = (
     "calibrate",
     "export",
     "place",
+    "size",
 )
 
 
