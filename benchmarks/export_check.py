@@ -458,7 +458,7 @@ def titan_parsed(out: dict, num_layers: int) -> Parsed:
         "seq_len": (tr["seq_len"], "training.seq_len"),
         "pipeline_split": (split, "module_fqns_per_model_part"),
         "recompute": (recompute, f"activation_checkpoint={ac}"),
-        "recompute_modules": (("op-level SAC",) if recompute == "selective" else (), ac),
+        "recompute_modules": (("op",) if recompute == "selective" else (), ac),
         "recompute_layers": (layers, f"{ac} on every block"),
         "sharding": ("fsdp" if rep == 1 else f"hsdp {rep}x{shard}",
                      f"FSDP2 over shard {shard}, replicate {rep}"),

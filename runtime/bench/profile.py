@@ -381,6 +381,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from planner.run.options import die_with_torchrun
+
+    die_with_torchrun()  # no benchmark outlives a killed `piper profile` or torchrun
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("runtime.bench.profile: --device cuda but torch sees no CUDA device")
