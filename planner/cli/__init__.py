@@ -34,6 +34,7 @@ COMMANDS = (
     "export",
     "place",
     "size",
+    "cluster",
 )
 
 
