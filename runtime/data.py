@@ -20,6 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from planner.inputs.safe_read import open_input
+from planner.specs import SpecError
+
 VOCAB_SIZE = 256
 
 
@@ -36,20 +39,28 @@ def _stdlib_sources(root: Path):
 def load_corpus(max_bytes: int = 2 * 2**20) -> torch.Tensor:
     """The stdlib's *.py files in sorted-walk order, concatenated, as uint8 (<= max_bytes)."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    blob = corpus_bytes(root, max_bytes)
+    if len(blob) < 2**16:
+        raise RuntimeError(f"stdlib corpus under {root} is too small ({len(blob)} bytes)")
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def corpus_bytes(root: Path, max_bytes: int) -> bytes:
+    """The first `max_bytes` of root's *.py files in sorted-walk order. Only regular files
+    outside /proc, /sys and /dev are read, and no more of each than is still needed
+    (planner/inputs/safe_read.py); a FIFO, device or unreadable file is skipped."""
     chunks, total = [], 0
     for path in _stdlib_sources(root):
         try:
-            data = path.read_bytes()
-        except OSError:
+            with open_input(path, "corpus file", max_bytes=None) as fh:
+                data = fh.read(max_bytes - total)
+        except (SpecError, OSError):
             continue
         chunks.append(data)
         total += len(data)
         if total >= max_bytes:
             break
-    blob = b"".join(chunks)[:max_bytes]
-    if len(blob) < 2**16:
-        raise RuntimeError(f"stdlib corpus under {root} is too small ({len(blob)} bytes)")
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return b"".join(chunks)
 
 
 def sample_batch(

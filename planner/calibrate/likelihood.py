@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass
 
 from planner.calibrate.uncertainty import OFFSETS, error_model
+from planner.inputs.shown import shown, shown_text
 from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec, SpecError
 
 # The pooled leave-one-out RMS log error of the fitted presets, sqrt((12 x 0.087^2 + 6 x
@@ -125,8 +126,9 @@ def prior_sds(cluster: ClusterSpec) -> dict[str, float]:
         name = key[len(PRIOR_KEY) :]
         if name not in known:
             raise SpecError(
-                f"cluster {cluster.name}: calibration.{key}: '{name}' is not a constant a fit "
-                f"may set; use prior_sd_<name> with one of {', '.join(sorted(known))}"
+                f"cluster {cluster.name}: calibration.{shown_text(key)}: {shown(name)} is not a "
+                "constant a fit may set; use prior_sd_<name> with one of "
+                f"{', '.join(sorted(known))}"
             )
         try:
             value = float(text)
@@ -134,8 +136,8 @@ def prior_sds(cluster: ClusterSpec) -> dict[str, float]:
             value = math.nan
         if not (math.isfinite(value) and value > 0):
             raise SpecError(
-                f"cluster {cluster.name}: calibration.{key} = {text!r} must be a number > 0 "
-                "(the prior sd of log(constant + offset), e.g. 0.1); fix the profile"
+                f"cluster {cluster.name}: calibration.{shown_text(key)} = {shown(text)} must be a "
+                "number > 0 (the prior sd of log(constant + offset), e.g. 0.1); fix the profile"
             )
         out[name] = value
     return out

@@ -11,11 +11,14 @@ checked where per_rank is present).
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from planner.inputs.json_errors import DuplicateKey, json_error_line, unique_object
+from planner.inputs.safe_read import open_input
 from planner.specs import SpecError
 
 # Every step must carry these, numbers >= 0 (the first five are what calibration reads).
@@ -33,6 +36,10 @@ REQUIRED_KEYS = (
 RERUN = "re-run 'piper run'"
 MAX_VALUE = 1e30  # above any time, byte count or rate a run records
 PER_RANK_KEYS = ("peak_memory_bytes", "dispatch_s", "combine_s")
+# A line holds one step: 0.95 MB for 1,024 ranks with per_rank entries (runtime/metrics.py
+# step_line, measured with 20 byte kinds per rank), so this bound holds ~70,000 ranks. A
+# 40,000-step run of 1,024 ranks writes ~36 GiB, so the file is streamed, never capped.
+MAX_LINE_BYTES = 64 * 2**20
 
 
 def _number(value: Any) -> bool:
@@ -97,8 +104,13 @@ def parse_metrics(text: str, source: str = "metrics.jsonl") -> list[dict[str, An
     Returns:
         One dict per step, in file order (blank lines skipped).
     """
+    return _parse_lines(enumerate(text.splitlines(), start=1), source)
+
+
+def _parse_lines(lines: Iterable[tuple[int, str]], source: str) -> list[dict[str, Any]]:
+    """The steps of (line number, line) pairs (parse_metrics)."""
     rows: list[dict[str, Any]] = []
-    for n, line in enumerate(text.splitlines(), start=1):
+    for n, line in lines:
         if not line.strip():
             continue
         try:
@@ -121,17 +133,33 @@ def parse_metrics(text: str, source: str = "metrics.jsonl") -> list[dict[str, An
     return rows
 
 
+def _file_lines(fh: BinaryIO, p: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of an open metrics.jsonl, no line read past MAX_LINE_BYTES."""
+    for n in itertools.count(1):
+        try:
+            raw = fh.readline(MAX_LINE_BYTES + 1)
+        except OSError as exc:
+            raise SpecError(f"{p}: cannot read the metrics ({exc.strerror or exc})") from None
+        if not raw:
+            return
+        if len(raw) > MAX_LINE_BYTES:
+            raise SpecError(
+                f"{p} line {n}: longer than {MAX_LINE_BYTES // 2**20} MiB, more than any "
+                f"step's line; not the metrics.jsonl 'piper run' writes: {RERUN}"
+            )
+        try:
+            yield n, raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SpecError(
+                f"{p} line {n}: not a text file; metrics.jsonl has one JSON object per line"
+            ) from None
+
+
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Read and validate a metrics.jsonl file (parse_metrics)."""
+    """Read and validate a metrics.jsonl file (parse_metrics), streamed: a regular file
+    (planner/inputs/safe_read.py) of any length, each line at most MAX_LINE_BYTES."""
     p = Path(path)
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise SpecError(
-            f"{p}: not a text file; metrics.jsonl has one JSON object per line"
-        ) from None
-    except FileNotFoundError:
-        raise SpecError(f"{p}: no such metrics file; produce one with 'piper run'") from None
-    except OSError as exc:  # a directory, no permission
-        raise SpecError(f"{p}: cannot read the metrics ({exc.strerror or exc})") from None
-    return parse_metrics(text, str(p))
+    if not p.exists():
+        raise SpecError(f"{p}: no such metrics file; produce one with 'piper run'")
+    with open_input(p, "metrics", max_bytes=None) as fh:
+        return _parse_lines(_file_lines(fh, p), str(p))

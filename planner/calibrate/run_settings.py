@@ -10,11 +10,13 @@ resource model prices the run's dispatcher instead (planner.calibrate.compare ap
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from planner.inputs.safe_read import read_input_bytes
 from planner.plan.schema import Plan
 from planner.resources.layer_comm import RUNTIME_DISPATCHERS
 from planner.search.space import a2a_overlap_allowed
@@ -34,13 +36,16 @@ class Difference:
 
 
 def load_run_info(metrics_path: str | Path) -> dict[str, Any] | None:
-    """run.json beside `metrics_path`, or None when the run left none."""
+    """run.json beside `metrics_path`, or None when the run left none; read only from a
+    regular file of at most MAX_TEXT_BYTES (planner/inputs/safe_read.py: a FIFO, a device or
+    a directory of that name is one SpecError line)."""
     path = Path(metrics_path).parent / RUN_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
+    raw = read_input_bytes(path, RUN_FILE)
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        info = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise SpecError(
             f"{path}: not the run.json 'piper run' writes ({type(exc).__name__}); re-run "
             "'piper run' or remove it"

@@ -52,6 +52,8 @@ from pathlib import Path
 from typing import Literal
 
 from planner.inputs.models import load_model
+from planner.inputs.safe_read import read_input_bytes
+from planner.inputs.shown import shown, shown_text
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig, check_layout
 from planner.resources.cost import Estimate, estimate
 from planner.resources.layer_comm import DISPATCHERS
@@ -157,14 +159,12 @@ def load_runs(path: str | Path, allow_empty: bool = False) -> list[Run]:
     the file, the line and the column. A header without rows is an error unless
     `allow_empty` (the runs come from elsewhere too)."""
     p = Path(path)
-    try:
-        text = p.read_bytes().decode("utf-8-sig")
+    if not p.exists():
+        raise SpecError(f"{p}: no such runs file; give a CSV with the columns of {EXAMPLE}")
+    try:  # a regular file of at most MAX_TEXT_BYTES (planner/inputs/safe_read.py)
+        text = read_input_bytes(p, "runs").decode("utf-8-sig")
     except UnicodeDecodeError:
         raise SpecError(f"{p}: not a text file; RUNS.csv is comma-separated text") from None
-    except FileNotFoundError:
-        raise SpecError(
-            f"{p}: no such runs file; give a CSV with the columns of {EXAMPLE}"
-        ) from None
     return parse_runs(text, str(p), allow_empty)
 
 
@@ -232,7 +232,7 @@ def run_of(row: Mapping[str, str | None], where: str = "row") -> Run:
         if column not in FREE_TEXT and not text.isprintable():
             raise SpecError(
                 f"{where}: column {_shown(column, True)} holds a control character "
-                f"({text[:40]!r}); write the field on one line"
+                f"({shown(text)}); write the field on one line"
             )
     size = {c: _positive_int(fields, c, where) for c in SIZES}
     model = _model(fields["model"], where)
@@ -300,7 +300,9 @@ def _choice(
     if not text:
         return None
     if text not in choices:
-        raise SpecError(f"{where}: column '{column}'={text!r} is not one of {', '.join(choices)}")
+        raise SpecError(
+            f"{where}: column '{column}'={shown(text)} is not one of {', '.join(choices)}"
+        )
     return text
 
 
@@ -310,7 +312,7 @@ def _flag(fields: Mapping[str, str], column: str, where: str) -> bool | None:
     if not text:
         return None
     if text not in FLAGS:
-        raise SpecError(f"{where}: column '{column}'={text!r} must be 1 or 0 (yes or no)")
+        raise SpecError(f"{where}: column '{column}'={shown(text)} must be 1 or 0 (yes or no)")
     return FLAGS[text]
 
 
@@ -321,7 +323,7 @@ def _positive_int(fields: Mapping[str, str], column: str, where: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise SpecError(f"{where}: column '{column}' must be a positive integer, got {text!r}")
+        raise SpecError(f"{where}: column '{column}' must be a positive integer, got {shown(text)}")
     return value
 
 
@@ -332,7 +334,7 @@ def _number(fields: Mapping[str, str], column: str, where: str) -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise SpecError(f"{where}: column '{column}' must be a positive number, got {text!r}")
+        raise SpecError(f"{where}: column '{column}' must be a positive number, got {shown(text)}")
     return value
 
 
@@ -353,11 +355,11 @@ def _measured(fields: Mapping[str, str], where: str) -> tuple[Metric, float]:
 
 
 def _shown(text: str, quoted: bool = False) -> str:
-    """`text` for an error line: as is (in quotes when `quoted`) when printable, else its
-    repr, so the line stays one line."""
+    """`text` for an error line, cut to about 80 characters (planner.inputs.shown): as is
+    (in quotes when `quoted`) when printable, else its repr, so the line stays one line."""
     if not text.isprintable():
-        return repr(text)
-    return f"'{text}'" if quoted else text
+        return shown(text)
+    return f"'{shown_text(text, 80)}'" if quoted else shown_text(text, 80)
 
 
 def _model(name: str, where: str) -> ModelSpec:
@@ -372,7 +374,9 @@ def _model(name: str, where: str) -> ModelSpec:
 def _dtype(text: str, where: str) -> str:
     dtype = DTYPES.get(text.upper())
     if dtype is None:
-        raise SpecError(f"{where}: column 'precision' is {text!r}; use one of {', '.join(DTYPES)}")
+        raise SpecError(
+            f"{where}: column 'precision' is {shown(text)}; use one of {', '.join(DTYPES)}"
+        )
     return dtype
 
 
@@ -397,7 +401,7 @@ def _recompute(text: str, where: str) -> tuple[str, tuple[str, ...]]:
         return text, ()
     if not (text.startswith("selective(") and text.endswith(")")):
         raise SpecError(
-            f"{where}: column 'recompute' is {text!r}; use none, full, selective or "
+            f"{where}: column 'recompute' is {shown(text)}; use none, full, selective or "
             "selective(module,...)"
         )
     inner = text.removeprefix("selective(").removesuffix(")")
@@ -405,7 +409,7 @@ def _recompute(text: str, where: str) -> tuple[str, tuple[str, ...]]:
     unknown = [n for n in names if n not in RECOMPUTE_MODULES]
     if unknown:
         raise SpecError(
-            f"{where}: column 'recompute' names module {unknown[0]!r}; choose from "
+            f"{where}: column 'recompute' names module {shown(unknown[0])}; choose from "
             f"{', '.join(RECOMPUTE_MODULES)} (or norm, act)"
         )
     return "selective", names

@@ -58,6 +58,7 @@ from typing import Protocol
 
 import numpy as np
 
+from planner.inputs.shown import shown, shown_text
 from planner.plan.schema import Interval, Intervals
 from planner.specs import ClusterSpec, SpecError
 
@@ -168,8 +169,8 @@ def error_model(cluster: ClusterSpec) -> ErrorModel:
         if not low <= x < high or (high == 1.0 and x > 1.0):
             rule = "a number in [-1, 1]" if high == 1.0 else "a finite number >= 0"
             raise SpecError(
-                f"cluster {cluster.name}: calibration.{key} = {cal[key]!r} must be {rule}; "
-                "fix the profile or refit it with 'piper calibrate --fit'"
+                f"cluster {cluster.name}: calibration.{shown_text(key)} = {shown(cal[key])} must "
+                f"be {rule}; fix the profile or refit it with 'piper calibrate --fit'"
             )
         return x
 

@@ -11,11 +11,12 @@ present it must cover every rank and give each node's ranks distinct local ranks
 cluster's `gpus_per_node` (where the plan records it). Predicted figures, their intervals
 included, are finite numbers in [0, 1e30]. Values from a fixed set (training's literal fields,
 `activation_offload_modules`, `extra.dispatcher`, `extra.target`) are checked against it, and
-a value quoted in an error is shown by its repr, so every error stays one line. A cluster
-entry holding a whole profile (`levels`) is parsed as `piper plan` wrote it
-(planner.inputs.clusters.cluster_from_dict). The field lists come from planner.plan.schema's
-dataclasses, so a new field is checked where it is declared. It does not re-parse the model
-config (planner.inputs.models does when a command needs the model).
+a value quoted in an error is cut to about 80 characters (planner.inputs.shown), so every
+error stays one short line. A cluster entry holding a whole profile (`levels`) is parsed as
+`piper plan` wrote it (planner.inputs.clusters.cluster_from_dict); its `env` passes the Slurm
+job's allow-list (planner.plan.env_names.check_env). The field lists come from
+planner.plan.schema's dataclasses, so a new field is checked where it is declared. It does not
+re-parse the model config (planner.inputs.models does when a command needs the model).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from planner.inputs.clusters import cluster_from_dict
 from planner.inputs.numerics import check_numerics
+from planner.inputs.shown import shown
+from planner.plan.env_names import check_env
 from planner.plan.schema import (
     SCHEMA_VERSION,
     ClusterEntry,
@@ -91,12 +94,6 @@ _ENTRIES = {
 }
 
 
-def _short(value: Any) -> str:
-    """A value for an error line: its repr, cut to 40 characters."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 class _Checker:
     def __init__(self, path: str) -> None:
         self.path = path
@@ -110,7 +107,7 @@ class _Checker:
             raise self.fail(field, "is missing")
         value = d[key]
         if isinstance(value, bool) and typ is not bool or not isinstance(value, typ):
-            raise self.fail(field, f"has the wrong type ({type(value).__name__} {_short(value)})")
+            raise self.fail(field, f"has the wrong type ({type(value).__name__} {shown(value)})")
         return value
 
     def int_at_least(
@@ -128,7 +125,7 @@ class _Checker:
 
     def nonnegative(self, value: Any, field: str) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(field, f"has the wrong type ({type(value).__name__} {_short(value)})")
+            raise self.fail(field, f"has the wrong type ({type(value).__name__} {shown(value)})")
         if not 0 <= value <= MAX_VALUE:  # NaN and infinities fail too
             raise self.fail(field, f"must be a number in [0, {MAX_VALUE:g}], got {str(value)[:40]}")
         return float(value)
@@ -145,7 +142,7 @@ class _Checker:
         values = self.get(d, key, where, list)
         for v in values:
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < hi:
-                raise self.fail(f"{where}{key}", f"holds {v!r}; every entry is an integer in "
+                raise self.fail(f"{where}{key}", f"holds {shown(v)}; every entry is an integer in "
                                 f"[{lo}, {hi})")  # fmt: skip
         return values
 
@@ -165,7 +162,7 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
         raise SpecError(f"{path}: missing 'schema_version'; {_FIX}")
     if d["schema_version"] != SCHEMA_VERSION:
         raise SpecError(
-            f"{path}: schema_version {_short(d['schema_version'])} is not supported (this Piper "
+            f"{path}: schema_version {shown(d['schema_version'])} is not supported (this Piper "
             f"reads {SCHEMA_VERSION}); re-run 'piper plan' to regenerate it"
         )
     c = _Checker(path)
@@ -176,7 +173,7 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
             c.get(d, key, "", kind)
     for key, allowed in _EXTRA_CHOICES.items():  # optional; the exports and the runtime read them
         if key in d.get("extra", {}) and d["extra"][key] not in allowed:
-            raise c.fail(f"extra.{key}", f"is {_short(d['extra'][key])}, not one of {allowed}")
+            raise c.fail(f"extra.{key}", f"is {shown(d['extra'][key])}, not one of {allowed}")
     par = d["parallel"]
     sizes = {  # a knob a plan leaves out has its default (vp, cp, etp = 1)
         k: c.int_at_least(par, k, "parallel.", 1) if k in par or k not in _SIZE_DEFAULTS
@@ -184,11 +181,13 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
         for k in _SIZES
     }  # fmt: skip
     if c.get(par, "recompute", "parallel.", str) not in _RECOMPUTE:
-        raise c.fail("parallel.recompute", f"is {par['recompute']!r}, not one of {_RECOMPUTE}")
+        raise c.fail("parallel.recompute", f"is {shown(par['recompute'])}, not one of {_RECOMPUTE}")
     if "recompute_modules" in par:
         for m in c.get(par, "recompute_modules", "parallel.", list):
             if m not in _MODULES:
-                raise c.fail("parallel.recompute_modules", f"holds {m!r}, not one of {_MODULES}")
+                raise c.fail(
+                    "parallel.recompute_modules", f"holds {shown(m)}, not one of {_MODULES}"
+                )
     _check_sizes(c, sizes)
     _check_training(c, d["training"])
     _check_stages(c, c.items(d, "stages"), sizes["pp"])
@@ -203,6 +202,8 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
         check_numerics(d["model"]["numerics"], f"{path}: model.numerics")
     if "settings" in d["model"]:
         settings_from_dict(d["model"]["settings"], path)
+    if "env" in d["cluster"]:  # the variables the Slurm export sets in the job
+        check_env(d["cluster"]["env"])
     if "levels" in d["cluster"]:  # the whole profile, as Plan.cluster_spec reads it
         cluster_from_dict(d["cluster"], source=f"{path} cluster")
 
@@ -229,11 +230,11 @@ def _check_training(c: _Checker, training: dict[str, Any]) -> None:
         value = c.get(training, key, "training.", kind)
         allowed = _literal_values(hint)
         if allowed and value not in allowed:
-            raise c.fail(field, f"is {_short(value)}, not one of {allowed}")
+            raise c.fail(field, f"is {shown(value)}, not one of {allowed}")
         if key == "activation_offload_modules":
             unknown = [n for n in value.split(",") if n and n not in ACTIVATION_OFFLOAD_MODULES]
             if unknown:
-                raise c.fail(field, f"names {_short(unknown[0])}, not one of "
+                raise c.fail(field, f"names {shown(unknown[0])}, not one of "
                              f"{ACTIVATION_OFFLOAD_MODULES}")  # fmt: skip
         if kind is int and not -MAX_COUNT <= value <= MAX_COUNT:
             raise c.fail(field, f"is {str(value)[:40]}, beyond any training run")
@@ -401,4 +402,4 @@ def _check_interval_numbers(c: _Checker, value: Any, field: str) -> None:
     elif isinstance(value, int | float) and not isinstance(value, bool):
         c.nonnegative(value, field)
     elif isinstance(value, str) and not value.isprintable():
-        raise c.fail(field, f"holds a control character ({_short(value)})")
+        raise c.fail(field, f"holds a control character ({shown(value)})")

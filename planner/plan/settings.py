@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from planner.inputs.models import resolve_model
+from planner.inputs.shown import shown
 from planner.specs import ModelSpec, SpecError
 
 RouterScore = Literal["softmax", "sigmoid"]
@@ -120,7 +121,7 @@ class _Reader:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise SpecError(f"{self.where}: key '{key}' must be a number, got {value!r}")
+            raise SpecError(f"{self.where}: key '{key}' must be a number, got {shown(value)}")
         if not 0 <= value <= MAX_NUMBER:  # NaN and infinities fail too
             raise SpecError(f"{self.where}: key '{key}' must be a finite number in [0, 1e12]")
         return float(value)
@@ -130,7 +131,7 @@ class _Reader:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise SpecError(f"{self.where}: key '{key}' must be true or false, got {value!r}")
+            raise SpecError(f"{self.where}: key '{key}' must be true or false, got {shown(value)}")
         return value
 
     def int_list(self, key: str) -> tuple[int, ...] | None:
@@ -171,7 +172,7 @@ def _routing(r: _Reader, family: str) -> dict[str, Any]:
     method = str(r.cfg.get("topk_method") or "")
     score = str(r.cfg.get("scoring_func") or ("sigmoid" if family in _SIGMOID else "softmax"))
     if score not in ("softmax", "sigmoid"):
-        raise SpecError(f"{r.where}: scoring_func '{score}' is neither softmax nor sigmoid")
+        raise SpecError(f"{r.where}: scoring_func {shown(score)} is neither softmax nor sigmoid")
     groups = r.number("n_group", None)
     group_topk = r.number("topk_group", None)
     grouped = method in ("group_limited_greedy", "noaux_tc") and (groups or 1) > 1
@@ -302,7 +303,6 @@ def _value(hint: Any, value: Any, where: str, name: str, fix: str) -> Any:
         if value is None:
             return None
         (hint,) = [a for a in args if a is not type(None)]
-    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if hint is float and number and 0 <= value <= MAX_NUMBER:  # NaN and infinities fail
         return float(value)
@@ -319,7 +319,7 @@ def _value(hint: Any, value: Any, where: str, name: str, fix: str) -> Any:
     if hint is RopeScaling and isinstance(value, dict):
         return _build(RopeScaling, value, where, f"{name}.", fix)
     wanted = _WANTED.get(hint) or f"one of {get_args(hint)}"
-    raise _field_error(where, name, f"must be {wanted}, got {shown}", fix)
+    raise _field_error(where, name, f"must be {wanted}, got {shown(value)}", fix)
 
 
 def _build(cls: type, d: dict[str, Any], where: str, prefix: str = "", fix: str = _FIX) -> Any:
@@ -329,9 +329,10 @@ def _build(cls: type, d: dict[str, Any], where: str, prefix: str = "", fix: str 
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            shown = repr(key) if len(repr(key)) <= 40 else repr(key)[:37] + "..."
             section = "model.settings" + (f".{prefix[:-1]}" if prefix else "")
-            raise SpecError(f"{where}: field '{section}' has an unknown key {shown}{hint}; {fix}")
+            raise SpecError(
+                f"{where}: field '{section}' has an unknown key {shown(key)}{hint}; {fix}"
+            )
     hints = get_type_hints(cls)
     values = {}
     for name in names:

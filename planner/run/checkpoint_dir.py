@@ -28,7 +28,9 @@ import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
+from planner.inputs.safe_read import MAX_TEXT_BYTES, open_input, read_input_bytes
 from planner.run.spec import RunSpec
 from planner.specs import SpecError
 
@@ -88,10 +90,21 @@ def finish(tmp: Path, final: Path, state: dict) -> Path:
     return final
 
 
+def _json_of(path: Path, max_bytes: int | None) -> Any:
+    """The JSON document of a checkpoint file, read only from a regular file outside /proc,
+    /sys and /dev (planner/inputs/safe_read.py; a FIFO or a device is a SpecError, a
+    ValueError) of at most `max_bytes`. state.json has no bound: it carries the run's
+    metrics lines (~0.95 MB a step at 1,024 ranks), as large as the run's metrics.jsonl."""
+    if max_bytes is not None:
+        return json.loads(read_input_bytes(path, path.name, max_bytes).decode("utf-8"))
+    with open_input(path, path.name, None) as fh:
+        return json.loads(fh.read().decode("utf-8"))
+
+
 def _run_id(path: Path) -> str | None:
     """The run id in a checkpoint's state.json (None: unreadable or none recorded)."""
     try:
-        return json.loads((path / STATE).read_text())["run"]["run_id"]
+        return _json_of(path / STATE, None)["run"]["run_id"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -123,7 +136,7 @@ def _is_real_dir(path: Path) -> bool:
 def problem(path: Path) -> str | None:
     """Why the checkpoint at `path` cannot be used (None: it is complete and intact)."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = _json_of(path / MANIFEST, MAX_TEXT_BYTES)
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"{MANIFEST} missing or unreadable (a partial checkpoint)"
@@ -150,7 +163,7 @@ def newest_valid(root: str | Path) -> tuple[Path | None, list[str]]:
 
 def read_state(path: Path) -> dict:
     """state.json of a checkpoint `problem` passed."""
-    return json.loads((path / STATE).read_text())
+    return _json_of(path / STATE, None)
 
 
 def layout_of(spec: RunSpec) -> dict:

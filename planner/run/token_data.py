@@ -20,6 +20,7 @@ the largest id + 1.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from dataclasses import dataclass, replace
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from planner.inputs.json_errors import DuplicateKey, unique_object
+from planner.inputs.safe_read import open_input, read_input_bytes
 from planner.run.spec import RunSpec
 from planner.specs import SpecError
 
@@ -35,6 +37,7 @@ MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 4: np.int32, 5: np.int64, 8: np.uint16}
 SIDECAR_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 MAX_TOKENS = 1 << 62  # a count no file reaches; keeps every product within int64
+MAX_SIDECAR_BYTES = 2**20  # the sidecar holds three keys (`piper prepare-data` writes ~60 B)
 
 
 @dataclass(frozen=True)
@@ -47,13 +50,26 @@ class TokenFile:
     vocab_size: int
 
     def array(self) -> np.memmap:
-        """The tokens, memory-mapped read-only."""
-        return np.memmap(self.bin_path, dtype=np.dtype(self.dtype), mode="r", shape=(self.tokens,))
+        """The tokens, memory-mapped read-only (from a regular file: _mapped)."""
+        return _mapped(Path(self.bin_path), np.dtype(self.dtype), self.tokens)
+
+
+def _mapped(bin_path: Path, dtype: np.dtype, tokens: int | None = None) -> np.memmap:
+    """`bin_path` memory-mapped read-only, once open_input has found it a regular file outside
+    /proc, /sys and /dev (planner/inputs/safe_read.py): a FIFO or a device is one line."""
+    with open_input(bin_path, "token file", max_bytes=None) as fh:
+        shape = None if tokens is None else (tokens,)
+        return np.memmap(fh, dtype=dtype, mode="r", shape=shape)
 
 
 def _megatron_index(idx: Path) -> tuple[np.dtype, int]:
     """The dtype of a Megatron index and the tokens its sequence lengths add up to."""
-    raw = idx.read_bytes()
+    with open_input(idx, "Megatron index", max_bytes=None) as fh:
+        raw = fh.read(len(MEGATRON_HEADER) + 25)
+        if len(raw) == len(MEGATRON_HEADER) + 25:  # the lengths, no more than the file holds
+            (sequences,) = struct.unpack("<Q", raw[-16:-8])
+            room = os.fstat(fh.fileno()).st_size - len(raw)
+            raw += fh.read(max(0, min(sequences * 4, room)))
     head = raw[: len(MEGATRON_HEADER) + 9]
     if len(head) < len(MEGATRON_HEADER) + 9 or not head.startswith(MEGATRON_HEADER):
         raise SpecError(f"--data: {idx} is not a Megatron index (no MMIDIDX header)")
@@ -86,8 +102,9 @@ def _sidecar(side: Path) -> tuple[np.dtype, int | None, int | None]:
             '"vocab_size": N} (optional "tokens": N), N a positive integer'
         )
 
+    raw = read_input_bytes(side, "token sidecar", MAX_SIDECAR_BYTES)
     try:
-        meta = json.loads(side.read_text(), object_pairs_hook=unique_object)
+        meta = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_object)
     except DuplicateKey as exc:
         raise bad(f"key {str(exc)[:60]!r} is given twice") from None
     except RecursionError:
@@ -98,8 +115,6 @@ def _sidecar(side: Path) -> tuple[np.dtype, int | None, int | None]:
         raise bad("not UTF-8 text") from None
     except ValueError:  # int() of more digits than sys.get_int_max_str_digits() allows
         raise bad(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
-    except OSError as exc:
-        raise bad(f"cannot be read ({exc.strerror or exc})") from None
     if not isinstance(meta, dict):
         raise bad("not a JSON object")
     if "dtype" not in meta:
@@ -122,26 +137,27 @@ def _sidecar(side: Path) -> tuple[np.dtype, int | None, int | None]:
 def open_token_file(path: str) -> TokenFile:
     """Check PATH (see module doc) and describe it; SpecError names the file and the fix."""
     bin_path = Path(path if path.endswith(".bin") else f"{path}.bin")
-    if not bin_path.is_file():
+    if not os.path.lexists(bin_path):
         raise SpecError(f"--data: {bin_path} not found; give a token .bin or a Megatron prefix")
+    with open_input(bin_path, "token file", max_bytes=None) as fh:  # not a FIFO or device
+        size = os.fstat(fh.fileno()).st_size
     idx, side = bin_path.with_suffix(".idx"), bin_path.with_suffix(".json")
     vocab = expected = None
-    if idx.is_file():
+    if os.path.lexists(idx):
         dtype, expected = _megatron_index(idx)
-    elif side.is_file():
+    elif os.path.lexists(side):
         dtype, vocab, expected = _sidecar(side)
     else:
         dtype = np.dtype(np.uint16)
-    size = bin_path.stat().st_size
     if size % dtype.itemsize or size == 0:
         raise SpecError(f"--data: {bin_path} has {size} bytes, not a whole number of {dtype}")
     if expected is not None and expected != size // dtype.itemsize:
-        meta = idx if idx.is_file() else side
+        meta = idx if os.path.lexists(idx) else side
         raise SpecError(
             f"--data: {meta} counts {expected} tokens, {bin_path} holds "
             f"{size // dtype.itemsize} {dtype}; the pair is inconsistent, rebuild it"
         )
-    tokens = np.memmap(bin_path, dtype=dtype, mode="r")
+    tokens = _mapped(bin_path, dtype)
     top = int(tokens.max())
     if int(tokens.min()) < 0 or (vocab is not None and top >= vocab):
         raise SpecError(f"--data: {bin_path} holds ids outside [0, {vocab or top}); fix the file")
