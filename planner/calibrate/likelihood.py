@@ -126,9 +126,8 @@ def prior_sds(cluster: ClusterSpec) -> dict[str, float]:
         name = key[len(PRIOR_KEY) :]
         if name not in known:
             raise SpecError(
-                f"cluster {cluster.name}: calibration.{shown_text(key)}: {shown(name)} is not a "
-                "constant a fit may set; use prior_sd_<name> with one of "
-                f"{', '.join(sorted(known))}"
+                f"cluster {cluster.name}: calibration.{PRIOR_KEY}{shown_text(name, 30)} is not a "
+                f"constant a fit may set; use one of {', '.join(sorted(known))}"
             )
         try:
             value = float(text)

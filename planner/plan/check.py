@@ -27,7 +27,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from planner.inputs.clusters import cluster_from_dict
 from planner.inputs.numerics import check_numerics
-from planner.inputs.shown import shown
+from planner.inputs.shown import shown, shown_text
 from planner.plan.env_names import check_env
 from planner.plan.schema import (
     SCHEMA_VERSION,
@@ -386,7 +386,7 @@ def _check_predicted(c: _Checker, pred: dict[str, Any], pp: int) -> None:
         c.nonnegative(gib, f"predicted.memory_gib_per_stage[{i}]")
     if "comm_s" in pred:
         for name, seconds in c.get(pred, "comm_s", "predicted.", dict).items():
-            c.nonnegative(seconds, f"predicted.comm_s.{one_line(name)}")
+            c.nonnegative(seconds, f"predicted.comm_s.{shown_text(one_line(name))}")
     if isinstance(pred.get("intervals"), dict):  # its shape: planner.plan.io._intervals
         _check_interval_numbers(c, pred["intervals"], "predicted.intervals")
 
@@ -395,7 +395,7 @@ def _check_interval_numbers(c: _Checker, value: Any, field: str) -> None:
     """Every number in predicted.intervals finite and in [0, MAX_VALUE]; `source` one line."""
     if isinstance(value, dict):
         for key, item in value.items():
-            _check_interval_numbers(c, item, f"{field}.{one_line(key)}")
+            _check_interval_numbers(c, item, f"{field}.{shown_text(one_line(key))}")
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _check_interval_numbers(c, item, f"{field}[{i}]")

@@ -66,7 +66,7 @@ def check_env_name(name: object, where: str = WHERE) -> str:
     else:
         why = "only communication-library and threading variables may be set from a plan"
     raise SpecError(
-        f"{where}.{shown_text(key, 80)}: refused: {why} (planner/EXPORT.md, 'Slurm'); remove it "
+        f"{where}.{shown_text(key)}: refused: {why} (planner/EXPORT.md, 'Slurm'); remove it "
         "from plan.json and set it in the job's environment yourself if your site needs it"
     )
 
