@@ -15,7 +15,13 @@ from typing import Literal
 AttentionKind = Literal["mha", "gqa", "mla"]
 LayerKind = Literal["dense", "moe"]
 Recompute = Literal["none", "selective", "full"]
-Dtype = Literal["bf16", "fp16", "fp8", "mxfp8", "fp32"]
+# Training precisions: fp8 = per-tensor current scaling, fp8_blockwise = 1 x 128 / 128 x 128
+# block scaling, mxfp8 / mxfp4 / nvfp4 the block-scaled Blackwell (and CDNA4) formats
+# (planner.resources.precision)
+Dtype = Literal["bf16", "fp16", "fp8", "fp8_blockwise", "mxfp8", "nvfp4", "mxfp4", "fp32"]
+# The cluster's `peak_tflops` key of a dtype whose GEMMs run at another format's rate: block
+# scaling changes the scales, not the Tensor Core format (FP8 E4M3)
+PEAK_KEYS = {"fp8_blockwise": "fp8"}
 OptimizerDtype = Literal["fp32", "bf16"]
 
 GIB = 2**30
@@ -23,6 +29,11 @@ GIB = 2**30
 
 class SpecError(ValueError):
     """A user input is invalid. The message names the input, the field and the fix."""
+
+
+def peak_key(dtype: str) -> str:
+    """The `peak_tflops` key whose rate `dtype`'s GEMMs run at."""
+    return PEAK_KEYS.get(dtype, dtype)
 
 
 @dataclass(frozen=True)
@@ -134,10 +145,12 @@ class DeviceSpec:
     sms: int = 0  # streaming multiprocessors (compute units); 0 = unknown
 
     def peak(self, dtype: str) -> float:
+        """Dense peak TFLOPS of `dtype`'s GEMMs (its PEAK_KEYS entry, else its own key)."""
+        key = peak_key(dtype)
         for name, tflops in self.peak_tflops:
-            if name == dtype:
+            if name == key:
                 return tflops
-        raise SpecError(f"device {self.name}: no peak_tflops for dtype '{dtype}'")
+        raise SpecError(f"device {self.name}: no peak_tflops for dtype '{key}'")
 
 
 @dataclass(frozen=True)
@@ -387,6 +400,11 @@ class TrainingSpec:
     # these submodules go to host memory in forward and come back before backward
     # (planner.resources.act_offload); comma-separated names of ACTIVATION_OFFLOAD_MODULES.
     activation_offload_modules: str = ""
+    # Megatron's --first-last-layers-bf16 --num-layers-at-start-in-bf16 N
+    # --num-layers-at-end-in-bf16 M: under a low-precision dtype the first N and last M
+    # transformer layers run in bf16 (planner.resources.precision.layer_training)
+    bf16_layers_start: int = 0
+    bf16_layers_end: int = 0
 
     def __post_init__(self) -> None:
         if self.cuda_graphs is not None and self.cuda_graphs not in CUDA_GRAPHS:
@@ -447,12 +465,28 @@ class TrainingSpec:
                 f"training: fsdp_reduce_dtype '{self.fsdp_reduce_dtype}' is unknown; use fp32, "
                 "bf16 or leave it out (the model's gradient dtype)"
             )
+        self._check_bf16_layers()
         names = [n for n in self.activation_offload_modules.split(",") if n]
         unknown = [n for n in names if n not in ACTIVATION_OFFLOAD_MODULES]
         if unknown:
             raise SpecError(
                 f"training: activation_offload_modules names '{unknown[0]}'; choose from "
                 f"{', '.join(ACTIVATION_OFFLOAD_MODULES)}"
+            )
+
+    def _check_bf16_layers(self) -> None:
+        """BF16-kept layers: counts >= 0, under a low-precision dtype only."""
+        start, end = self.bf16_layers_start, self.bf16_layers_end
+        if start < 0 or end < 0:
+            raise SpecError(
+                f"training: bf16_layers_start and bf16_layers_end count layers and must be "
+                f">= 0, got {start} and {end}"
+            )
+        if (start or end) and self.dtype in ("bf16", "fp16", "fp32"):
+            raise SpecError(
+                f"training: bf16_layers_start / bf16_layers_end keep layers out of a "
+                f"low-precision recipe, and dtype is {self.dtype}; set them to 0 or choose an "
+                "fp8 or fp4 dtype"
             )
 
 

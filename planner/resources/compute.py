@@ -5,7 +5,7 @@ FLOPs count multiply-adds as 2; training = forward + backward = 3 x forward (bac
 the data-gradient and the weight-gradient GEMMs). Attention scores are causal: each query
 attends (s + 1) / 2 keys on average (or the sliding window).
 
-Under an FP8 / MXFP8 recipe only the linear layers' GEMMs run in low precision, each with a
+Under an FP8 / FP4 recipe only the linear layers' GEMMs run in low precision, each with a
 `quantize` pass (planner.resources.precision); attention, router and head stay in bf16.
 
 Time of a GEMM group, analytic: a roofline with a skinny-GEMM penalty,
@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from planner.parallel import ParallelConfig
 from planner.resources.memory import act_bytes_per_element, rank_tokens
 from planner.resources.params import attention_params
-from planner.resources.precision import LOW_PRECISION, cast_time_s, compute_dtype, linear_dtype
+from planner.resources.precision import (
+    LOW_PRECISION,
+    cast_time_s,
+    compute_dtype,
+    gemm_peak_tflops,
+    linear_dtype,
+)
 from planner.resources.tables import lookup
 from planner.specs import AttentionSpec, ClusterSpec, LayerSpec, ModelSpec, TrainingSpec
 
@@ -46,8 +52,9 @@ ATTN_TILE = 128
 # long as an FP8 one, so the same fixed cost is worth half as many elements of K (ASSUMPTION).
 # Tensor parallelism shortens K: the row-parallel GEMMs (attention output, MLP down
 # projection) reduce over 1/tp of their input, the column-parallel ones' data gradients over
-# 1/tp of their output.
-K_HALF = {"fp8": 730.0, "mxfp8": 730.0}
+# 1/tp of their output. fp8_blockwise is DeepGEMM's own recipe (1 x 128 / 128 x 128 scales);
+# an FP4 MMA step takes half as long as an FP8 one, so FP4's K_HALF is twice FP8's (ASSUMPTION).
+K_HALF = {"fp8": 730.0, "mxfp8": 730.0, "fp8_blockwise": 730.0, "nvfp4": 1460.0, "mxfp4": 1460.0}
 K_HALF_DEFAULT = 365.0
 # Kernel efficiency grows with the head dim as d / (d + ATTN_HEAD_DIM_HALF) (FlashAttention-3,
 # Shah et al. 2024, H100 bf16: head dim 64 reaches ~0.7 of head dim 128's TFLOPS); the
@@ -144,7 +151,7 @@ def gemm_time(
         measured = lookup(cluster, name, max(rows, 1.0))
         if measured is not None:
             return flops / (measured * 1e12), (name,)
-    peak = cluster.device.peak(dtype) * 1e12
+    peak = gemm_peak_tflops(cluster, dtype) * 1e12
     half = cluster.grouped_gemm_half_rows if grouped else M_HALF_ROWS
     eff = cluster.gemm_efficiency * rows / (rows + half) * reduction_factor(shapes, dtype)
     compute_s = flops / (peak * eff)

@@ -6,7 +6,7 @@ here give the one-line reason. All results are bytes held by ONE rank.
 Notation: b micro-batch (sequences per rank), s sequence length, d hidden size,
 T = b*s/(tp*cp) tokens per rank (sequence parallelism splits tokens over tp, context
 parallelism the sequence over cp), k top-k, E routed experts, f expert ffn width,
-a = bytes per activation element (2 for bf16/fp16/fp8/mxfp8, 4 for fp32).
+a = bytes per activation element (2 for bf16/fp16 and the FP8 / FP4 recipes, 4 for fp32).
 
 Two accountings:
 - "piper" (default): every tensor that the backward pass needs, from the layer's shapes.
@@ -22,6 +22,7 @@ from typing import Literal
 from planner.parallel import ParallelConfig
 from planner.resources import act_offload, op_sac
 from planner.resources.params import layer_params, mlp_params, tp_replicated_params
+from planner.resources.precision import QUANTIZED_WEIGHT_BYTES
 from planner.resources.recompute import kept_components
 from planner.specs import LayerSpec, ModelSpec, Recompute, TrainingSpec
 
@@ -33,6 +34,7 @@ MASTER_BYTES_PER_PARAM = 4  # fp32 master weights
 # store_param_remainders = True, passed to FusedAdam in `optimizer/__init__.py`.
 MASTER_REMAINDER_BYTES_PER_PARAM = 2
 WEIGHT_BYTES_PER_PARAM = 2  # bf16 / fp16 weights
+REMAINDER_DTYPES = ("bf16", "nvfp4", "mxfp4")  # master remainders with bf16 parameters
 FP32_BYTES = 4  # fp32 training's weights and gradients
 GRAD_BYTES_PER_PARAM = {"fp32": 4, "bf16": 2}  # the gradient buffer (TrainingSpec.grad_dtype)
 # Adam m + v: fp32 (4 + 4) or bf16 (2 + 2, Megatron's --exp-avg-dtype/--exp-avg-sq-dtype bf16
@@ -97,12 +99,14 @@ def master_bytes_per_param(training: TrainingSpec) -> int:
     """Master weights on the device: fp32 (4 B), or the 2 B remainders of bf16 parameters
     under the precision-aware optimizer. Under an FP8 or MXFP8 recipe Megatron-Core keeps fp32
     main params itself (`optimizer_config.py`: use_precision_aware_optimizer_no_fp8_or_ds_fp8
-    is false for current-scaling, blockwise and MX recipes), so remainders need bf16. None
-    without master weights (pure bf16 training) and in fp32 training, whose fp32 weights are
-    the ones Adam updates."""
+    is false for current-scaling, blockwise and MX recipes), so remainders need bf16 or an FP4
+    recipe (`--fp4-format` leaves `fp8_recipe` at its 'delayed' default, which
+    `get_megatron_optimizer_config` copies into the optimizer config, so TE's FusedAdam keeps
+    the remainders of the bf16 parameters). None without master weights (pure bf16 training)
+    and in fp32 training, whose fp32 weights are the ones Adam updates."""
     if not training.master_weights or training.dtype == "fp32":
         return 0
-    if training.precision_aware_optimizer and training.dtype == "bf16":
+    if training.precision_aware_optimizer and training.dtype in REMAINDER_DTYPES:
         return MASTER_REMAINDER_BYTES_PER_PARAM
     return MASTER_BYTES_PER_PARAM
 
@@ -163,7 +167,8 @@ def state_bytes(
     optim_grads_params, `docs/user-guide/features/megatron_fsdp.md`) shards all three: 18/d.
     FSDP held unsharded through the micro-batches (fsdp_holds_unsharded) adds the whole bf16
     weights (2 B) and the fp32 unsharded gradients (4 B) per parameter it shards (the experts
-    only with edp > 1).
+    only with edp > 1). fp8_blockwise and the FP4 recipes add their cached quantized weight
+    copies (quantized_weight_bytes).
     """
     params = params_dense + params_expert
     dense_dp = parallel.dp * parallel.cp
@@ -173,7 +178,8 @@ def state_bytes(
     unsharded = params_dense + (params_expert if parallel.edp > 1 else 0.0)
     held = unsharded if fsdp_holds_unsharded(training, parallel) else 0.0
     return StateBytes(
-        weights=weight_bytes_per_param(training) * (kept + held),
+        weights=weight_bytes_per_param(training) * (kept + held)
+        + quantized_weight_bytes(training, params, held),
         grads=grad_bytes_per_param(training) * kept + FSDP_HELD_GRAD_BYTES * held,
         optimizer=device_optimizer_bytes(
             sharded if training.zero or training.fsdp else params, training
@@ -182,6 +188,14 @@ def state_bytes(
 
 
 FSDP_HELD_GRAD_BYTES = 4  # unsharded gradients accumulate in FSDP2's fp32 reduce dtype
+
+
+def quantized_weight_bytes(training: TrainingSpec, params: float, held: float) -> float:
+    """The quantized weight copies a block-scaled recipe caches through the micro-batches of a
+    step (precision.QUANTIZED_WEIGHT_BYTES per parameter): of every parameter on the rank,
+    under FSDP of the units it holds unsharded (the others are quantized when gathered)."""
+    per_param = QUANTIZED_WEIGHT_BYTES.get(training.dtype, 0.0)
+    return per_param * (held if training.fsdp else params)
 
 
 def fsdp_holds_unsharded(training: TrainingSpec, parallel: ParallelConfig) -> bool:
@@ -374,7 +388,16 @@ def offloaded_layer_bytes(
 # gradient quantized, not in bf16: the transposed FP8 copy on Hopper (per-tensor scaling),
 # the column-wise MXFP8 copy with one E8M0 scale per 32 on Blackwell (TE
 # `docs/features/low_precision_training`; LayerNormLinear keeps its quantized norm output).
-SAVED_LOW_PRECISION_BYTES = {"fp8": 1.0, "mxfp8": 1.0 + 1.0 / 32}
+# Block-scaled recipes save the column-wise copy with its scales: fp8_blockwise one fp32 scale
+# per 1 x 128, nvfp4 E2M1 (0.5 B) with an E4M3 scale per 16 (after the Hadamard transform),
+# mxfp4 E2M1 with an E8M0 scale per 32 (planner.resources.precision).
+SAVED_LOW_PRECISION_BYTES = {
+    "fp8": 1.0,
+    "mxfp8": 1.0 + 1.0 / 32,
+    "fp8_blockwise": 1.0 + 4.0 / 128,
+    "nvfp4": 0.5 + 1.0 / 16,
+    "mxfp4": 0.5 + 1.0 / 32,
+}
 
 
 def low_precision_saved(

@@ -38,6 +38,8 @@ FLAG_SINCE = {
     "--moe-flex-dispatcher-backend": (0, 16),
     "--cuda-graph-impl": (0, 15),
     "--cuda-graph-scope": (0, 15),
+    "--fp4-format": (0, 15),
+    "--fp4-recipe": (0, 15),
 }
 # CUDA graphs (TrainingSpec.cuda_graphs): the static modules per layer with Transformer
 # Engine's graphs (the dropless experts stay eager), or the whole iteration with the local one
@@ -49,13 +51,22 @@ _CUDA_GRAPHS = {
 BASE_VERSION = (0, 13)
 MTP_LAYOUT_VERSION = (0, 14)  # 'm' in --pipeline-model-parallel-layout
 CHECKED_VERSION = "0.16"  # megatron-core in the tests, Megatron-LM core_r0.16.0 in the benchmark
-# Precision recipes (planner/resources/precision.py): fp8 = per-tensor current scaling.
+# Precision recipes (planner/resources/precision.py): fp8 = per-tensor current scaling;
+# Megatron-LM `megatron/core/transformer/transformer_config.py` fp8_recipe / fp4_recipe.
 _PRECISION = {
     "bf16": ["--bf16"],
     "fp16": ["--fp16"],
     "fp32": [],
     "fp8": ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
     "mxfp8": ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"],
+    "fp8_blockwise": ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
+    "nvfp4": ["--bf16", "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"],
+}
+# Megatron-Core's fp4_recipe is nvfp4 or custom (`megatron/core/enums.py` Fp4Recipe)
+_NO_RECIPE = {
+    "mxfp4": "Megatron-LM has no MXFP4 recipe (--fp4-recipe nvfp4|custom); ROCm's Megatron-LM "
+    "fork runs it (--fp4-format e2m1 --fp4-recipe mxfp4): re-plan with --dtype nvfp4 or "
+    "fp8_blockwise, or launch that fork by hand",
 }
 
 
@@ -271,13 +282,35 @@ def megatron_args(plan: Plan, model: ModelSpec) -> MegatronArgs:
         notes.append(f"no HF config found for '{plan.model.source or plan.model.name}': rotary, "
                      "norm and router settings are the family's defaults")  # fmt: skip
     comm, comm_notes = _moe_comm_args(plan, model)
-    precision = _PRECISION.get(str(training.get("dtype", "bf16")), ["--bf16"])
+    precision = precision_args(plan, model)
     graphs = _CUDA_GRAPHS.get(str(training.get("cuda_graphs")), [])
     args = _parallel_args(plan) + split + rc + _optimizer_args(plan) + precision + comm + graphs
     args += margs
     notes += split_notes + rc_notes + comm_notes + mnotes + _placement_notes(plan)
     notes.append(f"tokenizer and data flags are yours to add (vocab_size {model.vocab_size})")
     return MegatronArgs(tuple(args), megatron_env(plan), tuple(notes), min_version(args))
+
+
+def precision_args(plan: Plan, model: ModelSpec) -> list[str]:
+    """The precision recipe's flags and the layers it keeps in bf16 (`--first-last-layers-bf16`,
+    at most num_layers // pp at each end: Megatron's TransformerConfig check); SpecError for a
+    dtype Megatron-LM has no recipe for."""
+    t = plan.training
+    dtype = str(t.get("dtype", "bf16"))
+    if dtype in _NO_RECIPE:
+        raise SpecError(f"plan.json: it is priced in {dtype}; {_NO_RECIPE[dtype]}")
+    args = list(_PRECISION.get(dtype, ["--bf16"]))
+    start, end = int(t.get("bf16_layers_start", 0)), int(t.get("bf16_layers_end", 0))
+    if not (start or end):
+        return args
+    most = model.num_layers // plan.parallel.pp
+    if max(start, end) > most:
+        raise SpecError(
+            f"plan.json: it keeps {start} first and {end} last layers in bf16 and Megatron "
+            f"allows at most num_layers // pp = {most} at each end; re-plan with fewer"
+        )
+    return args + ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
+                   "--num-layers-at-end-in-bf16", str(end)]  # fmt: skip
 
 
 def _placement_notes(plan: Plan) -> list[str]:
