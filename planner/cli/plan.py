@@ -52,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--gpus",
         type=int,
         default=None,
-        help=f"devices to plan for (default: {DEFAULTS['gpus']}, or every GPU of --nodes)",
+        help=f"devices to plan for (default: every GPU of --nodes or of a cluster YAML file, "
+        f"else {DEFAULTS['gpus']})",
     )
     p.add_argument(
         "--nodes",
@@ -194,13 +195,15 @@ def trace_loads(path: str, model: ModelSpec) -> dict[int, tuple[float, ...]]:
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec, Target]:
+    from planner.inputs.cluster_init import is_cluster_file
     from planner.inputs.clusters import check_dtype, load_cluster_nodes
     from planner.inputs.models import load_model
 
     model = load_model(args.model)
     cluster = load_cluster_nodes(args.cluster, args.nodes)
-    if args.gpus is None:
-        args.gpus = cluster.total_gpus if args.nodes else DEFAULTS["gpus"]
+    if args.gpus is None:  # a cluster file describes the user's machine: plan all of it
+        whole = args.nodes or is_cluster_file(args.cluster)
+        args.gpus = cluster.total_gpus if whole else DEFAULTS["gpus"]
     check_dtype(cluster, args.dtype, args.cluster)
     target, margin = resolve(args, cluster)
     training = TrainingSpec(
@@ -234,6 +237,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
     _freeze_heap_at_exit()
+    if "," in args.cluster:  # several clusters side by side
+        from planner.cli.plan_cross import run_cross
+
+        return run_cross(args, _plan)
     with phases("piper plan") as clock:
         result, out = _plan(args, clock)
     if result is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from planner.inputs.clusters import cluster_from_dict, list_cluster_presets, load_cluster
 from planner.inputs.yaml_text import load_yaml
@@ -371,3 +372,10 @@ def next_steps(result: InitResult, out: str) -> list[str]:
         f"--cluster {out} --out {stem}-fitted.yaml",
         "  details:  planner/CLUSTERS.md",
     ]
+
+
+def is_cluster_file(name_or_path: str) -> bool:
+    """Whether `--cluster` names a YAML file (a user's machine) rather than a preset, as
+    planner.inputs.clusters.load_cluster tells them apart."""
+    path = Path(name_or_path)
+    return path.suffix in (".yaml", ".yml") or path.exists()
