@@ -192,6 +192,8 @@ def solve(model: LinearModel, options: SolverOptions) -> Solution:
         if status == "OPTIMAL":
             bound_orig = objective
         report = SolveReport(options.backend, status, objective, bound_orig, gap, wall_s)
+        log.info("%s: %s %s objective %.6g bound %.6g gap %.2g in %.3f s", model.name,
+                 options.backend, status, objective, bound_orig, gap, wall_s)  # fmt: skip
         return Solution(report, tuple(values))
     message = (
         f"{model.name}: proven infeasible"

@@ -198,9 +198,13 @@ def branch_and_bound(
     costing: Costing,
     queue: _Queue,
     progress: Progress | None = None,
+    total: int | None = None,
+    done: int = 0,
 ) -> tuple[list[CandidateRow], CandidateRow | None, bool]:
     """Step 3: expand and solve in bound order, prune what cannot beat the incumbent;
-    Ctrl-C stops it. Returns (rows, best, interrupted)."""
+    Ctrl-C stops it. Returns (rows, best, interrupted). `progress` is called after every batch
+    with (candidates decided, `total`): `done` already decided plus a row per candidate
+    since (solved, pruned or found infeasible); without `total`, the queue's own count."""
     rows: list[CandidateRow] = []
     solving: list[Screened] = []
     best: CandidateRow | None = None
@@ -228,10 +232,17 @@ def branch_and_bound(
                     solving.append(item)
             for row in pool.map(lambda c: _evaluate(ctx, c), batch):
                 rows.append(row)
+                par = row.parallel
+                step = f", step {row.step_time_s:.4g} s" if row.feasible else ""
+                log.info("candidate pp=%d dp=%d tp=%d ep=%d mb=%d m=%d %s: %s%s", par.pp, par.dp,
+                         par.tp, par.ep, par.micro_batch, par.num_microbatches, par.recompute,
+                         row.status, step)  # fmt: skip
                 if _better(row, best):
                     best = row
             reinstall_sigint()
-            if progress:
+            if progress and total:
+                progress(min(done + len(rows), total), total)
+            elif progress:
                 progress(queue.pushed - len(queue), queue.pushed)
     except KeyboardInterrupt:
         interrupted = True
@@ -287,10 +298,12 @@ def _one_pass(ctx: SearchContext, progress: Progress | None, offset: int) -> _Pa
     bounded, single, decided = bound_families(costing, families)
     queue = _Queue(bounded, single)
     t2 = time.perf_counter()
-    rows, best, interrupted = branch_and_bound(ctx, costing, queue, progress)
+    count = sum(len(f.members) for f in families)
+    if progress:
+        progress(len(decided), count)
+    rows, best, interrupted = branch_and_bound(ctx, costing, queue, progress, count, len(decided))
     t3 = time.perf_counter()
     times = {"enumerate_s": t1 - t0, "screen_s": t2 - t1, "stage_search_s": t3 - t2}
-    count = sum(len(f.members) for f in families)
     screened = list(queue.screened.values())
     return _Pass([*rows, *decided], best, interrupted, screened, count, costing.calls, times)
 
