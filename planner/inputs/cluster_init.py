@@ -354,22 +354,23 @@ def next_steps(result: InitResult, out: str) -> list[str]:
     )
     return [
         f"wrote {out}: {c.num_nodes} nodes x {c.gpus_per_node} {c.device.name} "
-        f"({c.total_gpus:,} GPUs); {len(result.guesses)} values marked GUESS, from the "
-        f"{result.base} preset",
+        f"({c.total_gpus:,} GPUs)",
+        f"  {len(result.guesses)} values marked GUESS (copied from the {result.base} preset)",
         "next:",
         f"  plan:     piper plan --cluster {out} --model M  (--gpus defaults to its "
         f"{c.total_gpus:,} GPUs)",
-        f"  measure:  on one node, piper profile --nproc {c.gpus_per_node} --base {out} "
-        f"--model M --out {stem}-measured.yaml",
-        "            (measures the GEMM, attention and HBM efficiencies and hbm_gbps; plan with "
-        "that file)",
-        "  network:  from nccl-tests / rccl-tests all_reduce_perf bus bandwidth at large messages "
-        "(measured",
-        f"            or published): scale_up_efficiency = busbw in one node / {_text(up)} GB/s,",
-        f"            scale_out_efficiency = busbw across nodes / {_text(net)} GB/s per GPU; edit "
-        "them in",
-        "  fit:      after a few runs, piper calibrate --fit --log PLAN:LOG ... "
-        f"--cluster {out} --out {stem}-fitted.yaml",
+        f"  measure:  on one node: piper profile --nproc {c.gpus_per_node} --base {out} --model M",
+        f"              --out {stem}-measured.yaml  (GEMM, attention and HBM efficiencies and "
+        "hbm_gbps",
+        "              measured; plan with that file)",
+        "  network:  nccl-tests / rccl-tests bus bandwidth at large messages, measured or "
+        "published:",
+        f"              scale_up_efficiency = all_reduce busbw inside a node / {_text(up)} GB/s",
+        "              scale_out_efficiency = all_to_all (else all_reduce) busbw across nodes / "
+        f"{_text(net)} GB/s",
+        f"              (edit both in {out})",
+        f"  fit:      after a few runs: piper calibrate --fit --log PLAN:LOG ... --cluster {out}",
+        f"              --out {stem}-fitted.yaml",
         "  details:  planner/CLUSTERS.md",
     ]
 
