@@ -179,7 +179,12 @@ def _cluster_lines(report: SizeReport) -> list[str]:
                 if c.meets_deadline is None
                 else f"smallest size that meets it: {c.meets_deadline} GPUs"
             )
-            lines.append(f"  deadline {number(days, 3)} days: {meets} (at the estimate)")
+            surely = (
+                "none at the band's upper end"
+                if c.meets_deadline_hi is None
+                else f"{c.meets_deadline_hi} GPUs at the band's upper end"
+            )
+            lines += _wrap(f"  deadline {number(days, 3)} days: {meets} at the estimate; {surely}")
     return lines
 
 

@@ -48,7 +48,8 @@ from planner.targets import (
 @dataclass(frozen=True)
 class ClusterNote:
     """Per cluster: its price per GPU-hour and power (with sources, or None), the target and
-    save mode priced, and the smallest size that meets the deadline (None: none does)."""
+    save mode priced, and the smallest size that meets the deadline at the estimate and at the
+    upper end of its days band (None: none does, or no deadline)."""
 
     cluster: str
     price_usd: float | None
@@ -58,6 +59,7 @@ class ClusterNote:
     target: str
     checkpoint_mode: str
     meets_deadline: int | None
+    meets_deadline_hi: int | None
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,8 @@ def _size_row(
     except SpecError as exc:
         return replace(empty, note=str(exc).split(";")[0])
     if result.plan is None:
+        if result.interrupted:  # Ctrl-C: stop the sweep; nothing is written
+            raise KeyboardInterrupt
         return replace(empty, note=result.message.split(";")[0])
     state = state_bytes(model, with_conventions(training, target))
     return _priced(request, cluster, result.plan, empty, mode, state)
@@ -225,12 +229,12 @@ def _note(
     else:
         usd, source = None, "no public list price on record: pass --price-per-gpu-hour"
     power = device_power_w(base)
-    meets = None
+    meets = meets_hi = None
     if request.deadline_s is not None:
-        deadline_days = request.deadline_s / 86400.0
-        meets = next(
-            (r.gpus for r in rows if r.days is not None and r.days.mid <= deadline_days), None
-        )
+        days = request.deadline_s / 86400.0
+        planned = [r for r in rows if r.days is not None]
+        meets = next((r.gpus for r in planned if r.days.mid <= days), None)  # type: ignore[union-attr]
+        meets_hi = next((r.gpus for r in planned if r.days.hi <= days), None)  # type: ignore[union-attr]
     return ClusterNote(
         cluster=base.name,
         price_usd=usd,
@@ -240,4 +244,5 @@ def _note(
         target=target.name,
         checkpoint_mode=mode,
         meets_deadline=meets,
+        meets_deadline_hi=meets_hi,
     )
