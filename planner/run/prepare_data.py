@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from planner.inputs.safe_read import read_input_bytes
+from planner.run.options import TORCH_INSTALL
 from planner.specs import SpecError
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -109,16 +110,19 @@ def _eos_name(path: Path, eos_token: str | None, vocab: dict[str, int]) -> str:
     return name
 
 
-def _require(module: str, what: str) -> None:
-    """A missing optional package is a one-line error naming it, not a traceback."""
+def _require(module: str, what: str, install: str | None = None) -> None:
+    """A missing optional package is a one-line error naming it and the command that installs
+    it (`pip install MODULE` unless `install` is given), not a traceback."""
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        raise SpecError(f"--tokenizer: {what} needs the `{module}` package; pip install {module}")
+        how = f"install it with: {install}" if install else f"pip install {module}"
+        raise SpecError(f"--tokenizer: {what} needs the `{module}` package; {how}")
 
 
 def _file_tokenizer(path: Path, eos_token: str | None) -> TextTokenizer:
-    _require("tokenizers", f"{path} (a tokenizer file)")
+    # tokenizers is in the `runtime` extra (pyproject.toml): the install line of a run
+    _require("tokenizers", f"{path} (a tokenizer file)", TORCH_INSTALL)
     from tokenizers import Tokenizer
 
     try:
