@@ -86,6 +86,21 @@ class InitResult:
     guesses: tuple[str, ...]
 
 
+def gpu_presets() -> list[tuple[str, ClusterSpec]]:
+    """The presets under profiles/clusters/ now, by name, each loaded; the CPU emulation
+    (topology `emulated`) is no GPU and is left out, and so is a file that does not load
+    (`piper plan --cluster` names its fault; it offers no device here)."""
+    out = []
+    for name in list_cluster_presets():
+        try:
+            cluster = load_cluster(name)
+        except SpecError:
+            continue
+        if cluster.topology != "emulated":
+            out.append((name, cluster))
+    return out
+
+
 def find_gpu(gpu: str) -> str:
     """The preset whose device is `gpu`: its device name or a '-'-separated part of it
     (case-insensitive: H100 is H100-SXM5-80GB, GB200 is B200-GB200). Several: the preset
@@ -93,8 +108,8 @@ def find_gpu(gpu: str) -> str:
     a SpecError naming --gpu and the known models."""
     want = gpu.strip().lower()
     found = []
-    for preset in list_cluster_presets():
-        parts = load_cluster(preset).device.name.lower().split("-")
+    for preset, c in gpu_presets():
+        parts = c.device.name.lower().split("-")
         if want and (want in parts or want == "-".join(parts)):
             found.append((preset != want, parts[0] != want, preset))
     if not found:
@@ -111,23 +126,16 @@ def known_gpus() -> list[str]:
     """The GPU models --gpu accepts: the first part of each GPU preset's device name, and the
     part its preset is named after (GB200 in B200-GB200 of gb200-nvl72)."""
     out = set()
-    for preset in list_cluster_presets():
-        c = load_cluster(preset)
-        if c.topology == "emulated":
-            continue
+    for preset, c in gpu_presets():
         parts = c.device.name.split("-")
         out.update(p for p in parts if p == parts[0] or p.lower() == preset.split("-")[0])
     return sorted(out)
 
 
 def closest_preset(memory_gib: float, bf16_tflops: float, hbm_gbps: float) -> str:
-    """The GPU preset nearest in log memory, log BF16 peak and log HBM bandwidth (the CPU
-    emulation is no GPU and is left out)."""
+    """The GPU preset nearest in log memory, log BF16 peak and log HBM bandwidth."""
     best = []
-    for preset in list_cluster_presets():
-        c = load_cluster(preset)
-        if c.topology == "emulated":
-            continue
+    for preset, c in gpu_presets():
         d = c.device
         pairs = ((memory_gib, d.memory_gib), (bf16_tflops, d.peak("bf16")),
                  (hbm_gbps, d.hbm_gbps))  # fmt: skip

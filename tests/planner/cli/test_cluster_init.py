@@ -193,3 +193,15 @@ def test_a_terminal_is_asked_for_the_answers_not_given(tmp_path, monkeypatch):
 def test_the_loader_validates_the_text_before_it_is_returned():
     with pytest.raises(SpecError, match="--nodes"):
         describe_cluster(Answers(gpu="H100", nodes="0", name="lab"), "x.yaml")
+
+
+def test_presets_are_scanned_when_the_command_runs(tmp_path, monkeypatch):
+    """A preset added to the folder is a known GPU at once; one that does not load is skipped."""
+    new = tmp_path / "x900.yaml"
+    text = (REPO / "profiles/clusters/h100.yaml").read_text()
+    new.write_text(text.replace("name: H100-SXM5-80GB", "name: X900-SXM"))
+    presets = [str(tmp_path / "broken.yaml"), "h100", str(new)]
+    (tmp_path / "broken.yaml").write_text("name: [\n")
+    monkeypatch.setattr("planner.inputs.cluster_init.list_cluster_presets", lambda: presets)
+    assert find_gpu("X900") == str(new) and find_gpu("h100") == "h100"
+    assert known_gpus() == ["H100", "X900"]
