@@ -101,7 +101,10 @@ TARGETS: dict[TargetName, Target] = {
         bytes_per_param=18, gate_in_activation=True, per_layer_recompute=False,
         recompute=("none", "selective", "full"), recompute_modules=None,
         sharding=("none", "zero", "fsdp"), a2a_overlap=True, dispatchers=("flat", "deepep"),
-        cuda_graphs=("none", "partial", "full"), dtypes=("bf16", "fp16", "fp8", "mxfp8", "fp32"),
+        cuda_graphs=("none", "partial", "full"),
+        # Megatron-LM's recipes: --fp8-recipe delayed/tensorwise/mxfp8/blockwise and
+        # --fp4-recipe nvfp4 (megatron/training/arguments.py); no MXFP4 recipe upstream
+        dtypes=("bf16", "fp16", "fp8", "mxfp8", "fp8_blockwise", "nvfp4", "fp32"),
         optimizer_dtypes=("fp32", "bf16"), vp=True, cp=True, etp_rule="any",
         expert_placement=False, mtp=True, uneven_stages=True, default_sharding="zero",
     ),

@@ -26,7 +26,8 @@ How a row becomes a layout (decisions where a source is silent are marked "assum
   all-to-all; assumed where the note names none); the all-to-all overlap where the note says
   "A2A overlap"; partial CUDA graphs where the note says "CUDA graphs" (else the cluster's
   setting);
-- precision: BF16 -> bf16, FP8 -> fp8 (per-tensor current scaling), MXFP8 -> mxfp8; MTP as
+- precision: BF16 -> bf16, FP8 -> fp8 (per-tensor current scaling), MXFP8 -> mxfp8,
+  FP8-BLOCKWISE -> fp8_blockwise, NVFP4 -> nvfp4, MXFP4 -> mxfp4; MTP as
   the row's model config;
 - routing force-balanced (skew 1), flash attention; the router weights applied in the expert
   activation, as Megatron-Core's experts do (`gate_in_activation`);
@@ -75,7 +76,8 @@ FREE_TEXT = ("note", "source")  # the columns that may hold several lines
 # the optimizer_dtype, grad_dtype and fsdp_reduce_dtype columns' values
 STATE_DTYPES = ("fp32", "bf16")
 FLAGS = {"1": True, "yes": True, "true": True, "0": False, "no": False, "false": False}
-DTYPES = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8"}
+DTYPES = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8",
+          "FP8-BLOCKWISE": "fp8_blockwise", "NVFP4": "nvfp4", "MXFP4": "mxfp4"}  # fmt: skip
 SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}
 EXAMPLE = "profiles/runs/published_runs.csv"
 

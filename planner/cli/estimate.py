@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, get_args
 
 from planner.calibrate.runs import accounted_split
 from planner.cli.estimate_plan import Setup, microbatches, plan_setup, recompute_choice
@@ -15,11 +15,11 @@ from planner.outputs.lines import wrapped
 from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
 from planner.resources.layer_comm import DISPATCHERS
 from planner.search.target_space import check_layout_for, with_target_modules
-from planner.specs import CUDA_GRAPHS, ClusterSpec, ModelSpec, SpecError, TrainingSpec
+from planner.specs import CUDA_GRAPHS, ClusterSpec, Dtype, ModelSpec, SpecError, TrainingSpec
 from planner.targets import Target, check_model, with_conventions
 
 RECOMPUTE = ("none", "selective", "full")
-DTYPES = ("bf16", "fp16", "fp8", "mxfp8", "fp32")
+DTYPES = get_args(Dtype)  # bf16, fp16, fp8, mxfp8, fp8_blockwise, nvfp4, mxfp4, fp32
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -128,7 +128,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--dtype",
         choices=DTYPES,
         default="bf16",
-        help="fp8/mxfp8: the linear GEMMs in low precision",
+        help="fp8/mxfp8/fp8_blockwise/nvfp4/mxfp4: the linear GEMMs in low precision "
+        "(planner/RESOURCE_MODEL.md, FP8 / FP4)",
     )
     p.add_argument(
         "--optimizer-dtype", choices=("fp32", "bf16"), default="fp32", help="Adam moments dtype"

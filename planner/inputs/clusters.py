@@ -38,7 +38,14 @@ from planner.inputs.paths import CLUSTERS_DIR
 from planner.inputs.safe_read import read_input_bytes
 from planner.inputs.shown import shown, shown_text
 from planner.inputs.yaml_text import load_yaml, yaml_fault
-from planner.specs import ClusterSpec, DeviceSpec, EfficiencyTable, LevelSpec, SpecError
+from planner.specs import (
+    ClusterSpec,
+    DeviceSpec,
+    EfficiencyTable,
+    LevelSpec,
+    SpecError,
+    peak_key,
+)
 
 _OPTIONAL_FLOATS = ("framework_overhead_gib", "gemm_efficiency", "attention_efficiency",
                     "grouped_gemm_half_rows", "hbm_efficiency", "scale_up_efficiency",
@@ -146,10 +153,11 @@ def check_dtype(cluster: ClusterSpec, dtype: str, where: str) -> None:
     """Raise SpecError naming `where` (the cluster preset or file) when the device has no peak
     TFLOPS for `dtype`."""
     have = [name for name, _ in cluster.device.peak_tflops]
-    if dtype not in have:
+    key = peak_key(dtype)  # fp8_blockwise runs at the fp8 rate
+    if key not in have:
         raise SpecError(
             f"cluster {where}: field 'device.peak_tflops' has no "
-            f"{dtype} entry ({', '.join(have)}); add {dtype}: <dense TFLOPS> or use --dtype "
+            f"{key} entry ({', '.join(have)}); add {key}: <dense TFLOPS> or use --dtype "
             f"{have[0]}"
         )
 

@@ -8,6 +8,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 
 from planner.numbers import percent
+from planner.resources.precision import LOW_PRECISION
 
 LINE_WIDTH = 100  # the widest line `piper plan` and `piper estimate` print
 
@@ -24,9 +25,9 @@ def wrapped(lines: Sequence[str], width: int = LINE_WIDTH) -> list[str]:
 
 
 def mfu_text(tflops_per_gpu: float, mfu: float, dtype: str, peaks: Mapping[str, float]) -> str:
-    """MFU against the BF16 peak ("MFU x%"); in FP8 / MXFP8 the figure against that
+    """MFU against the BF16 peak ("MFU x%"); in an FP8 or FP4 dtype the figure against that
     precision's peak (the resource model's mfu) follows, labelled as such."""
-    if dtype in ("fp8", "mxfp8") and peaks.get("bf16"):
+    if dtype in LOW_PRECISION and peaks.get("bf16"):
         bf16 = tflops_per_gpu / peaks["bf16"]
         return f"MFU {percent(bf16)} of the BF16 peak, {percent(mfu)} of the {dtype.upper()} peak"
     return f"MFU {percent(mfu)}"

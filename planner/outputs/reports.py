@@ -31,6 +31,7 @@ from planner.outputs.tables import (
     to_csv,
 )
 from planner.plan.schema import Intervals
+from planner.resources.precision import LOW_PRECISION
 from planner.search.baselines import Baseline
 from planner.search.evaluator import EstimateView
 from planner.search.make_plan import PlanResult
@@ -225,7 +226,7 @@ def _predicted_table(
         "tokens/s/GPU",
         "step time (s)",
         "TFLOPS/GPU",
-        f"MFU ({dtype.upper()} peak)" if dtype in ("fp8", "mxfp8") else "MFU",
+        f"MFU ({dtype.upper()} peak)" if dtype in LOW_PRECISION else "MFU",
         "bubble",
         "max stage GiB",
         "capacity GiB",

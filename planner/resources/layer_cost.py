@@ -38,6 +38,7 @@ from planner.resources.memory import (
     offloaded_layer_bytes,
     state_bytes,
 )
+from planner.resources.precision import layer_training
 from planner.specs import ClusterSpec, LayerSpec, ModelSpec, Recompute, SpecError, TrainingSpec
 
 Dispatcher = Literal["flat", "halo", "halo-dedup", "deepep"]
@@ -203,6 +204,7 @@ def layer_cost(
     """Memory, compute and communication of layer `index` on one rank per micro-batch (the
     steady-phase time when the all-to-all overlap pairs micro-batches)."""
     layer = model.layers[index]
+    training = layer_training(training, index, model.num_layers)  # BF16 first / last layers
     policy = effective_recompute(training, parallel)
     kept_policy: Recompute = policy if policy != "none" else "full"
     work = tuple(layer_work(model, layer, cluster, training, parallel))
@@ -299,13 +301,15 @@ def layer_costs(
     dispatcher: Dispatcher = "flat",
     accounting: Accounting = "piper",
 ) -> tuple[LayerCost, ...]:
-    """layer_cost for every layer; identical LayerSpecs are computed once."""
-    cache: dict[LayerSpec, LayerCost] = {}
+    """layer_cost for every layer; identical LayerSpecs in the same precision are computed
+    once."""
+    cache: dict[tuple[LayerSpec, str], LayerCost] = {}
     out = []
     for i, layer in enumerate(model.layers):
-        if layer not in cache:
-            cache[layer] = layer_cost(model, i, cluster, training, parallel, dispatcher, accounting)
-        c = cache[layer]
+        key = (layer, layer_training(training, i, model.num_layers).dtype)
+        if key not in cache:
+            cache[key] = layer_cost(model, i, cluster, training, parallel, dispatcher, accounting)
+        c = cache[key]
         out.append(c if c.layer == i else with_index(c, i))
     return tuple(out)
 

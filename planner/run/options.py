@@ -34,9 +34,11 @@ from planner.specs import SpecError
 Dispatcher = Literal["halo", "halo-dedup", "flat"]
 ExpertGemm = Literal["grouped", "loop"]
 Precision = Literal["fp32", "bf16", "plan"]
-# the compute dtype `--precision plan` takes for each plan dtype: fp8 GEMMs are not run here,
-# bf16 is the nearest; fp32 stays fp32
-PLAN_COMPUTE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "mxfp8": "bf16", "fp32": "fp32"}
+# the compute dtype `--precision plan` takes for each plan dtype: fp8 and fp4 GEMMs are not
+# run here, bf16 is the nearest; fp32 stays fp32
+PLAN_COMPUTE = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"} | {
+    low: "bf16" for low in ("fp8", "mxfp8", "fp8_blockwise", "nvfp4", "mxfp4")
+}
 LAUNCH_MODULE = "runtime.launch"
 
 
@@ -81,8 +83,8 @@ class RunOptions:
     )
     precision: Precision = _flag(
         "plan",
-        "compute dtype: plan (default): the plan's training dtype (bf16 for bf16, fp8 and "
-        "mxfp8); fp32; bf16 (autocast, fp32 master weights, Adam and reductions)",
+        "compute dtype: plan (default): the plan's training dtype (bf16 for bf16 and the fp8 "
+        "and fp4 dtypes); fp32; bf16 (autocast, fp32 master weights, Adam and reductions)",
     )
     data: str | None = _flag(
         None,

@@ -19,7 +19,8 @@ from planner.specs import SpecError
 
 RECIPES_CSV = PROFILES_DIR / "runs" / "published_runs.csv"
 SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}  # Megatron-Core's short forms
-PRECISIONS = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8"}
+PRECISIONS = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8",
+              "FP8-BLOCKWISE": "fp8_blockwise", "NVFP4": "nvfp4", "MXFP4": "mxfp4"}  # fmt: skip
 SIZES = ("gpus", "mbs", "tp", "pp", "vp", "cp", "ep", "etp")
 
 
