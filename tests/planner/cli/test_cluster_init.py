@@ -51,6 +51,16 @@ def test_the_written_cluster_plans_a_model_on_all_its_gpus(tmp_path):
     assert (out / "plan.json").exists()
 
 
+def test_a_model_too_big_for_the_cluster_says_why_and_the_size_that_holds_it(tmp_path):
+    _, cluster = _init(tmp_path, *H100_2N)
+    res = run_piper(["plan", "--model", "deepseek-v3", "--cluster", str(cluster), "--out",
+                     str(tmp_path / "plan")])  # fmt: skip
+    assert res.code == 2 and len(res.err_lines) == 1
+    assert "deepseek-v3 cannot fit on 16 GPUs of lab" in res.stderr  # the cluster's size
+    assert "at least 162 GPUs hold them" in res.stderr  # 671B x 18 B over 69.5 GiB usable
+    assert not (tmp_path / "plan").exists()
+
+
 def test_every_guessed_constant_is_marked(tmp_path):
     shape = ["--gpus-per-node", "8", "--scale-up-gbps", "450", "--scale-up-domain", "8",
              "--nics-per-node", "8", "--nic-gbps", "400"]  # fmt: skip
