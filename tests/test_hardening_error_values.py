@@ -134,6 +134,7 @@ def _runs_file(folder: Path, row: dict[str, str]) -> Path:
 RUNS_FIELDS = [
     ("gpus", {"gpus": CSV_BIG}, "'gpus'"),
     ("precision", {"precision": CSV_BIG}, "'precision'"),
+    ("model", {"model": CSV_BIG}, "'model'"),
     ("recompute", {"recompute": CSV_BIG}, "'recompute'"),
     ("recompute-module", {"recompute": f"selective({CSV_BIG})"}, "'recompute'"),
     ("dispatcher", {"dispatcher": CSV_BIG}, "'dispatcher'"),

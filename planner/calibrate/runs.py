@@ -371,6 +371,11 @@ def _model(name: str, where: str) -> ModelSpec:
         return load_model(name)
     except SpecError as err:
         raise SpecError(f"{where}: column 'model': {err}") from None
+    except OSError as exc:  # a name past the file system's limit (ENAMETOOLONG)
+        raise SpecError(
+            f"{where}: column 'model' {shown(name)} cannot be read ({exc.strerror}); give a "
+            "preset name or config path"
+        ) from None
 
 
 def _dtype(text: str, where: str) -> str:
