@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 
 from planner.cli.estimate import DTYPES
@@ -111,6 +112,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--solver", choices=("cpsat", "cbc"), default="cpsat")
     p.add_argument("--time-limit-s", type=float, default=1.0, help="limit for each IP solve")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="sizes planned at once, one process each (default: the CPUs this process may "
+        "use); the files do not depend on it",
+    )
     p.add_argument("--out", default=None, help="output dir (default results/size-MODEL-CLUSTERS)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="write no sizes.png")
     p.set_defaults(func=run)
@@ -181,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
         args.model.replace("/", "_"), "-".join(c.replace("/", "_") for c in request.clusters)
     )
     check_out_dir(out)
-    report = size_sweep(request, progress=lambda text: LOG.info("planning %s", text))
+    jobs = len(os.sched_getaffinity(0)) if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise SpecError(f"--jobs {jobs}: must be 1 or more; pass e.g. 2")
+    report = size_sweep(request, progress=lambda text: LOG.info("planned %s", text), jobs=jobs)
     text = summary_text(report)
     files: dict[str, str | bytes] = {"sizes.csv": size_csv(report), "summary.md": text}
     if args.plots:

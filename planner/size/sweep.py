@@ -11,8 +11,11 @@ planner/SIZING.md describes every figure.
 
 from __future__ import annotations
 
+import functools
 import math
+import multiprocessing
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 from planner.calibrate.error_bars import plan_intervals_of
@@ -21,6 +24,7 @@ from planner.inputs.models import load_model
 from planner.ip.solvers import SolverOptions
 from planner.plan.schema import Interval, Plan
 from planner.search.advice import memory_floor_message
+from planner.search.evaluator import Evaluator
 from planner.search.make_plan import make_plan
 from planner.search.model_evaluator import default_evaluator
 from planner.size.goodput import Goodput, checkpoint_cost, goodput, state_bytes
@@ -74,33 +78,95 @@ class SizeReport:
     state_bytes: float
 
 
-def size_sweep(request: SizeRequest, progress: Callable[[str], None] | None = None) -> SizeReport:
-    """Plan and price every (cluster, size) of `request`; `progress` is told each one."""
+def size_sweep(
+    request: SizeRequest, progress: Callable[[str], None] | None = None, jobs: int = 1
+) -> SizeReport:
+    """Plan and price every (cluster, size) of `request`.
+
+    Args:
+        request: the question (every cluster is read and checked before any size is planned).
+        progress: told "CLUSTER: N GPUs" as each size is done.
+        jobs: sizes planned at once, each in its own process (1: in this process, one evaluator
+            shared by every size). The rows do not depend on it.
+    Returns:
+        SizeReport: rows per cluster in the order given, sizes ascending.
+    """
     model = load_model(request.model)
-    evaluator = default_evaluator()
-    rows: list[SizeRow] = []
-    notes = []
-    state = 0.0
+    tasks: list[_Task] = []
     for name in request.clusters:
         base = load_cluster(name)
         check_dtype(base, request.dtype, name)
         target = get_target(request.target or default_target(base))
         sizes = request.gpus or default_sizes(model, base, _training(request, base, 1), target)
         mode = request.failures.mode or TARGET_CHECKPOINT_MODE[target.name]
-        found: list[SizeRow] = []
-        for gpus in sizes:
-            if progress is not None:
-                progress(f"{name}: {gpus} GPUs")
-            row = _size_row(request, model, base, target, gpus, sizes[0], mode, evaluator)
-            found.append(row)
-        found = flags_of(found, request.min_mfu)
-        rows.extend(found)
-        state = max(
-            state, state_bytes(model, with_conventions(_training(request, base, 1), target))
+        tasks += [_Task(name, target.name, gpus, sizes[0], mode) for gpus in sizes]
+    found = _run(request, tasks, jobs, progress)
+    rows: list[SizeRow] = []
+    notes = []
+    state = 0.0
+    for name in request.clusters:
+        base, target = (
+            load_cluster(name),
+            get_target(next(t.target for t in tasks if t.cluster == name)),
         )
-        notes.append(_note(request, base, target, mode, found))
-    marked = pareto(rows)
-    return SizeReport(request, model.name, tuple(marked), tuple(notes), state)
+        mine = flags_of([r for r, t in zip(found, tasks, strict=True) if t.cluster == name],
+                        request.min_mfu)  # fmt: skip
+        rows.extend(mine)
+        training = with_conventions(_training(request, base, 1), target)
+        state = max(state, state_bytes(model, training))
+        mode = next(t.mode for t in tasks if t.cluster == name)
+        notes.append(_note(request, base, target, mode, mine))
+    return SizeReport(request, model.name, tuple(pareto(rows)), tuple(notes), state)
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One size of one cluster to plan (what a worker process is sent)."""
+
+    cluster: str
+    target: str
+    gpus: int
+    smallest: int
+    mode: str
+
+
+def _run(
+    request: SizeRequest, tasks: Sequence[_Task], jobs: int, progress: Callable[[str], None] | None
+) -> list[SizeRow]:
+    """The row of every task, in order: here, or over `jobs` spawned processes (spawn, not fork:
+    the solvers' threads do not survive a fork)."""
+    done = progress or (lambda _text: None)
+    if jobs <= 1 or len(tasks) <= 1:
+        out = []
+        for task in tasks:
+            out.append(plan_task(request, task))
+            done(f"{task.cluster}: {task.gpus} GPUs")
+        return out
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=context) as pool:
+        futures = [pool.submit(plan_task, request, task) for task in tasks]
+        try:
+            for future, task in zip(futures, tasks, strict=True):
+                future.result()
+                done(f"{task.cluster}: {task.gpus} GPUs")
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    return [f.result() for f in futures]
+
+
+@functools.cache
+def _loaded(model: str, cluster: str) -> tuple[ModelSpec, ClusterSpec, Evaluator]:
+    """The model, the cluster and one evaluator, read once per process."""
+    return load_model(model), load_cluster(cluster), default_evaluator()
+
+
+def plan_task(request: SizeRequest, task: _Task) -> SizeRow:
+    """The row of one size of one cluster: its plan, priced (no flags, not yet on the Pareto
+    set)."""
+    model, base, evaluator = _loaded(request.model, task.cluster)
+    target = get_target(task.target)
+    return _size_row(request, model, base, target, task.gpus, task.smallest, task.mode, evaluator)
 
 
 def default_sizes(
@@ -149,7 +215,7 @@ def _size_row(
     gpus: int,
     smallest: int,
     mode: str,
-    evaluator,
+    evaluator: Evaluator,
 ) -> SizeRow:
     batch, capped = batch_at(request, gpus, smallest)
     cluster = _cluster_of(base, gpus)

@@ -31,7 +31,7 @@ ARGS = [
 @pytest.fixture(scope="module")
 def sized(tmp_path_factory):
     out = tmp_path_factory.mktemp("size") / "out"
-    result = run_piper([*ARGS, "--out", str(out)])
+    result = run_piper([*ARGS, "--out", str(out), "--jobs", "1"])
     assert result.code == 0, result.stderr
     rows = list(csv.DictReader(io.StringIO((out / "sizes.csv").read_text())))
     return result, out, rows
@@ -91,6 +91,19 @@ def test_summary_is_readable_and_answers_the_deadline(sized):
     assert any(r["pareto"] == "1" for r in rows)
 
 
+def test_sizes_planned_in_two_processes_give_the_same_rows(sized, tmp_path):
+    argv = [*ARGS, "--out", str(tmp_path / "out"), "--jobs", "2"]
+    argv[argv.index("h100,h800")] = "h100"
+    assert run_piper(argv).code == 0
+    two = list(csv.DictReader(io.StringIO((tmp_path / "out" / "sizes.csv").read_text())))
+    one = [r for r in sized[2] if r["cluster"] == "h100"]
+    assert len(two) == len(one) == 2
+    for a, b in zip(one, two, strict=True):
+        assert {k: v for k, v in a.items() if k != "pareto"} == {
+            k: v for k, v in b.items() if k != "pareto"
+        }
+
+
 @pytest.mark.parametrize(
     "flag, value, words",
     [
@@ -99,6 +112,7 @@ def test_summary_is_readable_and_answers_the_deadline(sized):
         ("--gpus", "300..1000", "--gpus '300..1000'"),
         ("--price-per-gpu-hour", "-1", "--price-per-gpu-hour -1"),
         ("--storage-gbps", "0", "--storage-gbps 0"),
+        ("--jobs", "0", "--jobs 0"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, flag, value, words):
