@@ -135,14 +135,17 @@ def diff_moves(
     """
     experts = int(max(old_slots_RS.max(), new_slots_RS.max())) + 1
     old_ER, new_ER = holders(old_slots_RS, experts), holders(new_slots_RS, experts)
-    moves = []
-    for e, dst in zip(*np.nonzero(new_ER & ~old_ER), strict=True):
-        srcs = np.nonzero(old_ER[e])[0]
-        src = int(srcs[np.argmin(move_s_RR[srcs, dst])])
-        moves.append(
-            Move(layer, int(e), src, int(dst), int(expert_bytes), float(move_s_RR[src, dst]))
+    e_N, dst_N = np.nonzero(new_ER & ~old_ER)
+    # per copy, the old holders' link seconds to its destination (inf: not a holder)
+    from_NR = np.where(old_ER[e_N], move_s_RR[:, dst_N].T, np.inf)
+    src_N = np.argmin(from_NR, axis=1)  # ties: the lowest rank
+    seconds_N = move_s_RR[src_N, dst_N]
+    return tuple(
+        Move(layer, e, src, dst, int(expert_bytes), s)
+        for e, src, dst, s in zip(
+            e_N.tolist(), src_N.tolist(), dst_N.tolist(), seconds_N.tolist(), strict=True
         )
-    return tuple(moves)
+    )
 
 
 def lowest_holder(slots_RS: np.ndarray, experts: int) -> np.ndarray:

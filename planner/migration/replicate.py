@@ -40,10 +40,12 @@ def pack(load_E: np.ndarray, counts_E: np.ndarray, capacity_R: np.ndarray) -> np
     slots_RS[np.arange(slots_RS.shape[1])[None, :] < capacity_R[:, None]] = EMPTY
     fill_R = np.zeros(ranks, dtype=np.int64)
     load_R = np.zeros(ranks)
+    held_ER = np.zeros((len(load_E), ranks), dtype=bool)
     for e, _ in replicas:
-        allowed_R = (fill_R < capacity_R) & ~(slots_RS == e).any(axis=1)
+        allowed_R = (fill_R < capacity_R) & ~held_ER[e]
         r = int(np.argmin(np.where(allowed_R, load_R, np.inf)))
         slots_RS[r, fill_R[r]] = e
+        held_ER[e, r] = True
         fill_R[r] += 1
         load_R[r] += share_E[e]
     return slots_RS
