@@ -22,7 +22,7 @@ from planner.inputs.models import load_model
 from planner.plan import load_plan
 from planner.plan.settings import settings_of_config
 from planner.specs import SpecError
-from tests.hardening_cli import REPO, base_cluster_dict, base_model_config
+from tests.hardening_cli import REPO, base_cluster_dict, base_model_config, run_piper
 from tests.planner.outputs.export_plans import make_plan
 
 BIG = "x" * 1_000_000
@@ -158,3 +158,17 @@ def test_a_huge_value_in_a_runs_csv_column_is_cut_in_the_error(
     with pytest.raises(SpecError) as exc:
         load_runs(path)
     _one_short_line(exc, field)
+
+
+def test_a_model_name_too_long_for_a_file_is_one_short_line():
+    result = run_piper(["model-info", "m" * 5000])
+    assert result.code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "File name too long" in result.stderr and len(result.stderr) < 300
+
+
+def test_a_huge_fit_parameter_name_is_cut_in_the_error(tmp_path):
+    runs = Path(__file__).resolve().parent.parent / "profiles" / "runs" / "published_runs.csv"
+    result = run_piper(["calibrate", "--fit", str(runs), "--params", "p" * 1_000_000,
+                        "--cluster", "h100", "--out", str(tmp_path / "f.yaml")])  # fmt: skip
+    assert result.code == 2 and len(result.stderr) < 400  # the cut name, then the 9 constants
+    assert "p..." in result.stderr and "is not a constant a fit may set" in result.stderr

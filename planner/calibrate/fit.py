@@ -30,6 +30,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from planner.calibrate.runs import Run, estimate_run, predicted_value
+from planner.inputs.shown import shown
 from planner.specs import EFFICIENCIES, TOPOLOGY_EFFICIENCIES, ClusterSpec, Efficiency, SpecError
 
 MAX_PARAMS = 8  # the "at most 8 per hardware and software stack"
@@ -95,7 +96,7 @@ def fit_params(names: Sequence[str] | None) -> tuple[Efficiency, ...]:
         unknown = [n for n in names if n not in known]
         if unknown:
             raise SpecError(
-                f"--params: '{unknown[0]}' is not a constant a fit may set; choose from "
+                f"--params: {shown(unknown[0])} is not a constant a fit may set; choose from "
                 f"{', '.join(known)}"
             )
         if len(set(names)) != len(names) or not names:

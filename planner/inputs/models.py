@@ -115,21 +115,26 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 def resolve_model(name_or_path: str) -> tuple[dict[str, Any], str, str]:
     """(config dict, model name, source) for a preset name, a file or a directory."""
-    preset = _preset_file(name_or_path) if "/" not in name_or_path else None
+    path = Path(name_or_path)
+    try:
+        preset = _preset_file(name_or_path) if "/" not in name_or_path else None
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError as exc:  # a name too long for the file system, a loop of links
+        raise SpecError(f"model {shown(name_or_path)}: {exc.strerror}; pass a preset name or "
+                        "a path to config.json") from None  # fmt: skip
     if preset is not None:
         return read_config_file(preset), preset.stem, f"preset:{preset.stem}"
-    path = Path(name_or_path)
-    if path.is_dir():
+    if is_dir:
         path = path / "config.json"
         if not path.is_file():
             raise SpecError(f"{name_or_path}: directory has no config.json; pass the file itself")
-    if path.is_file():
+    if is_dir or is_file:
         name = path.parent.name if path.stem == "config" and path.parent.name else path.stem
         return read_config_file(path), name, str(path)
     close = difflib.get_close_matches(name_or_path.lower(), list_model_presets(), n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise SpecError(
-        f"model '{name_or_path}' is neither a preset nor a file; {hint}"
+        f"model {shown(name_or_path)} is neither a preset nor a file; {hint}"
         "see 'piper model-info --list' or pass a path to config.json"
     )
 

@@ -14,22 +14,11 @@ import re
 import shlex
 from collections.abc import Mapping
 
+from planner.plan.env_names import env_name
 from planner.plan.schema import Plan
 from planner.specs import SpecError
 
-# POSIX shell variable names (IEEE Std 1003.1, XBD 3.235 "Name"); bash's `export` takes these.
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def env_name(name: object, where: str) -> str:
-    """`name` if it is a valid environment variable name, else a SpecError naming `where`."""
-    if not isinstance(name, str) or not ENV_NAME.match(name):
-        raise SpecError(
-            f"{where}: {name!r} is not an environment variable name (letters, digits and '_', "
-            "not starting with a digit); rename or remove it"
-        )
-    return name
 
 
 def export_lines(env: Mapping[str, str], where: str) -> list[str]:
