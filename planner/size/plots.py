@@ -14,7 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from planner.numbers import number  # noqa: E402
 from planner.size.rows import pareto_axis  # noqa: E402
@@ -35,17 +35,13 @@ def sizes_figure(report: SizeReport) -> Figure:
         color = f"C{k % 10}"
         gpus = [r.gpus for r in rows]
         money = [r.cost_usd if axis == "cost" else r.gpu_hours for r in rows]
-        for ax, ivs in ((days_ax, [r.days for r in rows]), (cost_ax, money)):
-            ax.plot(gpus, [iv.mid for iv in ivs], "o-", color=color, label=note.cluster)
-            ax.fill_between(
-                gpus,
-                [iv.lo for iv in ivs],
-                [iv.hi for iv in ivs],
-                color=color,
-                alpha=0.18,
-                linewidth=0,
-            )
-            best = [(g, iv.mid) for g, iv, r in zip(gpus, ivs, rows, strict=True) if r.pareto]
+        panels = ((days_ax, [r.days for r in rows], 1.0), (cost_ax, money, 1e-6))
+        for ax, ivs, scale in panels:
+            mids = [iv.mid * scale for iv in ivs]
+            ax.plot(gpus, mids, "o-", color=color, label=note.cluster)
+            lo, hi = [iv.lo * scale for iv in ivs], [iv.hi * scale for iv in ivs]
+            ax.fill_between(gpus, lo, hi, color=color, alpha=0.18, linewidth=0)
+            best = [(g, y) for g, y, r in zip(gpus, mids, rows, strict=True) if r.pareto]
             if best:
                 ax.scatter(*zip(*best, strict=True), s=120, facecolors="none", edgecolors="k")
     if report.request.deadline_s is not None:
@@ -54,13 +50,15 @@ def sizes_figure(report: SizeReport) -> Figure:
         )
     level = next((r.days.level for r in report.rows if r.days is not None), 0.8)
     days_ax.set_ylabel("days to train (with failures)")
-    cost_ax.set_ylabel("cost (USD)" if axis == "cost" else "GPU-hours")
+    cost_ax.set_ylabel("cost (USD millions)" if axis == "cost" else "GPU-hours (millions)")
     for ax in (days_ax, cost_ax):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("GPUs")
         ax.xaxis.set_major_formatter(READABLE)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(READABLE)
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="major", alpha=0.3)
     days_ax.legend(fontsize=8)
     tokens = number(report.request.tokens / 1e12, 4)
