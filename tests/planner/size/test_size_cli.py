@@ -124,3 +124,19 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, flag, value, wor
     assert len(result.err_lines) == 1 and words in result.err_lines[0]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_readme_example_parses_into_a_request():
+    from pathlib import Path
+
+    from planner.cli import build_parser
+    from planner.cli.size import request_of
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    block = readme.split("## Sizing a run", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    argv = block.split()
+    assert argv[:2] == ["piper", "size"]
+    request = request_of(build_parser(argv[1:]).parse_args(argv[1:]))
+    assert request.clusters == ("h800", "h100") and request.tokens == 14.8e12
+    assert request.gpus == (256, 512, 1024, 2048, 4096, 8192, 16384)
+    assert request.deadline_s == 60 * 86400
