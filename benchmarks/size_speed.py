@@ -80,10 +80,10 @@ def main() -> None:
         print("piper " + " ".join(COMMAND))
         print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         with tempfile.TemporaryDirectory() as tmp:
-            for name, extra in VARIANTS:
+            for v, (name, extra) in enumerate(VARIANTS):
                 walls = []
                 for k in range(args.repeat):
-                    wall, cpu, rows, planned = run_once(Path(tmp) / f"run{len(walls)}", extra)
+                    wall, cpu, rows, planned = run_once(Path(tmp) / f"run{v}-{k}", extra)
                     walls.append(wall)
                     print(
                         f"{name}: wall {wall:.1f} s, CPU {cpu:.1f} s, {rows} rows "
