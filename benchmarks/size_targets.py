@@ -23,6 +23,7 @@ Writes what it prints to results/size_targets.md.
 from __future__ import annotations
 
 import argparse
+import os
 
 from results_md import recorded
 
@@ -110,7 +111,7 @@ def monotone() -> None:
     print("\n4. Days non-increasing in GPUs up to the batch rule's limit (mixtral-8x7b, 1T)")
     presets = [p for p in list_cluster_presets() if p != "cpu-gloo"]
     req = SizeRequest("mixtral-8x7b", tuple(presets), 1e12, time_limit_s=0.5)
-    report = size_sweep(req)
+    report = size_sweep(req, jobs=len(os.sched_getaffinity(0)))
     for preset in presets:
         rows = [r for r in report.rows if r.cluster == preset]
         kept = _up_to_the_limit(rows)
