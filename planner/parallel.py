@@ -20,10 +20,19 @@ from planner.specs import ModelSpec, Recompute, SpecError, TrainingSpec
 # Megatron-Core's `--recompute-modules` (selective recompute by module), and "op":
 # torchtitan's per-op selective activation checkpointing of every layer (SelectiveAC,
 # planner.resources.op_sac), the one selective set that engine runs.
-RecomputeModule = Literal[
+NamedModule = Literal[
     "core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts", "op"
 ]
-RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = get_args(RecomputeModule)
+RECOMPUTE_MODULES: tuple[NamedModule, ...] = get_args(NamedModule)
+# torchtitan's memory-budget AC (planner.resources.memory_budget) as the module "budget:<b>",
+# alone: b in [0, 1] in steps of 1 / BUDGET_STEPS (the 0.05 steps torchtitan's
+# visualize_memory_budget_pareto samples), so plan.json's module list stays a closed set.
+BUDGET_PREFIX = "budget:"
+BUDGET_STEPS = 20
+BUDGET_MODULES: tuple[str, ...] = tuple(
+    f"{BUDGET_PREFIX}{i / BUDGET_STEPS:g}" for i in range(BUDGET_STEPS + 1)
+)
+RecomputeModule = Literal[NamedModule, Literal[BUDGET_MODULES]]  # type: ignore[valid-type]
 
 
 @dataclass(frozen=True)
@@ -72,11 +81,18 @@ class ParallelConfig:
         self._check_modules()
 
     def _check_modules(self) -> None:
-        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        mods = self.recompute_modules
+        unknown = [m for m in mods if m not in RECOMPUTE_MODULES and m not in BUDGET_MODULES]
         if unknown:
             raise SpecError(
                 f"parallel: recompute module(s) {', '.join(map(str, unknown))} unknown; "
-                f"choose from {', '.join(RECOMPUTE_MODULES)}"
+                f"choose from {', '.join(RECOMPUTE_MODULES)} or {BUDGET_PREFIX}<b> (b in "
+                f"[0, 1] in steps of {1 / BUDGET_STEPS:g})"
+            )
+        if len(mods) > 1 and any(m in BUDGET_MODULES for m in mods):
+            raise SpecError(
+                f"parallel: recompute modules {','.join(mods)}: a memory budget covers the "
+                "whole layer; give it alone"
             )
         if len(set(self.recompute_modules)) != len(self.recompute_modules):
             raise SpecError("parallel: recompute_modules lists a module twice; list each once")
@@ -106,6 +122,25 @@ class ParallelConfig:
         if self.recompute != "selective":
             return ()
         return self.recompute_modules or ("core_attn",)
+
+
+def budget_module(budget: float) -> str:
+    """The recompute module of torchtitan's memory-budget AC at `budget` (`--memory-budget`);
+    a budget outside [0, 1] or off the 1 / BUDGET_STEPS grid is one SpecError line."""
+    steps = budget * BUDGET_STEPS
+    if not 0.0 <= budget <= 1.0 or abs(steps - round(steps)) > 1e-9:
+        raise SpecError(
+            f"--memory-budget {budget:g}: give a budget in [0, 1] in steps of "
+            f"{1 / BUDGET_STEPS:g} (e.g. 0.5)"
+        )
+    return f"{BUDGET_PREFIX}{round(steps) / BUDGET_STEPS:g}"
+
+
+def memory_budget(modules: tuple[str, ...]) -> float | None:
+    """The budget b of a layout whose recompute modules are ("budget:<b>",); None otherwise."""
+    if len(modules) != 1 or modules[0] not in BUDGET_MODULES:
+        return None
+    return float(modules[0].removeprefix(BUDGET_PREFIX))
 
 
 def check_layout(par: ParallelConfig, model: ModelSpec, training: TrainingSpec) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
+from planner.parallel import BUDGET_MODULES
 from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
 
 TargetName = Literal["piper", "megatron", "torchtitan"]
@@ -38,8 +39,10 @@ class Target:
         the experts), so the combine keeps no expert outputs for the gate's gradient.
     per_layer_recompute: recompute may differ from layer to layer (the stage IP's choice);
         False = the policy applies to every layer of the model.
-    recompute_modules: the selective-recompute modules the engine reruns (None = the search's
-        Megatron-Core module sets; ("op",) = torchtitan's per-op SAC, planner.resources.op_sac).
+    recompute_modules: the selective-recompute modules the engine reruns, the first the one
+        set the search tries (None = the search's Megatron-Core module sets; "op" =
+        torchtitan's per-op SAC, planner.resources.op_sac; "budget:<b>" = its memory-budget
+        AC, planner.resources.memory_budget, each alone).
     etp_rule: "any" or "one_or_tp" (expert TP is 1 or the attention TP).
     """
 
@@ -111,10 +114,10 @@ TARGETS: dict[TargetName, Target] = {
     "torchtitan": Target(
         name="torchtitan", engine="torchtitan", version="0.3.0",
         bytes_per_param=16, gate_in_activation=False, per_layer_recompute=False,
-        # activation_checkpoint none | selective (per-op SAC of every block) | full
-        # (torchtitan/distributed/activation_checkpoint.py @b5bcd76: SelectiveAC, FullAC);
-        # memory-budget needs torch.compile and is not offered (planner/PLANNING.md)
-        recompute=("none", "selective", "full"), recompute_modules=("op",),
+        # activation_checkpoint none | selective (per-op SAC of every block) | full |
+        # memory-budget (torchtitan/distributed/activation_checkpoint.py @b5bcd76:
+        # SelectiveAC, FullAC, MemoryBudgetAC; the budget exported with torch.compile)
+        recompute=("none", "selective", "full"), recompute_modules=("op", *BUDGET_MODULES),
         sharding=("fsdp",), a2a_overlap=False, dispatchers=("flat",),
         cuda_graphs=("none",), dtypes=("bf16", "fp32"),
         optimizer_dtypes=("fp32", "bf16"), vp=True, cp=True, etp_rule="one_or_tp",

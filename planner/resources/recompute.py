@@ -26,16 +26,21 @@ passes over the bytes it dropped, and for `moe` the forward dispatch and combine
 all-to-alls (and expert-TP collectives) of the layer.
 
 "op" is torchtitan's per-op selective AC of the whole layer (planner.resources.op_sac); it
-keeps the all-to-all outputs, so it repeats no dispatch.
+keeps the all-to-all outputs, so it repeats no dispatch. "budget:<b>" is torchtitan's
+memory-budget AC (planner.resources.memory_budget): its choice depends on the sequence, the
+layout and the dtype, so it is priced by `budget_kept` and `budget_rerun`, which take them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+from planner.parallel import ParallelConfig, memory_budget
+from planner.resources import memory_budget as budget_ac
 from planner.resources import op_sac
 from planner.resources.params import attention_matmul_params
-from planner.specs import LayerSpec
+from planner.specs import LayerSpec, SpecError, TrainingSpec
 
 
 def kept_components(
@@ -48,6 +53,7 @@ def kept_components(
     """`parts` (the layer's activation components without recompute) after recomputing
     `modules`; `bytes_per_token_elem` = a T (bytes of one element per token of the rank),
     so one norm output (or block input) is a T d with d = `hidden`."""
+    _refuse_budget(modules)
     norm_output_bytes = bytes_per_token_elem * hidden
     out = dict(parts)
     moe, mla = layer.moe, layer.attention.kind == "mla"
@@ -86,6 +92,7 @@ def work_share(layer: LayerSpec, modules: Sequence[str], hidden: int) -> dict[st
     recomputing `modules` repeats: core attention, the MLA up-projections (their share of
     the attention projection weights), a dense layer's MLP, the whole MoE block, or the
     shared experts; for "op", torchtitan's recomputed matmuls (op_sac.work_share)."""
+    _refuse_budget(modules)
     if op_sac.OP in modules:
         return op_sac.work_share(layer, hidden)
     share: dict[str, float] = {}
@@ -109,3 +116,62 @@ def work_share(layer: LayerSpec, modules: Sequence[str], hidden: int) -> dict[st
 def repeats_dispatch(layer: LayerSpec, modules: Sequence[str]) -> bool:
     """True when recomputing `modules` reruns the layer's forward dispatch and combine."""
     return "moe" in modules and layer.moe is not None
+
+
+def _refuse_budget(modules: Sequence[str]) -> None:
+    if memory_budget(tuple(modules)) is not None:
+        raise SpecError(
+            f"parallel.recompute_modules {','.join(modules)}: memory-budget AC is priced by "
+            "budget_kept / budget_rerun (planner.resources.recompute), which this pricing "
+            "path does not call; re-plan with --recompute-modules op or --recompute full"
+        )
+
+
+@dataclass(frozen=True)
+class BudgetRerun:
+    """What torchtitan's memory-budget AC repeats in one layer's backward: `share`, each
+    compute Work's share of its forward (Work name, share); `repeats_dispatch`, the forward
+    dispatch and combine all-to-alls; `recompute_flops`, the forward FLOPs it repeats."""
+
+    share: tuple[tuple[str, float], ...]
+    repeats_dispatch: bool
+    recompute_flops: float
+
+
+def budget_kept(
+    layer: LayerSpec,
+    parts: Sequence[tuple[str, float]],
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    hidden: int,
+) -> list[tuple[str, float]] | None:
+    """`parts` (the layer's components without recompute) as the memory budget of
+    `parallel` keeps them (planner.resources.memory_budget); None when the layout recomputes
+    no memory budget."""
+    budget = memory_budget(parallel.recompute_modules)
+    if budget is None or parallel.recompute != "selective":
+        return None
+    choice = budget_ac.layer_choice(layer, parts, training, parallel, hidden, budget)
+    return budget_ac.kept_components(choice, parts)
+
+
+def budget_rerun(
+    layer: LayerSpec,
+    parts: Sequence[tuple[str, float]],
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    hidden: int,
+    forward_flops: Mapping[str, float],
+) -> BudgetRerun | None:
+    """What the memory budget of `parallel` repeats in backward; `forward_flops` maps each
+    compute Work of the layer to its forward FLOPs on the rank. None without a budget."""
+    budget = memory_budget(parallel.recompute_modules)
+    if budget is None or parallel.recompute != "selective":
+        return None
+    choice = budget_ac.layer_choice(layer, parts, training, parallel, hidden, budget)
+    share = budget_ac.work_share(choice, dict(forward_flops))
+    return BudgetRerun(
+        tuple(sorted(share.items())),
+        budget_ac.repeats_dispatch(choice, parallel),
+        choice.recompute_flops,
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from planner.parallel import ParallelConfig
+from planner.parallel import BUDGET_MODULES, ParallelConfig
 from planner.resources.op_sac import OP
 from planner.search.space import RECOMPUTE_CHOICES
 from planner.specs import SpecError, TrainingSpec
@@ -83,16 +83,25 @@ def target_choices(
         for d in dispatchers:
             refuse(target, "--dispatcher", d, "dispatchers")
     tried = tuple(d for d in dispatchers if d in target.dispatchers) or ("flat",)
+    searched_set = target.recompute_modules[:1] if target.recompute_modules else None
     return TargetChoices(
-        out, policies, modules, target.recompute_modules, kept, overlap, tried, target.etp_rule
+        out, policies, modules, searched_set, kept, overlap, tried, target.etp_rule
     )
 
 
 def _modules(target: Target, given: Sequence[str] | None) -> tuple[str, ...] | None:
     """The user's selective modules, each one the target reruns (None = searched); "op"
-    (torchtitan's per-op SAC) only for a target that runs it, and alone."""
+    (torchtitan's per-op SAC) and a memory budget only for a target that runs them, alone."""
+    runs = target.recompute_modules or ()
+    budgets = [m for m in given or () if m in BUDGET_MODULES]
+    if budgets and budgets[0] not in runs:
+        raise SpecError(
+            f"--memory-budget {budgets[0].split(':')[1]}: torchtitan's memory-budget AC; "
+            f"{target.engine} {target.version} does not run it; drop it or use --target "
+            "torchtitan"
+        )
     if given is not None and OP in given:
-        if target.recompute_modules != (OP,):
+        if OP not in runs:
             raise SpecError(
                 f"--recompute-modules {','.join(given)}: 'op' is torchtitan's per-op selective "
                 f"AC; {target.engine} {target.version} does not run it; drop it or use "
@@ -109,8 +118,7 @@ def _modules(target: Target, given: Sequence[str] | None) -> tuple[str, ...] | N
     if extra:
         raise SpecError(
             f"--recompute-modules {','.join(extra)}: {target.engine} reruns only "
-            f"{','.join(target.recompute_modules)} under selective recompute; drop "
-            "them or use --target megatron"
+            f"{_named(target)} under selective recompute; drop them or use --target megatron"
         )
     return tuple(given)
 
@@ -138,9 +146,15 @@ def check_layout_for(
         )
     if target.recompute_modules is not None and par.recompute == "selective" and not modules:
         raise SpecError(
-            f"--recompute selective: give --recompute-modules "
-            f"{','.join(target.recompute_modules)} for {target.engine}"
+            f"--recompute selective: give --recompute-modules {_named(target)} for {target.engine}"
         )
+
+
+def _named(target: Target) -> str:
+    """The target's selective modules as a user names them (a budget as --memory-budget)."""
+    mods = [m for m in target.recompute_modules or () if m not in BUDGET_MODULES]
+    budget = len(mods) < len(target.recompute_modules or ())
+    return ",".join(mods) + (" (or --memory-budget B)" if budget else "")
 
 
 def with_target_modules(target: Target, par: ParallelConfig) -> ParallelConfig:
@@ -148,4 +162,4 @@ def with_target_modules(target: Target, par: ParallelConfig) -> ParallelConfig:
     without naming modules (torchtitan: "op", its per-op SAC; Piper: core attention)."""
     if par.recompute != "selective" or par.recompute_modules or not target.recompute_modules:
         return par
-    return replace(par, recompute_modules=target.recompute_modules)  # type: ignore[arg-type]
+    return replace(par, recompute_modules=target.recompute_modules[:1])  # type: ignore[arg-type]

@@ -16,6 +16,11 @@ Mapping (torchtitan's ParallelismConfig / TrainingConfig, `torchtitan/config/con
   pp = 1 it is one micro-batch and torchtitan accumulates num_microbatches of them.
 - Pipeline stages become module_fqns_per_model_part (tok_embeddings on the first, norm and
   lm_head on the last), pp * vp parts in virtual order for Interleaved1F1B.
+- A memory budget (the plan's recompute module "budget:<b>", planner.resources.memory_budget)
+  becomes `activation_checkpoint:memory-budget --activation_checkpoint.memory_budget b` with
+  `--compile.enable --compile.components model,loss`: torchtitan's Trainer.Config refuses the
+  policy unless the model is compiled (torchtitan/trainer.py:159-165); the compiled region's
+  fusions are not priced (the target is priced eager), only the partitioner's choice.
 - CUDA graphs are turned off (`--training.disable_cuda_graphs`): torchtitan captures the whole
   forward and backward by default where it can (pp = 1, and ep = 1 with the standard
   all-to-all: torchtitan/trainer.py `_validate_cuda_graphs`), but the torchtitan target is
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 from planner.outputs.export.describe import noncontiguous_expert_layers, plan_title
 from planner.outputs.export.shell import comment
 from planner.outputs.export.torchtitan_model import TORCHTITAN_VERSION, composed_module
-from planner.parallel import divisors
+from planner.parallel import divisors, memory_budget
 from planner.plan.schema import Plan
 from planner.run.layout import virtual_stages
 from planner.specs import ModelSpec, SpecError
@@ -134,11 +139,20 @@ def _training(plan: Plan) -> list[str]:
     return args
 
 
+# torch.compile of the model, which memory-budget AC needs (torchtitan/config/configs.py
+# CompileConfig: enable, components; trainer.py:159-165)
+_COMPILE = ["--compile.enable", "--compile.components", "model,loss"]
+
+
 def _recompute(plan: Plan) -> tuple[str, list[str]]:
     """The activation-checkpoint subcommand and notes: tyro's `activation_checkpoint:none`,
-    `:selective` (per-op SAC, the plan's "op" module) or `:full`
+    `:selective` (per-op SAC, the plan's "op" module), `:full` or `:memory-budget` (its
+    "budget:<b>" module; the budget flag follows the subcommand)
     (torchtitan/distributed/activation_checkpoint.py @b5bcd76, ActivationCheckpointingConfig)."""
     par = plan.parallel
+    budget = memory_budget(par.recompute_modules)
+    if par.recompute == "selective" and budget is not None:
+        return f"memory-budget --activation_checkpoint.memory_budget {budget:g}", []
     every = all(tuple(s.recompute_layers) == tuple(s.layers) for s in plan.stages)
     if par.recompute == "full" and every:
         return "full", []
@@ -203,7 +217,9 @@ def torchtitan_args(plan: Plan, model: ModelSpec) -> TitanExport:
     head, notes, files = titan_model(plan, model)
     mode, rc_notes = _recompute(plan)
     args = head + _parallelism(plan, model, shard) + _training(plan)
-    args.append(f"activation_checkpoint:{mode}")
+    if mode.startswith("memory-budget"):
+        args += _COMPILE
+    args += f"activation_checkpoint:{mode}".split()
     return TitanExport(tuple(args), tuple(notes + rc_notes + _knob_notes(plan, model, shard)),
                        files)  # fmt: skip
 

@@ -1,0 +1,217 @@
+"""torchtitan's `memory-budget` activation checkpointing: what a layer keeps under a budget b.
+
+torchtitan 0.3.0 `activation_checkpoint:memory-budget --activation_checkpoint.memory_budget b`
+(`torchtitan/distributed/activation_checkpoint.py` MemoryBudgetAC, b in [0, 1]) only sets
+`torch._functorch.config.activation_memory_budget = b`; the compiled block's min-cut
+partitioner (`torch/_functorch/partitioners.py`, `choose_saved_values_set`) then picks what
+to save:
+- b = 0 saves the graph inputs only (the block input: full recompute's a T d);
+- b = 1 saves the runtime-optimised min-cut set;
+- between them, sizes are normalised to (saved - inputs) / (b1 - inputs), with b1 the bytes
+  of the b = 1 set, and a 0/1 knapsack (default solver "dp") over the tensors the min-cut
+  would ban from recompute keeps the set of largest forward runtime (FlopCounterMode FLOPs,
+  the default "flops" estimator) whose normalised size is at most b.
+
+Priced here, per layer on Piper's activation components (planner.resources.memory), with
+the tensors and widths of per-op SAC (planner.resources.op_sac.linears): each component of
+no recompute is split into the tensors that make it, each with its bytes per rank and
+micro-batch and the forward FLOPs that recreate it (the producing op's; a residual sum is
+priced as the row-parallel matmul feeding it, the SDPA outputs as core attention, the
+combine's expert outputs as the experts' down projection, norms, activations, rope and
+permutes as 0). b1 is no recompute's bytes; the floor the block input. Approximation of the
+partitioner's knapsack: torch's `greedy_knapsack` (the "greedy" solver): tensors in
+decreasing FLOPs per byte (forward order among equals) are kept while the kept bytes above
+the floor stay within b (b1 - floor); the others are recomputed. Not priced: the pointwise
+chains the b = 1 min-cut itself recomputes (b = 1 is priced as no recompute), and the
+dependencies between recomputed tensors (each is priced by its own op alone).
+
+Shape letters: none (bytes and FLOPs are per rank and micro-batch of one layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.parallel import ParallelConfig
+from planner.resources.op_sac import linears
+from planner.specs import LayerSpec, TrainingSpec
+
+# what a dropped all-to-all output costs to recreate: the forward all-to-all (priced as time
+# by the layer's repeat, not as FLOPs), so the knapsack sees it as free, as FlopCounterMode does
+A2A_COMPONENTS = ("dispatch", "combine")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One saved tensor of a layer without recompute.
+
+    component: the activation component it is part of; size_bytes: per rank and micro-batch;
+    flops: the forward FLOPs that recreate it (per rank); work: the compute Work those FLOPs
+    belong to (planner.resources.compute; "" = none: elementwise or communication)."""
+
+    name: str
+    component: str
+    size_bytes: float
+    flops: float
+    work: str
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The partitioner's choice for one layer and budget, as priced.
+
+    kept: per tensor, True when saved; floor_bytes: the block input (always saved);
+    kept_bytes: floor + the kept tensors; recompute_flops: forward FLOPs of the others."""
+
+    tensors: tuple[Tensor, ...]
+    kept: tuple[bool, ...]
+    floor_bytes: float
+    kept_bytes: float
+    recompute_flops: float
+
+
+def _split(name: str, total: float, pieces: list[Tensor]) -> list[Tensor]:
+    """`pieces` of component `name`, scaled to fit `total`, and the rest as a 0-FLOP tensor."""
+    made = sum(t.size_bytes for t in pieces)
+    if made > total > 0:  # never more than the component holds
+        pieces = [Tensor(t.name, name, t.size_bytes * total / made, t.flops, t.work)
+                  for t in pieces]  # fmt: skip
+        made = total
+    rest = total - made
+    return pieces + ([Tensor(f"{name}_rest", name, rest, 0.0, "")] if rest > 0 else [])
+
+
+def _attention_core(layer: LayerSpec, training: TrainingSpec, parallel: ParallelConfig):
+    """Forward FLOPs of the score (q k) and value (p v) products on the rank, causal
+    (planner.resources.compute.attention_work's count)."""
+    att, s = layer.attention, training.seq_len
+    w = att.sliding_window
+    ctx = (s + 1) / 2 if w is None or w >= s else w - w * (w - 1) / (2 * s)
+    if att.kind == "mla":
+        d_qk, d_v = att.qk_nope_head_dim + att.qk_rope_head_dim, att.v_head_dim
+    else:
+        d_qk = d_v = att.head_dim
+    rows = 2 * parallel.micro_batch * att.num_heads / parallel.tp * s * ctx / parallel.cp
+    return rows * d_qk, rows * d_v
+
+
+def layer_tensors(
+    layer: LayerSpec,
+    parts: Sequence[tuple[str, float]],
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    hidden: int,
+) -> tuple[float, tuple[Tensor, ...]]:
+    """(floor bytes, the other saved tensors) of one layer without recompute; `parts` are the
+    layer's activation components without recompute. The tensors and the floor add up to
+    `parts`."""
+    full = dict(parts)
+    a = 4 if training.dtype == "fp32" else 2
+    tokens = parallel.micro_batch * training.seq_len / (parallel.tp * parallel.cp)
+    per_elem, d = a * tokens, hidden
+    mm = [lin for lin, _ in linears(layer, d, parallel.tp)]
+
+    def out(lin, comp: str) -> Tensor:
+        return Tensor(f"{lin.work}.{lin.name}", comp, per_elem * lin.width, 2 * tokens * lin.params,
+                      lin.work)  # fmt: skip
+
+    floor = min(per_elem * d, full.get("attn_norm", 0.0))
+    wo = [lin for lin in mm if lin.work == "attn_proj" and not lin.component]
+    qk_flops, pv_flops = _attention_core(layer, training, parallel)
+    moe = layer.moe
+    tensors: list[Tensor] = []
+    for name, size in parts:
+        if name == "attn_norm":
+            pieces = [Tensor("attn_norm.out", name, size - floor, 0.0, "")]
+        elif name in ("qkv", "dense_mlp", "shared"):
+            pieces = _split(name, size, [out(lin, name) for lin in mm if lin.component == name])
+        elif name == "mlp_norm":  # the residual sum after wo, then the norm's output
+            residual = Tensor("residual", name, min(per_elem * d, size),
+                              sum(2 * tokens * lin.params for lin in wo), "attn_proj")  # fmt: skip
+            pieces = _split(name, size, [residual])
+        elif name == "context":
+            flops = pv_flops + (qk_flops if training.flash_attention else 0.0)
+            pieces = [Tensor("sdpa.out", name, size, flops, "attn_core")]
+        elif name == "scores":
+            if training.flash_attention:  # the log-sum-exp: a second output of the same op
+                pieces = [Tensor("sdpa.lse", name, size, 0.0, "")]
+            else:  # the q k products, then the softmax's probabilities
+                pieces = [Tensor("scores", name, size / 2, qk_flops, "attn_core"),
+                          Tensor("probs", name, size / 2, 0.0, "")]  # fmt: skip
+        elif name == "router" and moe is not None:
+            probs = tokens * 4 * moe.num_experts
+            gate = Tensor("router.probs", name, probs, 2 * tokens * d * moe.num_experts, "router")
+            pieces = _split(name, size, [gate])
+        elif name == "experts" and moe is not None:
+            rows = training.routing_skew * tokens * moe.top_k
+            ups = [Tensor(f"experts.{w}", name, a * rows * moe.expert_ffn,
+                          2 * rows * d * moe.expert_ffn, "experts")
+                   for w in (("w1", "w3") if moe.gated else ("w1",))]  # fmt: skip
+            pieces = _split(name, size, ups)
+        elif name == "combine" and moe is not None:  # the experts' down projections
+            rows = training.routing_skew * tokens * moe.top_k
+            pieces = [Tensor("combine", name, size, 2 * rows * d * moe.expert_ffn, "experts")]
+        else:  # dispatch: an all-to-all or permute output, recreated without FLOPs
+            pieces = [Tensor(name, name, size, 0.0, "")]
+        tensors += [t for t in pieces if t.size_bytes > 0]
+    return floor, tuple(tensors)
+
+
+def choose(tensors: Sequence[Tensor], floor_bytes: float, budget: float) -> BudgetChoice:
+    """Keep tensors in decreasing FLOPs per byte while their bytes stay within
+    budget x (no recompute's bytes - floor): torch's greedy_knapsack on the partitioner's
+    normalised sizes. Raises ValueError for a budget outside [0, 1]."""
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"memory budget {budget} is outside [0, 1]")
+    total = sum(t.size_bytes for t in tensors)
+    capacity = budget * total * (1 + 1e-12)
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].flops / tensors[i].size_bytes)
+    kept, used = [False] * len(tensors), 0.0
+    for i in order:
+        if used + tensors[i].size_bytes <= capacity:
+            kept[i], used = True, used + tensors[i].size_bytes
+    redo = sum(t.flops for t, k in zip(tensors, kept, strict=True) if not k)
+    return BudgetChoice(tuple(tensors), tuple(kept), floor_bytes, floor_bytes + used, redo)
+
+
+def layer_choice(
+    layer: LayerSpec,
+    parts: Sequence[tuple[str, float]],
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    hidden: int,
+    budget: float,
+) -> BudgetChoice:
+    """The priced partitioner choice of one layer (layer_tensors, then choose)."""
+    floor, tensors = layer_tensors(layer, parts, training, parallel, hidden)
+    return choose(tensors, floor, budget)
+
+
+def kept_components(choice: BudgetChoice, parts: Sequence[tuple[str, float]]):
+    """`parts` (the components without recompute) as `choice` keeps them; the block input
+    stays in attn_norm."""
+    out = {name: 0.0 for name, _ in parts}
+    if "attn_norm" in out:
+        out["attn_norm"] = choice.floor_bytes
+    for t, keep in zip(choice.tensors, choice.kept, strict=True):
+        if keep:
+            out[t.component] += t.size_bytes
+    return [(name, out[name]) for name, _ in parts]
+
+
+def work_share(choice: BudgetChoice, work_flops: dict[str, float]) -> dict[str, float]:
+    """Share of each compute Work's forward FLOPs (`work_flops`: Work name -> forward FLOPs
+    on the rank) that the recomputed tensors repeat, at most 1."""
+    redo: dict[str, float] = {}
+    for t, keep in zip(choice.tensors, choice.kept, strict=True):
+        if not keep and t.work:
+            redo[t.work] = redo.get(t.work, 0.0) + t.flops
+    return {w: min(f / work_flops[w], 1.0) for w, f in redo.items() if work_flops.get(w)}
+
+
+def repeats_dispatch(choice: BudgetChoice, parallel: ParallelConfig) -> bool:
+    """True when an all-to-all output is recomputed (ep > 1): the forward dispatch and
+    combine run again in backward."""
+    dropped = {t.component for t, k in zip(choice.tensors, choice.kept, strict=True) if not k}
+    return parallel.ep > 1 and bool(dropped & set(A2A_COMPONENTS))

@@ -1,0 +1,156 @@
+"""torchtitan's memory-budget AC ("budget:<b>"): the bytes a layer keeps and the forward FLOPs
+it reruns, against a per-tensor oracle written here from the shapes and torch's greedy
+knapsack on the partitioner's normalised sizes (floor = the block input, 1 = no recompute)."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.inputs.clusters import load_cluster
+from planner.inputs.models import load_model
+from planner.parallel import ParallelConfig, budget_module, memory_budget
+from planner.plan.schema import ParallelPlan
+from planner.resources import memory_budget as mb
+from planner.resources.compute import TRAIN_FACTOR, layer_work
+from planner.resources.memory import attention_activations, layer_activations, mlp_activations
+from planner.resources.recompute import budget_kept, budget_rerun
+from planner.specs import SpecError, TrainingSpec
+
+S, B = 4096, 2
+TRAINING = TrainingSpec(seq_len=S, global_batch=64)
+BUDGETS = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
+
+
+def _par(budget: float, ep: int = 8, tp: int = 1) -> ParallelConfig:
+    return ParallelConfig(pp=1, dp=8, tp=tp, ep=ep, micro_batch=B, recompute="selective",
+                          recompute_modules=(budget_module(budget),))  # fmt: skip
+
+
+def _parts(model, layer, par):
+    return attention_activations(model, layer, TRAINING, par) + mlp_activations(
+        model, layer, TRAINING, par
+    )
+
+
+def _kept(model, layer, par) -> float:
+    return sum(v for _, v in budget_kept(layer, _parts(model, layer, par), TRAINING, par,
+                                         model.hidden_size))  # fmt: skip
+
+
+def _oracle_tensors(model, layer, ep: int) -> list[tuple[float, float]]:
+    """(bytes, FLOPs) of every tensor no recompute keeps beside the block input, for a
+    grouped-query MoE layer (Qwen3-30B-A3B) at tp = cp = 1 in bf16 with flash attention."""
+    d, att, moe = model.hidden_size, layer.attention, layer.moe
+    T, a = B * S, 2.0
+    q, kv = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+    k, f, E = moe.top_k, moe.expert_ffn, moe.num_experts
+    ctx = (S + 1) / 2
+    sdpa = 2 * B * att.num_heads * S * ctx * 2 * att.head_dim  # q k and p v products
+    return [
+        (a * T * d, 0.0),  # the input norm's output
+        (a * T * (q + 2 * kv), 2 * T * d * (q + 2 * kv)),  # wqkv
+        (a * T * q, sdpa),  # SDPA output
+        (4.0 * B * att.num_heads * S, 0.0),  # its fp32 log-sum-exp
+        (a * T * d, 2 * T * q * d),  # the residual sum after wo
+        (a * T * d, 0.0),  # the MLP norm's output
+        (4.0 * T * E, 2 * T * d * E),  # router probabilities (fp32)
+        (12.0 * T * k, 0.0),  # top-k values and indices
+        (a * T * k * d, 0.0),  # dispatch all-to-all output
+        (a * T * k * f, 2 * T * k * d * f),  # experts' w1
+        (a * T * k * f, 2 * T * k * d * f),  # experts' w3
+        (a * T * k * f, 0.0),  # silu(w1) * w3
+        (a * T * k * d, 2 * T * k * f * d),  # combine input: the experts' w2 outputs
+    ]
+
+
+def _greedy(tensors, budget: float) -> tuple[float, float]:
+    """(kept bytes above the floor, recomputed FLOPs): the greedy knapsack, written out."""
+    cap = budget * sum(b for b, _ in tensors)
+    used, redo = 0.0, 0.0
+    for size, flops in sorted(tensors, key=lambda t: -t[1] / t[0]):
+        if used + size <= cap * (1 + 1e-12):
+            used += size
+        else:
+            redo += flops
+    return used, redo
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_qwen3_moe_layer_matches_the_per_tensor_oracle(budget):
+    model = load_model("qwen3-30b-a3b")
+    layer, par = model.layers[-1], _par(budget)
+    floor = 2.0 * B * S * model.hidden_size
+    used, redo = _greedy(_oracle_tensors(model, layer, 8), budget)
+    assert _kept(model, layer, par) == pytest.approx(floor + used, rel=1e-12)
+    choice = mb.layer_choice(layer, _parts(model, layer, par), TRAINING, par,
+                             model.hidden_size, budget)  # fmt: skip
+    assert choice.recompute_flops == pytest.approx(redo, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"])
+def test_budget_one_is_no_recompute_and_zero_is_full_recomputes_floor(name):
+    model = load_model(name)
+    for layer in (model.layers[0], model.layers[-1]):
+        none = layer_activations(model, layer, TRAINING, _par(1.0), "none").total
+        full = layer_activations(model, layer, TRAINING, _par(1.0), "full").total
+        assert _kept(model, layer, _par(1.0)) == pytest.approx(none, rel=1e-12)
+        assert _kept(model, layer, _par(0.0)) == pytest.approx(full, rel=1e-12)
+        top = mb.layer_choice(layer, _parts(model, layer, _par(1.0)), TRAINING, _par(1.0),
+                              model.hidden_size, 1.0)  # fmt: skip
+        assert top.recompute_flops == 0.0
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_kept_bytes_stay_within_the_normalised_budget_and_grow_with_it(name):
+    model = load_model(name)
+    layer = model.layers[-1]
+    none = layer_activations(model, layer, TRAINING, _par(1.0), "none").total
+    floor = layer_activations(model, layer, TRAINING, _par(1.0), "full").total
+    kept, redo = [], []
+    for b in BUDGETS:
+        par = _par(b)
+        choice = mb.layer_choice(layer, _parts(model, layer, par), TRAINING, par,
+                                 model.hidden_size, b)  # fmt: skip
+        assert choice.kept_bytes <= floor + b * (none - floor) * (1 + 1e-9)
+        kept.append(choice.kept_bytes)
+        redo.append(choice.recompute_flops)
+    assert kept == sorted(kept) and redo == sorted(redo, reverse=True)
+    assert redo[0] > redo[3] > 0.0  # b = 0.5 reruns less than b = 0, more than nothing
+
+
+def test_rerun_shares_match_the_layer_works_at_budget_zero():
+    """At b = 0 every GEMM whose output a backward reads is rerun: all of attention, the
+    router and the routed experts; of the shared experts w1 and w3 (2 of 3), not w2."""
+    model, cluster = load_model("deepseek-v3"), load_cluster("h100")
+    layer, par = model.layers[-1], _par(0.0)
+    work = layer_work(model, layer, cluster, TRAINING, par)
+    fwd = {w.name: w.flops / TRAIN_FACTOR for w in work}
+    rerun = budget_rerun(layer, _parts(model, layer, par), TRAINING, par, model.hidden_size, fwd)
+    share = dict(rerun.share)
+    for name in ("attn_core", "router", "experts"):
+        assert share[name] == pytest.approx(1.0, rel=1e-12)
+    assert share["attn_proj"] == pytest.approx(1.0, rel=1e-4)  # the q / kv norms are not GEMMs
+    assert share["shared"] == pytest.approx(2 / 3, rel=1e-12)
+    assert rerun.repeats_dispatch  # ep = 8: the dispatch output is recomputed
+    assert budget_rerun(layer, _parts(model, layer, _par(1.0)), TRAINING, _par(1.0),
+                        model.hidden_size, fwd).share == ()  # fmt: skip
+
+
+def test_budget_module_grid_and_plan_round_trip():
+    assert budget_module(0.35) == "budget:0.35" and memory_budget(("budget:0.35",)) == 0.35
+    assert memory_budget(("op",)) is None
+    par = _par(0.5)
+    assert ParallelPlan.of(par).config() == par
+    for bad in (0.33, -0.05, 1.5):
+        with pytest.raises(SpecError, match=r"--memory-budget .* steps of 0.05") as err:
+            budget_module(bad)
+        assert "\n" not in str(err.value)
+    with pytest.raises(SpecError, match="give it alone"):
+        ParallelConfig(pp=1, dp=8, recompute="selective", recompute_modules=("op", "budget:0.5"))
+
+
+def test_old_pricing_path_refuses_a_budget_rather_than_pricing_it_as_none():
+    model = load_model("qwen3-30b-a3b")
+    with pytest.raises(SpecError, match="budget:0.5.*--recompute-modules op") as err:
+        layer_activations(model, model.layers[-1], TRAINING, _par(0.5), "selective")
+    assert "\n" not in str(err.value)
