@@ -1,7 +1,8 @@
 """size_sweep(): plan every candidate size on every cluster and price the run at each.
 
 For each cluster and size the planner itself (planner.search.make_plan) chooses the layout, with
-one loaded model, one evaluator (its caches shared across sizes) and short IP time limits. Each
+the model and cluster read once per process, one evaluator per process (its caches shared by the
+sizes it plans) and short IP time limits; sizes may be planned in parallel processes. Each
 row carries tokens/s with its interval (planner.calibrate: the profile's error model), the days
 to train the tokens without and with failures (planner.size.goodput), GPU-hours, cost and
 energy with their intervals, and its flags. Then the Pareto set of days vs cost (GPU-hours
@@ -27,6 +28,7 @@ from planner.search.advice import memory_floor_message
 from planner.search.evaluator import Evaluator
 from planner.search.make_plan import make_plan
 from planner.search.model_evaluator import default_evaluator
+from planner.search.rows import describe
 from planner.size.goodput import Goodput, checkpoint_cost, goodput, state_bytes
 from planner.size.request import (
     DEFAULT_SIZES,
@@ -222,21 +224,30 @@ def _size_row(
     training = _training(request, cluster, batch)
     empty = SizeRow(cluster=base.name, gpus=gpus, global_batch=batch, batch_capped=capped)
     floor = memory_floor_message(model, cluster, with_conventions(training, target), gpus)
-    if floor:
-        return replace(empty, note="state does not fit fully sharded")
+    if floor:  # the planner's refusal, without its prefix and the --gpus advice
+        return replace(empty, note=_reason(floor))
     options = SolverOptions(request.solver, request.time_limit_s, 1, request.seed)
     try:
         result = make_plan(
             model, cluster, training, gpus, None, options, evaluator=evaluator, target=target
         )
     except SpecError as exc:
-        return replace(empty, note=str(exc).split(";")[0])
+        return replace(empty, note=_reason(str(exc)))
     if result.plan is None:
         if result.interrupted:  # Ctrl-C: stop the sweep; nothing is written
             raise KeyboardInterrupt
-        return replace(empty, note=result.message.split(";")[0])
+        return replace(empty, note=_reason(result.message))
     state = state_bytes(model, with_conventions(training, target))
     return _priced(request, cluster, result.plan, empty, mode, state)
+
+
+def _reason(message: str) -> str:
+    """The planner's one-line refusal without its "plan: " prefix and its "try ..." advice
+    (sizes are the sweep's to choose)."""
+    kept = [
+        part for part in message.removeprefix("plan: ").split("; ") if not part.startswith("try ")
+    ]
+    return "; ".join(kept)
 
 
 def _priced(
@@ -244,8 +255,6 @@ def _priced(
 ) -> SizeRow:
     """The row of one plan: its figures, their intervals, and failures priced (a checkpoint of
     `state` bytes saved in `mode`)."""
-    from planner.search.rows import describe
-
     tps = plan_intervals_of(plan, cluster).tokens_per_s
     ideal_s = request.tokens / tps.mid
     cost = checkpoint_cost(state, row.gpus, cluster, request.failures, mode)  # type: ignore[arg-type]
