@@ -14,7 +14,7 @@
    halved and doubled (sensitivity, no verdict).
 4. Days to the tokens non-increasing in GPUs up to the batch rule's limit (the first size flagged
    "batch" or "no-plan" past the first planned one) on every GPU preset: mixtral-8x7b, 1T tokens,
-   the default sizes and batch.
+   the default sizes and batch; and DeepSeek-V3 as in 1 at 256..16,384 GPUs on h800 and h100.
 
 Run: OMP_NUM_THREADS=1 python3 benchmarks/size_targets.py [--no-results]
 Writes what it prints to results/size_targets.md.
@@ -108,11 +108,22 @@ def llama3_failures() -> None:
 
 
 def monotone() -> None:
-    print("\n4. Days non-increasing in GPUs up to the batch rule's limit (mixtral-8x7b, 1T)")
-    presets = [p for p in list_cluster_presets() if p != "cpu-gloo"]
-    req = SizeRequest("mixtral-8x7b", tuple(presets), 1e12, time_limit_s=0.5)
+    print("\n4. Days non-increasing in GPUs up to the batch rule's limit")
+    presets = tuple(p for p in list_cluster_presets() if p != "cpu-gloo")
+    print("  mixtral-8x7b, 1T tokens, default sizes and batch, every GPU preset:")
+    _monotone(SizeRequest("mixtral-8x7b", presets, 1e12, time_limit_s=0.5))
+    print("  deepseek-v3, 14.8T tokens, FP8, batch 15,360, 256..16,384 GPUs:")
+    gpus = tuple(2**k for k in range(8, 15))
+    _monotone(
+        SizeRequest(
+            "deepseek-v3", ("h800", "h100"), 14.8e12, gpus=gpus, global_batch=15_360, dtype="fp8"
+        )
+    )
+
+
+def _monotone(req: SizeRequest) -> None:
     report = size_sweep(req, jobs=len(os.sched_getaffinity(0)))
-    for preset in presets:
+    for preset in req.clusters:
         rows = [r for r in report.rows if r.cluster == preset]
         kept = _up_to_the_limit(rows)
         days = [(r.gpus, r.days.mid, r.ideal_days.mid) for r in kept]  # type: ignore[union-attr]
@@ -122,7 +133,9 @@ def monotone() -> None:
         span = f"{days[0][0]}..{days[-1][0]}" if days else "-"
         verdict = "PASS" if not bad else f"FAIL with failures at {', '.join(bad)}"
         ideal = "" if not bad_ideal else f"; ideal rises at {', '.join(bad_ideal)}"
-        print(f"  {preset:<12} sizes {span:<11} {verdict}{ideal}")
+        past = [r for r in rows if r.gpus > (days[-1][0] if days else 0)]
+        limit = f"; limit {past[0].gpus} ({','.join(past[0].flags)})" if past else ""
+        print(f"    {preset:<12} sizes {span:<11} {verdict}{ideal}{limit}")
 
 
 def _up_to_the_limit(rows: list[SizeRow]) -> list[SizeRow]:
