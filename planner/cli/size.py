@@ -8,6 +8,7 @@ summary. planner/SIZING.md describes the figures, defaults and flags.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -120,6 +121,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "use); the files do not depend on it",
     )
     p.add_argument("--out", default=None, help="output dir (default results/size-MODEL-CLUSTERS)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="write no sizes.png")
     p.set_defaults(func=run)
 
@@ -181,7 +183,7 @@ def request_of(args: argparse.Namespace) -> SizeRequest:
 
 def run(args: argparse.Namespace) -> int:
     from planner.outputs.files import write_files
-    from planner.size.report import size_csv, summary_text
+    from planner.size.report import size_csv, size_json, summary_text
     from planner.size.sweep import size_sweep
 
     request = request_of(args)  # every flag checked before the search
@@ -200,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
 
         files["sizes.png"] = sizes_png(report)
     write_files(out, files)
-    print(text, end="")
+    if args.json:
+        print(json.dumps({**size_json(report), "out": out}, indent=2, sort_keys=True))
+    else:
+        print(text, end="")
     print(f"piper size: wrote {out}/ ({', '.join(sorted(files))})", file=sys.stderr)
     return 0

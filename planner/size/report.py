@@ -6,6 +6,7 @@ summary.md (the text a person reads, at most 100 columns), from a SizeReport.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 
@@ -94,6 +95,29 @@ def size_csv(report: SizeReport) -> str:
         ]
         lines.append(",".join(cells))
     return "\n".join(lines) + "\n"
+
+
+def size_json(report: SizeReport) -> dict:
+    """`piper size --json`: every row (intervals as {lo, mid, hi, level}, failures priced) and
+    every cluster's note, numbers as floats, infinity as None."""
+
+    def clean(x):
+        if isinstance(x, float):
+            return None if math.isinf(x) or math.isnan(x) else x
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clean(v) for v in x]
+        return x
+
+    return clean(
+        {
+            "model": report.model,
+            "state_bytes": report.state_bytes,
+            "rows": [dataclasses.asdict(r) for r in report.rows],
+            "clusters": [dataclasses.asdict(c) for c in report.clusters],
+        }
+    )
 
 
 def _range(iv: Interval | None, digits: int = 3) -> str:

@@ -140,3 +140,21 @@ def test_the_readme_example_parses_into_a_request():
     assert request.clusters == ("h800", "h100") and request.tokens == 14.8e12
     assert request.gpus == (256, 512, 1024, 2048, 4096, 8192, 16384)
     assert request.deadline_s == 60 * 86400
+
+
+def test_json_rows_match_the_csv(sized, tmp_path):
+    import json
+
+    argv = [*ARGS, "--out", str(tmp_path / "out"), "--jobs", "1", "--json", "--no-plots"]
+    argv[argv.index("8,64")] = "8"
+    argv[argv.index("h100,h800")] = "h100"
+    result = run_piper(argv)
+    assert result.code == 0
+    doc = json.loads(result.stdout)
+    (row,) = doc["rows"]
+    csv_row = sized[2][0]
+    assert (row["cluster"], row["gpus"]) == ("h100", 8)
+    assert row["tokens_per_s"]["mid"] == pytest.approx(float(csv_row["tokens_per_s"]), rel=1e-5)
+    assert row["days"]["hi"] == pytest.approx(float(csv_row["days_hi"]), rel=1e-5)
+    assert row["goodput"]["interval_steps"] == int(csv_row["checkpoint_every_steps"])
+    assert doc["clusters"][0]["price_usd"] is None and doc["out"] == str(tmp_path / "out")
