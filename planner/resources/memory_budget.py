@@ -10,7 +10,10 @@ to save:
 - between them, sizes are normalised to (saved - inputs) / (b1 - inputs), with b1 the bytes
   of the b = 1 set, and a 0/1 knapsack (default solver "dp") over the tensors the min-cut
   would ban from recompute keeps the set of largest forward runtime (FlopCounterMode FLOPs,
-  the default "flops" estimator) whose normalised size is at most b.
+  the default "flops" estimator) whose normalised size is at most b; collective outputs are
+  saved whatever the budget (`force_save_collectives`; `ban_recomputation_if_allowed`: "the
+  activation memory budget logic is not allowed to recompute collectives"), outside the
+  knapsack.
 
 Priced here, per layer on Piper's activation components (planner.resources.memory), with
 the tensors and widths of per-op SAC (planner.resources.op_sac.linears): each component of
@@ -18,10 +21,11 @@ no recompute is split into the tensors that make it, each with its bytes per ran
 micro-batch and the forward FLOPs that recreate it (the producing op's; a residual sum is
 priced as the row-parallel matmul feeding it, the SDPA outputs as core attention, the
 combine's expert outputs as the experts' down projection, norms, activations, rope and
-permutes as 0). b1 is no recompute's bytes; the floor the block input. Approximation of the
-partitioner's knapsack: torch's `greedy_knapsack` (the "greedy" solver): tensors in
-decreasing FLOPs per byte (forward order among equals) are kept while the kept bytes above
-the floor stay within b (b1 - floor); the others are recomputed. Not priced: the pointwise
+permutes as 0). b1 is no recompute's bytes; the floor the block input. With ep > 1 the
+dispatch and combine all-to-all outputs are saved for every b > 0. Approximation of the
+partitioner's knapsack: torch's `greedy_knapsack` (the "greedy" solver): the other tensors in
+decreasing FLOPs per byte (forward order among equals) are kept while their bytes stay
+within b (b1 - floor); the others are recomputed. Not priced: the pointwise
 chains the b = 1 min-cut itself recomputes (b = 1 is priced as no recompute), and the
 dependencies between recomputed tensors (each is priced by its own op alone).
 
@@ -31,14 +35,13 @@ Shape letters: none (bytes and FLOPs are per rank and micro-batch of one layer).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.parallel import ParallelConfig
 from planner.resources.op_sac import linears
 from planner.specs import LayerSpec, TrainingSpec
 
-# what a dropped all-to-all output costs to recreate: the forward all-to-all (priced as time
-# by the layer's repeat, not as FLOPs), so the knapsack sees it as free, as FlopCounterMode does
+# the components that are all-to-all outputs when ep > 1 (planner.resources.memory)
 A2A_COMPONENTS = ("dispatch", "combine")
 
 
@@ -48,13 +51,15 @@ class Tensor:
 
     component: the activation component it is part of; size_bytes: per rank and micro-batch;
     flops: the forward FLOPs that recreate it (per rank); work: the compute Work those FLOPs
-    belong to (planner.resources.compute; "" = none: elementwise or communication)."""
+    belong to (planner.resources.compute; "" = none: elementwise or communication);
+    collective: an all-to-all output, saved for any budget above 0."""
 
     name: str
     component: str
     size_bytes: float
     flops: float
     work: str
+    collective: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,25 +157,31 @@ def layer_tensors(
         elif name == "combine" and moe is not None:  # the experts' down projections
             rows = training.routing_skew * tokens * moe.top_k
             pieces = [Tensor("combine", name, size, 2 * rows * d * moe.expert_ffn, "experts")]
-        else:  # dispatch: an all-to-all or permute output, recreated without FLOPs
+        else:  # dispatch: an all-to-all (ep > 1) or permute output, recreated without FLOPs
             pieces = [Tensor(name, name, size, 0.0, "")]
+        if name in A2A_COMPONENTS and parallel.ep > 1:
+            pieces = [replace(t, collective=True) for t in pieces]
         tensors += [t for t in pieces if t.size_bytes > 0]
     return floor, tuple(tensors)
 
 
 def choose(tensors: Sequence[Tensor], floor_bytes: float, budget: float) -> BudgetChoice:
-    """Keep tensors in decreasing FLOPs per byte while their bytes stay within
+    """At budget 0 keep nothing above the floor; above 0 keep the collective outputs, then
+    the other tensors in decreasing FLOPs per byte while their bytes stay within
     budget x (no recompute's bytes - floor): torch's greedy_knapsack on the partitioner's
     normalised sizes. Raises ValueError for a budget outside [0, 1]."""
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"memory budget {budget} is outside [0, 1]")
     total = sum(t.size_bytes for t in tensors)
     capacity = budget * total * (1 + 1e-12)
+    kept = [budget > 0 and t.collective for t in tensors]
+    saved = sum(t.size_bytes for t, k in zip(tensors, kept, strict=True) if k)
     order = sorted(range(len(tensors)), key=lambda i: -tensors[i].flops / tensors[i].size_bytes)
-    kept, used = [False] * len(tensors), 0.0
+    used = 0.0
     for i in order:
-        if used + tensors[i].size_bytes <= capacity:
+        if not tensors[i].collective and used + tensors[i].size_bytes <= capacity:
             kept[i], used = True, used + tensors[i].size_bytes
+    used += saved
     redo = sum(t.flops for t, k in zip(tensors, kept, strict=True) if not k)
     return BudgetChoice(tuple(tensors), tuple(kept), floor_bytes, floor_bytes + used, redo)
 
@@ -210,8 +221,7 @@ def work_share(choice: BudgetChoice, work_flops: dict[str, float]) -> dict[str, 
     return {w: min(f / work_flops[w], 1.0) for w, f in redo.items() if work_flops.get(w)}
 
 
-def repeats_dispatch(choice: BudgetChoice, parallel: ParallelConfig) -> bool:
-    """True when an all-to-all output is recomputed (ep > 1): the forward dispatch and
-    combine run again in backward."""
-    dropped = {t.component for t, k in zip(choice.tensors, choice.kept, strict=True) if not k}
-    return parallel.ep > 1 and bool(dropped & set(A2A_COMPONENTS))
+def repeats_dispatch(choice: BudgetChoice) -> bool:
+    """True when an all-to-all output is recomputed (budget 0, ep > 1): the forward
+    dispatch and combine run again in backward."""
+    return any(t.collective and not k for t, k in zip(choice.tensors, choice.kept, strict=True))

@@ -172,6 +172,6 @@ def budget_rerun(
     share = budget_ac.work_share(choice, dict(forward_flops))
     return BudgetRerun(
         tuple(sorted(share.items())),
-        budget_ac.repeats_dispatch(choice, parallel),
+        budget_ac.repeats_dispatch(choice),
         choice.recompute_flops,
     )

@@ -1,6 +1,7 @@
 """torchtitan's memory-budget AC ("budget:<b>"): the bytes a layer keeps and the forward FLOPs
 it reruns, against a per-tensor oracle written here from the shapes and torch's greedy
-knapsack on the partitioner's normalised sizes (floor = the block input, 1 = no recompute)."""
+knapsack on the partitioner's normalised sizes (floor = the block input, 1 = no recompute;
+all-to-all outputs saved for every budget above 0)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ def _kept(model, layer, par) -> float:
                                          model.hidden_size))  # fmt: skip
 
 
-def _oracle_tensors(model, layer, ep: int) -> list[tuple[float, float]]:
-    """(bytes, FLOPs) of every tensor no recompute keeps beside the block input, for a
-    grouped-query MoE layer (Qwen3-30B-A3B) at tp = cp = 1 in bf16 with flash attention."""
+def _oracle_tensors(model, layer) -> list[tuple[float, float, bool]]:
+    """(bytes, FLOPs, all-to-all output) of every tensor no recompute keeps beside the block
+    input, for a grouped-query MoE layer (Qwen3-30B-A3B) at tp = cp = 1, ep = 8 in bf16 with
+    flash attention."""
     d, att, moe = model.hidden_size, layer.attention, layer.moe
     T, a = B * S, 2.0
     q, kv = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
@@ -47,32 +49,35 @@ def _oracle_tensors(model, layer, ep: int) -> list[tuple[float, float]]:
     ctx = (S + 1) / 2
     sdpa = 2 * B * att.num_heads * S * ctx * 2 * att.head_dim  # q k and p v products
     return [
-        (a * T * d, 0.0),  # the input norm's output
-        (a * T * (q + 2 * kv), 2 * T * d * (q + 2 * kv)),  # wqkv
-        (a * T * q, sdpa),  # SDPA output
-        (4.0 * B * att.num_heads * S, 0.0),  # its fp32 log-sum-exp
-        (a * T * d, 2 * T * q * d),  # the residual sum after wo
-        (a * T * d, 0.0),  # the MLP norm's output
-        (4.0 * T * E, 2 * T * d * E),  # router probabilities (fp32)
-        (12.0 * T * k, 0.0),  # top-k values and indices
-        (a * T * k * d, 0.0),  # dispatch all-to-all output
-        (a * T * k * f, 2 * T * k * d * f),  # experts' w1
-        (a * T * k * f, 2 * T * k * d * f),  # experts' w3
-        (a * T * k * f, 0.0),  # silu(w1) * w3
-        (a * T * k * d, 2 * T * k * f * d),  # combine input: the experts' w2 outputs
+        (a * T * d, 0.0, False),  # the input norm's output
+        (a * T * (q + 2 * kv), 2 * T * d * (q + 2 * kv), False),  # wqkv
+        (a * T * q, sdpa, False),  # SDPA output
+        (4.0 * B * att.num_heads * S, 0.0, False),  # its fp32 log-sum-exp
+        (a * T * d, 2 * T * q * d, False),  # the residual sum after wo
+        (a * T * d, 0.0, False),  # the MLP norm's output
+        (4.0 * T * E, 2 * T * d * E, False),  # router probabilities (fp32)
+        (12.0 * T * k, 0.0, False),  # top-k values and indices
+        (a * T * k * d, 0.0, True),  # dispatch all-to-all output
+        (a * T * k * f, 2 * T * k * d * f, False),  # experts' w1
+        (a * T * k * f, 2 * T * k * d * f, False),  # experts' w3
+        (a * T * k * f, 0.0, False),  # silu(w1) * w3
+        (a * T * k * d, 2 * T * k * f * d, True),  # combine all-to-all output: the w2 outputs
     ]
 
 
 def _greedy(tensors, budget: float) -> tuple[float, float]:
-    """(kept bytes above the floor, recomputed FLOPs): the greedy knapsack, written out."""
-    cap = budget * sum(b for b, _ in tensors)
-    used, redo = 0.0, 0.0
-    for size, flops in sorted(tensors, key=lambda t: -t[1] / t[0]):
-        if used + size <= cap * (1 + 1e-12):
+    """(kept bytes above the floor, recomputed FLOPs): the all-to-all outputs when budget > 0,
+    then the greedy knapsack over the others, written out."""
+    cap = budget * sum(b for b, _, _ in tensors)
+    used, redo, saved = 0.0, 0.0, 0.0
+    for size, flops, a2a in sorted(tensors, key=lambda t: -t[1] / t[0]):
+        if a2a and budget > 0:
+            saved += size
+        elif not a2a and used + size <= cap * (1 + 1e-12):
             used += size
         else:
             redo += flops
-    return used, redo
+    return used + saved, redo
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -80,7 +85,7 @@ def test_qwen3_moe_layer_matches_the_per_tensor_oracle(budget):
     model = load_model("qwen3-30b-a3b")
     layer, par = model.layers[-1], _par(budget)
     floor = 2.0 * B * S * model.hidden_size
-    used, redo = _greedy(_oracle_tensors(model, layer, 8), budget)
+    used, redo = _greedy(_oracle_tensors(model, layer), budget)
     assert _kept(model, layer, par) == pytest.approx(floor + used, rel=1e-12)
     choice = mb.layer_choice(layer, _parts(model, layer, par), TRAINING, par,
                              model.hidden_size, budget)  # fmt: skip
@@ -111,11 +116,12 @@ def test_kept_bytes_stay_within_the_normalised_budget_and_grow_with_it(name):
         par = _par(b)
         choice = mb.layer_choice(layer, _parts(model, layer, par), TRAINING, par,
                                  model.hidden_size, b)  # fmt: skip
-        assert choice.kept_bytes <= floor + b * (none - floor) * (1 + 1e-9)
+        a2a = sum(t.size_bytes for t in choice.tensors if t.collective) if b > 0 else 0.0
+        assert choice.kept_bytes <= floor + a2a + b * (none - floor) * (1 + 1e-9)
         kept.append(choice.kept_bytes)
         redo.append(choice.recompute_flops)
     assert kept == sorted(kept) and redo == sorted(redo, reverse=True)
-    assert redo[0] > redo[3] > 0.0  # b = 0.5 reruns less than b = 0, more than nothing
+    assert redo[0] > redo[2] > 0.0  # b = 0.25 reruns less than b = 0, more than nothing
 
 
 def test_rerun_shares_match_the_layer_works_at_budget_zero():
@@ -131,7 +137,10 @@ def test_rerun_shares_match_the_layer_works_at_budget_zero():
         assert share[name] == pytest.approx(1.0, rel=1e-12)
     assert share["attn_proj"] == pytest.approx(1.0, rel=1e-4)  # the q / kv norms are not GEMMs
     assert share["shared"] == pytest.approx(2 / 3, rel=1e-12)
-    assert rerun.repeats_dispatch  # ep = 8: the dispatch output is recomputed
+    assert rerun.repeats_dispatch  # ep = 8, b = 0: the all-to-all outputs are recomputed
+    half = budget_rerun(layer, _parts(model, layer, _par(0.5)), TRAINING, _par(0.5),
+                        model.hidden_size, fwd)  # fmt: skip
+    assert not half.repeats_dispatch  # b > 0: the partitioner never recomputes a collective
     assert budget_rerun(layer, _parts(model, layer, _par(1.0)), TRAINING, _par(1.0),
                         model.hidden_size, fwd).share == ()  # fmt: skip
 
