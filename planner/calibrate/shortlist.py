@@ -23,6 +23,12 @@ faster ones in truth. A few short runs decide, and the same runs calibrate the p
    constrained yet, so the trials differ where the fit is weakest. A layout whose
    sensitivities equal a chosen one's (same row of J) adds no direction and is skipped.
 
+`--shortlist auto` sizes the list by the odds instead (planner.search.uncertain_rank): the
+trials are the fewest of the plan's contenders (the layouts predicted within 15% of the best)
+whose summed probability of being truly the fastest reaches `--shortlist-probability`
+(default 0.9), the pick first, then by that probability; their information and the
+constants' posterior are those of that order. Each trial carries its P(best) in both modes.
+
 The result reports each trial's information gain log(1 + v_i / s^2) (nats) and each constant's
 prior and posterior standard deviation (the linearised fit after the K trials, sqrt(diag
 M^-1)), so a user sees what the trials will pin down.
@@ -46,6 +52,7 @@ from planner.resources.cost import even_split
 from planner.search.costing import training_for
 from planner.search.rows import CandidateRow, describe
 from planner.search.space import Candidate
+from planner.search.uncertain_rank import Odds
 from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
 from planner.targets import Target, with_conventions
 
@@ -78,6 +85,7 @@ class Trial:
     high_s: float
     gain_nats: float
     leans_on: tuple[str, ...]  # the constants its step time moves most with, largest first
+    p_best: float = 0.0  # P(best) (planner.search.uncertain_rank); 0 outside the odds' window
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,14 @@ class Shortlist:
     constants: tuple[str, ...]
     prior_sd: tuple[float, ...]
     posterior_sd: tuple[float, ...]
+    probability: float | None = None  # `--shortlist auto`: the summed P(best) asked for
+    contenders: int = 0  # layouts the odds were computed over (0: no odds)
+    window: float = 0.0  # their step-time window
+
+    @property
+    def p_best_total(self) -> float:
+        """The probability that the fastest layout is among the trials (under the odds)."""
+        return sum(t.p_best for t in self.trials)
 
 
 def d_optimal(
@@ -100,6 +116,7 @@ def d_optimal(
     count: int,
     noise_sd: float,
     first: int | None = None,
+    order: Sequence[int] | None = None,
 ) -> Design:
     """Greedy D-optimal choice of `count` rows of `jac_NK` (module docstring, step 3).
 
@@ -109,15 +126,22 @@ def d_optimal(
         count: rows to choose (at most N; fewer when only that many distinct rows exist).
         noise_sd: s, a run's log error (likelihood_of(cluster).sigma), > 0.
         first: a row chosen first whatever its information (the predicted best), or None.
+        order: rows chosen in this order instead (`--shortlist auto` chooses by P(best));
+            the gains and posterior are those of that order.
     """
     jac = np.asarray(jac_NK, dtype=float)
     info = np.diag(1.0 / np.asarray(widths_K, dtype=float) ** 2)
     prior_sd = tuple(float(w) for w in widths_K)
     chosen: list[int] = []
     gains: list[float] = []
-    while len(chosen) < min(count, len(jac)):
+    while len(chosen) < min(count if order is None else len(order), len(jac)):
         cov = np.linalg.inv(info)
         var_N = np.einsum("nk,kl,nl->n", jac, cov, jac)
+        if order is not None:
+            chosen.append(order[len(chosen)])
+            gains.append(math.log1p(float(var_N[chosen[-1]]) / noise_sd**2))
+            info = info + np.outer(jac[chosen[-1]], jac[chosen[-1]]) / noise_sd**2
+            continue
         open_ = [
             i for i in range(len(jac))
             if i not in chosen and all(np.max(np.abs(jac[i] - jac[j])) > SAME_ROW for j in chosen)
@@ -179,8 +203,10 @@ def shortlist(
     target: Target | None,
     count: int,
     level: float = LEVEL,
+    odds: Odds | None = None,
+    probability: float | None = None,
 ) -> Shortlist:
-    """The `count` trials for a plan's ranked candidates (module docstring).
+    """The trials for a plan's ranked candidates (module docstring).
 
     Args:
         rows: the search's ranked candidates (PlanResult.rows); the first feasible solved
@@ -188,58 +214,78 @@ def shortlist(
         model, cluster, training: the plan's inputs (training as the user gave it; the
             target's conventions are applied here as make_plan applies them).
         target: the engine planned for (None: no engine's conventions).
-        count: trials wanted (>= 1).
+        count: trials wanted (>= 1); ignored with `probability`.
         level: the probability of each interval (planner.calibrate.uncertainty).
+        odds: the plan's P(best) (planner.calibrate.pick_odds); each trial carries its own.
+        probability: `--shortlist auto`: the trials are the fewest of the odds' contenders
+            whose summed P(best) reaches it (the pick first), in order of P(best); needs odds.
     """
-    if count < 1:
+    if probability is None and count < 1:
         raise SpecError(f"--shortlist {count}: give a number of trial layouts >= 1, e.g. 3")
     train = with_conventions(training, target) if target is not None else training
-    priced = _priced(rows, model, cluster, train)
+    priced = priced_candidates(rows, model, cluster, train)
     if not priced:
         raise SpecError("--shortlist: no layout fits, so there is nothing to try")
     boxes = [intervals(cluster, x.est, level).step_time_s for x in priced]
-    best_high = boxes[0].hi
-    overlap = [i for i, box in enumerate(boxes) if box.lo <= best_high]
-    kept = overlap[:MAX_CONSIDERED]
-    runs = [priced[i].run for i in kept]
-    priors, jac = log_sensitivities(runs, cluster)
+    overlap = [i for i, box in enumerate(boxes) if box.lo <= boxes[0].hi]
+    p_of = {c.order: c.p_best for c in odds.contenders} if odds else {}
+    if probability is not None:
+        assert odds is not None, "--shortlist auto needs the plan's odds"
+        where = {x.row.order: i for i, x in enumerate(priced)}
+        kept = [where[c.order] for c in odds.leading(probability) if c.order in where]
+        order: list[int] | None = list(range(len(kept)))
+    else:
+        kept, order = overlap[:MAX_CONSIDERED], None
+    priors, jac = log_sensitivities([priced[i].run for i in kept], cluster)
     noise = likelihood_of(cluster).sigma
-    design = d_optimal(jac, [p.width for p in priors], count, noise, first=0)
+    design = d_optimal(jac, [p.width for p in priors], count, noise, first=0, order=order)
     names = tuple(p.name for p in priors)
     trials = []
     for pick, gain in zip(design.chosen, design.gain_nats, strict=True):
         x, box = priced[kept[pick]], boxes[kept[pick]]
-        order = np.argsort(-np.abs(jac[pick]), kind="stable")
-        leans = tuple(names[k] for k in order[:2] if abs(jac[pick][k]) > 0)
-        trials.append(Trial(x.row, x.run.label, x.est.step_time_s, box.lo, box.hi, gain, leans))
-    return Shortlist(tuple(trials), count, len(overlap), len(kept), level, names,
-                     design.prior_sd, design.posterior_sd)  # fmt: skip
+        ranked = np.argsort(-np.abs(jac[pick]), kind="stable")
+        leans = tuple(names[k] for k in ranked[:2] if abs(jac[pick][k]) > 0)
+        trials.append(Trial(x.row, x.run.label, x.est.step_time_s, box.lo, box.hi, gain, leans,
+                            p_of.get(x.row.order, 0.0)))  # fmt: skip
+    asked = len(kept) if probability is not None else count
+    return Shortlist(tuple(trials), asked, len(overlap), len(kept), level, names,
+                     design.prior_sd, design.posterior_sd, probability,
+                     len(odds.contenders) if odds else 0, odds.window if odds else 0.0)  # fmt: skip
 
 
 @dataclass(frozen=True)
-class _Priced:
+class Priced:
+    """A candidate that fits, as a Run, with its prediction."""
+
     row: CandidateRow
     run: Run
     est: Estimated
 
 
-def _priced(
-    rows: Sequence[CandidateRow], model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
-) -> list[_Priced]:
+def priced_candidates(
+    rows: Sequence[CandidateRow],
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    training: TrainingSpec,
+    bound_limit_s: float = math.inf,
+) -> list[Priced]:
     """Every candidate that fits, the predicted best first, then by predicted step time: the
-    solved rows with the search's estimate, the pruned ones priced on an even split."""
+    solved rows with the search's estimate, the pruned ones (at most 4 x MAX_CONSIDERED,
+    those whose step-time bound is at most `bound_limit_s`) priced on an even split.
+    `training` has the target's conventions applied."""
     out = []
     for row in rows:
         if row.status == "solved" and row.feasible and row.estimate is not None:
-            out.append(_Priced(row, candidate_run(row, model, cluster, training), row.estimate))
-        elif row.status == "pruned" and len(out) < 4 * MAX_CONSIDERED:
+            out.append(Priced(row, candidate_run(row, model, cluster, training), row.estimate))
+        elif (row.status == "pruned" and len(out) < 4 * MAX_CONSIDERED
+              and not row.bound_step_time_s > bound_limit_s):  # fmt: skip
             run = candidate_run(row, model, cluster, training)
             try:
                 est = estimate_run(run, cluster)
             except SpecError:
                 continue
             if est.fits:
-                out.append(_Priced(row, run, est))
+                out.append(Priced(row, run, est))
     if not out:
         return out
     return out[:1] + sorted(out[1:], key=lambda x: (x.est.step_time_s, x.row.order))

@@ -25,6 +25,7 @@ from planner.cli.plan_shortlist import (
     check_shortlist_folder,
     shortlist_count,
     shortlist_files,
+    with_odds,
 )
 from planner.cli.plan_warnings import plan_warnings
 from planner.cli.target_args import add_target_arguments, resolve
@@ -230,6 +231,7 @@ def recompute_modules(values: list[str] | None) -> list[str] | None:
 
 def run(args: argparse.Namespace) -> int:
     from planner.outputs.export.stamp import stale_warning
+    from planner.outputs.pick_lines import pick_lines
     from planner.outputs.reports import (
         BASELINE_CONSOLE_COLUMNS,
         baseline_console_rows,
@@ -254,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**summary_dict(result), "out": out}, indent=2, sort_keys=True))
     else:
         print(summary_text(result, out, args.plots))
+        pick = result.best.estimate.tokens_per_s / result.gpus
+        print("\n".join(pick_lines(result.plan.extra, pick)))
         print_table("vs baselines", BASELINE_CONSOLE_COLUMNS, baseline_console_rows(result))
     for line in plan_warnings(args, result.plan.cluster.gpus_per_node):
         print(f"piper plan: warning: {line}", file=sys.stderr)
@@ -282,17 +286,21 @@ def _plan(args: argparse.Namespace, clock: Phases) -> tuple[Any, str]:
     from planner.outputs.files import write_files
     from planner.outputs.reports import render_files, timings_json
 
-    count = shortlist_count(args)  # before the search: a bad K writes nothing
+    ask = shortlist_count(args)  # before the search: a bad K writes nothing
     found = _search(args, clock)
     if found is None:
         return None, ""
     result, inputs = found
     out = out_dir(args, inputs.model, inputs.cluster)
     trials = {}
-    if count:
-        clock.start("shortlist", f"shortlist: {count} trial layouts")
-        trials = shortlist_files(args, result, inputs, count, out, _search)
+    if ask:
+        size = ask.count or f"P(best) {ask.probability:g} of"
+        clock.start("shortlist", f"shortlist: {size} trial layouts")
+        result, odds = with_odds(result, inputs)  # the pick's P(best), published measurements
+        result, trials = shortlist_files(args, result, inputs, ask, out, _search, odds)
     clock.start("render", "writing plan.json, tables and plots")
+    if not ask:
+        result, _ = with_odds(result, inputs)
     result = with_intervals(result, inputs.cluster)
     files = render_files(result, args.plots)
     result = replace(result, timings=command_timings(result.timings, clock.times()))

@@ -209,23 +209,19 @@ def _summary(
     steps: int,
 ) -> str:  # fmt: skip
     level = shortlist.level
-    lines = [
-        "# Trial shortlist",
-        "",
-        f"{len(jobs)} layouts to run for {steps} iterations each, chosen among the "
-        f"{shortlist.considered} fastest of the {shortlist.overlapping} layouts whose "
-        f"predicted step time's {level:.0%} interval overlaps the best one's: the best first, "
-        "then each time the layout whose step time the fit, given the trials before it, is "
-        "least sure of (greedy D-optimal design; planner/PROFILING.md, 'The trial loop').",
-        "",
-    ]
-    if len(jobs) < shortlist.requested:
+    lines = ["# Trial shortlist", "", _why(shortlist, len(jobs), steps), ""]
+    if shortlist.contenders:
+        lines += [f"Summed P(best) of these trials: {shortlist.p_best_total:.2f}, the "
+                  "probability that the truly fastest of the layouts predicted within "
+                  f"{shortlist.window:.0%} of the best is among them (planner/PLANNING.md, "
+                  "'The pick under uncertainty').", ""]  # fmt: skip
+    if shortlist.probability is None and len(jobs) < shortlist.requested:
         lines += [f"{shortlist.requested} were asked for; only {len(jobs)} of the overlapping "
                   "layouts differ in what the fit can learn from them.", ""]  # fmt: skip
     lines += [
-        f"| trial | layout | predicted step (s) | {level:.0%} interval (s) | information (nats) "
-        "| leans on |",
-        "|---|---|---|---|---|---|",
+        f"| trial | layout | predicted step (s) | {level:.0%} interval (s) | P(best) "
+        "| information (nats) | leans on |",
+        "|---|---|---|---|---|---|---|",
     ]
     for j, t in zip(jobs, shortlist.trials, strict=True):
         step = j.plan.predicted.step_time_s
@@ -233,7 +229,7 @@ def _summary(
         box = ivs.step_time_s  # plan.json's own interval where it has one
         lines.append(
             f"| {j.name} | {t.layout} | {step:.4g} | {box.lo:.4g}-{box.hi:.4g} | "
-            f"{t.gain_nats:.2f} | {', '.join(t.leans_on) or '-'} |"
+            f"{t.p_best:.2f} | {t.gain_nats:.2f} | {', '.join(t.leans_on) or '-'} |"
         )
     lines += ["", "Standard deviation of each constant in the fit's log units (t = log(c + a)), "
               "from the prior alone and after these trials (linearised):", "",
@@ -246,3 +242,19 @@ def _summary(
               f"bash {shlex.quote(str(folder / 'run_all.sh'))}",
               f"bash {shlex.quote(str(folder / 'collect.sh'))}", "```", ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def _why(shortlist: Shortlist, trials: int, steps: int) -> str:
+    """The paragraph that says how the trials were chosen and how many."""
+    if shortlist.probability is not None:
+        return (f"{trials} layouts to run for {steps} iterations each: the fewest of the "
+                f"{shortlist.contenders} layouts predicted within {shortlist.window:.0%} of the "
+                "best step whose summed probability of being the fastest reaches "
+                f"{shortlist.probability:g} (`--shortlist auto`), the pick first, then by that "
+                "probability.")  # fmt: skip
+    return (f"{trials} layouts to run for {steps} iterations each, chosen among the "
+            f"{shortlist.considered} fastest of the {shortlist.overlapping} layouts whose "
+            f"predicted step time's {shortlist.level:.0%} interval overlaps the best one's: the "
+            "best first, then each time the layout whose step time the fit, given the trials "
+            "before it, is least sure of (greedy D-optimal design; planner/PROFILING.md, 'The "
+            "trial loop').")  # fmt: skip

@@ -5,6 +5,11 @@ dispatcher, all-to-all overlap) with where it was published. `recipes_for(model,
 dtype)` lists a model's recipes, the closest first: on the plan's hardware, in its precision,
 then the fastest measured. `recipe_layout(recipe, gpus, global_batch)` keeps every size of
 the recipe but dp, which fills the plan's GPUs (None where the recipe cannot run there).
+
+`published_for(model, hardware_names, gpus, dtype, seq_len, global_batch)` lists the
+measurements of the plan's own setting in RECIPES_CSV and HOLDOUT_CSV: the same model, the
+hardware family (the row's `hardware` in the cluster's device or cluster name), GPU count,
+precision, sequence length and global batch; `piper plan` prints them beside its prediction.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from planner.parallel import RECOMPUTE_MODULES, ParallelConfig
 from planner.specs import SpecError
 
 RECIPES_CSV = PROFILES_DIR / "runs" / "published_runs.csv"
+HOLDOUT_CSV = PROFILES_DIR / "runs" / "holdout_runs.csv"
 SHORT_MODULES = {"norm": "layernorm", "act": "moe_act"}  # Megatron-Core's short forms
 PRECISIONS = {"BF16": "bf16", "FP16": "fp16", "FP8": "fp8", "MXFP8": "mxfp8",
               "FP8-BLOCKWISE": "fp8_blockwise", "NVFP4": "nvfp4", "MXFP4": "mxfp4"}  # fmt: skip
@@ -90,18 +96,67 @@ def recipe_layout(recipe: Recipe, gpus: int, global_batch: int) -> ParallelConfi
     return None
 
 
+@dataclass(frozen=True)
+class Published:
+    """One published measurement of a setting: its row as a recipe, the release it names
+    (e.g. "25.11", "" where the source names none), the file and the row's fields as read
+    (planner.calibrate.runs.run_of prices them)."""
+
+    recipe: Recipe
+    release: str
+    seq_len: int
+    global_batch: int
+    file: str  # published_runs.csv or holdout_runs.csv
+    fields: tuple[tuple[str, str], ...]
+
+
+def published_for(
+    model: str,
+    hardware_names: tuple[str, ...],
+    gpus: int,
+    dtype: str,
+    seq_len: int,
+    global_batch: int,
+) -> tuple[Published, ...]:
+    """The measurements of exactly this setting (module docstring), fastest measured first;
+    `hardware_names` are the cluster's device and profile names (a row matches when its
+    `hardware` is part of one, case-insensitive)."""
+    names = tuple(n.upper() for n in hardware_names)
+    found = [
+        p for p in _published()
+        if p.recipe.model == model and p.recipe.gpus == gpus and p.recipe.dtype == dtype
+        and p.seq_len == seq_len and p.global_batch == global_batch
+        and p.recipe.hardware and any(p.recipe.hardware.upper() in n for n in names)
+        and p.recipe.tokens_per_s_per_gpu > 0
+    ]  # fmt: skip
+    return tuple(sorted(found, key=lambda p: (-p.recipe.tokens_per_s_per_gpu, p.recipe.row_id)))
+
+
 @cache
 def _recipes() -> tuple[Recipe, ...]:
     """Every row of RECIPES_CSV that reads as a recipe (a row that does not is skipped: the
     file is project data, checked by planner.calibrate.runs)."""
-    with open(RECIPES_CSV, encoding="utf-8", newline="") as f:
-        rows = list(csv.DictReader(f))
+    return tuple(p.recipe for p in _published() if p.file == RECIPES_CSV.name)
+
+
+@cache
+def _published() -> tuple[Published, ...]:
+    """Every row of RECIPES_CSV and HOLDOUT_CSV that reads as a recipe (tokens/s per GPU 0
+    where the row gives TFLOPS only)."""
     out = []
-    for row in rows:
-        try:
-            out.append(_recipe(row))
-        except (KeyError, ValueError):
-            continue
+    for path in (RECIPES_CSV, HOLDOUT_CSV):
+        with open(path, encoding="utf-8", newline="") as f:
+            rows = list(csv.DictReader(f))
+        for row in rows:
+            try:
+                recipe = _recipe(row)
+                seq, gbs = int(row["seq"]), int(row["gbs"])
+            except (KeyError, ValueError):
+                continue
+            release = row.get("source", "").partition("[")[2].partition("]")[0]
+            fields = tuple((k, v or "") for k, v in row.items() if k is not None)
+            out.append(Published(recipe, release.split(",")[0].strip(), seq, gbs, path.name,
+                                 fields))  # fmt: skip
     return tuple(out)
 
 
