@@ -22,12 +22,17 @@ micro-batch and the forward FLOPs that recreate it (the producing op's; a residu
 priced as the row-parallel matmul feeding it, the SDPA outputs as core attention, the
 combine's expert outputs as the experts' down projection, norms, activations, rope and
 permutes as 0). b1 is no recompute's bytes; the floor the block input. With ep > 1 the
-dispatch and combine all-to-all outputs are saved for every b > 0. Approximation of the
-partitioner's knapsack: torch's `greedy_knapsack` (the "greedy" solver): the other tensors in
-decreasing FLOPs per byte (forward order among equals) are kept while their bytes stay
-within b (b1 - floor); the others are recomputed. Not priced: the pointwise
-chains the b = 1 min-cut itself recomputes (b = 1 is priced as no recompute), and the
-dependencies between recomputed tensors (each is priced by its own op alone).
+dispatch and combine all-to-all outputs are saved for every b > 0. The knapsack is the
+partitioner's default "dp" one, solved exactly (torch quantises the normalised sizes to
+1e-4): the other tensors of largest total FLOPs (at least 1 each, as FlopCounterMode's
+estimate) whose bytes are at most b (b1 - floor) are kept, the others recomputed. torch's
+"greedy" solver (decreasing FLOPs per byte while they fit) would rerun up to a third of a
+Mixtral layer's forward FLOPs more at some budgets, so it is not the price.
+Approximations: the knapsack's choice is the saved set (torch runs the min-cut once more with
+the knapsack's recomputable tensors unbanned, which can save a cheaper equivalent); the
+pointwise chains the b = 1 min-cut itself recomputes are not priced (b = 1 is priced as no
+recompute); a recomputed tensor is priced by its own op alone, not by the ops that recreate
+its inputs.
 
 Shape letters: none (bytes and FLOPs are per rank and micro-batch of one layer).
 """
@@ -165,23 +170,39 @@ def layer_tensors(
     return floor, tuple(tensors)
 
 
+def knapsack(sizes: Sequence[float], values: Sequence[float], capacity: float) -> int:
+    """The subset (a bit mask over the items) of largest total value whose size is at most
+    `capacity`, the smallest such: exact, over the Pareto front of (size, value) subsets."""
+    front = [(0.0, 0.0, 0)]  # (size, value, mask): size ascending, value strictly rising
+    for i, (size, value) in enumerate(zip(sizes, values, strict=True)):
+        grown = [(s + size, v + value, m | 1 << i) for s, v, m in front if s + size <= capacity]
+        merged = sorted(front + grown, key=lambda x: (x[0], -x[1], x[2]))
+        front, best = [], -1.0
+        for state in merged:
+            if state[1] > best:
+                front.append(state)
+                best = state[1]
+    return front[-1][2]
+
+
 def choose(tensors: Sequence[Tensor], floor_bytes: float, budget: float) -> BudgetChoice:
-    """At budget 0 keep nothing above the floor; above 0 keep the collective outputs, then
-    the other tensors in decreasing FLOPs per byte while their bytes stay within
-    budget x (no recompute's bytes - floor): torch's greedy_knapsack on the partitioner's
-    normalised sizes. Raises ValueError for a budget outside [0, 1]."""
+    """At budget 1 keep everything; at 0 nothing above the floor; in between the collective
+    outputs, then the other tensors of largest total runtime (FLOPs, at least 1 each: the
+    partitioner's FlopCounterMode estimate) whose bytes are at most budget x (no recompute's
+    bytes - floor): the partitioner's default "dp" knapsack, solved exactly.
+    Raises ValueError for a budget outside [0, 1]."""
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"memory budget {budget} is outside [0, 1]")
     total = sum(t.size_bytes for t in tensors)
-    capacity = budget * total * (1 + 1e-12)
-    kept = [budget > 0 and t.collective for t in tensors]
-    saved = sum(t.size_bytes for t, k in zip(tensors, kept, strict=True) if k)
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].flops / tensors[i].size_bytes)
-    used = 0.0
-    for i in order:
-        if not tensors[i].collective and used + tensors[i].size_bytes <= capacity:
-            kept[i], used = True, used + tensors[i].size_bytes
-    used += saved
+    if budget in (0.0, 1.0):
+        kept = [budget == 1.0] * len(tensors)
+    else:
+        free = [i for i, t in enumerate(tensors) if not t.collective]
+        mask = knapsack([tensors[i].size_bytes for i in free],
+                        [max(tensors[i].flops, 1.0) for i in free], budget * total)  # fmt: skip
+        chosen = {i for bit, i in enumerate(free) if mask >> bit & 1}
+        kept = [t.collective or i in chosen for i, t in enumerate(tensors)]
+    used = sum(t.size_bytes for t, k in zip(tensors, kept, strict=True) if k)
     redo = sum(t.flops for t, k in zip(tensors, kept, strict=True) if not k)
     return BudgetChoice(tuple(tensors), tuple(kept), floor_bytes, floor_bytes + used, redo)
 

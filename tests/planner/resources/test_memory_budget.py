@@ -1,9 +1,12 @@
 """torchtitan's memory-budget AC ("budget:<b>"): the bytes a layer keeps and the forward FLOPs
-it reruns, against a per-tensor oracle written here from the shapes and torch's greedy
-knapsack on the partitioner's normalised sizes (floor = the block input, 1 = no recompute;
-all-to-all outputs saved for every budget above 0)."""
+it reruns, against a per-tensor oracle written here from the shapes and the partitioner's
+0/1 knapsack solved by enumeration on its normalised sizes (floor = the block input, 1 = no
+recompute; all-to-all outputs saved for every budget above 0)."""
 
 from __future__ import annotations
+
+import itertools
+import random
 
 import pytest
 
@@ -65,19 +68,26 @@ def _oracle_tensors(model, layer) -> list[tuple[float, float, bool]]:
     ]
 
 
-def _greedy(tensors, budget: float) -> tuple[float, float]:
+def _exact(tensors, budget: float) -> tuple[float, float]:
     """(kept bytes above the floor, recomputed FLOPs): the all-to-all outputs when budget > 0,
-    then the greedy knapsack over the others, written out."""
+    then of the others the subset of most FLOPs (at least 1 each) within the budget, the
+    smallest such, by enumerating every subset."""
+    if budget in (0.0, 1.0):
+        return (sum(b for b, _, _ in tensors) if budget else 0.0), (
+            0.0 if budget else sum(f for _, f, _ in tensors)
+        )
     cap = budget * sum(b for b, _, _ in tensors)
-    used, redo, saved = 0.0, 0.0, 0.0
-    for size, flops, a2a in sorted(tensors, key=lambda t: -t[1] / t[0]):
-        if a2a and budget > 0:
-            saved += size
-        elif not a2a and used + size <= cap * (1 + 1e-12):
-            used += size
-        else:
-            redo += flops
-    return used + saved, redo
+    free = [t for t in tensors if not t[2]]
+    best = (-1.0, 0.0, ())
+    for n in range(len(free) + 1):
+        for subset in itertools.combinations(range(len(free)), n):
+            size = sum(free[i][0] for i in subset)
+            value = sum(max(free[i][1], 1.0) for i in subset)
+            if size <= cap and (value, -size) > (best[0], -best[1]):
+                best = (value, size, subset)
+    saved = sum(b for b, _, a2a in tensors if a2a)
+    redo = sum(free[i][1] for i in range(len(free)) if i not in best[2])
+    return best[1] + saved, redo
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -85,7 +95,7 @@ def test_qwen3_moe_layer_matches_the_per_tensor_oracle(budget):
     model = load_model("qwen3-30b-a3b")
     layer, par = model.layers[-1], _par(budget)
     floor = 2.0 * B * S * model.hidden_size
-    used, redo = _greedy(_oracle_tensors(model, layer), budget)
+    used, redo = _exact(_oracle_tensors(model, layer), budget)
     assert _kept(model, layer, par) == pytest.approx(floor + used, rel=1e-12)
     choice = mb.layer_choice(layer, _parts(model, layer, par), TRAINING, par,
                              model.hidden_size, budget)  # fmt: skip
@@ -163,3 +173,23 @@ def test_old_pricing_path_refuses_a_budget_rather_than_pricing_it_as_none():
     with pytest.raises(SpecError, match="budget:0.5.*--recompute-modules op") as err:
         layer_activations(model, model.layers[-1], TRAINING, _par(0.5), "selective")
     assert "\n" not in str(err.value)
+
+
+def test_knapsack_matches_enumeration_on_random_items():
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 8)
+        sizes = [rng.choice([1.0, 2.0, 3.0, 5.0, rng.uniform(0.1, 6)]) for _ in range(n)]
+        values = [rng.choice([1.0, 4.0, rng.uniform(1, 10)]) for _ in range(n)]
+        cap = rng.uniform(0, sum(sizes))
+        best = max(
+            (sum(values[i] for i in s), -sum(sizes[i] for i in s))
+            for k in range(n + 1)
+            for s in itertools.combinations(range(n), k)
+            if sum(sizes[i] for i in s) <= cap
+        )
+        mask = mb.knapsack(sizes, values, cap)
+        chosen = [i for i in range(n) if mask >> i & 1]
+        assert sum(sizes[i] for i in chosen) <= cap
+        assert sum(values[i] for i in chosen) == pytest.approx(best[0], rel=1e-12)
+        assert sum(sizes[i] for i in chosen) == pytest.approx(-best[1], rel=1e-12)
