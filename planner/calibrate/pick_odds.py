@@ -66,7 +66,7 @@ def pick_odds(
     train = with_conventions(training, target) if target is not None else training
     best_s = next(r.step_time_s for r in rows if r.status == "solved" and r.feasible)
     limit_s = best_s * (1 + window)
-    priced = priced_candidates(rows, model, cluster, train, bound_limit_s=limit_s)
+    priced = priced_candidates(rows, model, cluster, train, limit_s, fastest=limit)
     near = [x for x in priced if x.est.step_time_s <= limit_s][:limit]
     m = error_model(cluster)
     rho = RESIDUAL_SHARE * m.time_log_sd

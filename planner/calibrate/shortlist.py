@@ -268,17 +268,24 @@ def priced_candidates(
     cluster: ClusterSpec,
     training: TrainingSpec,
     bound_limit_s: float = math.inf,
+    fastest: int | None = None,
 ) -> list[Priced]:
     """Every candidate that fits, the predicted best first, then by predicted step time: the
     solved rows with the search's estimate, the pruned ones (at most 4 x MAX_CONSIDERED,
     those whose step-time bound is at most `bound_limit_s`) priced on an even split.
-    `training` has the target's conventions applied."""
-    out = []
+    `training` has the target's conventions applied. With `fastest`, pricing stops at the
+    first pruned row (they come by bound) whose bound exceeds the `fastest`-th best step so
+    far: no later row can be among the `fastest` fastest."""
+    out: list[Priced] = []
     for row in rows:
         if row.status == "solved" and row.feasible and row.estimate is not None:
             out.append(Priced(row, candidate_run(row, model, cluster, training), row.estimate))
         elif (row.status == "pruned" and len(out) < 4 * MAX_CONSIDERED
               and not row.bound_step_time_s > bound_limit_s):  # fmt: skip
+            if fastest and len(out) >= fastest:
+                kth = sorted(x.est.step_time_s for x in out)[fastest - 1]
+                if row.bound_step_time_s > kth:
+                    break
             run = candidate_run(row, model, cluster, training)
             try:
                 est = estimate_run(run, cluster)
