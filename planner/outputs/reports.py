@@ -302,6 +302,8 @@ def summary_dict(result: PlanResult) -> dict[str, Any]:
         "predicted": plan.to_dict()["predicted"] if plan else None,
         "solver": plan.to_dict()["solver"] if plan else None,
         "baselines": plan.extra.get("baselines", []) if plan else [],
+        "pick": plan.extra.get("pick") if plan else None,  # P(best): planner/PLANNING.md
+        "published": plan.extra.get("published", []) if plan else [],
         "step_time_s": est.step_time_s if est else None,
         "target": plan.extra.get("target", "piper") if plan else None,
         "headroom_gib_per_stage": [capacity_gib(est) - m for m in est.memory_gib_per_stage]

@@ -101,6 +101,9 @@ def test_no_published_line_and_no_tie_line_where_there_is_none(tmp_path):
     assert "pick: P(best) 1.00: no other layout predicted within 15% of its step" in result.stdout
     extra = json.loads((tmp_path / "tiny" / "plan.json").read_text())["extra"]
     assert "published" not in extra and extra["pick"]["p_best"] == 1.0
+    as_json = run_piper(["plan", *TINY_FIXED, "--json", "--out", str(tmp_path / "j")])
+    doc = json.loads(as_json.stdout)
+    assert doc["pick"] == extra["pick"] and doc["published"] == []  # --json carries them
 
 
 @pytest.mark.parametrize(
