@@ -17,6 +17,9 @@ from planner.search.space import RECOMPUTE_CHOICES
 from planner.specs import SpecError, TrainingSpec
 from planner.targets import Target, check_training, etp_allowed, refuse
 
+# the memory budgets the search tries beside the target's selective set
+SEARCHED_BUDGETS = ("budget:0.1", "budget:0.25", "budget:0.5")
+
 
 @dataclass(frozen=True)
 class TargetChoices:
@@ -30,6 +33,7 @@ class TargetChoices:
     a2a_overlap: bool | None
     dispatchers: tuple[str, ...]
     etp_rule: str
+    budget_sets: tuple[tuple[str, ...], ...] = ()  # memory budgets searched beside module_set
 
 
 def target_choices(
@@ -84,9 +88,11 @@ def target_choices(
             refuse(target, "--dispatcher", d, "dispatchers")
     tried = tuple(d for d in dispatchers if d in target.dispatchers) or ("flat",)
     searched_set = target.recompute_modules[:1] if target.recompute_modules else None
-    return TargetChoices(
-        out, policies, modules, searched_set, kept, overlap, tried, target.etp_rule
-    )
+    # the memory budgets are searched beside the target's set unless the user fixed modules
+    runs = target.recompute_modules or ()
+    budgets = tuple((m,) for m in SEARCHED_BUDGETS if m in runs) if modules is None else ()
+    return TargetChoices(out, policies, modules, searched_set, kept, overlap, tried,
+                         target.etp_rule, budgets)  # fmt: skip
 
 
 def _modules(target: Target, given: Sequence[str] | None) -> tuple[str, ...] | None:
