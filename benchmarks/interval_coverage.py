@@ -109,6 +109,11 @@ def report() -> None:
         "  (sd used: the preset's calibration.loo_rms_log; LOO RMS now: the same leave-one-out "
         "redone on today's resource model)"
     )
+    print(
+        "  (held out: out-of-sample, holdout_runs.csv on the committed presets, its rows "
+        "repeating a calibration layout included; left out: calibration rows, each out of its "
+        "own refit, out-of-sample by row)"
+    )
     print(f"\n(benchmark time {time.perf_counter() - t0:.0f} s)")
 
 

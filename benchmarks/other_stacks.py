@@ -152,7 +152,8 @@ def report(runs: list[Run]) -> None:
 
 
 def _summaries(points: list[Point]) -> None:
-    print("\npredicted / measured: geomean, share within +-15% and +-20% "
+    print("\nOUT-OF-SAMPLE (no row fitted on; the megatron rows share ModelZoo's stack with "
+          "calibration ids 3-9), predicted / measured: geomean, share within +-15% and +-20% "
           "(flushed: with the rows' pipeline flushes)")  # fmt: skip
     groups = {"all": points, "FSDP2 stacks": [p for p in points if p.stack in FSDP2_STACKS]}
     for stack in dict.fromkeys(p.stack for p in points):
