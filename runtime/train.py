@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from planner.migration import MigrationOptions
+from planner.migration.policies import HISTORY_INTERVALS
 from planner.run.spec import EMPTY, RunSpec
 from runtime.checkpoint import Checkpointer, CheckpointOptions
 from runtime.data import sample_batch
@@ -85,7 +86,7 @@ def update_router_bias(module: StageModule, tokens_LE: torch.Tensor, rate: float
         moe.router.bias_E += rate * torch.sign(load_E.mean() - load_E).to(moe.router.bias_E)
 
 
-MAX_INTERVALS = 64  # past intervals the migration policy sees
+MAX_INTERVALS = HISTORY_INTERVALS  # past intervals the migration policy sees (its window)
 MAX_ROWS_PER_INTERVAL = 20  # rows of one interval in the policy's history
 
 
