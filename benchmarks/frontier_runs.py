@@ -311,8 +311,10 @@ def report() -> None:
         "left out": [rf.left_out or float("nan") for rf in result.runs],
     }
     runs_table("Paper's table (fitted on)", paper, cols)
-    for name, values in cols.items():
-        summary(name, paper, values)
+    labels = {"left out": "left out: OUT-OF-SAMPLE by row", "datasheet": "datasheet (not fitted)",
+              "preset": "preset: in-sample", "fit here": "fit here: in-sample"}  # fmt: skip
+    for name in labels:
+        summary(labels[name], paper, cols[name])
     dedup = [replace(r, dispatcher="halo-dedup") for r in paper]
     print("  if the paper's HALO sent a token once per remote node (HALO-dedup; the paper does not "
           "say), preset, not fitted:\n    " + ratio_line(dedup, preset))  # fmt: skip
@@ -348,7 +350,7 @@ def report() -> None:
           f"{getattr(stack, name):.0f}")  # fmt: skip
     runs_table("X-MoE on Frontier (check only, never fitted on)", checks, check_cols)
     for col, values in check_cols.items():
-        summary(col, checks, values)
+        summary(f"{col}: out-of-sample", checks, values)
     print(f"  at the ends of the README's range (TFLOPS/GCD in X-MoE's count; {name}, then "
           "predicted / measured):")  # fmt: skip
     for end in NODE_RANGE:
