@@ -19,8 +19,8 @@ Printed, out-of-sample first:
   row of the held-out stack predicted; frontier has one stack, so its rows are left out one
   at a time instead (leave-one-run-out);
 - leave-one-release-out: the same per Megatron-Bridge container release (on one preset a
-  release is one stack, so its rows carry the figures of the block above; here they are
-  summed per release over both presets);
+  release is one stack, so a row's prediction is the block above's), summed per preset and
+  per release over both presets;
 - in-sample, after them: each committed preset on the rows it was fitted on.
 Each block: geomean predicted / measured, share within +-15% and +-20%, worst row; per preset
 and per precision (BF16, FP8, MXFP8). A row whose layout (model, hardware, GPUs, precision,
