@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from planner.parallel import ParallelConfig
 from planner.resources.op_sac import linears
@@ -173,13 +174,12 @@ def layer_tensors(
 def knapsack(sizes: Sequence[float], values: Sequence[float], capacity: float) -> int:
     """The subset (a bit mask over the items) of largest total value whose size is at most
     `capacity`, the smallest such: exact, over the Pareto front of (size, value) subsets."""
-    front = [(0.0, 0.0, 0)]  # (size, value, mask): size ascending, value strictly rising
+    front = [(0.0, -0.0, 0)]  # (size, -value, mask): size ascending, value strictly rising
     for i, (size, value) in enumerate(zip(sizes, values, strict=True)):
-        grown = [(s + size, v + value, m | 1 << i) for s, v, m in front if s + size <= capacity]
-        merged = sorted(front + grown, key=lambda x: (x[0], -x[1], x[2]))
-        front, best = [], -1.0
+        grown = [(s + size, v - value, m | 1 << i) for s, v, m in front if s + size <= capacity]
+        merged, front, best = sorted(front + grown), [], 1.0
         for state in merged:
-            if state[1] > best:
+            if state[1] < best:
                 front.append(state)
                 best = state[1]
     return front[-1][2]
@@ -216,6 +216,18 @@ def layer_choice(
     budget: float,
 ) -> BudgetChoice:
     """The priced partitioner choice of one layer (layer_tensors, then choose)."""
+    return _layer_choice(layer, tuple(parts), training, parallel, hidden, budget)
+
+
+@lru_cache(maxsize=4096)  # the search prices the same layer shape under many layouts
+def _layer_choice(
+    layer: LayerSpec,
+    parts: tuple[tuple[str, float], ...],
+    training: TrainingSpec,
+    parallel: ParallelConfig,
+    hidden: int,
+    budget: float,
+) -> BudgetChoice:
     floor, tensors = layer_tensors(layer, parts, training, parallel, hidden)
     return choose(tensors, floor, budget)
 
