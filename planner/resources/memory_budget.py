@@ -45,7 +45,7 @@ from functools import lru_cache
 
 from planner.parallel import ParallelConfig
 from planner.resources.op_sac import linears
-from planner.specs import LayerSpec, TrainingSpec
+from planner.specs import LayerSpec, MoESpec, TrainingSpec
 
 # the components that are all-to-all outputs when ep > 1 (planner.resources.memory)
 A2A_COMPONENTS = ("dispatch", "combine")
@@ -107,6 +107,40 @@ def _attention_core(layer: LayerSpec, training: TrainingSpec, parallel: Parallel
     return rows * d_qk, rows * d_v
 
 
+def _attention_pieces(
+    name: str, size: float, layer: LayerSpec, training: TrainingSpec, parallel: ParallelConfig
+) -> list[Tensor]:
+    """The SDPA output and log-sum-exp (flash attention), or the scores, probabilities and
+    context of unfused attention."""
+    qk_flops, pv_flops = _attention_core(layer, training, parallel)
+    if name == "context":
+        flops = pv_flops + (qk_flops if training.flash_attention else 0.0)
+        return [Tensor("sdpa.out", name, size, flops, "attn_core")]
+    if training.flash_attention:  # the log-sum-exp: a second output of the same op
+        return [Tensor("sdpa.lse", name, size, 0.0, "")]
+    return [Tensor("scores", name, size / 2, qk_flops, "attn_core"),
+            Tensor("probs", name, size / 2, 0.0, "")]  # fmt: skip
+
+
+def _moe_pieces(
+    name: str, size: float, moe: MoESpec, tokens: float, a: int, hidden: int, skew: float
+) -> list[Tensor]:
+    """Router probabilities (the gate's FLOPs), the experts' w1 / w3 outputs, the combine
+    input (their w2's FLOPs) and the dispatch output (none), each component's rest at 0."""
+    rows, f, d = skew * tokens * moe.top_k, moe.expert_ffn, hidden
+    if name == "router":
+        gate = Tensor("router.probs", name, tokens * 4 * moe.num_experts,
+                      2 * tokens * d * moe.num_experts, "router")  # fmt: skip
+        return _split(name, size, [gate])
+    if name == "experts":
+        ups = [Tensor(f"experts.{w}", name, a * rows * f, 2 * rows * d * f, "experts")
+               for w in (("w1", "w3") if moe.gated else ("w1",))]  # fmt: skip
+        return _split(name, size, ups)
+    if name == "combine":  # the experts' down projections
+        return [Tensor("combine", name, size, 2 * rows * d * f, "experts")]
+    return [Tensor(name, name, size, 0.0, "")]  # dispatch: an all-to-all or permute output
+
+
 def layer_tensors(
     layer: LayerSpec,
     parts: Sequence[tuple[str, float]],
@@ -117,53 +151,32 @@ def layer_tensors(
     """(floor bytes, the other saved tensors) of one layer without recompute; `parts` are the
     layer's activation components without recompute. The tensors and the floor add up to
     `parts`."""
-    full = dict(parts)
     a = 4 if training.dtype == "fp32" else 2
     tokens = parallel.micro_batch * training.seq_len / (parallel.tp * parallel.cp)
     per_elem, d = a * tokens, hidden
     mm = [lin for lin, _ in linears(layer, d, parallel.tp)]
-
-    def out(lin, comp: str) -> Tensor:
-        return Tensor(f"{lin.work}.{lin.name}", comp, per_elem * lin.width, 2 * tokens * lin.params,
-                      lin.work)  # fmt: skip
-
-    floor = min(per_elem * d, full.get("attn_norm", 0.0))
-    wo = [lin for lin in mm if lin.work == "attn_proj" and not lin.component]
-    qk_flops, pv_flops = _attention_core(layer, training, parallel)
-    moe = layer.moe
+    wo_flops = sum(2 * tokens * lin.params for lin in mm
+                   if lin.work == "attn_proj" and not lin.component)  # fmt: skip
+    floor = min(per_elem * d, dict(parts).get("attn_norm", 0.0))
     tensors: list[Tensor] = []
     for name, size in parts:
         if name == "attn_norm":
             pieces = [Tensor("attn_norm.out", name, size - floor, 0.0, "")]
         elif name in ("qkv", "dense_mlp", "shared"):
-            pieces = _split(name, size, [out(lin, name) for lin in mm if lin.component == name])
+            pieces = _split(name, size, [
+                Tensor(f"{lin.work}.{lin.name}", name, per_elem * lin.width,
+                       2 * tokens * lin.params, lin.work)
+                for lin in mm if lin.component == name
+            ])  # fmt: skip
         elif name == "mlp_norm":  # the residual sum after wo, then the norm's output
-            residual = Tensor("residual", name, min(per_elem * d, size),
-                              sum(2 * tokens * lin.params for lin in wo), "attn_proj")  # fmt: skip
+            residual = Tensor("residual", name, min(per_elem * d, size), wo_flops, "attn_proj")
             pieces = _split(name, size, [residual])
-        elif name == "context":
-            flops = pv_flops + (qk_flops if training.flash_attention else 0.0)
-            pieces = [Tensor("sdpa.out", name, size, flops, "attn_core")]
-        elif name == "scores":
-            if training.flash_attention:  # the log-sum-exp: a second output of the same op
-                pieces = [Tensor("sdpa.lse", name, size, 0.0, "")]
-            else:  # the q k products, then the softmax's probabilities
-                pieces = [Tensor("scores", name, size / 2, qk_flops, "attn_core"),
-                          Tensor("probs", name, size / 2, 0.0, "")]  # fmt: skip
-        elif name == "router" and moe is not None:
-            probs = tokens * 4 * moe.num_experts
-            gate = Tensor("router.probs", name, probs, 2 * tokens * d * moe.num_experts, "router")
-            pieces = _split(name, size, [gate])
-        elif name == "experts" and moe is not None:
-            rows = training.routing_skew * tokens * moe.top_k
-            ups = [Tensor(f"experts.{w}", name, a * rows * moe.expert_ffn,
-                          2 * rows * d * moe.expert_ffn, "experts")
-                   for w in (("w1", "w3") if moe.gated else ("w1",))]  # fmt: skip
-            pieces = _split(name, size, ups)
-        elif name == "combine" and moe is not None:  # the experts' down projections
-            rows = training.routing_skew * tokens * moe.top_k
-            pieces = [Tensor("combine", name, size, 2 * rows * d * moe.expert_ffn, "experts")]
-        else:  # dispatch: an all-to-all (ep > 1) or permute output, recreated without FLOPs
+        elif name in ("context", "scores"):
+            pieces = _attention_pieces(name, size, layer, training, parallel)
+        elif layer.moe is not None:
+            skew = training.routing_skew
+            pieces = _moe_pieces(name, size, layer.moe, tokens, a, d, skew)
+        else:
             pieces = [Tensor(name, name, size, 0.0, "")]
         if name in A2A_COMPONENTS and parallel.ep > 1:
             pieces = [replace(t, collective=True) for t in pieces]
