@@ -174,8 +174,9 @@ def fitted_names(preset: ClusterSpec) -> tuple[str, ...]:
 
 
 class Refits:
-    """Each preset refitted on a set of calibration rows from its derived start, cached by
-    the ids fitted on (the stack and the release blocks share their fits)."""
+    """Each preset refitted on a set of calibration rows from the committed fit's start
+    (module docstring), cached by the ids fitted on (the stack and release blocks share
+    their fits)."""
 
     def __init__(self, presets: dict[str, ClusterSpec]) -> None:
         self.presets = presets
@@ -243,7 +244,7 @@ def _tag(row: Row, in_sample: bool) -> str:
 def print_summary(title: str, preds: Sequence[Prediction], by: str = "hardware",
                   kind: str = "held out") -> dict:  # fmt: skip
     """Per preset (or release) and precision: the held-out (`kind`) rows, then the repeats
-    apart. Returns {(group, precision or 'all'): Errors} of the held-out rows."""
+    apart. Returns {(group, a precision, 'all' or 'repeats'): Errors}."""
     print(f"\n  {title}")
     out = {}
     for group in dict.fromkeys(_group(p, by) for p in preds):
