@@ -73,6 +73,9 @@ def _layout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute-modules", default=None, metavar="LIST",
                    help="selective recompute modules, comma-separated: "
                    + ",".join(RECOMPUTE_MODULES))  # fmt: skip
+    p.add_argument("--memory-budget", type=float, default=None, metavar="B",
+                   help="torchtitan's memory-budget AC at budget B in [0, 1] (steps of 0.05; "
+                   "--target torchtitan)")  # fmt: skip
 
 
 def _training_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Any
 
-from planner.parallel import ParallelConfig
+from planner.parallel import ParallelConfig, budget_module
 from planner.specs import ClusterSpec, ModelSpec, SpecError, TrainingSpec
 from planner.targets import Target
 
@@ -183,7 +183,12 @@ def microbatches(args: argparse.Namespace) -> tuple[int, int]:
 
 def recompute_choice(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
     """(policy, modules) from --recompute and --recompute-modules; modules alone mean
-    selective recompute."""
+    selective recompute; --memory-budget B is the module budget:B."""
+    budget = getattr(args, "memory_budget", None)
+    if budget is not None:
+        if args.recompute_modules is not None or args.recompute not in (None, "selective"):
+            raise SpecError("--memory-budget: drop --recompute / --recompute-modules beside it")
+        return "selective", (budget_module(budget),)
     if args.recompute_modules is None:
         return args.recompute or "none", ()
     modules = tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip())

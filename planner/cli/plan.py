@@ -30,7 +30,7 @@ from planner.cli.plan_shortlist import (
 from planner.cli.plan_warnings import plan_warnings
 from planner.cli.target_args import add_target_arguments, resolve
 from planner.outputs.console import Phases, phases, print_table
-from planner.parallel import RECOMPUTE_MODULES
+from planner.parallel import RECOMPUTE_MODULES, budget_module
 from planner.search.space import DISPATCHERS, sharding_choices
 from planner.specs import CUDA_GRAPHS, ModelSpec, SpecError, TrainingSpec
 from planner.targets import Target
@@ -86,6 +86,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fix the selective recompute modules, Megatron-Core's names, space- or "
         f"comma-separated: {', '.join(RECOMPUTE_MODULES)}",
     )
+    p.add_argument("--memory-budget", type=float, default=None, metavar="B",
+                   help="torchtitan's memory-budget AC at budget B in [0, 1] (steps of 0.05; "
+                   "--target torchtitan)")  # fmt: skip
     p.add_argument("--max-ep", type=int, default=None, help="largest EP group allowed")
     p.add_argument(
         "--zero",
@@ -222,8 +225,13 @@ def _inputs(args: argparse.Namespace) -> tuple[Any, Any, TrainingSpec, Target]:
     return model, cluster, training, target  # make_plan applies the target's conventions
 
 
-def recompute_modules(values: list[str] | None) -> list[str] | None:
-    """`--recompute-modules a b` or `a,b` as one list (None when not given)."""
+def recompute_modules(values: list[str] | None, budget: float | None = None) -> list[str] | None:
+    """`--recompute-modules a b` or `a,b` as one list, or `--memory-budget B` as its module
+    (None when neither is given)."""
+    if budget is not None:
+        if values is not None:
+            raise SpecError("--memory-budget and --recompute-modules: give one of them")
+        return [budget_module(budget)]
     if values is None:
         return None
     return [m for v in values for m in v.split(",") if m]
@@ -372,7 +380,7 @@ def _search(args: argparse.Namespace, clock: Phases) -> tuple[Any, PlanInputs] |
         loads,
         clock.update,
         recompute=[args.recompute] if args.recompute else None,
-        recompute_modules=recompute_modules(args.recompute_modules),
+        recompute_modules=recompute_modules(args.recompute_modules, args.memory_budget),
         sharding=sharding_choices(args.zero, fsdp),
         a2a_overlap=args.a2a_overlap,
         dispatchers=[args.dispatcher] if args.dispatcher else None,

@@ -181,11 +181,17 @@ def _recompute_extra_s(
     if policy == "full":
         return sum(w.forward_s for w in work) + lc.repeat_full_s + lc.cp_fwd_s
     modules = parallel.recompute_modules or ("core_attn",)
-    share = recompute.work_share(layer, modules, model.hidden_size)
+    forward = {w.name: w.flops / TRAIN_FACTOR for w in work}
+    rerun = recompute.budget_rerun(layer, act.components, training, parallel,
+                                   model.hidden_size, forward)  # fmt: skip
+    if rerun is None:
+        share = recompute.work_share(layer, modules, model.hidden_size)
+    else:
+        share = dict(rerun.share)
     extra = sum(w.forward_s * share.get(w.name, 0.0) for w in work)
     dropped = sum(v - dict(kept.components)[n] for n, v in act.components if n != "scores")
     extra += ELEMENTWISE_PASSES * dropped / cluster.hbm_bytes_per_s / TRAIN_FACTOR
-    if recompute.repeats_dispatch(layer, modules):
+    if rerun is not None and rerun.repeats_dispatch or recompute.repeats_dispatch(layer, modules):
         extra += lc.repeat_moe_s
     if "core_attn" in modules:
         extra += lc.cp_fwd_s

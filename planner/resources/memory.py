@@ -23,7 +23,7 @@ from planner.parallel import ParallelConfig
 from planner.resources import act_offload, op_sac
 from planner.resources.params import layer_params, mlp_params, tp_replicated_params
 from planner.resources.precision import QUANTIZED_WEIGHT_BYTES
-from planner.resources.recompute import kept_components
+from planner.resources.recompute import budget_kept, kept_components
 from planner.specs import LayerSpec, ModelSpec, Recompute, TrainingSpec
 
 Accounting = Literal["piper", "paper"]
@@ -357,7 +357,10 @@ def layer_activations(
     per_elem = act_bytes_per_element(training) * rank_tokens(training, parallel)
     d = model.hidden_size
     modules = parallel.recompute_modules or ("core_attn",)
-    if recompute == "selective" and modules != (op_sac.OP,):
+    budget = budget_kept(layer, parts, training, parallel, d) if accounting != "paper" else None
+    if recompute == "selective" and budget is not None:
+        parts = budget
+    elif recompute == "selective" and modules != (op_sac.OP,):
         parts = kept_components(layer, parts, modules, per_elem, d)
     elif recompute == "selective" and accounting != "paper":  # the paper has no per-op terms
         parts = op_sac.kept_components(layer, parts, training, parallel, per_elem, d)

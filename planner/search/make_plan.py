@@ -137,7 +137,7 @@ def make_plan(
                 "drop --a2a-overlap"
             )
         a2a_overlap = False
-    module_set, etp_rule = None, "any"
+    module_set, etp_rule, budget_sets = None, "any", ()
     if target is not None:
         training = with_conventions(training, target)
         check_training(training, target)
@@ -148,7 +148,7 @@ def make_plan(
         )  # fmt: skip
         fixed, recompute, recompute_modules = cut.fixed, cut.recompute, cut.recompute_modules
         sharding, a2a_overlap, dispatchers = cut.sharding, cut.a2a_overlap, cut.dispatchers
-        module_set, etp_rule = cut.module_set, cut.etp_rule
+        module_set, etp_rule, budget_sets = cut.module_set, cut.etp_rule, cut.budget_sets
     if training.optimizer_offload_fraction > 0:  # HybridDeviceOptimizer: the distributed one's
         if "zero" not in (sharding or ("zero",)):
             raise SpecError(
@@ -169,6 +169,7 @@ def make_plan(
         dispatchers=dispatchers or default_dispatchers(cluster),
         module_set=module_set,
         etp_rule=etp_rule,  # type: ignore[arg-type]
+        budget_sets=budget_sets,
     )
     ctx = new_context(model, cluster, training, space, options, evaluator, score)
     t_search = time.perf_counter()

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from planner.parallel import RECOMPUTE_MODULES, ParallelConfig, RecomputeModule
+from planner.parallel import BUDGET_MODULES, RECOMPUTE_MODULES, ParallelConfig, RecomputeModule
 from planner.specs import ModelSpec, Recompute, SpecError, TrainingSpec
 
 Sharding = Literal["none", "zero", "fsdp"]
@@ -79,6 +79,7 @@ class SearchSpace:
     # the target engine's one selective module set (None = module_sets); its expert-TP rule
     module_set: tuple[RecomputeModule, ...] | None = None
     etp_rule: Literal["any", "one_or_tp"] = "any"
+    budget_sets: tuple[tuple[RecomputeModule, ...], ...] = ()  # memory budgets searched
 
     def value(self, name: str) -> int | None:
         return dict(self.fixed).get(name)
@@ -96,6 +97,7 @@ def make_space(
     dispatchers: Sequence[str] | None = None,
     module_set: Sequence[str] | None = None,
     etp_rule: Literal["any", "one_or_tp"] = "any",
+    budget_sets: Sequence[tuple[str, ...]] = (),
 ) -> SearchSpace:
     """Build a SearchSpace, dropping unset (None) fixed sizes and checking names and values."""
     items = []
@@ -127,6 +129,7 @@ def make_space(
         max_ep=max_ep,
         module_set=tuple(module_set) if module_set is not None else None,  # type: ignore[arg-type]
         etp_rule=etp_rule,
+        budget_sets=tuple(budget_sets),  # type: ignore[arg-type]
     )
 
 
@@ -135,6 +138,8 @@ def _check_modules(
 ) -> tuple[RecomputeModule, ...] | None:
     if modules is None:
         return None
+    if len(modules) == 1 and modules[0] in BUDGET_MODULES:
+        return (modules[0],)  # type: ignore[return-value]
     unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
     if unknown or not modules:
         raise SpecError(
@@ -307,6 +312,7 @@ def policies(
             out.append(("selective", space.recompute_modules))
         elif space.module_set is not None:
             out.append(("selective", space.module_set))
+            out += [("selective", b) for b in space.budget_sets]
         else:
             out += [("selective", s) for s in module_sets(model, training)]
     return out

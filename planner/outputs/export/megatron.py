@@ -22,6 +22,7 @@ from planner.outputs.export.describe import noncontiguous_expert_layers, plan_ti
 from planner.outputs.export.megatron_model import model_args
 from planner.outputs.export.model_settings import model_settings
 from planner.outputs.export.shell import comment, export_lines
+from planner.parallel import memory_budget
 from planner.plan.schema import Plan
 from planner.run.layout import virtual_stages
 from planner.specs import ModelSpec, SpecError
@@ -126,10 +127,11 @@ def recompute_args(plan: Plan) -> tuple[list[str], list[str]]:
     par = plan.parallel
     if par.recompute == "selective":
         modules = list(par.recompute_modules)
-        if "op" in modules:
+        if "op" in modules or memory_budget(tuple(modules)) is not None:
             raise SpecError(
-                "plan.json: it recomputes with torchtitan's per-op selective AC (module 'op'), "
-                "which Megatron-LM does not run as priced; re-plan with --target megatron"
+                "plan.json: it recomputes with torchtitan's per-op selective AC or memory "
+                f"budget (module '{modules[0]}'), which Megatron-LM does not run as priced; "
+                "re-plan with --target megatron"
             )
         args = ["--recompute-granularity", "selective"]
         args += ["--recompute-modules", *modules] if modules else []

@@ -58,3 +58,10 @@ def test_torchtitan_parses_the_memory_budget():
     assert type(ac).__qualname__.split(".")[0] == "MemoryBudgetAC"
     assert ac.memory_budget == 0.5
     assert config.compile.enable and "model" in config.compile.components
+
+
+def test_megatron_export_refuses_a_budget_plan():
+    plan = priced_for(_budget(fsdp_plan()), "megatron")
+    with pytest.raises(SpecError, match="budget:0.35.*re-plan with --target megatron") as err:
+        export_plan(plan, "megatron")
+    assert "\n" not in str(err.value)

@@ -168,13 +168,6 @@ def test_budget_module_grid_and_plan_round_trip():
         ParallelConfig(pp=1, dp=8, recompute="selective", recompute_modules=("op", "budget:0.5"))
 
 
-def test_old_pricing_path_refuses_a_budget_rather_than_pricing_it_as_none():
-    model = load_model("qwen3-30b-a3b")
-    with pytest.raises(SpecError, match="budget:0.5.*--recompute-modules op") as err:
-        layer_activations(model, model.layers[-1], TRAINING, _par(0.5), "selective")
-    assert "\n" not in str(err.value)
-
-
 def test_knapsack_matches_enumeration_on_random_items():
     rng = random.Random(7)
     for _ in range(200):
