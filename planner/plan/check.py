@@ -185,8 +185,10 @@ def check_plan_dict(d: Any, path: str = "plan.json") -> None:
     if "recompute_modules" in par:
         for m in c.get(par, "recompute_modules", "parallel.", list):
             if m not in _MODULES:
+                named = ", ".join(x for x in _MODULES if not str(x).startswith("budget:"))
                 raise c.fail(
-                    "parallel.recompute_modules", f"holds {shown(m)}, not one of {_MODULES}"
+                    "parallel.recompute_modules",
+                    f"holds {shown(m)}, not one of {named} or budget:<b> (b in 0, 0.05, ..., 1)",
                 )
     _check_sizes(c, sizes)
     _check_training(c, d["training"])
