@@ -17,7 +17,8 @@ Printed:
   leave-one-out ratio, whether it fits, peak GiB, device GiB and the headroom, the layout;
 - per hardware: every constant, preset vs fitted, and the fit's errors;
 - Spearman rank correlation per (model, hardware, GPUs) group;
-- the accuracy targets with pass / fail, for the preset and for the fit;
+- the accuracy targets with pass / fail, for the preset and for the fit: in-sample, the rows
+  the presets were fitted on (out-of-sample by stack: benchmarks/out_of_sample.py);
 - per setting (model, hardware, GPUs, global batch, sequence, precision): the layout
   `piper plan` picks (make_plan, as the CLI calls it with --gpus) and its
   predicted tokens/s/GPU beside the measured-fastest published layout's predicted and
@@ -245,8 +246,9 @@ def _row_table(rows: list[Row], presets: dict[str, ClusterSpec], differs: bool) 
             f"{r.ratio('preset'):>6.2f} {fitted}{loo:>5} {'yes' if est.fits else 'NO':<4} "
             f"{peak:>8.1f} {device:>6.1f} {device - peak:>6.1f}  {_layout(run)}"
         )
-    print("(TFLOPS rows: Piper's model FLOPs against the source's own count; LOO: predicted / "
-          "measured fitted without the row; room: device GiB - predicted peak)")  # fmt: skip
+    print("(in-sample: the presets were fitted on these rows; LOO, out-of-sample by row: "
+          "predicted / measured fitted without the row; TFLOPS rows: Piper's model FLOPs "
+          "against the source's own count; room: device GiB - predicted peak)")  # fmt: skip
     for r in rows:
         if not r.preset.fits:
             worst = max(r.preset.stages, key=lambda st: st.total_gib)
@@ -263,10 +265,10 @@ def _constants(hw: str, result: FitResult) -> None:
         before, after = getattr(result.start, e.name), getattr(result.fitted, e.name)
         mark = "fitted" if e.name in fitted else "kept  "
         print(f"  {e.name:<24} {before:>9.4g} -> {after:>9.4g}  {mark}  {e.meaning}")
-    for name, err in (("start", result.before), ("fit", result.after),
-                      ("leave-one-out", result.left_out)):  # fmt: skip
+    for name, err in (("start", result.before), ("fit, in-sample", result.after),
+                      ("leave-one-out, out-of-sample by row", result.left_out)):  # fmt: skip
         if err is not None:
-            print(f"  {name:<14} geomean {err.geomean:.3f}, {err.within:.0%} within "
+            print(f"  {name:<35} geomean {err.geomean:.3f}, {err.within:.0%} within "
                   f"+-{WITHIN:.0%}, worst {err.worst} {err.worst_ratio:.2f}, RMS log "
                   f"{err.rms_log:.3f}")  # fmt: skip
 
@@ -309,13 +311,14 @@ def _targets(rows: list[Row], differs: bool, plan_lines: dict[str, tuple[int, in
     bf16 = [r for r in rows if r.run.training.dtype == "bf16"]
     loo = [r.left_out for r in bf16 if r.left_out is not None]
     loo_within = sum(abs(x - 1) <= WITHIN for x in loo) / len(loo) if loo else math.nan
-    print(f"\naccuracy targets ({len(bf16)} BF16 rows, {len(rows) - len(bf16)} FP8/MXFP8 "
-          f"rows){': preset | fit' if differs else ': preset'}")  # fmt: skip
+    print(f"\naccuracy targets, IN-SAMPLE: the presets were fitted on these rows "
+          f"({len(bf16)} BF16, {len(rows) - len(bf16)} FP8/MXFP8; out-of-sample by stack: "
+          f"benchmarks/out_of_sample.py){': preset | fit' if differs else ': preset'}")  # fmt: skip
     names = list(results[whichs[0]])
     for name in names:
         cells = [results[w][name] for w in whichs]
         print(f"  {name:<58} " + " | ".join(f"{text:<16} {_mark(ok)}" for text, ok in cells))
-    print(f"  {'leave-one-out: >= 60% of BF16 rows within +-15% (the fit)':<58} "
+    print(f"  {'out-of-sample by row (LOO): >= 60% of BF16 within +-15%':<58} "
           f"{loo_within:.0%} of {len(loo):<10} {_mark(loo_within >= 0.6)}")  # fmt: skip
     if plan_lines:
         cells = [f"{ok} of {total:<11} {_mark(ok == total)}" for ok, total in plan_lines.values()]
