@@ -72,3 +72,19 @@ def test_stacks_and_repeats_match_the_notes():
     repeats = {r.id: r.repeat_of for r in rows if r.repeat_of}
     assert repeats == noted
     assert len(repeats) == 16 and not any(by_id[i].calibration for i in repeats)
+
+
+def test_holdout_summary_counts_repeats_apart(capsys):
+    import holdout_runs as hr
+
+    from planner.calibrate.runs import load_runs
+
+    hr.report(load_runs(hr.RUNS))
+    out = capsys.readouterr().out
+    assert re.search(r"^ 110 gpt-oss-120b .*  repeat of id 2$", out, re.M)
+    assert re.search(r"^ 105 qwen3-30b-a3b .*a2a-ovl$", out, re.M)  # no calibration layout
+    summary = out[out.index("OUT-OF-SAMPLE") :]
+    assert re.search(r"^  all +20 rows ", summary, re.M)
+    assert re.search(r"^  repeats +16 rows ", summary, re.M)
+    assert re.search(r"^  with rep +36 rows ", summary, re.M)
+    assert "target, out-of-sample rows:" in summary
