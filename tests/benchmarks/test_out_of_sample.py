@@ -1,6 +1,6 @@
 """benchmarks/out_of_sample.py: the held-out stack's rows never reach the fit, the out-of-sample
-block prints before the in-sample one, and stacks and calibration repeats are labelled as the
-data files' notes say."""
+block prints before the in-sample one, stacks and calibration repeats are labelled as the data
+files' notes say, and benchmarks/holdout_runs.py counts those repeats apart."""
 
 from __future__ import annotations
 
