@@ -47,6 +47,7 @@ PLANNER_RANKS = {
     "planner.calibrate": 6,
     "planner.sim": 6,
     "planner.run": 6.5,  # a run of a plan: its spec, options and migration prices
+    "planner.size": 6.8,  # sizing: plans at every size (search, calibrate, resources)
     "planner.outputs": 7,
     "planner.cli": 8,
 }
