@@ -4,6 +4,8 @@ are paid, beside the failure-free (ideal) time.
     state_bytes(model, training) -> bytes a checkpoint holds
     checkpoint_cost(state, gpus, cluster, failures, mode) -> CheckpointCost
     young_daly_interval_s(checkpoint_s, mtbf_s) -> sqrt(2 C M)
+    job_mtbf_s(failures, gpus) -> M;  save_interval_s(cost, mtbf_s, step_time_s) -> tau
+    interval_steps(interval_s, step_time_s) -> the interval in whole steps
     goodput(ideal_s, gpus, step_time_s, cost, failures) -> Goodput
 
 Model (planner/SIZING.md, "Failures"): failures arrive as a Poisson process at `per_gpu_hour`
@@ -103,6 +105,28 @@ def wall_over_ideal(
     return (1.0 + checkpoint_s / interval_s) / (1.0 - lost)
 
 
+def job_mtbf_s(failures: FailureModel, gpus: int) -> float:
+    """M = 3600 / (rate x gpus), s: the job's mean time between failures (inf at rate 0)."""
+    return 3600.0 / (failures.per_gpu_hour * gpus) if failures.per_gpu_hour > 0 else math.inf
+
+
+def save_interval_s(cost: CheckpointCost, mtbf_s: float, step_time_s: float) -> float:
+    """The save interval that minimises the wall time, s: sqrt(2 C M) with C the blocking
+    seconds, at least the write time when saves are async, at least one step; inf when the job
+    never fails."""
+    if math.isinf(mtbf_s):
+        return math.inf
+    interval_s = young_daly_interval_s(cost.blocking_s, mtbf_s)
+    if cost.mode == "async":
+        interval_s = max(interval_s, cost.write_s)
+    return max(interval_s, step_time_s)
+
+
+def interval_steps(interval_s: float, step_time_s: float) -> int:
+    """`interval_s` in whole steps of `step_time_s`, at least 1 (0: no interval, inf)."""
+    return 0 if math.isinf(interval_s) else max(1, round(interval_s / step_time_s))
+
+
 def goodput(
     ideal_s: float, gpus: int, step_time_s: float, cost: CheckpointCost, failures: FailureModel
 ) -> Goodput:
@@ -115,24 +139,19 @@ def goodput(
         cost: the checkpoint's cost (checkpoint_cost).
         failures: rate per GPU-hour and relaunch time.
     Returns:
-        Goodput at the Young/Daly interval (at least the write time when saves are async).
+        Goodput at the Young/Daly interval (save_interval_s).
     """
-    mtbf_s = 3600.0 / (failures.per_gpu_hour * gpus) if failures.per_gpu_hour > 0 else math.inf
+    mtbf_s = job_mtbf_s(failures, gpus)
     restart_s = failures.restart_s + cost.read_s
-    if math.isinf(mtbf_s):
-        interval_s, ratio = math.inf, 1.0
-    else:
-        interval_s = young_daly_interval_s(cost.blocking_s, mtbf_s)
-        if cost.mode == "async":
-            interval_s = max(interval_s, cost.write_s)
-        interval_s = max(interval_s, step_time_s)
+    interval_s = save_interval_s(cost, mtbf_s, step_time_s)
+    ratio = 1.0
+    if not math.isinf(interval_s):
         ratio = wall_over_ideal(interval_s, cost.blocking_s, restart_s, mtbf_s)
-    steps = 0 if math.isinf(interval_s) else max(1, round(interval_s / step_time_s))
     wall_h = ideal_s * ratio / 3600.0
     return Goodput(
         mtbf_s=mtbf_s,
         interval_s=interval_s,
-        interval_steps=steps,
+        interval_steps=interval_steps(interval_s, step_time_s),
         restart_s=restart_s,
         checkpoint_s=cost.blocking_s,
         wall_over_ideal=ratio,
