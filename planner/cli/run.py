@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from planner.run.migration import run_move_costs
 from planner.run.options import RunOptions, add_run_arguments, check_torch, torchrun_command
 from planner.run.spec import RunSpec, checked_spec
 from planner.run.token_data import check_windows, open_token_file, spec_for_data
+from planner.size.checkpoint_interval import interval_or_reason
 from planner.specs import SpecError
 
 log = logging.getLogger(__name__)
@@ -271,6 +273,24 @@ def _check_checkpoints(options: RunOptions, spec) -> None:
         raise SpecError(f"{options.plan}: {exc}") from None
 
 
+def _checkpoint_every(options: RunOptions, plan: Plan) -> tuple[RunOptions, str]:
+    """(the options with --checkpoint-every resolved, the line saying why): the given value,
+    else the interval that minimises lost time for Piper's runtime (async saves) on the plan
+    (planner.size.checkpoint_interval), or after the last step only (0) when the run is no
+    longer than one interval or the plan gives none."""
+    interval, why = interval_or_reason(plan, target="piper")
+    if interval is None:
+        return replace(options, checkpoint_every=0), f"checkpoint after the last step only: {why}"
+    why = f"the interval that minimises lost time is {interval.steps} steps ({interval.inputs()})"
+    if interval.steps < options.steps:
+        every, head = interval.steps, f"checkpoint every {interval.steps} steps"
+    else:
+        every, head = 0, f"checkpoint after the last step only ({options.steps} steps)"
+    return replace(options, checkpoint_every=every), (
+        f"{head}: {why}; --checkpoint-every N overrides it"
+    )
+
+
 def _launch_cmd(options: RunOptions, world: int) -> list[str]:
     """torchrun (standalone, one machine) running runtime.launch with the run's options; it
     and its processes die with this process (planner.run.options.run_torchrun)."""
@@ -302,6 +322,9 @@ def run(args: argparse.Namespace) -> int:
             raise SpecError(f"{options.plan}: {exc}") from None
     if options.checkpoint_dir:
         _check_checkpoints(options, spec)
+        if options.checkpoint_every is None:
+            options, line = _checkpoint_every(options, plan)
+            print(f"piper run: {line}", flush=True)
     if not options.force:
         _check_memory(spec)
     print(

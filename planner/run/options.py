@@ -43,10 +43,18 @@ LAUNCH_MODULE = "runtime.launch"
 
 
 def _flag(
-    default: Any, help: str | None = None, *, metavar: str | None = None, cli_only: bool = False
+    default: Any,
+    help: str | None = None,
+    *,
+    metavar: str | None = None,
+    cli_only: bool = False,
+    launcher_default: Any = None,
 ) -> Any:
-    """A RunOptions field that is one flag; cli_only: only `piper run` has it."""
-    return field(default=default, metadata={"help": help, "metavar": metavar, "cli_only": cli_only})
+    """A RunOptions field that is one flag; cli_only: only `piper run` has it;
+    launcher_default: the launcher's default where `piper run` resolves a None default itself
+    (written on the torchrun line in place of a None)."""
+    meta = {"help": help, "metavar": metavar, "cli_only": cli_only}
+    return field(default=default, metadata={**meta, "launcher_default": launcher_default})
 
 
 @dataclass(frozen=True)
@@ -101,8 +109,13 @@ class RunOptions:
     checkpoint_dir: str | None = _flag(
         None, "save checkpoints (torch.distributed.checkpoint) under D", metavar="D"
     )
-    checkpoint_every: int = _flag(
-        0, "checkpoint every N steps and after the last (0 = after the last only)", metavar="N"
+    checkpoint_every: int | None = _flag(
+        None,
+        "checkpoint every N steps and after the last (0 = after the last only; default with "
+        "--checkpoint-dir: the plan's interval that minimises lost time, planner/SIZING.md, "
+        "or after the last only when the run is no longer; runtime.launch's default: 0)",
+        metavar="N",
+        launcher_default=0,
     )
     resume: bool = _flag(False, "continue from the newest intact checkpoint in --checkpoint-dir")
     max_restarts: int = _flag(
@@ -150,7 +163,7 @@ class RunOptions:
                 raise SpecError(
                     f"{_flag_name(name)} must be >= 1, got {value}; leave it out for the default"
                 )
-        if self.checkpoint_every < 0 or self.max_restarts < 0:
+        if (self.checkpoint_every or 0) < 0 or self.max_restarts < 0:
             raise SpecError("--checkpoint-every and --max-restarts must be >= 0")
         if (self.checkpoint_every or self.resume or self.max_restarts) and not self.checkpoint_dir:
             raise SpecError(
@@ -162,10 +175,13 @@ class RunOptions:
     def to_launch_argv(self) -> list[str]:
         """`-m runtime.launch --plan ... --steps ...`: torchrun's program and its arguments
         for this run. cli_only flags, options left at None (the launcher applies the same
-        defaults) and switches left off are not written."""
+        defaults; one with a launcher_default is written as that) and switches left off are
+        not written."""
         argv = ["-m", LAUNCH_MODULE]
         for f in fields(self):
             value = getattr(self, f.name)
+            if value is None:
+                value = f.metadata.get("launcher_default")
             if f.metadata.get("cli_only") or value is None or value is False:
                 continue
             flag = _flag_name(f.name)
@@ -189,12 +205,17 @@ def add_run_arguments(parser: argparse.ArgumentParser, launcher: bool = False) -
         elif meta.get("positional"):
             parser.add_argument(_flag_name(f.name), required=True, help=meta["help"])
         else:
-            parser.add_argument(_flag_name(f.name), **_argparse_kwargs(f, hints[f.name]))
+            kwargs = _argparse_kwargs(f, hints[f.name], launcher)
+            parser.add_argument(_flag_name(f.name), **kwargs)
 
 
-def _argparse_kwargs(f: Field, hint: Any) -> dict[str, Any]:
-    """add_argument's keywords for field `f` of type `hint`."""
-    kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help")}
+def _argparse_kwargs(f: Field, hint: Any, launcher: bool = False) -> dict[str, Any]:
+    """add_argument's keywords for field `f` of type `hint` (the launcher's default where
+    it has its own)."""
+    default = f.default
+    if launcher and f.metadata.get("launcher_default") is not None:
+        default = f.metadata["launcher_default"]
+    kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help")}
     if hint is bool:
         return {**kwargs, "action": "store_true"}
     if type(None) in typing.get_args(hint):  # `X | None`: the flag takes an X
