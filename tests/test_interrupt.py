@@ -240,7 +240,8 @@ def test_sigint_during_plan_search(previous, tmp_path):
     assert code in (0, 130), (code, stderr)
     assert "interrupted" in stderr
     assert tmp_leftovers(tmp_path) == []
-    assert [p.name for p in out.parent.iterdir()] in ([], ["run"])  # no staging dir left
+    left = [p.name for p in out.parent.iterdir()] if out.parent.exists() else []
+    assert left in ([], ["run"])  # no staging dir left
     if code == 130:  # nothing solved yet: nothing written, earlier results untouched
         assert snapshot(out) == before
         return

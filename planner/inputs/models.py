@@ -113,6 +113,12 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return cfg
 
 
+def _named(name_or_path: str) -> str:
+    """A model name or path as an error quotes it: whole up to a long path's length, cut past
+    it (a name too long for any file system)."""
+    return repr(name_or_path) if len(name_or_path) <= 512 else shown(name_or_path)
+
+
 def resolve_model(name_or_path: str) -> tuple[dict[str, Any], str, str]:
     """(config dict, model name, source) for a preset name, a file or a directory."""
     path = Path(name_or_path)
@@ -120,7 +126,7 @@ def resolve_model(name_or_path: str) -> tuple[dict[str, Any], str, str]:
         preset = _preset_file(name_or_path) if "/" not in name_or_path else None
         is_dir, is_file = path.is_dir(), path.is_file()
     except OSError as exc:  # a name too long for the file system, a loop of links
-        raise SpecError(f"model {shown(name_or_path)}: {exc.strerror}; pass a preset name or "
+        raise SpecError(f"model {_named(name_or_path)}: {exc.strerror}; pass a preset name or "
                         "a path to config.json") from None  # fmt: skip
     if preset is not None:
         return read_config_file(preset), preset.stem, f"preset:{preset.stem}"
@@ -134,7 +140,7 @@ def resolve_model(name_or_path: str) -> tuple[dict[str, Any], str, str]:
     close = difflib.get_close_matches(name_or_path.lower(), list_model_presets(), n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}? " if close else ""
     raise SpecError(
-        f"model {shown(name_or_path)} is neither a preset nor a file; {hint}"
+        f"model {_named(name_or_path)} is neither a preset nor a file; {hint}"
         "see 'piper model-info --list' or pass a path to config.json"
     )
 
