@@ -60,10 +60,15 @@ class CheckpointInterval:
         return (
             f"sqrt(2 C M) = {self.interval_s:,.0f} s over a {self.step_time_s:.3g} s step: "
             f"C = {self.save_s:.3g} s per {self.mode} save ({self.target}) of "
-            f"{self.state_bytes / 1e9:,.3g} GB (weights + optimizer state) at "
-            f"{self.storage_gbps:g} GB/s storage, M = {self.mtbf_s / 3600:,.3g} h between "
-            f"failures of {self.gpus} GPUs at {self.per_gpu_hour:.3g} per GPU-hour"
+            f"{_number(self.state_bytes / 1e9)} GB (weights + optimizer state) at "
+            f"{_number(self.storage_gbps)} GB/s storage, M = {_number(self.mtbf_s / 3600)} h "
+            f"between failures of {self.gpus} GPUs at {self.per_gpu_hour:.3g} per GPU-hour"
         )
+
+
+def _number(x: float) -> str:
+    """3 significant digits, without an exponent from 100 up (6,330, not 6.33e+03)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def plan_checkpoint_interval(

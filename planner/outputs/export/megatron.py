@@ -3,8 +3,9 @@
 The export is a bash file: the environment Megatron needs (CUDA_DEVICE_MAX_CONNECTIONS) and
 an array MEGATRON_ARGS with the layout (tp, pp, cp, ep, etp, vp, batch sizes, sequence
 parallel), recompute, the optimizer sharding (distributed optimizer or Megatron-FSDP), the
-precision recipe, the MoE dispatcher and all-to-all overlap, and the model
-(planner.outputs.export.megatron_model). Tokenizer and data flags are the user's.
+checkpoint interval (`--save-interval`), the precision recipe, the MoE dispatcher and
+all-to-all overlap, and the model (planner.outputs.export.megatron_model). Tokenizer, data and
+`--save DIR` flags are the user's.
 
 Pipeline split: an even split needs no flag; an uneven one whose middle stages are equal uses
 `--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`; any other split,
@@ -25,6 +26,7 @@ from planner.outputs.export.shell import comment, export_lines
 from planner.parallel import memory_budget
 from planner.plan.schema import Plan
 from planner.run.layout import virtual_stages
+from planner.size.checkpoint_interval import interval_or_reason
 from planner.specs import ModelSpec, SpecError
 
 # Megatron-Core release that introduced a flag (checked in the core_r0.13.0 .. core_r0.16.0
@@ -74,12 +76,14 @@ _NO_RECIPE = {
 @dataclass(frozen=True)
 class MegatronArgs:
     """Flags in order (flag, then its value when it takes one), the environment Megatron
-    needs, notes for the user and the oldest Megatron-Core release with every flag."""
+    needs, notes for the user (what Megatron runs differently), the oldest Megatron-Core release
+    with every flag, and comments for the file (where a value comes from)."""
 
     args: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     notes: tuple[str, ...]
     min_version: tuple[int, int]
+    comments: tuple[str, ...] = ()
 
 
 def layout_string(counts: list[int], mtp_layers: int) -> str:
@@ -203,6 +207,21 @@ def _optimizer_args(plan: Plan) -> list[str]:
     return args
 
 
+def _checkpoint_args(plan: Plan) -> tuple[list[str], list[str], list[str]]:
+    """(flags, notes, comments): `--save-interval N`, the interval that minimises lost time
+    with Megatron's blocking save (planner.size.checkpoint_interval), and the comment naming
+    its inputs; without an interval (a plan with no step time) no flag and a note saying why.
+    The megatron target is priced blocking, Megatron-LM's default, so `--async-save` is not
+    written (it runs with --ckpt-format torch_dist only, and Megatron-LM main turns it off
+    without --use-persistent-ckpt-worker: arguments.py validate_args)."""
+    interval, why = interval_or_reason(plan, target="megatron")
+    if interval is None:
+        return [], [f"no --save-interval: {why}"], []
+    line = (f"--save-interval {interval.steps}: the checkpoint interval that minimises lost time, "
+            f"{interval.inputs()}; Megatron saves only with --save DIR (yours to add)")  # fmt: skip
+    return ["--save-interval", str(interval.steps)], [], [line]
+
+
 def _moe_comm_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
     """The token dispatcher (plan.extra['dispatcher']) and the 1F1B all-to-all overlap."""
     if model.first_moe is None:
@@ -286,11 +305,14 @@ def megatron_args(plan: Plan, model: ModelSpec) -> MegatronArgs:
     comm, comm_notes = _moe_comm_args(plan, model)
     precision = precision_args(plan, model)
     graphs = _CUDA_GRAPHS.get(str(training.get("cuda_graphs")), [])
-    args = _parallel_args(plan) + split + rc + _optimizer_args(plan) + precision + comm + graphs
-    args += margs
-    notes += split_notes + rc_notes + comm_notes + mnotes + _placement_notes(plan)
+    save, save_notes, save_lines = _checkpoint_args(plan)
+    args = _parallel_args(plan) + split + rc + _optimizer_args(plan) + save + precision + comm
+    args += graphs + margs
+    notes += split_notes + rc_notes + comm_notes + mnotes + _placement_notes(plan) + save_notes
     notes.append(f"tokenizer and data flags are yours to add (vocab_size {model.vocab_size})")
-    return MegatronArgs(tuple(args), megatron_env(plan), tuple(notes), min_version(args))
+    return MegatronArgs(
+        tuple(args), megatron_env(plan), tuple(notes), min_version(args), tuple(save_lines)
+    )
 
 
 def precision_args(plan: Plan, model: ModelSpec) -> list[str]:
@@ -351,6 +373,7 @@ def render_megatron(plan: Plan, m: MegatronArgs) -> str:
         f"# needs Megatron-Core >= {version} (checked with {CHECKED_VERSION})",
     ]
     lines += [comment(f"NOTE: {n}") for n in m.notes]
+    lines += [comment(c) for c in m.comments]
     lines += export_lines(dict(m.env), "export: Megatron environment")
     lines.append("MEGATRON_ARGS=(")
     args = m.args

@@ -21,6 +21,12 @@ Mapping (torchtitan's ParallelismConfig / TrainingConfig, `torchtitan/config/con
   `--compile.enable --compile.components model,loss`: torchtitan's Trainer.Config refuses the
   policy unless the model is compiled (torchtitan/trainer.py:159-165); the compiled region's
   fusions are not priced (the target is priced eager), only the partitioner's choice.
+- Checkpoints are on, every N steps (`--checkpoint.enable --checkpoint.interval N`,
+  torchtitan's checkpoint Config in components/checkpointer/base.py; off by default), N the
+  interval that minimises lost time with torchtitan's blocking save
+  (planner.size.checkpoint_interval; `checkpoint.async_mode` stays "disabled", as the
+  torchtitan target is priced); a comment names its inputs. A plan without a predicted step
+  time gets neither flag, and a note saying why.
 - CUDA graphs are turned off (`--training.disable_cuda_graphs`): torchtitan captures the whole
   forward and backward by default where it can (pp = 1, and ep = 1 with the standard
   all-to-all: torchtitan/trainer.py `_validate_cuda_graphs`), but the torchtitan target is
@@ -43,6 +49,7 @@ from planner.outputs.export.torchtitan_model import TORCHTITAN_VERSION, composed
 from planner.parallel import divisors, memory_budget
 from planner.plan.schema import Plan
 from planner.run.layout import virtual_stages
+from planner.size.checkpoint_interval import interval_or_reason
 from planner.specs import ModelSpec, SpecError
 from planner.targets import TARGETS, check_model
 
@@ -139,6 +146,17 @@ def _training(plan: Plan) -> list[str]:
     return args
 
 
+def _checkpoint(plan: Plan) -> tuple[list[str], list[str], list[str]]:
+    """(flags, notes, comments): the checkpoint flags (module docstring) and the comment
+    naming the interval's inputs, or no flags and the note saying why there is no interval."""
+    interval, why = interval_or_reason(plan, target="torchtitan")
+    if interval is None:
+        return [], [f"checkpoints stay off: {why}"], []
+    line = (f"--checkpoint.interval {interval.steps}: the checkpoint interval that minimises "
+            f"lost time, {interval.inputs()}")  # fmt: skip
+    return ["--checkpoint.enable", "--checkpoint.interval", str(interval.steps)], [], [line]
+
+
 # torch.compile of the model, which memory-budget AC needs (torchtitan/config/configs.py
 # CompileConfig: enable, components; trainer.py:159-165)
 _COMPILE = ["--compile.enable", "--compile.components", "model,loss"]
@@ -201,12 +219,14 @@ def _knob_notes(plan: Plan, model: ModelSpec, shard: int) -> list[str]:
 
 @dataclass(frozen=True)
 class TitanExport:
-    """torchtitan 0.3's arguments for a plan (the AC subcommand last), the notes, and the files
-    written beside the args file (name -> text; empty for torchtitan's own models)."""
+    """torchtitan 0.3's arguments for a plan (the AC subcommand last), the notes, the files
+    written beside the args file (name -> text; empty for torchtitan's own models) and
+    comments for the file (where a value comes from)."""
 
     args: tuple[str, ...]
     notes: tuple[str, ...]
     files: dict[str, str]
+    comments: tuple[str, ...] = ()
 
 
 def torchtitan_args(plan: Plan, model: ModelSpec) -> TitanExport:
@@ -216,12 +236,13 @@ def torchtitan_args(plan: Plan, model: ModelSpec) -> TitanExport:
     shard = shard_degree(p.dp, p.cp, p.tp, p.ep, bool(t.get("zero") or t.get("fsdp")))
     head, notes, files = titan_model(plan, model)
     mode, rc_notes = _recompute(plan)
-    args = head + _parallelism(plan, model, shard) + _training(plan)
+    save, save_notes, save_lines = _checkpoint(plan)
+    args = head + _parallelism(plan, model, shard) + _training(plan) + save
     if mode.startswith("memory-budget"):
         args += _COMPILE
     args += f"activation_checkpoint:{mode}".split()
-    return TitanExport(tuple(args), tuple(notes + rc_notes + _knob_notes(plan, model, shard)),
-                       files)  # fmt: skip
+    notes += rc_notes + _knob_notes(plan, model, shard) + save_notes
+    return TitanExport(tuple(args), tuple(notes), files, tuple(save_lines))
 
 
 # Sourcing the args file puts its own folder (where the config module is) on PYTHONPATH.
@@ -243,6 +264,7 @@ def torchtitan_script(plan: Plan, model: ModelSpec) -> tuple[str, tuple[str, ...
         '#   torchrun ... -m torchtitan.train "${TORCHTITAN_ARGS[@]}"',
     ]
     lines += [comment(f"NOTE: {n}") for n in notes]
+    lines += [comment(c) for c in export.comments]
     if export.files:
         lines += _PYTHONPATH
     for name in export.files:  # a missing module is one line before torchtitan starts
