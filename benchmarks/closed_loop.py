@@ -2,8 +2,8 @@
 shortlisted layout, and set each prediction beside its measurement.
 
     OMP_NUM_THREADS=1 python3 benchmarks/closed_loop.py [--nproc 2] [--shortlist 3]
-        [--steps 12] [--seq-len 128] [--global-batch 32] [--model tiny-moe] [--work DIR]
-        [--no-results]
+        [--steps 12] [--seq-len 128] [--global-batch 32] [--model tiny-moe] [--repeats N]
+        [--work DIR] [--no-results]
 
 1. `piper profile --quick --nproc N --ranks-per-node N`: this machine's GEMM, attention,
    memory, permute and all-to-all tables and the host time per layer (a CPU machine: N gloo
@@ -29,11 +29,12 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from results_md import ROOT, recorded
 
+from planner.calibrate.compare import estimate_plan, plan_inputs
 from planner.calibrate.runs import run_of_metrics
 from planner.plan import load_plan
 
@@ -48,6 +49,7 @@ class Trial:
     lo: float | None  # the plan's 80% interval, when it has one
     hi: float | None
     measured: float
+    without_host: float  # predicted with the profile's layer_overhead_us at 0
 
     @property
     def ratio(self) -> float:
@@ -67,10 +69,13 @@ def _trial(folder: Path, gpus: int) -> Trial:
     run = run_of_metrics(folder / "plan.json", folder / "run" / "metrics.jsonl", skip_steps=1)
     ivs = plan.predicted.intervals
     per_gpu = 1.0 / gpus
+    cluster = plan_inputs(plan)[1]
+    bare = estimate_plan(plan, replace(cluster, layer_overhead_us=0.0))
     return Trial(
         name=folder.name, predicted=plan.predicted.tokens_per_s * per_gpu,
         lo=ivs.tokens_per_s.lo * per_gpu if ivs else None,
         hi=ivs.tokens_per_s.hi * per_gpu if ivs else None, measured=run.measured,
+        without_host=bare.tokens_per_s * per_gpu,
     )  # fmt: skip
 
 
@@ -117,11 +122,14 @@ def verdicts(trials: list[Trial]) -> list[tuple[str, bool, str]]:
 
 
 def report(trials: list[Trial]) -> None:
-    print(f"{'layout':<36} {'predicted':>10} {'80% interval':>20} {'measured':>9} {'pred/meas':>9}")
+    print(f"{'layout':<38} {'predicted':>9} {'80% interval':>17} {'measured':>8} "
+          f"{'pred/meas':>9} {'no host':>8}")  # fmt: skip
     for t in trials:
         band = f"[{t.lo:,.0f}, {t.hi:,.0f}]" if t.lo is not None else "-"
-        print(f"{t.name:<36} {t.predicted:>10,.0f} {band:>20} {t.measured:>9,.0f} {t.ratio:>9.2f}")
-    print("tokens/s per GPU; measured: median over the steps after the first")
+        print(f"{t.name:<38} {t.predicted:>9,.0f} {band:>17} {t.measured:>8,.0f} "
+              f"{t.ratio:>9.2f} {t.without_host / t.measured:>8.2f}")  # fmt: skip
+    print("tokens/s per GPU; measured: median over the steps after the first; no host: pred/meas "
+          "with the profile's host time per layer set to 0")  # fmt: skip
     for criterion, ok, figure in verdicts(trials):
         print(f"{'pass' if ok else 'FAIL'}  {criterion}: {figure}")
 
@@ -134,6 +142,7 @@ def main() -> int:
     p.add_argument("--model", default="tiny-moe")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1, help="whole loops, each from a new profile")
     p.add_argument("--work", default=None, help="folder for the profile, plan and runs")
     p.add_argument("--no-results", action="store_true")
     args = p.parse_args()
@@ -146,7 +155,9 @@ def main() -> int:
                 f"{args.model}, {args.nproc} gloo processes, seq {args.seq_len}, global batch "
                 f"{args.global_batch}, shortlist {args.shortlist}, {args.steps} steps each"
             )
-            report(closed_loop(args, work))
+            for k in range(args.repeats):  # each loop profiles, plans and runs afresh
+                print(f"\nloop {k + 1} of {args.repeats}")
+                report(closed_loop(args, work / f"loop{k + 1}"))
     return 0
 
 
