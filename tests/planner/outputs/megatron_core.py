@@ -29,7 +29,7 @@ for _kind, _names in {
     "decoder-last-pipeline-num-layers recompute-num-layers mtp-num-layers q-lora-rank "
     "kv-lora-rank qk-head-dim qk-pos-emb-head-dim v-head-dim rotary-base "
     "moe-router-num-groups moe-router-group-topk num-layers-per-virtual-pipeline-stage "
-    "rotary-seq-len-interpolation-factor",
+    "rotary-seq-len-interpolation-factor save-interval",
     "float": "norm-epsilon moe-router-topk-scaling-factor moe-aux-loss-coeff "
     "rotary-scaling-factor mscale mscale-all-dim rope-scaling-factor glu-linear-offset "
     "activation-func-clamp-value",

@@ -42,6 +42,8 @@ def titan_namespace(args: list[str]) -> argparse.Namespace:
     p.add_argument("--training.mixed_precision_param", dest="param_dtype")
     p.add_argument("--training.disable_cuda_graphs", dest="no_graphs", action="store_true")
     p.add_argument("--optimizer.implementation", dest="optimizer")
+    p.add_argument("--checkpoint.enable", dest="checkpoints", action="store_true")
+    p.add_argument("--checkpoint.interval", dest="checkpoint_interval", type=int)
     p.add_argument("ac", choices=[f"activation_checkpoint:{m}" for m in
                                   ("none", "selective", "full")])  # fmt: skip
     return p.parse_args(args)
