@@ -191,6 +191,7 @@ out = {
         "disable_cuda_graphs")},
     "activation_checkpoint": (type(config.activation_checkpoint).__qualname__
                               if config.activation_checkpoint is not None else None),
+    "memory_budget": getattr(config.activation_checkpoint, "memory_budget", None),
     "optimizer_implementation": getattr(config.optimizer, "implementation", None),
     "model": config.model_spec.name if config.model_spec else None,
 }
@@ -424,8 +425,11 @@ def titan_parsed(out: dict, num_layers: int) -> Parsed:
     mb = par["pipeline_parallel_microbatch_size"] if pp > 1 else local
     m = local // mb if pp > 1 else gbs // (local * dp)
     ac = (out["activation_checkpoint"] or "none").split(".")[0]
-    recompute = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory-budget",
+    # Piper's plan holds memory-budget AC as selective recompute of the one module budget:<b>
+    recompute = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "selective",
                  "NoAC": "none", "none": "none"}.get(ac, ac)  # fmt: skip
+    budget = out.get("memory_budget") if ac == "MemoryBudgetAC" else None
+    modules = (f"budget:{budget:g}",) if budget is not None else ("op",)
     layers = frozenset(range(num_layers)) if recompute != "none" else frozenset()
     names = out.get("dispatchers")
     if names is None:
@@ -458,7 +462,8 @@ def titan_parsed(out: dict, num_layers: int) -> Parsed:
         "seq_len": (tr["seq_len"], "training.seq_len"),
         "pipeline_split": (split, "module_fqns_per_model_part"),
         "recompute": (recompute, f"activation_checkpoint={ac}"),
-        "recompute_modules": (("op",) if recompute == "selective" else (), ac),
+        "recompute_modules": (modules if recompute == "selective" else (),
+                              f"{ac} memory_budget={budget}" if budget is not None else ac),
         "recompute_layers": (layers, f"{ac} on every block"),
         "sharding": ("fsdp" if rep == 1 else f"hsdp {rep}x{shard}",
                      f"FSDP2 over shard {shard}, replicate {rep}"),
