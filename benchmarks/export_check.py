@@ -90,6 +90,11 @@ CASES = {
     # choose pp 1 everywhere, as it does for torchtitan's FSDP held through the micro-batches)
     "qwen3-30b-a3b h100 64 pp4 vp4": ["--model", "qwen3-30b-a3b", "--cluster", "h100",
                                       "--gpus", "64", "--pp", "4", "--vp", "4"],
+    # the newer accelerators' presets: each target's export of their plans
+    "deepseek-v3 b200 256": ["--model", "deepseek-v3", "--cluster", "b200", "--gpus", "256"],
+    "deepseek-v3 h800 256": ["--model", "deepseek-v3", "--cluster", "h800", "--gpus", "256"],
+    "qwen3-30b-a3b mi355x 64": ["--model", "qwen3-30b-a3b", "--cluster", "mi355x",
+                                "--gpus", "64"],
 }  # fmt: skip
 # The priced settings compared, in table order.
 SETTINGS = ("tp", "pp", "vp", "cp", "ep", "etp", "dp", "micro_batch", "global_batch",
