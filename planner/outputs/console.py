@@ -173,7 +173,8 @@ class Phases:
     def _line(self, text: str) -> None:
         if self._stream is not None:
             with self._lock:
-                print(f"{self._prefix}: {text}", file=self._stream, flush=True)
+                self._stream.write(f"{self._prefix}: {text}\n")
+                self._stream.flush()
 
     def _heartbeat(self) -> None:
         """Every heartbeat_s, a line for a phase that has run at least that long."""
