@@ -12,11 +12,11 @@ import math
 from collections.abc import Sequence
 
 from planner.calibrate.compare import Calibration, Component
+from planner.calibrate.error_bars import bracket
 from planner.calibrate.interval_check import IntervalCheck, Tally
 from planner.calibrate.log_runs import ENGINE_NAMES
 from planner.calibrate.measured import Comparison
 from planner.numbers import number
-from planner.calibrate.error_bars import bracket
 from planner.plan.schema import Interval
 
 CSV_HEADER = "component,stage,unit,predicted,measured,error_pct"

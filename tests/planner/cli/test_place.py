@@ -240,7 +240,8 @@ def test_sbatch_falls_back_when_piper_place_cannot_run(tmp_path):
         f.chmod(stat.S_IRWXU)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "a,b,c,d",
            "PIPER_HOSTFILE": str(tmp_path / "h"), "PIPER": "/bin/false",
-           "PIPER_PLACE_TIME_LIMIT_S": "soon", "PIPER_TOPOLOGY": str(tmp_path / "t.conf")}  # fmt: skip
+           "PIPER_PLACE_TIME_LIMIT_S": "soon",
+           "PIPER_TOPOLOGY": str(tmp_path / "t.conf")}  # fmt: skip
     run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout == "ran\n", run.stderr
     assert run.stderr.splitlines() == [
