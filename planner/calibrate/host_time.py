@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from planner.parallel import ParallelConfig
-from planner.specs import EFFICIENCIES, ClusterSpec, SpecError, TrainingSpec
+from planner.specs import EFFICIENCIES, ClusterSpec, SpecError
 
 
 def host_rows(layers: dict[str, Any], cluster: ClusterSpec, dtype: str) -> list[dict[str, Any]]:
@@ -32,7 +31,7 @@ def host_rows(layers: dict[str, Any], cluster: ClusterSpec, dtype: str) -> list[
         dtype: the profile's dtype ("fp32" on CPU).
     """
     from planner.inputs.models import load_model
-    from planner.resources.layer_cost import layer_cost
+    from planner.resources.layer_cost import layer_alone
 
     try:
         model = load_model(str(layers["model"]))
@@ -43,12 +42,10 @@ def host_rows(layers: dict[str, Any], cluster: ClusterSpec, dtype: str) -> list[
         raise SpecError(
             f"profile raw JSON: the layers block lacks {exc}; re-run 'piper profile'"
         ) from None
-    training = TrainingSpec(seq_len=seq, global_batch=mb, dtype=dtype)
-    parallel = ParallelConfig(pp=1, dp=1, ep=1, micro_batch=mb)
     bare = replace(cluster, layer_overhead_us=0.0)
     out = []
     for index, kind, count, seconds in measured:
-        priced = layer_cost(model, index, bare, training, parallel).time_s
+        priced = layer_alone(model, index, bare, seq, mb, dtype).time_s
         out.append({"layer": index, "kind": kind, "count": count, "measured_s": seconds,
                     "priced_s": priced, "host_s": max(seconds - priced, 0.0)})  # fmt: skip
     return out

@@ -299,6 +299,21 @@ def _workspace(
     return tuple(out)
 
 
+def layer_alone(
+    model: ModelSpec,
+    index: int,
+    cluster: ClusterSpec,
+    seq_len: int,
+    micro_batch: int,
+    dtype: str = "bf16",
+) -> LayerCost:
+    """layer_cost of layer `index` alone on one rank: pp = dp = tp = ep = 1, one micro-batch
+    of `micro_batch` sequences, no recompute (what a one-layer benchmark measures)."""
+    training = TrainingSpec(seq_len=seq_len, global_batch=micro_batch, dtype=dtype)
+    parallel = ParallelConfig(pp=1, dp=1, ep=1, micro_batch=micro_batch)
+    return layer_cost(model, index, cluster, training, parallel)
+
+
 def layer_costs(
     model: ModelSpec,
     cluster: ClusterSpec,

@@ -37,8 +37,6 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from planner.parallel import ParallelConfig
-from planner.specs import TrainingSpec
 from runtime.dispatch.flat import FlatAllToAll
 from runtime.model.transformer import StageModule
 
@@ -64,11 +62,9 @@ def predicted(
 ) -> dict:
     """The planner's forward, forward+backward time and peak memory for layer `index` at
     world size 1 (module docstring: what is counted)."""
-    from planner.resources.layer_cost import layer_cost
+    from planner.resources.layer_cost import layer_alone
 
-    training = TrainingSpec(seq_len=seq_len, global_batch=micro_batch, dtype=dtype)
-    par = ParallelConfig(pp=1, dp=1, ep=1, micro_batch=micro_batch)
-    cost = layer_cost(model, index, cluster, training, par)
+    cost = layer_alone(model, index, cluster, seq_len, micro_batch, dtype)
     workspace = sum(b for _, b in cost.workspace)
     return {
         "pred_fwd_s": sum(w.forward_s for w in cost.work),
